@@ -1,0 +1,249 @@
+"""Shared pieces of the Triton row kernels: launch checks, launch configurations, partial sums.
+
+Row kernels (norms, softmax) see 2-D ``(rows, M)`` views with a contiguous last
+axis and an arbitrary row stride, passed explicitly. Each program handles
+tiles of ``ROWS x BLOCK_M`` elements:
+
+- **fused**: the padded row fits in registers (``BLOCK_M = next_pow2(M)``):
+  one read of the input per pass; short rows are packed several per tile;
+- **streaming**: wider rows are read in ``BLOCK_M`` chunks twice, first to
+  reduce, then to write; the first pass asks the cache to keep the row
+  (``evict_last``) so the second pass mostly hits L2.
+
+The Triton 3.6 interpreter cannot run ``range`` over a run-time bound with
+NumPy >= 2.4 (its scalars are 1-element arrays, which NumPy no longer turns
+into indices). So loops over the chunks of a streaming row run to a
+``constexpr`` count (``N_CHUNKS``: one compilation per chunk count) and stay
+``for`` loops the compiler may software-pipeline, while the persistent loop of
+a partial-sum backward over its row tiles, whose trip count depends on the
+number of rows, is a ``while`` loop (one whole tile per iteration).
+
+Partial sums: a backward that reduces ``dW``/``dB`` runs ``P`` programs; program
+``p`` walks row tiles ``p, p + P, ...``, keeps its sums in registers (fused) or
+in its own row of the caller's ``(P, M)`` float32 scratch (streaming), and
+finally owns row ``p`` of the scratch outright; :func:`reduce_partials` then
+sums the ``P`` rows in a fixed order. No atomics, no locks, deterministic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from xpkernels.registry import BackendError
+
+__all__ = [
+    "ELEMENTS_PER_THREAD",
+    "FUSED_LIMIT",
+    "MAX_WARPS",
+    "STREAM_BLOCK",
+    "STREAM_ROWS",
+    "TILE_BYTES",
+    "VECTOR_BYTES",
+    "RowConfig",
+    "launch_context",
+    "partial_programs",
+    "reduce_partials",
+    "row_config",
+]
+
+#: Bytes of one vector load or store (128 bits): the smallest ``BLOCK_M`` in bytes.
+VECTOR_BYTES = 16
+#: Longest padded row (elements) a fused kernel holds in registers, per pass.
+#: The backward keeps ``x``, ``dy``, the weight and the ``dW`` sum live, hence half.
+FUSED_LIMIT = {"forward": 16384, "backward": 8192}
+#: Chunk length (elements) of the streaming kernels, per pass.
+STREAM_BLOCK = {"forward": 4096, "backward": 1024}
+#: Rows per tile of the streaming kernels: the backward amortises its read-add-write
+#: of the program's ``dW`` partial row over several rows.
+STREAM_ROWS = {"forward": 1, "backward": 4}
+#: Input bytes a fused tile aims for, per pass: short rows are packed until a tile holds this much.
+TILE_BYTES = {"forward": 16384, "backward": 8192}
+#: Elements of a tile each thread holds, per pass: sets ``num_warps`` (at most
+#: ``MAX_WARPS``). The backward keeps more tensors live, so it spreads a tile wider;
+#: compiled for sm_90a (ptxas, M from 64 to 65536) every kernel needs at most
+#: 127 registers per thread and none spills.
+ELEMENTS_PER_THREAD = {"forward": 16, "backward": 8}
+MAX_WARPS = 16
+#: Programs per SM for the partial-sum backward on CUDA, and the program count on CPU.
+PROGRAMS_PER_SM = 2
+CPU_PROGRAMS = 4
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """How a row kernel is launched for one ``(M, dtype, pass)``.
+
+    Attributes
+    ----------
+    block_m : int
+        Columns per tile: the padded row (fused) or one chunk (streaming).
+    rows : int
+        Rows per tile.
+    num_warps : int
+        Warps per program.
+    n_chunks : int
+        Chunks per row: 1 for fused kernels.
+    """
+
+    block_m: int
+    rows: int
+    num_warps: int
+    n_chunks: int
+
+    @property
+    def streaming(self) -> bool:
+        """True when a row is read in chunks, twice."""
+        return self.n_chunks > 1
+
+    def tiles(self, rows: int) -> int:
+        """Tiles covering ``rows`` rows."""
+        return triton.cdiv(rows, self.rows)
+
+
+def _warps(elements: int, pass_: str) -> int:
+    return max(1, min(MAX_WARPS, elements // (32 * ELEMENTS_PER_THREAD[pass_])))
+
+
+def row_config(m: int, itemsize: int, pass_: str) -> RowConfig:
+    """The launch configuration of a row kernel.
+
+    Parameters
+    ----------
+    m : int
+        Row length.
+    itemsize : int
+        Bytes per element of the row input.
+    pass_ : {"forward", "backward"}
+        Which pass (the backward keeps more tensors live).
+
+    Returns
+    -------
+    RowConfig
+    """
+    vector = VECTOR_BYTES // itemsize
+    padded = max(triton.next_power_of_2(m), vector)
+    if padded <= FUSED_LIMIT[pass_]:
+        rows = max(1, TILE_BYTES[pass_] // (itemsize * padded))
+        return RowConfig(padded, rows, _warps(rows * padded, pass_), 1)
+    block = STREAM_BLOCK[pass_]
+    rows = STREAM_ROWS[pass_]
+    return RowConfig(block, rows, _warps(rows * block, pass_), triton.cdiv(m, block))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def partial_programs(rows: int, m: int, like) -> int:
+    """Programs (and partial-sum rows ``P``) of a backward that reduces ``dW``/``dB``.
+
+    A multiple of the SM count on CUDA, a few on CPU, never more than the
+    tiles of ``rows`` rows and never fewer than one.
+
+    Parameters
+    ----------
+    rows : int
+        Rows of the whole backward.
+    m : int
+        Row length.
+    like : torch.Tensor
+        The backward's input ``x`` (device and dtype).
+
+    Returns
+    -------
+    int
+    """
+    config = row_config(m, like.element_size(), "backward")
+    if like.device.type == "cuda":
+        index = like.device.index if like.device.index is not None else torch.cuda.current_device()
+        cap = PROGRAMS_PER_SM * _sm_count(index)
+    else:
+        cap = CPU_PROGRAMS
+    return max(1, min(cap, config.tiles(rows)))
+
+
+def launch_context(kernel, tensor):
+    """The context a launch of ``kernel`` on ``tensor``'s device runs in.
+
+    CUDA launches go to the tensor's device (Triton launches on the current
+    one). CPU tensors run only through the Triton interpreter, which Triton
+    chooses when a kernel is defined: ``TRITON_INTERPRET=1`` must be set
+    before ``xpkernels.backends.triton`` is imported.
+
+    Raises
+    ------
+    BackendError
+        CPU tensors, but the kernels were compiled for a GPU.
+    """
+    if tensor.device.type == "cuda":
+        return torch.cuda.device(tensor.device)
+    if not isinstance(kernel, InterpretedFunction):
+        raise BackendError(
+            "triton: torch CPU tensors run only through the Triton interpreter, but "
+            "xpkernels.backends.triton was imported without TRITON_INTERPRET=1; set "
+            "TRITON_INTERPRET=1 in the environment before importing xpkernels' triton kernels"
+        )
+    return contextlib.nullcontext()
+
+
+@triton.jit
+def _reduce_partials_kernel(
+    partial_ptr,  # (P, M) float32 partial sums
+    out_ptr,  # (M,) output, any float dtype
+    p,  # number of partial rows P
+    m,  # row length M
+    stride_partial_p,  # element stride between partial rows
+    stride_partial_m,  # element stride along a partial row
+    stride_out,  # element stride of out
+    BLOCK_P: tl.constexpr,  # partial rows summed per step
+    BLOCK_N: tl.constexpr,  # columns per program
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < m
+    cols64 = cols.to(tl.int64)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    start = 0
+    while start < p:
+        prow = start + tl.arange(0, BLOCK_P)
+        mask = (prow < p)[:, None] & col_ok[None, :]
+        rows64 = prow.to(tl.int64)[:, None]
+        ptrs = partial_ptr + rows64 * stride_partial_p + cols64[None, :] * stride_partial_m
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        start += BLOCK_P
+    total = tl.sum(acc, axis=0)
+    tl.store(out_ptr + cols64 * stride_out, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+#: Columns per program (one 128-byte line of float32) and partial rows per step of
+#: the reduction: narrow column blocks give M / 32 programs (128 at M = 4096).
+REDUCE_BLOCK_N = 32
+REDUCE_BLOCK_P = 64
+
+
+def reduce_partials(partial, out) -> None:
+    """``out[:] = partial.sum(0)``, accumulated in float32, written in ``out``'s dtype.
+
+    Parameters
+    ----------
+    partial : torch.Tensor
+        ``(P, M)`` float32 partial sums, any strides.
+    out : torch.Tensor
+        ``(M,)`` output, any float dtype and stride.
+    """
+    p, m = partial.shape
+    if m == 0:
+        return
+    kernel = _reduce_partials_kernel
+    with launch_context(kernel, partial):
+        kernel[(triton.cdiv(m, REDUCE_BLOCK_N),)](
+            partial, out, p, m, partial.stride(0), partial.stride(1), out.stride(0),
+            BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
+        )

@@ -1,0 +1,375 @@
+r"""LayerNorm in Triton: fused one-read kernels for rows held in registers, streaming ones beyond.
+
+Per row, with :math:`\hat x = (x - \mathrm{mean})\,\mathrm{rstd}` and
+:math:`g = dy\,w` (:math:`g = dy` without a weight):
+
+.. math::
+
+    \mathrm{rstd} = \big(\tfrac{1}{M}\textstyle\sum_j (x_j - \mathrm{mean})^2
+        + \varepsilon\big)^{-1/2},\quad
+    y = \hat x\,w + b,\quad
+    dx = \mathrm{rstd}\,\big(g - \overline{g} - \hat x\,\overline{g\hat x}\big),\quad
+    dw = \textstyle\sum_{\text{rows}} dy\,\hat x,\quad
+    db = \textstyle\sum_{\text{rows}} dy
+
+(overlines are row means). The variance is computed from centred values:
+the fused kernels hold the row, the streaming ones merge per-chunk means and
+sums of squares (Chan et al.), so large row means do not cancel. ``dw`` and
+``db`` are summed per program into row ``program_id`` of their partial
+buffers and reduced by :func:`reduce_partials`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import launch_context, partial_programs, reduce_partials, row_config
+
+__all__ = ["backward", "forward", "partials", "reduce_partials"]
+
+
+@triton.jit
+def _forward_fused(
+    y_ptr,  # (rows, M) output
+    x_ptr,  # (rows, M) input
+    w_ptr,  # (M,) weight, or None (no scale)
+    b_ptr,  # (M,) bias, or None (no shift)
+    mean_ptr,  # (rows,) float32 checkpoint, or None
+    rstd_ptr,  # (rows,) float32 checkpoint, or None
+    rows,  # number of rows
+    m,  # row length M
+    stride_y,  # elements between rows of y
+    stride_x,  # elements between rows of x
+    stride_mean,  # elements between entries of mean
+    stride_rstd,  # elements between entries of rstd
+    eps,  # added to the variance
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # padded row length (>= M)
+):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_M)
+    row_ok = r < rows
+    col_ok = cols < m
+    mask = row_ok[:, None] & col_ok[None, :]
+    r64 = r.to(tl.int64)
+    x_ptrs = x_ptr + r64[:, None] * stride_x + cols[None, :]
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / m
+    centred = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / m + eps)
+    y = centred * rstd[:, None]
+    if w_ptr is not None:
+        y *= tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if b_ptr is not None:
+        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + r64[:, None] * stride_y + cols[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if mean_ptr is not None:
+        tl.store(mean_ptr + r64 * stride_mean, mean, mask=row_ok)
+    if rstd_ptr is not None:
+        tl.store(rstd_ptr + r64 * stride_rstd, rstd, mask=row_ok)
+
+
+@triton.jit
+def _forward_streaming(
+    y_ptr,  # (rows, M) output
+    x_ptr,  # (rows, M) input
+    w_ptr,  # (M,) weight, or None (no scale)
+    b_ptr,  # (M,) bias, or None (no shift)
+    mean_ptr,  # (rows,) float32 checkpoint, or None
+    rstd_ptr,  # (rows,) float32 checkpoint, or None
+    rows,  # number of rows
+    m,  # row length M
+    stride_y,  # elements between rows of y
+    stride_x,  # elements between rows of x
+    stride_mean,  # elements between entries of mean
+    stride_rstd,  # elements between entries of rstd
+    eps,  # added to the variance
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # chunk length
+    N_CHUNKS: tl.constexpr,  # chunks per row, cdiv(M, BLOCK_M)
+):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = r < rows
+    r64 = r.to(tl.int64)
+    x_rows = x_ptr + r64[:, None] * stride_x
+    y_rows = y_ptr + r64[:, None] * stride_y
+    mean = tl.zeros([ROWS], dtype=tl.float32)
+    sum_sq = tl.zeros([ROWS], dtype=tl.float32)
+    for k in range(N_CHUNKS):
+        start = k * BLOCK_M
+        cols = start + tl.arange(0, BLOCK_M)
+        mask = row_ok[:, None] & (cols < m)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+        x = x.to(tl.float32)
+        count = tl.minimum(m - start, BLOCK_M)
+        chunk_mean = tl.sum(x, axis=1) / count
+        centred = tl.where(mask, x - chunk_mean[:, None], 0.0)
+        delta = chunk_mean - mean
+        share = count / (start + count)
+        mean += delta * share
+        sum_sq += tl.sum(centred * centred, axis=1) + delta * delta * (start * share)
+    rstd = tl.rsqrt(sum_sq / m + eps)
+    for k in range(N_CHUNKS):
+        cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+        col_ok = cols < m
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        y = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+        if w_ptr is not None:
+            y *= tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if b_ptr is not None:
+            y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if mean_ptr is not None:
+        tl.store(mean_ptr + r64 * stride_mean, mean, mask=row_ok)
+    if rstd_ptr is not None:
+        tl.store(rstd_ptr + r64 * stride_rstd, rstd, mask=row_ok)
+
+
+def forward(y, x, w, b, mean, rstd, *, eps) -> None:
+    """``y = (x - mean) * rstd * w + b`` over 2-D ``(rows, M)`` views; writes mean/rstd unless None.
+
+    Parameters
+    ----------
+    y, x : torch.Tensor
+        ``(rows, M)``, last axis contiguous, any row stride; ``y`` may alias ``x``.
+    w, b : torch.Tensor or None
+        ``(M,)`` contiguous; None for no scale / no shift.
+    mean, rstd : torch.Tensor or None
+        ``(rows,)`` float32 checkpoints.
+    eps : float
+    """
+    rows, m = x.shape
+    if rows == 0:
+        return
+    config = row_config(m, x.element_size(), "forward")
+    kernel = _forward_streaming if config.streaming else _forward_fused
+    chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
+    with launch_context(kernel, x):
+        kernel[(config.tiles(rows),)](
+            y, x, w, b, mean, rstd, rows, m, y.stride(0), x.stride(0),
+            0 if mean is None else mean.stride(0), 0 if rstd is None else rstd.stride(0), eps,
+            ROWS=config.rows, BLOCK_M=config.block_m, num_warps=config.num_warps, **chunks,
+        )
+
+
+@triton.jit
+def _backward_fused(
+    dy_ptr,  # (rows, M) output gradient
+    x_ptr,  # (rows, M) forward input
+    w_ptr,  # (M,) weight, or None (no scale)
+    mean_ptr,  # (rows,) float32 checkpoint
+    rstd_ptr,  # (rows,) float32 checkpoint
+    dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
+    dw_partial_ptr,  # (P, M) float32 partial sums of dy * x_hat, one row per program, or None
+    db_partial_ptr,  # (P, M) float32 partial sums of dy, one row per program, or None
+    rows,  # number of rows
+    m,  # row length M
+    stride_dy,  # elements between rows of dy
+    stride_x,  # elements between rows of x
+    stride_dx,  # elements between rows of dx
+    stride_mean,  # elements between entries of mean
+    stride_rstd,  # elements between entries of rstd
+    stride_dw_p,  # elements between rows of dw_partial
+    stride_dw_m,  # elements between columns of dw_partial
+    stride_db_p,  # elements between rows of db_partial
+    stride_db_m,  # elements between columns of db_partial
+    ACCUMULATE: tl.constexpr,  # add to the partial sums instead of overwriting them
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # padded row length (>= M)
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_M)
+    col_ok = cols < m
+    if w_ptr is not None:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw_sum = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
+    db_sum = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
+    n_tiles = tl.cdiv(rows, ROWS)
+    tile = pid
+    while tile < n_tiles:
+        r = tile * ROWS + tl.arange(0, ROWS)
+        row_ok = r < rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        r64 = r.to(tl.int64)
+        x_ptrs = x_ptr + r64[:, None] * stride_x + cols[None, :]
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        dy_ptrs = dy_ptr + r64[:, None] * stride_dy + cols[None, :]
+        dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + r64 * stride_mean, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + r64 * stride_rstd, mask=row_ok, other=0.0)
+        x_hat = (x - mean[:, None]) * rstd[:, None]
+        if w_ptr is not None:
+            g = dy * w[None, :]
+        else:
+            g = dy
+        g_mean = tl.sum(g, axis=1) / m
+        proj = tl.sum(g * x_hat, axis=1) / m
+        dx = (g - g_mean[:, None] - x_hat * proj[:, None]) * rstd[:, None]
+        dx_ptrs = dx_ptr + r64[:, None] * stride_dx + cols[None, :]
+        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if dw_partial_ptr is not None:
+            dw_sum += dy * x_hat
+        if db_partial_ptr is not None:
+            db_sum += dy
+        tile += tl.num_programs(0)
+    pid64 = pid.to(tl.int64)
+    if dw_partial_ptr is not None:
+        dw = tl.sum(dw_sum, axis=0)
+        dw_ptrs = dw_partial_ptr + pid64 * stride_dw_p + cols * stride_dw_m
+        if ACCUMULATE:
+            dw += tl.load(dw_ptrs, mask=col_ok, other=0.0)
+        tl.store(dw_ptrs, dw, mask=col_ok)
+    if db_partial_ptr is not None:
+        db = tl.sum(db_sum, axis=0)
+        db_ptrs = db_partial_ptr + pid64 * stride_db_p + cols * stride_db_m
+        if ACCUMULATE:
+            db += tl.load(db_ptrs, mask=col_ok, other=0.0)
+        tl.store(db_ptrs, db, mask=col_ok)
+
+
+@triton.jit
+def _backward_streaming(
+    dy_ptr,  # (rows, M) output gradient
+    x_ptr,  # (rows, M) forward input
+    w_ptr,  # (M,) weight, or None (no scale)
+    mean_ptr,  # (rows,) float32 checkpoint
+    rstd_ptr,  # (rows,) float32 checkpoint
+    dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
+    dw_partial_ptr,  # (P, M) float32 partial sums of dy * x_hat, one row per program, or None
+    db_partial_ptr,  # (P, M) float32 partial sums of dy, one row per program, or None
+    rows,  # number of rows
+    m,  # row length M
+    stride_dy,  # elements between rows of dy
+    stride_x,  # elements between rows of x
+    stride_dx,  # elements between rows of dx
+    stride_mean,  # elements between entries of mean
+    stride_rstd,  # elements between entries of rstd
+    stride_dw_p,  # elements between rows of dw_partial
+    stride_dw_m,  # elements between columns of dw_partial
+    stride_db_p,  # elements between rows of db_partial
+    stride_db_m,  # elements between columns of db_partial
+    ACCUMULATE: tl.constexpr,  # add to the partial sums instead of overwriting them
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # chunk length
+    N_CHUNKS: tl.constexpr,  # chunks per row, cdiv(M, BLOCK_M)
+):
+    pid = tl.program_id(0)
+    pid64 = pid.to(tl.int64)
+    n_tiles = tl.cdiv(rows, ROWS)
+    tile = pid
+    while tile < n_tiles:
+        r = tile * ROWS + tl.arange(0, ROWS)
+        row_ok = r < rows
+        r64 = r.to(tl.int64)
+        x_rows = x_ptr + r64[:, None] * stride_x
+        dy_rows = dy_ptr + r64[:, None] * stride_dy
+        dx_rows = dx_ptr + r64[:, None] * stride_dx
+        mean = tl.load(mean_ptr + r64 * stride_mean, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + r64 * stride_rstd, mask=row_ok, other=0.0)
+        g_sum = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
+        gx_sum = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
+        for k in range(N_CHUNKS):
+            cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+            col_ok = cols < m
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+            g = tl.load(dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+            g = g.to(tl.float32)
+            if w_ptr is not None:
+                g *= tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            g_sum += g
+            gx_sum += g * tl.where(mask, x.to(tl.float32) - mean[:, None], 0.0)
+        g_mean = tl.sum(g_sum, axis=1) / m
+        proj = tl.sum(gx_sum, axis=1) * rstd / m
+        for k in range(N_CHUNKS):
+            cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+            col_ok = cols < m
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            dy = tl.load(
+                dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+            )
+            dy = dy.to(tl.float32)
+            x_hat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+            if w_ptr is not None:
+                g = dy * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            else:
+                g = dy
+            dx = (g - g_mean[:, None] - x_hat * proj[:, None]) * rstd[:, None]
+            tl.store(dx_rows + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if ACCUMULATE:
+                earlier = col_ok
+            else:
+                earlier = col_ok & (tile > pid)
+            if dw_partial_ptr is not None:
+                dw_ptrs = dw_partial_ptr + pid64 * stride_dw_p + cols * stride_dw_m
+                dw = tl.sum(dy * x_hat, axis=0) + tl.load(dw_ptrs, mask=earlier, other=0.0)
+                tl.store(dw_ptrs, dw, mask=col_ok)
+            if db_partial_ptr is not None:
+                db_ptrs = db_partial_ptr + pid64 * stride_db_p + cols * stride_db_m
+                db = tl.sum(dy, axis=0) + tl.load(db_ptrs, mask=earlier, other=0.0)
+                tl.store(db_ptrs, db, mask=col_ok)
+        tile += tl.num_programs(0)
+    if not ACCUMULATE and pid >= n_tiles:
+        for k in range(N_CHUNKS):
+            cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+            col_ok = cols < m
+            zeros = tl.zeros([BLOCK_M], dtype=tl.float32)
+            if dw_partial_ptr is not None:
+                dw_ptrs = dw_partial_ptr + pid64 * stride_dw_p + cols * stride_dw_m
+                tl.store(dw_ptrs, zeros, mask=col_ok)
+            if db_partial_ptr is not None:
+                db_ptrs = db_partial_ptr + pid64 * stride_db_p + cols * stride_db_m
+                tl.store(db_ptrs, zeros, mask=col_ok)
+
+
+def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) -> None:
+    """``dx`` (overwritten) and per-program partial sums of ``dw`` and ``db`` (each unless None).
+
+    Parameters
+    ----------
+    dy, x, dx : torch.Tensor
+        ``(rows, M)``, last axis contiguous, any row stride; ``dx`` may alias ``dy``.
+    w : torch.Tensor or None
+        ``(M,)`` contiguous; None when the forward had no scale.
+    mean, rstd : torch.Tensor
+        ``(rows,)`` float32 checkpoints of the forward.
+    dw_partial, db_partial : torch.Tensor or None
+        ``(P, M)`` float32, the same P when both are given; one program per
+        row. ``accumulate=False`` overwrites all P rows (programs without rows
+        write zeros), True adds.
+    accumulate : bool
+    """
+    rows, m = x.shape
+    config = row_config(m, x.element_size(), "backward")
+    partial = dw_partial if dw_partial is not None else db_partial
+    if partial is None:
+        if rows == 0:
+            return
+        programs = config.tiles(rows)
+    else:
+        programs = partial.shape[0]
+    dw_strides = (0, 0) if dw_partial is None else dw_partial.stride()
+    db_strides = (0, 0) if db_partial is None else db_partial.stride()
+    kernel = _backward_streaming if config.streaming else _backward_fused
+    chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
+    with launch_context(kernel, x):
+        kernel[(programs,)](
+            dy, x, w, mean, rstd, dx, dw_partial, db_partial, rows, m,
+            dy.stride(0), x.stride(0), dx.stride(0), mean.stride(0), rstd.stride(0),
+            *dw_strides, *db_strides,
+            ACCUMULATE=accumulate, ROWS=config.rows, BLOCK_M=config.block_m,
+            num_warps=config.num_warps, **chunks,
+        )
+
+
+def partials(rows: int, m: int, like) -> int:
+    """Rows ``P`` of ``dw_partial`` and ``db_partial`` for a backward over ``rows`` rows of ``m``.
+
+    One per program: a multiple of the SM count on CUDA (capped by the row
+    tiles), a few on CPU.
+    """
+    return partial_programs(rows, m, like)

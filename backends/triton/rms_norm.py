@@ -1,0 +1,302 @@
+r"""RMSNorm in Triton: fused one-read kernels for rows held in registers, streaming ones beyond.
+
+Per row, with :math:`w' = w + \mathrm{offset}`:
+
+.. math::
+
+    \mathrm{rstd} = \big(\tfrac{1}{M}\textstyle\sum_j x_j^2 + \varepsilon\big)^{-1/2},\quad
+    y = x\,\mathrm{rstd}\,w',\quad
+    dx = \mathrm{rstd}\,\big(g - \hat x\,\tfrac{1}{M}\textstyle\sum_j g_j\hat x_j\big),\quad
+    dw = \textstyle\sum_{\text{rows}} dy\,\hat x
+
+where :math:`\hat x = x\,\mathrm{rstd}` and :math:`g = dy\,w'`. ``dw`` is summed
+per program into row ``program_id`` of ``dw_partial`` and reduced by
+:func:`reduce_partials`. Accumulation is float32; outputs are written in
+their buffer's dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import launch_context, partial_programs, reduce_partials, row_config
+
+__all__ = ["backward", "forward", "partials", "reduce_partials"]
+
+
+@triton.jit
+def _forward_fused(
+    y_ptr,  # (rows, M) output
+    x_ptr,  # (rows, M) input
+    w_ptr,  # (M,) weight
+    rstd_ptr,  # (rows,) float32 checkpoint, or None (inference)
+    rows,  # number of rows
+    m,  # row length M
+    stride_y,  # elements between rows of y
+    stride_x,  # elements between rows of x
+    stride_rstd,  # elements between entries of rstd
+    eps,  # added to the mean square
+    offset,  # added to w
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # padded row length (>= M)
+):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_M)
+    row_ok = r < rows
+    col_ok = cols < m
+    mask = row_ok[:, None] & col_ok[None, :]
+    r64 = r.to(tl.int64)
+    x_ptrs = x_ptr + r64[:, None] * stride_x + cols[None, :]
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / m + eps)
+    y = x * rstd[:, None] * w[None, :]
+    y_ptrs = y_ptr + r64[:, None] * stride_y + cols[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if rstd_ptr is not None:
+        tl.store(rstd_ptr + r64 * stride_rstd, rstd, mask=row_ok)
+
+
+@triton.jit
+def _forward_streaming(
+    y_ptr,  # (rows, M) output
+    x_ptr,  # (rows, M) input
+    w_ptr,  # (M,) weight
+    rstd_ptr,  # (rows,) float32 checkpoint, or None (inference)
+    rows,  # number of rows
+    m,  # row length M
+    stride_y,  # elements between rows of y
+    stride_x,  # elements between rows of x
+    stride_rstd,  # elements between entries of rstd
+    eps,  # added to the mean square
+    offset,  # added to w
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # chunk length
+    N_CHUNKS: tl.constexpr,  # chunks per row, cdiv(M, BLOCK_M)
+):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = r < rows
+    r64 = r.to(tl.int64)
+    x_rows = x_ptr + r64[:, None] * stride_x
+    y_rows = y_ptr + r64[:, None] * stride_y
+    sum_sq = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
+    for k in range(N_CHUNKS):
+        cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = row_ok[:, None] & (cols < m)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+        x = x.to(tl.float32)
+        sum_sq += x * x
+    rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / m + eps)
+    for k in range(N_CHUNKS):
+        cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+        col_ok = cols < m
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+        y = x.to(tl.float32) * rstd[:, None] * w[None, :]
+        tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    if rstd_ptr is not None:
+        tl.store(rstd_ptr + r64 * stride_rstd, rstd, mask=row_ok)
+
+
+def forward(y, x, w, rstd, *, eps, offset) -> None:
+    """``y = x * rstd * (w + offset)`` over 2-D ``(rows, M)`` views; writes ``rstd`` unless None.
+
+    Parameters
+    ----------
+    y, x : torch.Tensor
+        ``(rows, M)``, last axis contiguous, any row stride; ``y`` may alias ``x``.
+    w : torch.Tensor
+        ``(M,)`` contiguous.
+    rstd : torch.Tensor or None
+        ``(rows,)`` float32, receives ``rstd``.
+    eps, offset : float
+    """
+    rows, m = x.shape
+    if rows == 0:
+        return
+    config = row_config(m, x.element_size(), "forward")
+    kernel = _forward_streaming if config.streaming else _forward_fused
+    chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
+    with launch_context(kernel, x):
+        kernel[(config.tiles(rows),)](
+            y, x, w, rstd, rows, m, y.stride(0), x.stride(0), 0 if rstd is None else rstd.stride(0),
+            eps, offset,
+            ROWS=config.rows, BLOCK_M=config.block_m, num_warps=config.num_warps, **chunks,
+        )
+
+
+@triton.jit
+def _backward_fused(
+    dy_ptr,  # (rows, M) output gradient
+    x_ptr,  # (rows, M) forward input
+    w_ptr,  # (M,) weight
+    rstd_ptr,  # (rows,) float32 checkpoint
+    dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
+    dw_partial_ptr,  # (P, M) float32 partial sums of dy * x_hat, one row per program, or None
+    rows,  # number of rows
+    m,  # row length M
+    stride_dy,  # elements between rows of dy
+    stride_x,  # elements between rows of x
+    stride_dx,  # elements between rows of dx
+    stride_rstd,  # elements between entries of rstd
+    stride_partial_p,  # elements between rows of dw_partial
+    stride_partial_m,  # elements between columns of dw_partial
+    offset,  # added to w
+    ACCUMULATE: tl.constexpr,  # add to dw_partial instead of overwriting it
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # padded row length (>= M)
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_M)
+    col_ok = cols < m
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    dw_sum = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
+    n_tiles = tl.cdiv(rows, ROWS)
+    tile = pid
+    while tile < n_tiles:
+        r = tile * ROWS + tl.arange(0, ROWS)
+        row_ok = r < rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        r64 = r.to(tl.int64)
+        x_ptrs = x_ptr + r64[:, None] * stride_x + cols[None, :]
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        dy_ptrs = dy_ptr + r64[:, None] * stride_dy + cols[None, :]
+        dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + r64 * stride_rstd, mask=row_ok, other=0.0)
+        x_hat = x * rstd[:, None]
+        g = dy * w[None, :]
+        proj = tl.sum(g * x_hat, axis=1) / m
+        dx = (g - x_hat * proj[:, None]) * rstd[:, None]
+        dx_ptrs = dx_ptr + r64[:, None] * stride_dx + cols[None, :]
+        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if dw_partial_ptr is not None:
+            dw_sum += dy * x_hat
+        tile += tl.num_programs(0)
+    if dw_partial_ptr is not None:
+        dw = tl.sum(dw_sum, axis=0)
+        ptrs = dw_partial_ptr + pid.to(tl.int64) * stride_partial_p + cols * stride_partial_m
+        if ACCUMULATE:
+            dw += tl.load(ptrs, mask=col_ok, other=0.0)
+        tl.store(ptrs, dw, mask=col_ok)
+
+
+@triton.jit
+def _backward_streaming(
+    dy_ptr,  # (rows, M) output gradient
+    x_ptr,  # (rows, M) forward input
+    w_ptr,  # (M,) weight
+    rstd_ptr,  # (rows,) float32 checkpoint
+    dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
+    dw_partial_ptr,  # (P, M) float32 partial sums of dy * x_hat, one row per program, or None
+    rows,  # number of rows
+    m,  # row length M
+    stride_dy,  # elements between rows of dy
+    stride_x,  # elements between rows of x
+    stride_dx,  # elements between rows of dx
+    stride_rstd,  # elements between entries of rstd
+    stride_partial_p,  # elements between rows of dw_partial
+    stride_partial_m,  # elements between columns of dw_partial
+    offset,  # added to w
+    ACCUMULATE: tl.constexpr,  # add to dw_partial instead of overwriting it
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # chunk length
+    N_CHUNKS: tl.constexpr,  # chunks per row, cdiv(M, BLOCK_M)
+):
+    pid = tl.program_id(0)
+    partial_row = pid.to(tl.int64) * stride_partial_p
+    n_tiles = tl.cdiv(rows, ROWS)
+    tile = pid
+    while tile < n_tiles:
+        r = tile * ROWS + tl.arange(0, ROWS)
+        row_ok = r < rows
+        r64 = r.to(tl.int64)
+        x_rows = x_ptr + r64[:, None] * stride_x
+        dy_rows = dy_ptr + r64[:, None] * stride_dy
+        dx_rows = dx_ptr + r64[:, None] * stride_dx
+        rstd = tl.load(rstd_ptr + r64 * stride_rstd, mask=row_ok, other=0.0)
+        gx = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
+        for k in range(N_CHUNKS):
+            cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+            col_ok = cols < m
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+            dy = tl.load(
+                dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last"
+            )
+            w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+            gx += dy.to(tl.float32) * w[None, :] * x.to(tl.float32)
+        proj = tl.sum(gx, axis=1) * rstd / m
+        for k in range(N_CHUNKS):
+            cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+            col_ok = cols < m
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            dy = tl.load(
+                dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+            )
+            w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+            x_hat = x.to(tl.float32) * rstd[:, None]
+            dy = dy.to(tl.float32)
+            dx = (dy * w[None, :] - x_hat * proj[:, None]) * rstd[:, None]
+            tl.store(dx_rows + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if dw_partial_ptr is not None:
+                ptrs = dw_partial_ptr + partial_row + cols * stride_partial_m
+                if ACCUMULATE:
+                    earlier = col_ok
+                else:
+                    earlier = col_ok & (tile > pid)
+                dw = tl.sum(dy * x_hat, axis=0) + tl.load(ptrs, mask=earlier, other=0.0)
+                tl.store(ptrs, dw, mask=col_ok)
+        tile += tl.num_programs(0)
+    if dw_partial_ptr is not None and not ACCUMULATE and pid >= n_tiles:
+        for k in range(N_CHUNKS):
+            cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+            zeros = tl.zeros([BLOCK_M], dtype=tl.float32)
+            tl.store(dw_partial_ptr + partial_row + cols * stride_partial_m, zeros, mask=cols < m)
+
+
+def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
+    """``dx`` (overwritten) and, unless ``dw_partial`` is None, per-program ``dw`` partial sums.
+
+    Parameters
+    ----------
+    dy, x, dx : torch.Tensor
+        ``(rows, M)``, last axis contiguous, any row stride; ``dx`` may alias ``dy``.
+    w : torch.Tensor
+        ``(M,)`` contiguous.
+    rstd : torch.Tensor
+        ``(rows,)`` float32 checkpoint of the forward.
+    dw_partial : torch.Tensor or None
+        ``(P, M)`` float32; one program per row. ``accumulate=False``
+        overwrites all P rows (programs without rows write zeros), True adds.
+    offset : float
+    accumulate : bool
+    """
+    rows, m = x.shape
+    config = row_config(m, x.element_size(), "backward")
+    if dw_partial is None:
+        if rows == 0:
+            return
+        programs, partial_strides = config.tiles(rows), (0, 0)
+    else:
+        programs, partial_strides = dw_partial.shape[0], dw_partial.stride()
+    kernel = _backward_streaming if config.streaming else _backward_fused
+    chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
+    with launch_context(kernel, x):
+        kernel[(programs,)](
+            dy, x, w, rstd, dx, dw_partial, rows, m,
+            dy.stride(0), x.stride(0), dx.stride(0), rstd.stride(0), *partial_strides, offset,
+            ACCUMULATE=accumulate, ROWS=config.rows, BLOCK_M=config.block_m,
+            num_warps=config.num_warps, **chunks,
+        )
+
+
+def partials(rows: int, m: int, like) -> int:
+    """Rows ``P`` of ``dw_partial`` for a backward over ``rows`` rows of length ``m`` like ``like``.
+
+    One per program: a multiple of the SM count on CUDA (capped by the row
+    tiles), a few on CPU.
+    """
+    return partial_programs(rows, m, like)

@@ -1,0 +1,195 @@
+r"""Softmax over the last axis in Triton: fused one-read kernels, streaming kernels for wide rows.
+
+.. math::
+
+    y = \frac{e^{x - \max x}}{\sum_j e^{x_j - \max x}},\qquad
+    dx = y\,\big(dy - \textstyle\sum_j y_j\,dy_j\big)
+
+The streaming forward keeps a running maximum and a running sum rescaled as
+the maximum grows (online softmax), so it reads a row twice: once to reduce,
+once to write. A row of ``-inf`` gives NaN, as PyTorch's softmax does.
+Padding rows of a tile repeat the tile's last valid row (and are never
+stored) so they compute no ``-inf - -inf``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import launch_context, row_config
+
+__all__ = ["backward", "forward"]
+
+
+@triton.jit
+def _forward_fused(
+    y_ptr,  # (rows, M) output
+    x_ptr,  # (rows, M) input
+    rows,  # number of rows
+    m,  # row length M
+    stride_y,  # elements between rows of y
+    stride_x,  # elements between rows of x
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # padded row length (>= M)
+):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_M)
+    row_ok = r < rows
+    col_ok = cols < m
+    r64 = tl.minimum(r, rows - 1).to(tl.int64)
+    x_ptrs = x_ptr + r64[:, None] * stride_x + cols[None, :]
+    x = tl.load(x_ptrs, mask=col_ok[None, :], other=float("-inf"))
+    x = x.to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    y = e * (1.0 / tl.sum(e, axis=1))[:, None]
+    mask = row_ok[:, None] & col_ok[None, :]
+    y_ptrs = y_ptr + r64[:, None] * stride_y + cols[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _forward_streaming(
+    y_ptr,  # (rows, M) output
+    x_ptr,  # (rows, M) input
+    rows,  # number of rows
+    m,  # row length M
+    stride_y,  # elements between rows of y
+    stride_x,  # elements between rows of x
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # chunk length
+    N_CHUNKS: tl.constexpr,  # chunks per row, cdiv(M, BLOCK_M)
+):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = r < rows
+    r64 = tl.minimum(r, rows - 1).to(tl.int64)
+    x_rows = x_ptr + r64[:, None] * stride_x
+    y_rows = y_ptr + r64[:, None] * stride_y
+    row_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([ROWS], dtype=tl.float32)
+    for k in range(N_CHUNKS):
+        cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+        x = tl.load(x_rows + cols[None, :], mask=(cols < m)[None, :], other=float("-inf"),
+                    eviction_policy="evict_last")
+        x = x.to(tl.float32)
+        new_max = tl.maximum(row_max, tl.max(x, axis=1))
+        # Rows still all -inf shift by 0, so exp sees -inf - 0, never -inf - -inf.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
+        row_max = new_max
+    inv_sum = 1.0 / row_sum
+    for k in range(N_CHUNKS):
+        cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+        col_ok = cols < m
+        x = tl.load(x_rows + cols[None, :], mask=col_ok[None, :], other=float("-inf"),
+                    eviction_policy="evict_first")
+        y = tl.exp(x.to(tl.float32) - row_max[:, None]) * inv_sum[:, None]
+        mask = row_ok[:, None] & col_ok[None, :]
+        tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def forward(y, x) -> None:
+    """``y = softmax(x)`` along the last axis of 2-D ``(rows, M)`` views.
+
+    Parameters
+    ----------
+    y, x : torch.Tensor
+        ``(rows, M)``, last axis contiguous, any row stride; ``y`` may alias ``x``.
+    """
+    rows, m = x.shape
+    if rows == 0 or m == 0:
+        return
+    config = row_config(m, x.element_size(), "forward")
+    kernel = _forward_streaming if config.streaming else _forward_fused
+    chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
+    with launch_context(kernel, x):
+        kernel[(config.tiles(rows),)](
+            y, x, rows, m, y.stride(0), x.stride(0),
+            ROWS=config.rows, BLOCK_M=config.block_m, num_warps=config.num_warps, **chunks,
+        )
+
+
+@triton.jit
+def _backward_fused(
+    y_ptr,  # (rows, M) forward output
+    dy_ptr,  # (rows, M) output gradient
+    dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
+    rows,  # number of rows
+    m,  # row length M
+    stride_y,  # elements between rows of y
+    stride_dy,  # elements between rows of dy
+    stride_dx,  # elements between rows of dx
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # padded row length (>= M)
+):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_M)
+    mask = (r < rows)[:, None] & (cols < m)[None, :]
+    r64 = r.to(tl.int64)
+    y_ptrs = y_ptr + r64[:, None] * stride_y + cols[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    dy_ptrs = dy_ptr + r64[:, None] * stride_dy + cols[None, :]
+    dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
+    dot = tl.sum(y * dy, axis=1)
+    dx = y * (dy - dot[:, None])
+    dx_ptrs = dx_ptr + r64[:, None] * stride_dx + cols[None, :]
+    tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _backward_streaming(
+    y_ptr,  # (rows, M) forward output
+    dy_ptr,  # (rows, M) output gradient
+    dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
+    rows,  # number of rows
+    m,  # row length M
+    stride_y,  # elements between rows of y
+    stride_dy,  # elements between rows of dy
+    stride_dx,  # elements between rows of dx
+    ROWS: tl.constexpr,  # rows per tile
+    BLOCK_M: tl.constexpr,  # chunk length
+    N_CHUNKS: tl.constexpr,  # chunks per row, cdiv(M, BLOCK_M)
+):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = r < rows
+    r64 = r.to(tl.int64)
+    y_rows = y_ptr + r64[:, None] * stride_y
+    dy_rows = dy_ptr + r64[:, None] * stride_dy
+    dx_rows = dx_ptr + r64[:, None] * stride_dx
+    dot = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
+    for k in range(N_CHUNKS):
+        cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = row_ok[:, None] & (cols < m)[None, :]
+        y = tl.load(y_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+        dy = tl.load(dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+        dot += y.to(tl.float32) * dy.to(tl.float32)
+    row_dot = tl.sum(dot, axis=1)
+    for k in range(N_CHUNKS):
+        cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = row_ok[:, None] & (cols < m)[None, :]
+        y = tl.load(y_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        dy = tl.load(dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        dx = y.to(tl.float32) * (dy.to(tl.float32) - row_dot[:, None])
+        tl.store(dx_rows + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def backward(y, dy, dx) -> None:
+    """``dx = y * (dy - sum(y * dy))`` along the last axis of 2-D ``(rows, M)`` views.
+
+    Parameters
+    ----------
+    y, dy, dx : torch.Tensor
+        ``(rows, M)``, last axis contiguous, any row stride; ``dx`` (overwritten)
+        may alias ``dy``.
+    """
+    rows, m = y.shape
+    if rows == 0 or m == 0:
+        return
+    config = row_config(m, y.element_size(), "backward")
+    kernel = _backward_streaming if config.streaming else _backward_fused
+    chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
+    with launch_context(kernel, y):
+        kernel[(config.tiles(rows),)](
+            y, dy, dx, rows, m, y.stride(0), dy.stride(0), dx.stride(0),
+            ROWS=config.rows, BLOCK_M=config.block_m, num_warps=config.num_warps, **chunks,
+        )
