@@ -1,0 +1,602 @@
+"""``python -m xpkernels bench``: CPU timings of every primitive, next to PyTorch's own ops.
+
+Each row times one pass of one implementation: xpkernels' in-place
+function over buffers allocated once beforehand (the way a training step
+calls it), or PyTorch's own CPU op (``F.rms_norm``, ``F.layer_norm``,
+``torch.softmax``, ``F.scaled_dot_product_attention``; backward rows time
+``torch.autograd.grad`` of that op). A row reports the median of its timed
+runs (after one warm-up run), the rate it implies -- GB/s for the
+memory-bound primitives, TFLOP/s for attention -- with the byte or FLOP
+formula printed under the table, and its time relative to a baseline row
+(PyTorch's op; for FlexAttention the dense path or xpkernels' attention).
+
+Default shapes are those of the performance targets: norms and softmax
+``(8192, 4096)`` float32, attention ``B=1, H=8, S=2048, D=64`` float32,
+FlexAttention ``S=4096``; ``--quick`` shrinks everything to seconds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .buffers import Duplicated, allocate_checkpoints, allocate_scratchspace
+from .registry import OPS
+
+#: Shapes of a full run and of ``--quick``.
+SHAPES = {
+    False: {
+        "rows": (8192, 4096),
+        "attention": {"B": 1, "H": 8, "S": 2048, "D": 64},
+        "decode": {"B": 8, "H": 32, "Hkv": 8, "S": 4096, "D": 64},
+        "flex": {"B": 1, "H": 2, "S": 4096, "D": 64, "window": 256},
+    },
+    True: {
+        "rows": (256, 1024),
+        "attention": {"B": 1, "H": 2, "S": 256, "D": 64},
+        "decode": {"B": 2, "H": 4, "Hkv": 2, "S": 512, "D": 64},
+        "flex": {"B": 1, "H": 2, "S": 256, "D": 32, "window": 32},
+    },
+}
+
+
+@dataclass
+class Row:
+    """One timed (primitive, pass, implementation) and what it implies.
+
+    ``work`` is the bytes moved (``unit`` GB/s) or the FLOPs done
+    (``unit`` TFLOP/s) by one run, per ``formula``; ``baseline`` names the
+    row ``ratio = median_s / baseline's median_s`` compares with.
+    """
+
+    op: str
+    pass_: str
+    impl: str
+    shape: str
+    unit: str
+    work: float
+    formula: str
+    baseline: str | None = None
+    dtype: str = "float32"
+    times_s: list = field(default_factory=list)
+    median_s: float | None = None
+    rate: float | None = None
+    ratio: float | None = None
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}/{self.pass_}/{self.impl}"
+
+
+@dataclass
+class Bench:
+    """A row to measure: ``setup()`` allocates everything and returns the callable to time."""
+
+    row: Row
+    setup: Callable[[], Callable[[], object]]
+    repeats: int
+
+
+# --------------------------------------------------------------------------- arrays
+
+
+class _Arrays:
+    """Moves NumPy inputs onto the array library xpkernels runs on (NumPy or torch CPU)."""
+
+    def __init__(self, library: str):
+        self.library = library
+
+    def convert(self, a: np.ndarray):
+        if self.library == "torch":
+            import torch
+
+            return torch.from_numpy(np.ascontiguousarray(a))
+        return np.ascontiguousarray(a)
+
+    def empty_like(self, a):
+        import array_api_compat
+
+        return array_api_compat.array_namespace(a).empty_like(a)
+
+    def integers(self, values):
+        return self.convert(np.asarray(values, dtype=np.int64))
+
+
+def _torch_tensor(a: np.ndarray, grad: bool = False):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a)).requires_grad_(grad)
+
+
+# --------------------------------------------------------------------------- norms and softmax
+
+
+def _row_benches(op: str, shape, arrays: _Arrays, repeats: int, with_torch: bool) -> list[Bench]:
+    rows, m = shape
+    s = 4
+    n_stats = {"rms_norm": 1, "layer_norm": 2, "softmax": 0}[op]
+    n_params = {"rms_norm": 1, "layer_norm": 2, "softmax": 0}[op]
+    fwd_bytes = (2 * rows * m + n_params * m) * s + 4 * n_stats * rows
+    bwd_bytes = (3 * rows * m + 2 * n_params * m) * s + 4 * n_stats * rows
+    terms = {
+        "rms_norm": ("(2*R*M + M)*s + 4*R", "(3*R*M + 2*M)*s + 4*R"),
+        "layer_norm": ("(2*R*M + 2*M)*s + 8*R", "(3*R*M + 3*M)*s + 8*R"),
+        "softmax": ("2*R*M*s", "3*R*M*s"),
+    }[op]
+    where = f"R={rows}, M={m}, s={s}"
+    what = {
+        "rms_norm": ("read x, w; write y, rstd", "read x, dy, w, rstd; write dx, dw"),
+        "layer_norm": (
+            "read x, w, b; write y, mean, rstd",
+            "read x, dy, w, mean, rstd; write dx, dw, db",
+        ),
+        "softmax": ("read x; write y", "read y, dy; write dx"),
+    }[op]
+    rng = np.random.default_rng(1)
+    x_np = rng.standard_normal(shape, dtype=np.float32)
+    dy_np = rng.standard_normal(shape, dtype=np.float32)
+    w_np = rng.standard_normal((m,), dtype=np.float32)
+    b_np = rng.standard_normal((m,), dtype=np.float32)
+    shape_text = f"{rows}x{m}"
+    benches = []
+    for pass_, work, formula, text in (
+        ("forward", fwd_bytes, terms[0], what[0]),
+        ("backward", bwd_bytes, terms[1], what[1]),
+    ):
+        formula = f"bytes = {formula} ({text}; {where})"
+        impls = [("xpkernels", _xpk_row_setup(op, pass_, arrays, x_np, dy_np, w_np, b_np))]
+        if with_torch:
+            impls.append(("torch", _torch_row_setup(op, pass_, x_np, dy_np, w_np, b_np)))
+        for impl, setup in impls:
+            baseline = f"{op}/{pass_}/torch" if with_torch and impl == "xpkernels" else None
+            row = Row(op, pass_, impl, shape_text, "GB/s", work, formula, baseline)
+            benches.append(Bench(row, setup, repeats))
+    return benches
+
+
+def _xpk_row_setup(op, pass_, arrays: _Arrays, x_np, dy_np, w_np, b_np):
+    def setup():
+        module = importlib.import_module(f"xpkernels.{op}")
+        forward_, backward_ = getattr(module, f"{op}_"), getattr(module, f"{op}_backward_")
+        x, dy, w, b = (arrays.convert(a) for a in (x_np, dy_np, w_np, b_np))
+        params = {"rms_norm": (w,), "layer_norm": (w, b), "softmax": ()}[op]
+        y = arrays.empty_like(x)
+        saved = (
+            {} if op == "softmax" else {"checkpoints": allocate_checkpoints(forward_, x, *params)}
+        )
+        forward_(y, x, *params, **saved)
+        if pass_ == "forward":
+            return lambda: forward_(y, x, *params, **saved)
+        Y, X = Duplicated(y, dy), Duplicated(x)
+        P = tuple(Duplicated(p) for p in params)
+        if op != "softmax":
+            saved["scratch"] = allocate_scratchspace(backward_, Y, X, *P)
+        return lambda: backward_(Y, X, *P, **saved)
+
+    return setup
+
+
+def _torch_row_setup(op, pass_, x_np, dy_np, w_np, b_np):
+    def setup():
+        import torch
+        import torch.nn.functional as F
+
+        m = x_np.shape[-1]
+        grad = pass_ == "backward"
+        x, w, b = (_torch_tensor(a, grad) for a in (x_np, w_np, b_np))
+        inputs = {"rms_norm": (x, w), "layer_norm": (x, w, b), "softmax": (x,)}[op]
+
+        def call():
+            if op == "rms_norm":
+                return F.rms_norm(x, (m,), w, eps=1e-6)
+            if op == "layer_norm":
+                return F.layer_norm(x, (m,), w, b, eps=1e-5)
+            return torch.softmax(x, dim=-1)
+
+        if not grad:
+
+            def forward():
+                with torch.no_grad():
+                    return call()
+
+            return forward
+        y = call()
+        dy = _torch_tensor(dy_np)
+        return lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True)
+
+    return setup
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _attention_flops(b, h, sq, sk, d, causal, pass_):
+    return (
+        4 * b * h * sq * sk * d * (0.5 if causal else 1.0) * (2.5 if pass_ == "backward" else 1.0)
+    )
+
+
+def _attention_formula(pass_, causal, where):
+    fwd = "4*B*H*Sq*Sk*D" + (" / 2 (causal)" if causal else "")
+    text = fwd if pass_ == "forward" else f"2.5 * {fwd}"
+    return f"FLOPs = {text} ({where})"
+
+
+def _attention_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -> list[Bench]:
+    b, h, s, d = shape["B"], shape["H"], shape["S"], shape["D"]
+    rng = np.random.default_rng(2)
+    q_np, k_np, v_np, do_np = (
+        rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4)
+    )
+    where = f"B={b}, H={h}, Sq=Sk={s}, D={d}"
+    benches = []
+    for causal in (False, True):
+        op = "attention (causal)" if causal else "attention"
+        for pass_ in ("forward", "backward"):
+            work = _attention_flops(b, h, s, s, d, causal, pass_)
+            formula = _attention_formula(pass_, causal, where)
+            impls = [
+                ("xpkernels", _xpk_attention_setup(arrays, q_np, k_np, v_np, do_np, causal, pass_))
+            ]
+            if with_torch:
+                impls.append(
+                    ("torch", _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_))
+                )
+            for impl, setup in impls:
+                baseline = f"{op}/{pass_}/torch" if with_torch and impl == "xpkernels" else None
+                row = Row(op, pass_, impl, f"{b}x{h}x{s}x{d}", "TFLOP/s", work, formula, baseline)
+                benches.append(Bench(row, setup, repeats))
+    return benches
+
+
+def _xpk_attention_setup(arrays: _Arrays, q_np, k_np, v_np, do_np, causal, pass_):
+    def setup():
+        import xpkernels as xk
+
+        q, k, v, do = (arrays.convert(a) for a in (q_np, k_np, v_np, do_np))
+        o = arrays.empty_like(q)
+        ck = allocate_checkpoints(xk.attention_, q, k, v)
+        xk.attention_(o, q, k, v, causal=causal, checkpoints=ck)
+        if pass_ == "forward":
+            return lambda: xk.attention_(o, q, k, v, causal=causal, checkpoints=ck)
+        O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
+        scratch = allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
+        return lambda: xk.attention_backward_(
+            O, Q, K, V, checkpoints=ck, scratch=scratch, causal=causal
+        )
+
+    return setup
+
+
+def _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_):
+    def setup():
+        import torch
+        import torch.nn.functional as F
+
+        grad = pass_ == "backward"
+        q, k, v = (_torch_tensor(a, grad) for a in (q_np, k_np, v_np))
+        if not grad:
+
+            def forward():
+                with torch.no_grad():
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            return forward
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        do = _torch_tensor(do_np)
+        return lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+
+    return setup
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _decode_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -> list[Bench]:
+    b, h, hkv, s, d = (shape[n] for n in ("B", "H", "Hkv", "S", "D"))
+    rng = np.random.default_rng(3)
+    q_np = rng.standard_normal((b, h, d), dtype=np.float32)
+    k_np, v_np = (rng.standard_normal((b, hkv, s, d), dtype=np.float32) for _ in range(2))
+    work = (2 * b * hkv * s * d + 2 * b * h * d) * 4
+    formula = (
+        "bytes = (2*B*Hkv*L*D + 2*B*H*D)*s (read the valid K and V cache, read q, write o; "
+        f"B={b}, H={h}, Hkv={hkv}, L={s} valid of Smax={s}, D={d}, s=4)"
+    )
+    shape_text = f"{b}x{h}/{hkv}x{s}x{d}"
+
+    def xpk_setup():
+        import xpkernels as xk
+
+        q, k, v = (arrays.convert(a) for a in (q_np, k_np, v_np))
+        lengths = arrays.integers([s] * b)
+        o = arrays.empty_like(q)
+        scratch = allocate_scratchspace(xk.decode_attention_, o, q, k, v, lengths)
+        return lambda: xk.decode_attention_(o, q, k, v, lengths, scratch=scratch)
+
+    def torch_setup():
+        import torch
+        import torch.nn.functional as F
+
+        q = _torch_tensor(q_np[:, :, None, :])
+        k, v = _torch_tensor(k_np), _torch_tensor(v_np)
+
+        def forward():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        return forward
+
+    benches = []
+    for impl, setup in [("xpkernels", xpk_setup)] + (
+        [("torch", torch_setup)] if with_torch else []
+    ):
+        baseline = "decode_attention/forward/torch" if with_torch and impl == "xpkernels" else None
+        row = Row("decode_attention", "forward", impl, shape_text, "GB/s", work, formula, baseline)
+        benches.append(Bench(row, setup, repeats))
+    return benches
+
+
+# --------------------------------------------------------------------------- flex attention
+
+
+def _kept_pairs(s: int, window: int | None) -> int:
+    """(query, key) pairs a causal (``window=None``) or sliding-window mask keeps at Sq = Sk = s."""
+    if window is None:
+        return s * (s + 1) // 2
+    full = min(s, window + 1)
+    return full * (full + 1) // 2 + (s - full) * (window + 1)
+
+
+def _flex_benches(shape, attention_shape, arrays: _Arrays, repeats: int) -> list[Bench]:
+    """Block-sparse vs dense for two band masks at ``shape``; no-mod flex vs attention."""
+    benches = []
+    b, h, s, d, w = (shape[n] for n in ("B", "H", "S", "D", "window"))
+    shape_text = f"{b}x{h}x{s}x{d}"
+    rng = np.random.default_rng(4)
+    inputs = [rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4)]
+    for label, mask in (("flex causal mask", "causal"), (f"flex window {w}", w)):
+        pairs = _kept_pairs(s, None if mask == "causal" else mask)
+        for pass_ in ("forward", "backward"):
+            work = 4 * b * h * d * pairs * (2.5 if pass_ == "backward" else 1.0)
+            formula = (
+                f"FLOPs = {'2.5 * ' if pass_ == 'backward' else ''}4*B*H*D*pairs, pairs = the "
+                f"(query, key) pairs the mask keeps = {pairs:,} (B={b}, H={h}, Sq=Sk={s}, D={d}; "
+                "the same for both paths)"
+            )
+            for sparse in (True, False):
+                impl = "xpkernels" if sparse else "xpkernels dense"
+                baseline = f"{label}/{pass_}/xpkernels dense" if sparse else None
+                row = Row(label, pass_, impl, shape_text, "TFLOP/s", work, formula, baseline)
+                setup = _xpk_flex_setup(arrays, inputs, pass_, mask=mask, block_sparse=sparse)
+                benches.append(Bench(row, setup, repeats))
+    b, h, s, d = (attention_shape[n] for n in ("B", "H", "S", "D"))
+    shape_text = f"{b}x{h}x{s}x{d}"
+    rng = np.random.default_rng(2)
+    inputs = [rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4)]
+    for pass_ in ("forward", "backward"):
+        work = _attention_flops(b, h, s, s, d, False, pass_)
+        formula = _attention_formula(pass_, False, f"B={b}, H={h}, Sq=Sk={s}, D={d}")
+        baseline = f"attention/{pass_}/xpkernels"
+        row = Row(
+            "flex no mods", pass_, "xpkernels", shape_text, "TFLOP/s", work, formula, baseline
+        )
+        benches.append(Bench(row, _xpk_flex_setup(arrays, inputs, pass_), repeats))
+    return benches
+
+
+def _xpk_flex_setup(arrays: _Arrays, inputs, pass_, mask=None, block_sparse=True):
+    """Flex over ``inputs`` (q, k, v, do) with ``mask``: None, "causal" or a window length."""
+
+    def setup():
+        from xpkernels.flex_attention import flex_attention_, flex_attention_backward_
+        from xpkernels.mods import CausalMask, SlidingWindowMask
+
+        q, k, v, do = (arrays.convert(a) for a in inputs)
+        mask_mod = (
+            None if mask is None else CausalMask() if mask == "causal" else SlidingWindowMask(mask)
+        )
+        opts = {"mask_mod": mask_mod, "block_sparse": block_sparse}
+        o = arrays.empty_like(q)
+        ck = allocate_checkpoints(flex_attention_, q, k, v)
+        flex_attention_(o, q, k, v, checkpoints=ck, **opts)
+        if pass_ == "forward":
+            return lambda: flex_attention_(o, q, k, v, checkpoints=ck, **opts)
+        O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
+        scratch = allocate_scratchspace(flex_attention_backward_, O, Q, K, V)
+        return lambda: flex_attention_backward_(O, Q, K, V, checkpoints=ck, scratch=scratch, **opts)
+
+    return setup
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _benches(quick: bool, ops, library: str, repeats: int | None) -> list[Bench]:
+    shapes = SHAPES[quick]
+    with_torch = importlib.util.find_spec("torch") is not None
+    arrays = _Arrays(library)
+    row_repeats = repeats or (3 if quick else 5)
+    attn_repeats = repeats or 3
+    chosen = [op for op in OPS if not ops or op in ops]
+    benches = []
+    for op in chosen:
+        if op in ("rms_norm", "layer_norm", "softmax"):
+            benches += _row_benches(op, shapes["rows"], arrays, row_repeats, with_torch)
+        elif op == "attention":
+            benches += _attention_benches(shapes["attention"], arrays, attn_repeats, with_torch)
+        elif op == "decode_attention":
+            benches += _decode_benches(shapes["decode"], arrays, row_repeats, with_torch)
+        elif op == "flex_attention":
+            if "attention" not in chosen:  # the baseline of the no-mod rows
+                benches += [
+                    bench
+                    for bench in _attention_benches(
+                        shapes["attention"], arrays, attn_repeats, False
+                    )
+                    if bench.row.op == "attention"
+                ]
+            benches += _flex_benches(shapes["flex"], shapes["attention"], arrays, attn_repeats)
+    return benches
+
+
+class _Progress:
+    """tqdm when it is installed, else a one-line bar redrawn on stderr."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        self.bar = None
+        if importlib.util.find_spec("tqdm") is not None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, file=sys.stderr, unit="row", leave=False)
+
+    def start(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(label)
+            return
+        width = 30
+        filled = width * self.done // max(self.total, 1)
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label:<48}"
+        )
+        sys.stderr.flush()
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            sys.stderr.write(f"\r[{'#' * 30}] {self.done}/{self.total} done{' ' * 44}\n")
+            sys.stderr.flush()
+
+
+def measure(bench: Bench) -> Row:
+    """Time ``bench``: one warm-up run, then ``repeats`` timed runs; fills the row's figures."""
+    row = bench.row
+    try:
+        call = bench.setup()
+        call()
+        for _ in range(bench.repeats):
+            start = time.perf_counter()
+            call()
+            row.times_s.append(time.perf_counter() - start)
+    except Exception as exc:  # noqa: BLE001 - a failing row is reported, the others still run
+        row.error = f"{type(exc).__name__}: {exc}"
+        return row
+    row.median_s = statistics.median(row.times_s)
+    scale = 1e9 if row.unit == "GB/s" else 1e12
+    row.rate = row.work / row.median_s / scale
+    return row
+
+
+def _link_baselines(rows: list[Row]) -> None:
+    by_key = {row.key: row for row in rows}
+    for row in rows:
+        base = by_key.get(row.baseline) if row.baseline else None
+        if row.median_s is not None and base is not None and base.median_s:
+            row.ratio = row.median_s / base.median_s
+
+
+def _print_table(rows: list[Row], library: str) -> None:
+    header = ("primitive", "pass", "impl", "shape", "median ms", "rate", "vs", "ratio")
+    table = [header]
+    for row in rows:
+        if row.error:
+            table.append((row.op, row.pass_, row.impl, row.shape, "error", "", "", ""))
+            continue
+        base = ""
+        if row.baseline is not None:
+            base_op, _, base_impl = row.baseline.split("/")
+            base = base_impl if base_op == row.op else f"{base_op} ({base_impl})"
+        table.append(
+            (
+                row.op,
+                row.pass_,
+                row.impl,
+                row.shape,
+                f"{row.median_s * 1e3:.2f}",
+                f"{row.rate:.3g} {row.unit}",
+                base,
+                "-" if row.ratio is None else f"{row.ratio:.2f}",
+            )
+        )
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    print(f"xpkernels on {library} CPU arrays, float32; median of timed runs after one warm-up")
+    for line in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+    print("ratio = median time / median time of the 'vs' row (below 1: faster than it)")
+    print("\nformulas:")
+    seen = set()
+    for row in rows:
+        if (row.op, row.pass_) not in seen:
+            seen.add((row.op, row.pass_))
+            print(f"  {row.op} {row.pass_}: {row.formula}")
+    for row in rows:
+        if row.error:
+            print(f"\n{row.key} failed: {row.error}")
+
+
+def _environment(library: str, quick: bool) -> dict:
+    from . import __version__
+
+    env = {
+        "xpkernels": __version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "array": library,
+        "quick": quick,
+    }
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["torch_threads"] = torch.get_num_threads()
+    return env
+
+
+def _row_record(row: Row) -> dict:
+    record = asdict(row)
+    record["pass"] = record.pop("pass_")
+    return record
+
+
+def run(quick=False, json_path=None, ops=None, array="numpy", repeats=None) -> int:
+    """Measure, print the table and formulas, optionally write JSON; 1 if any row failed."""
+    if repeats is not None and repeats < 1:
+        raise SystemExit("bench: --repeats must be >= 1")
+    benches = _benches(quick, ops, array, repeats)
+    progress = _Progress(len(benches))
+    rows = []
+    for bench in benches:
+        progress.start(f"{bench.row.op} {bench.row.pass_} {bench.row.impl}")
+        rows.append(measure(bench))
+        progress.advance()
+    progress.close()
+    _link_baselines(rows)
+    _print_table(rows, array)
+    if json_path:
+        record = {
+            "environment": _environment(array, quick),
+            "rows": [_row_record(row) for row in rows],
+        }
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+        print(f"\nwrote {json_path}")
+    return 1 if any(row.error for row in rows) else 0
