@@ -1,0 +1,299 @@
+"""Attention on the Array API: flash-style tiles, online softmax, float32/float64 accumulation.
+
+Work runs per (batch, kv head): the query heads of that kv head's group are
+stacked as the rows of one matrix, so K and V are read once per group and never
+repeated. A query tile (its rows for every head of the group) meets the key
+tiles it can see; the scores of one query tile x key tile pair are the largest
+temporaries, ``rows * keys <= TILE_ELEMENTS``, so extra memory is bounded by
+that budget whatever Sq and Sk are. Products of tiles go through ``matmul``
+(BLAS on NumPy and PyTorch). float16/bfloat16 tiles are converted to float32.
+
+Element-wise passes over a score tile are what NumPy pays for, so there are
+few: the forward takes the row max and the exponential, and gets row sums from
+a matrix-vector product. It exponentiates unshifted scores while every running
+row max lies within ``+-SAFE_EXPONENT`` (no overflow or underflow is possible
+there) and shifts by the running max otherwise; the checkpoint ``l`` is
+rescaled to the true max at the end. Without checkpoints (inference) the row
+max is skipped altogether when ``|q_i| |k_j| <= SAFE_EXPONENT`` bounds every
+score of a query tile (Cauchy-Schwarz on the largest query and key norms). The backward folds ``-lse`` into the
+score product and ``-delta`` into the ``do @ v^T`` product by appending one
+column to each operand, leaving the exponential and one product as its passes.
+
+Masking never materialises a full mask: key lengths and causal limits shrink
+the range of key tiles, query lengths shrink the range of query tiles, and only
+the keys past a query tile's first position are masked, with a tile-sized
+0/-inf bias (forward) or mask (backward). Queries
+past ``q_lengths[b]`` (and every query of a batch with ``k_lengths[b] == 0``)
+are fully masked: they are written directly (o = 0, m = -inf, l = 0, dq = 0).
+Every other row sees key 0, because ``input_pos >= 0``; so its running max is
+finite from the first key tile on and no -inf - -inf ever occurs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import array_api_compat
+
+from ._blocks import acc_dtype, row_blocks, to
+
+__all__ = ["forward", "backward"]
+
+#: Score elements of one query tile x key tile pair (float32: 1 MiB). Each
+#: call holds a handful of temporaries this size, whatever Sq and Sk are.
+TILE_ELEMENTS = 1 << 18
+
+#: Keys per tile; a query tile holds ``TILE_ELEMENTS // KEY_TILE`` rows.
+KEY_TILE = 1024
+
+#: Scores are exponentiated unshifted while every running row max is within
+#: this bound: ``exp(40)`` times any realistic key count stays finite and
+#: ``exp(-40)`` is far above the float32 underflow threshold.
+SAFE_EXPONENT = 40.0
+
+
+def per_batch(value, batch: int, default: int) -> list[int]:
+    """``value`` (None, an int or a ``(batch,)`` integer array) as one Python int per batch."""
+    if value is None:
+        return [default] * batch
+    if isinstance(value, int):
+        return [value] * batch
+    return [int(value[b]) for b in range(batch)]
+
+
+def tiles(start: int, stop: int, size: int):
+    """``(first, end)`` ranges of at most ``size`` covering ``[start, stop)``."""
+    for first in range(start, stop, size):
+        yield first, min(stop, first + size)
+
+
+def _tile_sizes(keys: int, group: int, d: int, dv: int) -> tuple[int, int]:
+    """(key tile, query tile) sizes keeping every temporary within the tile budget."""
+    key_tile = max(1, min(KEY_TILE, keys))
+    rows = TILE_ELEMENTS // max(key_tile, d + 1, dv + 1)
+    return key_tile, max(1, rows // group)
+
+
+def _causal_mask(xp, s, group: int, q_first: int, q_end: int, k_first: int, k_end: int):
+    """Scores ``s`` (group x queries, keys) with keys after each query's position set to -inf.
+
+    ``q_first .. q_end`` are the absolute positions of the tile's queries,
+    ``k_first .. k_end`` those of its keys.
+    """
+    dev = array_api_compat.device(s)
+    q_pos = xp.arange(q_first, q_end, device=dev)[:, None]
+    k_pos = xp.arange(k_first, k_end, device=dev)[None, :]
+    stacked = xp.reshape(s, (group, q_end - q_first, k_end - k_first))
+    return xp.reshape(xp.where(k_pos <= q_pos, stacked, -math.inf), tuple(s.shape))
+
+
+def _causal_bias(xp, n_rows: int, n_cols: int, dtype, device):
+    """``(n_rows, n_cols)``: 0 where key column ``c`` is visible to query row ``r`` (``c + 1 <= r``), else -inf.
+
+    Row ``r`` is the query at position ``p + r`` and column ``c`` the key at
+    ``p + 1 + c``: the keys just past a query tile's first position, the only
+    ones a forward tile has to mask.
+    """
+    rows = xp.arange(n_rows, device=device)[:, None]
+    cols = xp.arange(n_cols, device=device)[None, :]
+    return xp.where(cols + 1 <= rows, xp.asarray(0.0, dtype=dtype, device=device), -math.inf)
+
+
+def _with_column(xp, a, column, acc):
+    """``[a | column]``: ``a`` (rows, n) in ``acc`` with one more column (a (rows,) array or a float)."""
+    rows, n = a.shape
+    out = xp.empty((rows, n + 1), dtype=acc, device=array_api_compat.device(a))
+    out[:, :n] = to(xp, a, acc)
+    out[:, n] = column
+    return out
+
+
+def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths) -> None:
+    """Write ``o`` (and the checkpoints ``m``, ``l`` unless None) for validated inputs.
+
+    ``o``: (B, H, Sq, Dv); ``q``: (B, H, Sq, D); ``k``: (B, Hkv, Sk, D); ``v``:
+    (B, Hkv, Sk, Dv); ``m``, ``l``: (B, H, Sq) float32 or None; ``input_pos`` an
+    int or a (B,) integer array; ``q_lengths``/``k_lengths`` None or (B,)
+    integer arrays; ``scale`` a float.
+    """
+    xp = array_api_compat.array_namespace(o, q, k, v)
+    batch, heads, sq, d = q.shape
+    kv_heads, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    group = heads // kv_heads
+    q_device = array_api_compat.device(q)
+    positions = per_batch(input_pos, batch, 0)
+    q_valid = per_batch(q_lengths, batch, sq)
+    k_valid = per_batch(k_lengths, batch, sk)
+    for b in range(batch):
+        nk, pos = k_valid[b], positions[b]
+        nq = q_valid[b] if nk > 0 else 0
+        o[b, :, nq:, :] = 0.0
+        if m is not None:
+            m[b, :, nq:] = -math.inf
+            l[b, :, nq:] = 0.0
+        key_tile, query_tile = _tile_sizes(nk, group, d, dv)
+        bias = None
+        if causal and nq > 0:
+            bias = _causal_bias(xp, query_tile, min(query_tile - 1, nk), acc_dtype(xp, q.dtype), q_device)
+        for g in range(kv_heads):
+            k_norm = _max_row_norm(xp, k[b, g, :nk, :]) if m is None and nq > 0 else None
+            for i0, i1 in tiles(0, nq, query_tile):
+                k_end = min(nk, pos + i1) if causal else nk
+                _forward_tile(
+                    xp, o, q, k, v, m, l, b, g, slice(g * group, (g + 1) * group), i0, i1,
+                    k_end=k_end, mask_start=min(k_end, pos + i0 + 1) if causal else k_end,
+                    key_tile=key_tile, scale=scale, k_norm=k_norm, bias=bias,
+                )
+
+
+def _max_row_norm(xp, a) -> float:
+    """Largest Euclidean norm of the rows of the 2-D array ``a``, in row blocks."""
+    acc = acc_dtype(xp, a.dtype)
+    largest = 0.0
+    for r0, r1 in row_blocks(a.shape[0], a.shape[1]):
+        block = to(xp, a[r0:r1, :], acc)
+        largest = max(largest, float(xp.max(xp.vecdot(block, block))))
+    return math.sqrt(largest)
+
+
+def _forward_tile(
+    xp, o, q, k, v, m, l, b, g, heads_g, i0, i1, *, k_end, mask_start, key_tile, scale, k_norm, bias
+):
+    """One query tile of batch ``b``, kv group ``g`` against keys ``[0, k_end)``.
+
+    Every query of the tile sees keys ``[0, mask_start)``; keys
+    ``[mask_start, k_end)`` (fewer than the tile's queries) are causally
+    masked by adding the matching block of ``bias`` (see :func:`_causal_bias`),
+    in tiles of their own. ``o_acc`` and ``l_run`` hold sums of
+    ``exp(s - shift)``, where ``shift`` is 0 (None) or the running max.
+    ``k_norm`` is the largest key norm, or None when the checkpoints need the max.
+    """
+    acc = acc_dtype(xp, q.dtype)
+    group, n_q = heads_g.stop - heads_g.start, i1 - i0
+    rows, dv = group * n_q, v.shape[3]
+    q_scaled = xp.reshape(to(xp, q[b, heads_g, i0:i1, :], acc) * scale, (rows, q.shape[3]))
+    ones = xp.ones((key_tile,), dtype=acc, device=array_api_compat.device(q_scaled))
+    bounded = k_norm is not None and k_norm * _max_row_norm(xp, q_scaled) <= SAFE_EXPONENT
+    m_run = l_run = o_acc = shift = new_shift = None
+    for j0, j1 in (*tiles(0, mask_start, key_tile), *tiles(mask_start, k_end, key_tile)):
+        s = q_scaled @ to(xp, k[b, g, j0:j1, :], acc).mT
+        if j0 >= mask_start:
+            stacked = xp.reshape(s, (group, n_q, j1 - j0))
+            stacked += bias[:n_q, j0 - mask_start : j1 - mask_start]
+            s = xp.reshape(stacked, (rows, j1 - j0))
+        if not bounded:
+            row_max = xp.max(s, axis=1)
+            m_run = row_max if m_run is None else xp.maximum(m_run, row_max)
+            new_shift = None if float(xp.max(xp.abs(m_run))) <= SAFE_EXPONENT else m_run
+        if new_shift is not None:
+            s -= new_shift[:, None]
+        p = xp.exp(s)
+        pv = p @ to(xp, v[b, g, j0:j1, :], acc)
+        row_sum = p @ ones[: j1 - j0]
+        if o_acc is None:
+            l_run, o_acc = row_sum, pv
+        else:
+            if shift is not None or new_shift is not None:
+                alpha = xp.exp((0.0 if shift is None else shift) - (0.0 if new_shift is None else new_shift))
+                l_run = l_run * alpha
+                o_acc *= alpha[:, None]
+            l_run = l_run + row_sum
+            o_acc += pv
+        shift = new_shift
+    o_acc /= l_run[:, None]
+    o[b, heads_g, i0:i1, :] = to(xp, xp.reshape(o_acc, (group, n_q, dv)), o.dtype)
+    if m is not None:
+        if shift is None:
+            l_run = l_run * xp.exp(-m_run)
+        m[b, heads_g, i0:i1] = to(xp, xp.reshape(m_run, (group, n_q)), m.dtype)
+        l[b, heads_g, i0:i1] = to(xp, xp.reshape(l_run, (group, n_q)), l.dtype)
+
+
+def backward(
+    do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *, scale, causal, input_pos, q_lengths, k_lengths
+) -> None:
+    """Overwrite ``dq``, ``dk``, ``dv`` in full for validated inputs.
+
+    Recomputes each tile's probabilities from the checkpoints ``m``, ``l``;
+    ``delta`` (B, H, Sq) receives ``rowsum(do * o)`` and ``dq_accum``
+    (B, H, Sq, D) the sums ``dq / scale`` over key tiles (both in the
+    accumulation dtype). Shapes and options as :func:`forward`.
+    """
+    xp = array_api_compat.array_namespace(do, q, k, v, o)
+    batch, heads, sq, d = q.shape
+    kv_heads, sk, d_v = k.shape[1], k.shape[2], v.shape[3]
+    group = heads // kv_heads
+    positions = per_batch(input_pos, batch, 0)
+    q_valid = per_batch(q_lengths, batch, sq)
+    k_valid = per_batch(k_lengths, batch, sk)
+    for b in range(batch):
+        nk, pos = k_valid[b], positions[b]
+        nq = q_valid[b] if nk > 0 else 0
+        dq[b, :, nq:, :] = 0.0
+        dk[b, :, nk:, :] = 0.0
+        dv[b, :, nk:, :] = 0.0
+        _row_dots(xp, do, o, delta, b, nq)
+        dq_accum[b, :, :nq, :] = 0.0
+        key_tile, query_tile = _tile_sizes(nk, group, d, d_v)
+        for g in range(kv_heads):
+            for j0, j1 in tiles(0, nk, key_tile):
+                _backward_key_tile(
+                    xp, do, q, k, v, m, l, dk, dv, delta, dq_accum, b, g, j0, j1,
+                    q_first=max(0, j0 - pos) if causal else 0, q_end=nq,
+                    causal=causal, pos=pos, query_tile=query_tile, scale=scale,
+                )
+        for h in range(heads):
+            for r0, r1 in row_blocks(nq, d):
+                dq[b, h, r0:r1, :] = to(xp, dq_accum[b, h, r0:r1, :] * scale, dq.dtype)
+
+
+def _row_dots(xp, do, o, delta, b, nq) -> None:
+    """``delta[b, :, :nq] = rowsum(do * o)`` in row blocks."""
+    acc = acc_dtype(xp, o.dtype)
+    for h in range(o.shape[1]):
+        for r0, r1 in row_blocks(nq, o.shape[3]):
+            dots = xp.vecdot(to(xp, do[b, h, r0:r1, :], acc), to(xp, o[b, h, r0:r1, :], acc))
+            delta[b, h, r0:r1] = to(xp, dots, delta.dtype)
+
+
+def _backward_key_tile(
+    xp, do, q, k, v, m, l, dk, dv, delta, dq_accum, b, g, j0, j1, *,
+    q_first, q_end, causal, pos, query_tile, scale,
+) -> None:
+    """dk, dv of keys ``[j0, j1)`` of kv head ``g``, and their share of dq, from queries ``[q_first, q_end)``.
+
+    With ``q_aug = [q * scale | -lse]`` and ``k_aug = [k | 1]``,
+    ``q_aug @ k_aug^T = s - lse``; with ``do_aug = [do | -delta]`` and
+    ``v_aug = [v | 1]``, ``do_aug @ v_aug^T = do v^T - delta``.
+    """
+    acc = acc_dtype(xp, q.dtype)
+    group = q.shape[1] // k.shape[1]
+    heads_g = slice(g * group, (g + 1) * group)
+    d, d_v = q.shape[3], v.shape[3]
+    k_aug = _with_column(xp, k[b, g, j0:j1, :], 1.0, acc)
+    v_aug = _with_column(xp, v[b, g, j0:j1, :], 1.0, acc)
+    dev = array_api_compat.device(k_aug)
+    dk_tile = xp.zeros((j1 - j0, d), dtype=acc, device=dev)
+    dv_tile = xp.zeros((j1 - j0, d_v), dtype=acc, device=dev)
+    for i0, i1 in tiles(q_first, q_end, query_tile):
+        n_q = i1 - i0
+        rows = group * n_q
+        width = min(j1, pos + i1) - j0 if causal else j1 - j0  # keys the tile's last query sees
+        lse = to(xp, m[b, heads_g, i0:i1], acc) + xp.log(to(xp, l[b, heads_g, i0:i1], acc))
+        q_aug = _with_column(xp, xp.reshape(q[b, heads_g, i0:i1, :], (rows, d)), -xp.reshape(lse, (rows,)), acc)
+        q_aug[:, :d] *= scale
+        do_aug = _with_column(
+            xp, xp.reshape(do[b, heads_g, i0:i1, :], (rows, d_v)),
+            -xp.reshape(to(xp, delta[b, heads_g, i0:i1], acc), (rows,)), acc,
+        )
+        s = q_aug @ k_aug[:width, :].mT
+        if causal and j0 + width - 1 > pos + i0:
+            s = _causal_mask(xp, s, group, pos + i0, pos + i1, j0, j0 + width)
+        p = xp.exp(s)
+        dv_tile[:width, :] += p.mT @ do_aug[:, :d_v]
+        ds = do_aug @ v_aug[:width, :].mT
+        ds *= p
+        dq_accum[b, heads_g, i0:i1, :] += xp.reshape(ds @ k_aug[:width, :d], (group, n_q, d))
+        dk_tile[:width, :] += ds.mT @ q_aug[:, :d]
+    dk[b, g, j0:j1, :] = to(xp, dk_tile, dk.dtype)
+    dv[b, g, j0:j1, :] = to(xp, dv_tile, dv.dtype)

@@ -1,0 +1,359 @@
+"""Attention conformance declaration.
+
+The float64 reference materialises the full ``(B, H, Sq, Sk)`` score matrix
+with its mask (no tiling); the PyTorch oracle is
+``F.scaled_dot_product_attention`` (``enable_gqa``; ``is_causal`` or an
+explicit boolean mask), whose NaN rows for fully masked queries count as 0,
+with gradients from float64 autograd over a naive materialised version.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import xpkernels as xk
+from conformance.harness import Case, ErrorCase, OpSpec
+from xpkernels.attention import AttentionBackwardScratch, AttentionCheckpoints
+from xpkernels.buffers import Duplicated
+
+
+def _case(ident, interpreter=False, **params):
+    base = {"B": 1, "H": 2, "Hkv": 2, "Sq": 16, "Sk": 16, "D": 16, "Dv": None, "causal": False,
+            "scale": None, "input_pos": 0, "q_lengths": None, "k_lengths": None, "layout": "bhsd"}
+    unknown = set(params) - set(base)
+    if unknown:
+        raise TypeError(f"attention case {ident}: unknown parameters {sorted(unknown)}")
+    return Case(ident, {**base, **params}, interpreter=interpreter)
+
+
+CASES = [
+    _case("b2-mha-s40-d16", True, B=2, Sq=40, Sk=40),
+    _case("causal-s70-d40", True, Sq=70, Sk=70, D=40, causal=True),
+    _case("gqa2-causal-b2-s80-d64", True, B=2, H=4, Hkv=2, Sq=80, Sk=80, D=64, causal=True),
+    _case("mqa4-sq-lt-sk-pos57", True, H=4, Hkv=1, Sq=20, Sk=77, causal=True, input_pos=57),
+    _case("lengths-per-batch", True, B=2, Hkv=1, Sq=67, Sk=72, q_lengths=[67, 30], k_lengths=[72, 41]),
+    _case("fully-masked-rows", True, B=3, Sq=9, Sk=66, causal=True, input_pos=[0, 5, 3],
+          q_lengths=[9, 4, 9], k_lengths=[66, 66, 0]),
+    _case("pos-array-causal-gqa2-d40", True, B=2, Hkv=1, Sq=33, Sk=80, D=40, causal=True,
+          input_pos=[47, 10]),
+    _case("sq1-h4-d64", True, B=2, H=4, Hkv=4, Sq=1, Sk=50, D=64),
+    _case("sq-gt-sk-causal", True, Hkv=1, Sq=75, Sk=20, causal=True),
+    _case("dv-ne-d", True, Hkv=1, Sq=24, Sk=40, D=40, Dv=16),
+    _case("bshd-gqa2-causal", True, B=2, H=4, Hkv=2, Sq=48, Sk=48, D=64, causal=True, layout="bshd"),
+    _case("scale-0.3-d64", Sq=50, Sk=50, D=64, scale=0.3),
+    _case("d128-causal-sq-lt-sk", Sq=100, Sk=130, D=128, causal=True),
+    _case("gqa4-d40-lengths-causal", B=2, H=8, Hkv=2, Sq=96, Sk=96, D=40, causal=True,
+          q_lengths=[96, 50], k_lengths=[70, 96]),
+    _case("long-keys-pos1000", Hkv=1, Sq=100, Sk=1100, causal=True, input_pos=1000),
+]
+
+
+def _dims(p):
+    return p["B"], p["H"], p["Hkv"], p["Sq"], p["Sk"], p["D"], p["Dv"] or p["D"]
+
+
+def _scale(p):
+    return p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(p["D"])
+
+
+def _keep(p) -> np.ndarray:
+    """``(B, Sq, Sk)`` boolean: which keys each query sees."""
+    batch, _, _, sq, sk, _, _ = _dims(p)
+    pos = np.broadcast_to(np.asarray(p["input_pos"]), (batch,))
+    q_len = np.asarray(p["q_lengths"] if p["q_lengths"] is not None else [sq] * batch)
+    k_len = np.asarray(p["k_lengths"] if p["k_lengths"] is not None else [sk] * batch)
+    i = np.arange(sq)[None, :, None]
+    j = np.arange(sk)[None, None, :]
+    keep = (i < q_len[:, None, None]) & (j < k_len[:, None, None])
+    if p["causal"]:
+        keep &= j <= pos[:, None, None] + i
+    return keep
+
+
+def _naive(p, q, k, v):
+    """Full float64 matrices: probabilities ``P``, repeated K/V, output, m, l."""
+    group = p["H"] // p["Hkv"]
+    k_rep, v_rep = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    keep = _keep(p)[:, None]
+    s = np.where(keep, np.einsum("bhid,bhjd->bhij", q, k_rep) * _scale(p), -np.inf)
+    valid = keep.any(axis=-1)
+    m = np.where(valid, np.max(s, axis=-1, initial=-np.inf, where=keep), -np.inf)
+    e = np.where(keep, np.exp(np.where(keep, s, 0.0) - np.where(valid, m, 0.0)[..., None]), 0.0)
+    l_sum = e.sum(axis=-1)
+    probs = e / np.where(valid, l_sum, 1.0)[..., None]
+    return probs, k_rep, v_rep, probs @ v_rep, m, l_sum
+
+
+class AttentionSpec(OpSpec):
+    def cases(self):
+        return CASES
+
+    def inputs(self, case, rng):
+        p = case.params
+        batch, heads, kv_heads, sq, sk, d, dv = _dims(p)
+        arrays = {
+            "q": rng.standard_normal((batch, heads, sq, d)),
+            "k": rng.standard_normal((batch, kv_heads, sk, d)),
+            "v": rng.standard_normal((batch, kv_heads, sk, dv)),
+        }
+        for name in ("q_lengths", "k_lengths"):
+            if p[name] is not None:
+                arrays[name] = np.asarray(p[name], dtype=np.int64)
+        if not isinstance(p["input_pos"], int):
+            arrays["input_pos"] = np.asarray(p["input_pos"], dtype=np.int64)
+        return arrays
+
+    def arrange(self, case, arrays, target):
+        if case.params["layout"] != "bshd":
+            return arrays
+        return {**arrays, **{name: _bshd(target, arrays[name]) for name in ("q", "k", "v")}}
+
+    def cotangents(self, case, rng):
+        batch, heads, _, sq, _, _, dv = _dims(case.params)
+        return {"o": rng.standard_normal((batch, heads, sq, dv))}
+
+    def reference(self, case, inputs):
+        _, _, _, o, m, l_sum = _naive(case.params, inputs["q"], inputs["k"], inputs["v"])
+        return {"o": o}, {"m": m, "l": l_sum}
+
+    def reference_backward(self, case, inputs, cotangents):
+        p = case.params
+        q, k = inputs["q"], inputs["k"]
+        probs, k_rep, v_rep, o, _, _ = _naive(p, q, k, inputs["v"])
+        do = cotangents["o"]
+        dv_rep = np.swapaxes(probs, -1, -2) @ do
+        delta = np.sum(do * o, axis=-1, keepdims=True)
+        ds = probs * (do @ np.swapaxes(v_rep, -1, -2) - delta)
+        dq = ds @ k_rep * _scale(p)
+        dk_rep = np.swapaxes(ds, -1, -2) @ q * _scale(p)
+        batch, _, kv_heads = _dims(p)[:3]
+        group = p["H"] // kv_heads
+
+        def group_sum(a):
+            return a.reshape(batch, kv_heads, group, *a.shape[2:]).sum(axis=2)
+
+        return {"q": dq, "k": group_sum(dk_rep), "v": group_sum(dv_rep)}
+
+    def torch_reference(self, case, inputs, cotangents):
+        import torch
+        import torch.nn.functional as F
+
+        p = case.params
+        q, k, v = (torch.tensor(inputs[n], requires_grad=True) for n in ("q", "k", "v"))
+        keep = torch.tensor(_keep(p))[:, None]
+        valid = keep.any(dim=-1, keepdim=True)
+        plain_causal = (
+            p["causal"] and p["input_pos"] == 0 and p["q_lengths"] is None and p["k_lengths"] is None
+        )
+        with torch.no_grad():
+            if plain_causal:
+                sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=_scale(p), enable_gqa=True)
+            else:
+                sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=_scale(p), enable_gqa=True)
+            sdpa = torch.where(valid, sdpa, 0.0)
+        group = p["H"] // p["Hkv"]
+        k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        s = torch.where(keep & valid, q @ k_rep.transpose(-1, -2) * _scale(p), 0.0)
+        s = s.masked_fill(~keep & valid, -math.inf)
+        naive = (torch.softmax(s, dim=-1) * valid) @ v_rep
+        naive.backward(torch.tensor(cotangents["o"]))
+        grads = {"q": q.grad.numpy(), "k": k.grad.numpy(), "v": v.grad.numpy()}
+        return {"o": sdpa.numpy()}, grads
+
+    def allocate_outputs(self, case, arrays, target, dtype):
+        batch, heads, _, sq, _, _, dv = _dims(case.params)
+        o = target.full((batch, heads, sq, dv), np.nan, dtype)
+        return {"o": _bshd(target, o) if case.params["layout"] == "bshd" else o}
+
+    def allocate_checkpoints(self, case, arrays):
+        return xk.allocate_checkpoints(xk.attention_, arrays["q"], arrays["k"], arrays["v"])
+
+    def forward_(self, case, arrays, outs, checkpoints, backend):
+        xk.attention_(
+            outs["o"], arrays["q"], arrays["k"], arrays["v"], **_options(case, arrays),
+            checkpoints=checkpoints, backend=backend,
+        )
+
+    def forward(self, case, arrays, checkpoints, backend):
+        o = xk.attention(
+            arrays["q"], arrays["k"], arrays["v"], **_options(case, arrays),
+            checkpoints=checkpoints, backend=backend,
+        )
+        return {"o": o}
+
+    def backward_(self, case, arrays, outs, cotangents, grads, checkpoints, backend):
+        O = Duplicated(outs["o"], cotangents["o"])
+        Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
+        scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
+        xk.attention_backward_(
+            O, Q, K, V, checkpoints=checkpoints, scratch=scratch, **_options(case, arrays), backend=backend
+        )
+
+    def backward(self, case, arrays, outs, cotangents, checkpoints, backend):
+        dq, dk, dv = xk.attention_backward(
+            cotangents["o"], arrays["q"], arrays["k"], arrays["v"], outs["o"],
+            checkpoints=checkpoints, **_options(case, arrays), backend=backend,
+        )
+        return {"q": dq, "k": dk, "v": dv}
+
+    def errors(self):
+        return _error_cases()
+
+
+def _options(case, arrays):
+    p = case.params
+    return {
+        "causal": p["causal"],
+        "scale": p["scale"],
+        "input_pos": arrays.get("input_pos", p["input_pos"]),
+        "q_lengths": arrays.get("q_lengths"),
+        "k_lengths": arrays.get("k_lengths"),
+    }
+
+
+def _bshd(target, a):
+    """``a`` (B, H, S, D) as a view of a (B, S, H, D) buffer: the BSHD layout, last axis contiguous."""
+    xp = target.xp
+    buffer = xp.asarray(xp.permute_dims(a, (0, 2, 1, 3)), copy=True)
+    return xp.permute_dims(buffer, (0, 2, 1, 3))
+
+
+def _other_namespace_array(target, a: np.ndarray):
+    """``a`` in a namespace other than ``target``'s (for mixed-namespace errors)."""
+    if target.namespace != "numpy":
+        return np.asarray(a, dtype=np.float32)
+    strict = pytest.importorskip("array_api_strict", reason="array_api_strict provides the second namespace")
+    return strict.asarray(a.astype(np.float32))
+
+
+def _error_cases():
+    shape_q, shape_kv = (2, 4, 8, 16), (2, 2, 8, 16)
+
+    def make(t, dtype="float32"):
+        q = t.full(shape_q, 0.5, dtype)
+        k = t.full(shape_kv, 0.5, dtype)
+        v = t.full(shape_kv, 0.5, dtype)
+        return q, k, v, t.full(shape_q, 0.0, dtype)
+
+    def forward(**options):
+        def call(t):
+            q, k, v, o = make(t)
+            xk.attention_(o, q, k, v, **{n: f(t) if callable(f) else f for n, f in options.items()})
+
+        return call
+
+    def arrays(**replace):
+        def call(t):
+            q, k, v, o = make(t)
+            named = {"q": q, "k": k, "v": v, "o": o}
+            named.update({n: f(t) for n, f in replace.items()})
+            xk.attention_(named["o"], named["q"], named["k"], named["v"])
+
+        return call
+
+    def ints(values):
+        return lambda t: t.asarray(np.asarray(values, dtype=np.int64))
+
+    def trained(t):
+        q, k, v, o = make(t)
+        ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
+        xk.attention_(o, q, k, v, checkpoints=ck)
+        return (Duplicated(o), Duplicated(q), Duplicated(k), Duplicated(v)), ck
+
+    def backward(checkpoints=None, scratch=None, bare=None):
+        def call(t):
+            args, ck = trained(t)
+            if bare is not None:
+                args = tuple(a.primal if i == bare else a for i, a in enumerate(args))
+            ck = ck if checkpoints is None else checkpoints(t, ck)
+            kw = {} if scratch is None else {"scratch": scratch(t)}
+            xk.attention_backward_(*args, checkpoints=ck, **kw)
+
+        return call
+
+    def bad_checkpoints(shape_m, dtype_l="float32"):
+        return lambda t: AttentionCheckpoints(m=t.full(shape_m, 0.0, "float32"), l=t.full((2, 4, 8), 1.0, dtype_l))
+
+    def non_contiguous_q(t):
+        q = t.xp.permute_dims(t.full((2, 4, 16, 8), 0.5, "float32"), (0, 1, 3, 2))
+        return q
+
+    def missing_checkpoints(t):
+        args, _ = trained(t)
+        xk.attention_backward_(*args, checkpoints=None)
+
+    def mixed(t):
+        q, _, v, o = make(t)
+        xk.attention_(o, q, _other_namespace_array(t, np.full(shape_kv, 0.5)), v)
+
+    return [
+        ErrorCase("q-rank3", arrays(q=lambda t: t.full((2, 4, 16), 0.5, "float32")), ValueError,
+                  r"q must have shape \(B, H, Sq, D\) \(rank 4\)"),
+        ErrorCase("k-head-dim", arrays(k=lambda t: t.full((2, 2, 8, 12), 0.5, "float32")), ValueError,
+                  r"k must have shape \(2, 2, 8, 16\)"),
+        ErrorCase("k-batch", arrays(k=lambda t: t.full((3, 2, 8, 16), 0.5, "float32")), ValueError,
+                  r"k must have shape \(2, 2, 8, 16\)"),
+        ErrorCase("H-not-multiple-of-Hkv", arrays(k=lambda t: t.full((2, 3, 8, 16), 0.5, "float32"),
+                                                  v=lambda t: t.full((2, 3, 8, 16), 0.5, "float32")),
+                  ValueError, r"H=4 query heads of q must be a multiple of the Hkv=3"),
+        ErrorCase("v-keys", arrays(v=lambda t: t.full((2, 2, 9, 16), 0.5, "float32")), ValueError,
+                  r"v must have shape \(2, 2, 8, 16\)"),
+        ErrorCase("o-shape", arrays(o=lambda t: t.full((2, 4, 8, 8), 0.0, "float32")), ValueError,
+                  r"o must have shape \(2, 4, 8, 16\)"),
+        ErrorCase("int-q", arrays(q=lambda t: t.asarray(np.ones(shape_q, dtype=np.int32))), TypeError,
+                  r"q must have dtype in"),
+        ErrorCase("k-dtype-differs", arrays(k=lambda t: t.full(shape_kv, 0.5, "float64")), TypeError,
+                  r"k must have q's dtype"),
+        ErrorCase("int-o", arrays(o=lambda t: t.asarray(np.zeros(shape_q, dtype=np.int32))), TypeError,
+                  r"o must have dtype in"),
+        ErrorCase("q-last-axis-strided", arrays(q=non_contiguous_q), ValueError,
+                  r"q must be contiguous along its last axis"),
+        ErrorCase("mixed-namespaces", mixed, TypeError, r"all arrays of a call must come from one namespace"),
+        ErrorCase("scale-zero", forward(scale=0.0), ValueError, r"scale must be finite and > 0"),
+        ErrorCase("scale-nan", forward(scale=float("nan")), ValueError, r"scale must be finite and > 0"),
+        ErrorCase("input-pos-negative", forward(input_pos=-1), ValueError, r"input_pos must be >= 0"),
+        ErrorCase("input-pos-array-negative", forward(input_pos=ints([0, -2])), ValueError,
+                  r"input_pos must be >= 0, got values in \[-2, 0\]"),
+        ErrorCase("input-pos-shape", forward(input_pos=ints([0, 1, 2])), ValueError,
+                  r"input_pos must have shape \(2,\)"),
+        ErrorCase("input-pos-float", forward(input_pos=1.5), TypeError, r"input_pos must be an int >= 0"),
+        ErrorCase("q-lengths-above-Sq", forward(q_lengths=ints([8, 9])), ValueError,
+                  r"q_lengths must lie in \[0, 8\] \(Sq\), got values in \[8, 9\]"),
+        ErrorCase("k-lengths-negative", forward(k_lengths=ints([-1, 3])), ValueError,
+                  r"k_lengths must lie in \[0, 8\] \(Sk\)"),
+        ErrorCase("k-lengths-float", forward(k_lengths=lambda t: t.full((2,), 3.0, "float32")), TypeError,
+                  r"k_lengths must have an integer dtype"),
+        ErrorCase("k-lengths-shape", forward(k_lengths=ints([3, 3, 3])), ValueError,
+                  r"k_lengths must have shape \(2,\)"),
+        ErrorCase("checkpoint-shape", forward(checkpoints=bad_checkpoints((2, 4, 9))), ValueError,
+                  r"checkpoints.m must have shape \(2, 4, 8\)"),
+        ErrorCase("checkpoint-dtype", forward(checkpoints=bad_checkpoints((2, 4, 8), "float64")), TypeError,
+                  r"checkpoints.l must be float32"),
+        ErrorCase("checkpoint-namespace",
+                  forward(checkpoints=lambda t: AttentionCheckpoints(
+                      *(_other_namespace_array(t, np.zeros((2, 4, 8))) for _ in range(2)))),
+                  TypeError, r"checkpoints.m is a .* array but q is a .* array"),
+        ErrorCase("checkpoint-type", forward(checkpoints=lambda t: (t.full((2, 4, 8), 0.0, "float32"),) * 2),
+                  TypeError, r"checkpoints must be the AttentionCheckpoints"),
+        ErrorCase("missing-checkpoints", missing_checkpoints, ValueError, r"checkpoints are required"),
+        ErrorCase("backward-checkpoint-shape",
+                  backward(checkpoints=lambda t, ck: AttentionCheckpoints(ck.m[:, :, :4], ck.l)),
+                  ValueError, r"checkpoints.m must have shape \(2, 4, 8\)"),
+        ErrorCase("scratch-shape",
+                  backward(scratch=lambda t: AttentionBackwardScratch(
+                      t.full((2, 4, 8), 0.0, "float32"), t.full((2, 4, 8, 8), 0.0, "float32"))),
+                  ValueError, r"scratch.dq_accum must have shape \(2, 4, 8, 16\)"),
+        ErrorCase("scratch-dtype",
+                  backward(scratch=lambda t: AttentionBackwardScratch(
+                      t.full((2, 4, 8), 0.0, "float64"), t.full(shape_q, 0.0, "float32"))),
+                  TypeError, r"scratch.delta must be .*float32"),
+        ErrorCase("bare-Q", backward(bare=1), TypeError, r"Q must be a Duplicated"),
+    ]
+
+
+SPEC = AttentionSpec(
+    name="attention", outputs=("o",), grad_names=("q", "k", "v"), checkpoint_names=("m", "l")
+)

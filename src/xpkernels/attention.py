@@ -1,0 +1,449 @@
+r"""Fused multi-head attention with grouped-query heads.
+
+For batch ``b``, query head ``h`` (which reads kv head ``g = h // (H // Hkv)``),
+query ``i`` and key ``j``:
+
+.. math::
+
+    s_{ij} = \mathrm{scale}\; q_i \cdot k_j, \qquad
+    m_i = \max_j s_{ij}, \qquad
+    l_i = \textstyle\sum_j e^{s_{ij} - m_i}, \qquad
+    o_i = \tfrac{1}{l_i} \textstyle\sum_j e^{s_{ij} - m_i}\, v_j
+
+over the keys ``j`` that row ``i`` may see. Query ``i`` sits at absolute
+position ``input_pos[b] + i`` and key ``j`` at position ``j``; key ``j`` is
+seen when ``j < k_lengths[b]``, ``i < q_lengths[b]`` and, if ``causal``,
+``j <= input_pos[b] + i``. A row that sees no key (fully masked) has
+``o = 0``, ``m = -inf``, ``l = 0`` and zero gradients, never NaN.
+
+Backward, with :math:`p_{ij} = e^{s_{ij} - m_i} / l_i` and
+:math:`\delta_i = \sum_c do_{ic}\, o_{ic}`:
+
+.. math::
+
+    dv_j = \textstyle\sum_i p_{ij}\, do_i, \qquad
+    ds_{ij} = p_{ij}\,(do_i \cdot v_j - \delta_i), \qquad
+    dq_i = \mathrm{scale} \textstyle\sum_j ds_{ij}\, k_j, \qquad
+    dk_j = \mathrm{scale} \textstyle\sum_i ds_{ij}\, q_i
+
+``dk`` and ``dv`` are summed over the query heads of each kv group. The
+checkpoints ``(m, l)`` are backend-neutral: a forward on one backend feeds a
+backward on another. Accumulation is in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import NamedTuple
+
+import array_api_compat
+
+from . import _checks as check
+from .buffers import (
+    Duplicated,
+    checkpoints_for,
+    empty_accumulator,
+    empty_float32,
+    primal,
+    scratchspace_for,
+)
+from .registry import namespace_name, resolve
+
+__all__ = [
+    "attention_",
+    "attention",
+    "attention_backward_",
+    "attention_backward",
+    "AttentionCheckpoints",
+    "AttentionBackwardScratch",
+]
+
+
+class AttentionCheckpoints(NamedTuple):
+    """What ``attention_`` saves for its backward."""
+
+    m: object  #: ``(B, H, Sq)`` float32, row max of the scaled masked scores (-inf: fully masked row)
+    l: object  #: ``(B, H, Sq)`` float32, ``sum_j exp(s_ij - m_i)`` (0: fully masked row)
+
+
+class AttentionBackwardScratch(NamedTuple):
+    """Transient workspace of ``attention_backward_`` (float32; float64 for float64 inputs)."""
+
+    delta: object  #: ``(B, H, Sq)``, ``rowsum(do * o)``
+    dq_accum: object  #: ``(B, H, Sq, D)``, ``dq / scale`` summed over key tiles
+
+
+def same_namespace(fn, xp, arrays, reference=None) -> None:
+    """TypeError unless every array of ``arrays`` (name -> array or None) is in namespace ``xp``.
+
+    ``reference`` names the argument ``xp`` came from (default: the first name).
+    """
+    expected = namespace_name(xp)
+    first = reference or next(iter(arrays))
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        got = namespace_name(check.namespace(fn, name, a))
+        if got != expected:
+            raise TypeError(
+                f"{fn}: {name} is a {got} array but {first} is a {expected} array; "
+                "all arrays of a call must come from one namespace"
+            )
+
+
+def batch_integers(fn, name, xp, a, batch, low, high, layout) -> None:
+    """Check a ``(B,)`` integer array whose values must lie in ``[low, high]`` (``high`` None: no upper bound).
+
+    Raises TypeError for a non-integer dtype and ValueError for a wrong shape
+    or an out-of-range value, naming ``name`` and ``layout`` (what ``high`` is).
+    """
+    if not xp.isdtype(a.dtype, "integral"):
+        raise TypeError(f"{fn}: {name} must have an integer dtype, got {a.dtype}")
+    check.shape(fn, name, a, (batch,))
+    if batch == 0:
+        return
+    lo, hi = int(xp.min(a)), int(xp.max(a))
+    if lo < low or (high is not None and hi > high):
+        bound = f"lie in [{low}, {high}] ({layout})" if high is not None else f"be >= {low}"
+        raise ValueError(f"{fn}: {name} must {bound}, got values in [{lo}, {hi}]")
+
+
+def _input_pos(fn, xp, input_pos, batch):
+    """``input_pos`` as a Python int, or the validated ``(B,)`` integer array."""
+    if isinstance(input_pos, bool):
+        raise TypeError(f"{fn}: input_pos must be an int >= 0 or a ({batch},) integer array, got a bool")
+    try:
+        value = operator.index(input_pos)
+    except TypeError:
+        if not hasattr(input_pos, "shape"):
+            raise TypeError(
+                f"{fn}: input_pos must be an int >= 0 or a ({batch},) integer array, "
+                f"got {type(input_pos).__name__}"
+            ) from None
+        batch_integers(fn, "input_pos", xp, input_pos, batch, 0, None, "")
+        return input_pos
+    if value < 0:
+        raise ValueError(f"{fn}: input_pos must be >= 0, got {value}")
+    return value
+
+
+def _checkpoint_arrays(fn, xp, checkpoints, q, reference="q"):
+    if not isinstance(checkpoints, AttentionCheckpoints):
+        raise TypeError(
+            f"{fn}: checkpoints must be the AttentionCheckpoints from "
+            f"allocate_checkpoints(attention_, q, k, v), got {type(checkpoints).__name__}"
+        )
+    rows = tuple(q.shape[:3])
+    same_namespace(fn, xp, {f"checkpoints.{n}": a for n, a in checkpoints._asdict().items()}, reference)
+    for name in AttentionCheckpoints._fields:
+        a = getattr(checkpoints, name)
+        check.shape(fn, f"checkpoints.{name}", a, rows)
+        check.float32(fn, f"checkpoints.{name}", xp, a)
+    return checkpoints.m, checkpoints.l
+
+
+def _validate_qkv(fn, q, k, v, names=("q", "k", "v")):
+    """Ranks, shapes, head grouping, dtypes and layout of q, k, v; returns ``xp``."""
+    nq, nk, nv = names
+    xp = check.namespace(fn, nq, q)
+    check.rank(fn, nq, q, 4, "(B, H, Sq, D)")
+    check.namespace(fn, nk, k)
+    check.rank(fn, nk, k, 4, "(B, Hkv, Sk, D)")
+    check.namespace(fn, nv, v)
+    check.rank(fn, nv, v, 4, "(B, Hkv, Sk, Dv)")
+    batch, heads, _, d = q.shape
+    kv_heads, sk = k.shape[1], k.shape[2]
+    if d < 1:
+        raise ValueError(f"{fn}: {nq} must have head dim D >= 1, got shape {tuple(q.shape)}")
+    check.shape(fn, nk, k, (batch, kv_heads, sk, d))
+    if kv_heads < 1 or heads % kv_heads != 0:
+        raise ValueError(
+            f"{fn}: the H={heads} query heads of {nq} must be a multiple of the Hkv={kv_heads} "
+            f"kv heads of {nk} (grouped-query attention), got {nq} {tuple(q.shape)} and "
+            f"{nk} {tuple(k.shape)}"
+        )
+    if v.shape[3] < 1:
+        raise ValueError(f"{fn}: {nv} must have head dim Dv >= 1, got shape {tuple(v.shape)}")
+    check.shape(fn, nv, v, (batch, kv_heads, sk, v.shape[3]))
+    check.floating(fn, nq, xp, q)
+    for name, a in ((nk, k), (nv, v)):
+        if a.dtype != q.dtype:
+            raise TypeError(f"{fn}: {name} must have {nq}'s dtype {q.dtype}, got {a.dtype}")
+    for name, a in ((nq, q), (nk, k), (nv, v)):
+        check.last_axis_contiguous(fn, name, a)
+    return xp
+
+
+def _validate_options(fn, xp, q, k, scale, input_pos, q_lengths, k_lengths):
+    batch, _, sq, d = q.shape
+    sk = k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else check.positive_finite(fn, "scale", scale)
+    input_pos = _input_pos(fn, xp, input_pos, batch)
+    if q_lengths is not None:
+        batch_integers(fn, "q_lengths", xp, q_lengths, batch, 0, sq, "Sq")
+    if k_lengths is not None:
+        batch_integers(fn, "k_lengths", xp, k_lengths, batch, 0, sk, "Sk")
+    return scale, input_pos
+
+
+def _validate_forward(fn, o, q, k, v, scale, input_pos, q_lengths, k_lengths, checkpoints):
+    xp = check.namespace(fn, "q", q)
+    same_namespace(
+        fn, xp,
+        {"q": q, "k": k, "v": v, "o": o, "q_lengths": q_lengths, "k_lengths": k_lengths,
+         "input_pos": input_pos if hasattr(input_pos, "shape") else None},
+    )
+    _validate_qkv(fn, q, k, v)
+    batch, heads, sq, _ = q.shape
+    check.floating(fn, "o", xp, o)
+    check.shape(fn, "o", o, (batch, heads, sq, v.shape[3]))
+    check.last_axis_contiguous(fn, "o", o)
+    scale, input_pos = _validate_options(fn, xp, q, k, scale, input_pos, q_lengths, k_lengths)
+    m = lse_sum = None
+    if checkpoints is not None:
+        m, lse_sum = _checkpoint_arrays(fn, xp, checkpoints, q)
+    return scale, input_pos, m, lse_sum
+
+
+def attention_(
+    o, q, k, v, *, causal=False, scale=None, input_pos=0, q_lengths=None, k_lengths=None,
+    checkpoints=None, backend=None,
+) -> None:
+    """Attention forward, in place: ``o = softmax(scale * q k^T + mask) v``.
+
+    Parameters
+    ----------
+    o : array
+        Output, written in full (zeros on fully masked rows); any float dtype.
+    q, k, v : array or Duplicated
+        Queries, keys and values, one float dtype.
+    causal : bool
+        Keep key ``j`` for query ``i`` only when ``j <= input_pos + i``.
+    scale : float, optional
+        Score scale, finite and > 0; None means ``1 / sqrt(D)``.
+    input_pos : int or array
+        Absolute position of query 0: an int >= 0 for every batch, or a
+        ``(B,)`` integer array. Keys sit at positions ``0 .. Sk - 1``.
+    q_lengths, k_lengths : array, optional
+        ``(B,)`` integer arrays in ``[0, Sq]`` / ``[0, Sk]``: queries
+        ``i >= q_lengths[b]`` and keys ``j >= k_lengths[b]`` are masked out.
+    checkpoints : AttentionCheckpoints, optional
+        From ``allocate_checkpoints(attention_, q, k, v)``; receives ``m`` and
+        ``l``. None saves nothing (inference).
+    backend : str, optional
+        Explicit backend; see :mod:`xpkernels.registry`.
+
+    Shapes
+    ------
+    q : ``(B, H, Sq, D)``; k : ``(B, Hkv, Sk, D)``; v : ``(B, Hkv, Sk, Dv)``;
+    o : ``(B, H, Sq, Dv)``, with ``H % Hkv == 0`` (query head ``h`` reads kv
+    head ``h // (H // Hkv)``). The last axis must be contiguous; other axes
+    may have any stride, so ``(B, S, H, D)`` buffers viewed as BHSD work
+    without copies.
+
+    Checkpoints
+    -----------
+    m, l : ``(B, H, Sq)`` float32; see the module docstring (``-inf`` and 0 on
+    fully masked rows).
+    """
+    fn = "attention_"
+    q, k, v = primal(q), primal(k), primal(v)
+    scale, input_pos, m, lse_sum = _validate_forward(
+        fn, o, q, k, v, scale, input_pos, q_lengths, k_lengths, checkpoints
+    )
+    arrays = {
+        "o": o, "q": q, "k": k, "v": v, "checkpoints.m": m, "checkpoints.l": lse_sum,
+        "q_lengths": q_lengths, "k_lengths": k_lengths,
+    }
+    route = resolve("attention", arrays, backend=backend, head_dim=max(q.shape[3], v.shape[3]))
+    route.impl.forward(
+        o, q, k, v, m, lse_sum, scale=scale, causal=bool(causal), input_pos=input_pos,
+        q_lengths=q_lengths, k_lengths=k_lengths,
+    )
+
+
+@checkpoints_for(attention_)
+def allocate_attention_checkpoints(q, k=None, v=None, **options) -> AttentionCheckpoints:
+    """Allocate ``attention_``'s checkpoints for queries ``q`` ``(B, H, Sq, D)``: ``m, l (B, H, Sq)`` float32."""
+    q = primal(q)
+    fn = "allocate_checkpoints(attention_)"
+    check.namespace(fn, "q", q)
+    check.rank(fn, "q", q, 4, "(B, H, Sq, D)")
+    rows = tuple(q.shape[:3])
+    return AttentionCheckpoints(m=empty_float32(q, rows), l=empty_float32(q, rows))
+
+
+def attention(
+    q, k, v, *, causal=False, scale=None, input_pos=0, q_lengths=None, k_lengths=None,
+    checkpoints=None, backend=None,
+):
+    """Attention forward into a new ``(B, H, Sq, Dv)`` array of ``q``'s dtype; see :func:`attention_`.
+
+    Returns
+    -------
+    o : array
+    """
+    fn = "attention"
+    q, v = primal(q), primal(v)
+    xp = check.namespace(fn, "q", q)
+    check.rank(fn, "q", q, 4, "(B, H, Sq, D)")
+    check.namespace(fn, "v", v)
+    check.rank(fn, "v", v, 4, "(B, Hkv, Sk, Dv)")
+    shape = (*q.shape[:3], v.shape[3])
+    o = xp.empty(shape, dtype=q.dtype, device=array_api_compat.device(q))
+    attention_(
+        o, q, k, v, causal=causal, scale=scale, input_pos=input_pos, q_lengths=q_lengths,
+        k_lengths=k_lengths, checkpoints=checkpoints, backend=backend,
+    )
+    return o
+
+
+def _scratch_arrays(fn, xp, scratch, q):
+    if not isinstance(scratch, AttentionBackwardScratch):
+        raise TypeError(
+            f"{fn}: scratch must be the AttentionBackwardScratch from "
+            f"allocate_scratchspace(attention_backward_, O, Q, K, V), got {type(scratch).__name__}"
+        )
+    same_namespace(fn, xp, {f"scratch.{n}": a for n, a in scratch._asdict().items()}, reference="Q.primal")
+    for name, shape in (("delta", tuple(q.shape[:3])), ("dq_accum", tuple(q.shape))):
+        a = getattr(scratch, name)
+        check.shape(fn, f"scratch.{name}", a, shape)
+        check.accumulator(fn, f"scratch.{name}", xp, a, q.dtype)
+    return scratch.delta, scratch.dq_accum
+
+
+def _validate_backward(fn, O, Q, K, V, checkpoints, scratch, scale, input_pos, q_lengths, k_lengths):
+    Ds = {name: check.duplicated(fn, name, d) for name, d in (("O", O), ("Q", Q), ("K", K), ("V", V))}
+    q = Q.primal
+    xp = check.namespace(fn, "Q.primal", q)
+    named = {f"{n}.{part}": getattr(d, part) for n, d in Ds.items() for part in ("primal", "shadow")}
+    same_namespace(
+        fn, xp,
+        {**named, "q_lengths": q_lengths, "k_lengths": k_lengths,
+         "input_pos": input_pos if hasattr(input_pos, "shape") else None},
+    )
+    _validate_qkv(fn, q, K.primal, V.primal, names=("Q.primal", "K.primal", "V.primal"))
+    o_shape = (*q.shape[:3], V.primal.shape[3])
+    for name, a in (("O.primal", O.primal), ("O.shadow", O.shadow), ("Q.shadow", Q.shadow),
+                    ("K.shadow", K.shadow), ("V.shadow", V.shadow)):
+        check.floating(fn, name, xp, a)
+        check.last_axis_contiguous(fn, name, a)
+    check.shape(fn, "O.primal", O.primal, o_shape)
+    scale, input_pos = _validate_options(fn, xp, q, K.primal, scale, input_pos, q_lengths, k_lengths)
+    if checkpoints is None:
+        raise ValueError(
+            f"{fn}: checkpoints are required: pass the AttentionCheckpoints that attention_ "
+            "filled in the forward (allocate_checkpoints(attention_, q, k, v))"
+        )
+    m, lse_sum = _checkpoint_arrays(fn, xp, checkpoints, q, reference="Q.primal")
+    delta = dq_accum = None
+    if scratch is not None:
+        delta, dq_accum = _scratch_arrays(fn, xp, scratch, q)
+    return scale, input_pos, m, lse_sum, delta, dq_accum
+
+
+def attention_backward_(
+    O, Q, K, V, *, checkpoints, scratch=None, causal=False, scale=None, input_pos=0,
+    q_lengths=None, k_lengths=None, backend=None,
+) -> None:
+    """Attention backward, in place: overwrites the shadows of Q, K and V with dq, dk, dv.
+
+    Parameters
+    ----------
+    O : Duplicated
+        The forward's output (primal, read) and its cotangent ``do`` (shadow, read).
+    Q, K, V : Duplicated
+        The forward's inputs (primals, read); their shadows receive ``dq``,
+        ``dk`` and ``dv`` in full (zeros for masked queries and keys). ``dk``
+        and ``dv`` are summed over each kv head's group of query heads.
+    checkpoints : AttentionCheckpoints
+        Filled by the forward ``attention_`` with the same options (or by any
+        backend following the contract).
+    scratch : AttentionBackwardScratch, optional
+        From ``allocate_scratchspace(attention_backward_, O, Q, K, V)``; None
+        allocates it for this call.
+    causal, scale, input_pos, q_lengths, k_lengths, backend
+        As in the forward :func:`attention_`.
+
+    Shapes
+    ------
+    As :func:`attention_`: O ``(B, H, Sq, Dv)``, Q ``(B, H, Sq, D)``, K
+    ``(B, Hkv, Sk, D)``, V ``(B, Hkv, Sk, Dv)``; shadows share their primal's
+    shape and may have any float dtype. Last axes contiguous.
+
+    Scratch
+    -------
+    delta : ``(B, H, Sq)``, ``rowsum(do * o)``; dq_accum : ``(B, H, Sq, D)``,
+    dq accumulated over key tiles. Float32 (float64 for float64 inputs).
+    """
+    fn = "attention_backward_"
+    scale, input_pos, m, lse_sum, delta, dq_accum = _validate_backward(
+        fn, O, Q, K, V, checkpoints, scratch, scale, input_pos, q_lengths, k_lengths
+    )
+    q, k, v, o = Q.primal, K.primal, V.primal, O.primal
+    arrays = {
+        "O.primal": o, "Q.primal": q, "K.primal": k, "V.primal": v, "O.shadow": O.shadow,
+        "Q.shadow": Q.shadow, "K.shadow": K.shadow, "V.shadow": V.shadow,
+        "checkpoints.m": m, "checkpoints.l": lse_sum, "scratch.delta": delta,
+        "scratch.dq_accum": dq_accum, "q_lengths": q_lengths, "k_lengths": k_lengths,
+    }
+    route = resolve("attention", arrays, backend=backend, head_dim=max(q.shape[3], v.shape[3]))
+    if delta is None:
+        delta, dq_accum = _allocate_scratch(q)
+    route.impl.backward(
+        O.shadow, q, k, v, o, m, lse_sum, Q.shadow, K.shadow, V.shadow, delta, dq_accum,
+        scale=scale, causal=bool(causal), input_pos=input_pos, q_lengths=q_lengths,
+        k_lengths=k_lengths,
+    )
+
+
+def _allocate_scratch(q) -> AttentionBackwardScratch:
+    return AttentionBackwardScratch(
+        delta=empty_accumulator(q, q.shape[:3]), dq_accum=empty_accumulator(q, q.shape)
+    )
+
+
+@scratchspace_for(attention_backward_)
+def allocate_attention_backward_scratch(O, Q, K=None, V=None, **options) -> AttentionBackwardScratch:
+    """Allocate ``attention_backward_``'s scratch from ``Q`` ``(B, H, Sq, D)``.
+
+    Returns ``delta (B, H, Sq)`` and ``dq_accum (B, H, Sq, D)``, float32
+    (float64 when ``Q`` is float64).
+    """
+    fn = "allocate_scratchspace(attention_backward_)"
+    q = primal(Q)
+    xp = check.namespace(fn, "Q", q)
+    check.rank(fn, "Q", q, 4, "(B, H, Sq, D)")
+    check.floating(fn, "Q", xp, q)
+    return _allocate_scratch(q)
+
+
+def attention_backward(
+    do, q, k, v, o, *, checkpoints, causal=False, scale=None, input_pos=0, q_lengths=None,
+    k_lengths=None, backend=None,
+):
+    """Attention backward into new arrays; see :func:`attention_backward_`.
+
+    Parameters
+    ----------
+    do : array
+        Cotangent of the forward's output ``o``.
+    q, k, v, o : array or Duplicated
+        The forward's inputs and output.
+
+    Returns
+    -------
+    dq, dk, dv : arrays shaped and typed like ``q``, ``k``, ``v``.
+    """
+    fn = "attention_backward"
+    q, k, v, o = primal(q), primal(k), primal(v), primal(o)
+    arrays = {}
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        arrays[name] = Duplicated(a, check.namespace(fn, name, a).empty_like(a))
+    attention_backward_(
+        Duplicated(o, do), arrays["q"], arrays["k"], arrays["v"], checkpoints=checkpoints,
+        causal=causal, scale=scale, input_pos=input_pos, q_lengths=q_lengths,
+        k_lengths=k_lengths, backend=backend,
+    )
+    return arrays["q"].shadow, arrays["k"].shadow, arrays["v"].shadow
