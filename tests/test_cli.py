@@ -7,6 +7,7 @@ in process on a small configuration. Performance figures are never asserted.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import json
@@ -51,9 +52,15 @@ def test_info_lists_versions_and_every_backend_with_its_state():
     assert re.search(rf"^\s+xpkernels\s+{re.escape(xpkernels.__version__)}$", out, re.MULTILINE)
     assert re.search(r"^\s+numpy\s+\d+\.\d+", out, re.MULTILINE)
     assert re.search(r"^\s+cupy\s+(not installed|\d)", out, re.MULTILINE)
-    for backend in xpkernels.backends():
-        state = "available" if backend.available else f"unavailable: {backend.reason}"
-        assert re.search(rf"^\s+{backend.name}\s+{re.escape(state)}$", out, re.MULTILINE), out
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    expected = subprocess.run(
+        [sys.executable, "-c", "import xpkernels as xk\nfor b in xk.backends(): print(repr((b.name, b.available, b.reason)))"],
+        capture_output=True, text=True, env=environ, check=True,
+    ).stdout.splitlines()
+    assert len(expected) == len(xpkernels.backends())
+    for name, available, reason in map(ast.literal_eval, expected):
+        state = "available" if available else f"unavailable: {reason}"
+        assert re.search(rf"^\s+{name}\s+{re.escape(state)}$", out, re.MULTILINE), out
 
 
 def test_no_command_is_a_usage_error():

@@ -29,10 +29,16 @@ _EXPORTS = {
     "softmax": ("softmax", "softmax_", "softmax_backward", "softmax_backward_"),
     "attention": ("attention", "attention_", "attention_backward", "attention_backward_"),
     "decode_attention": ("decode_attention", "decode_attention_"),
+    "flex_attention": (
+        "flex_attention",
+        "flex_attention_",
+        "flex_attention_backward",
+        "flex_attention_backward_",
+    ),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = sorted(_WHERE) + ["__version__"]
+__all__ = [*sorted(_WHERE), "__version__"]
 
 
 def __getattr__(name):
@@ -47,16 +53,18 @@ def __dir__():
 
 
 class _Package(types.ModuleType):
-    """Keeps ``xpkernels.rms_norm`` the function when the module ``xpkernels/rms_norm.py`` loads.
+    """Keeps ``xpkernels.rms_norm`` and ``xpkernels.backends`` the functions when same-named modules load.
 
-    Importing a submodule sets it as an attribute of its package; for the
-    primitives whose function shares its file's name, store the function
-    instead (the module stays reachable as ``sys.modules["xpkernels.rms_norm"]``).
+    Importing a submodule sets it as an attribute of its package. Where a
+    public function shares a submodule's name (the primitives' files, and the
+    ``backends`` subpackage vs ``registry.backends``), store the function
+    instead; the module stays reachable through ``sys.modules``.
     """
 
     def __setattr__(self, name, value):
-        if isinstance(value, types.ModuleType) and _WHERE.get(name) == name:
-            value = getattr(value, name)
+        source = _WHERE.get(name)
+        if isinstance(value, types.ModuleType) and source is not None:
+            value = getattr(importlib.import_module(f"{__name__}.{source}"), name)
         super().__setattr__(name, value)
 
 

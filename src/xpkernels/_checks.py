@@ -12,7 +12,7 @@ import math
 import array_api_compat
 
 from .buffers import Duplicated
-from .registry import FLOAT_DTYPES, dtype_name
+from .registry import FLOAT_DTYPES, dtype_name, namespace_name
 
 
 def namespace(fn: str, name: str, a):
@@ -89,7 +89,7 @@ def strides(a) -> tuple[int, ...] | None:
 def last_axis_contiguous(fn: str, name: str, a) -> None:
     """ValueError unless the last axis of ``a`` has stride 1 (or length 1)."""
     st = strides(a)
-    if st and a.shape[-1] > 1 and st[-1] != 1:
+    if st and a.shape[-1] > 1 and st[-1] != 1 and math.prod(a.shape) > 0:
         raise ValueError(
             f"{fn}: {name} must be contiguous along its last axis (stride 1), got strides {st}; "
             "other axes may have any stride"
@@ -117,3 +117,37 @@ def finite(fn: str, name: str, value) -> float:
         raise ValueError(f"{fn}: {name} must be finite, got {value!r}")
     return v
 
+
+def same_namespace(fn, xp, arrays, reference=None) -> None:
+    """TypeError unless every array of ``arrays`` (name -> array or None) is in namespace ``xp``.
+
+    ``reference`` names the argument ``xp`` came from (default: the first name).
+    """
+    expected = namespace_name(xp)
+    first = reference or next(iter(arrays))
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        got = namespace_name(namespace(fn, name, a))
+        if got != expected:
+            raise TypeError(
+                f"{fn}: {name} is a {got} array but {first} is a {expected} array; "
+                "all arrays of a call must come from one namespace"
+            )
+
+
+def batch_integers(fn, name, xp, a, batch, low, high, layout) -> None:
+    """Check a ``(B,)`` integer array whose values must lie in ``[low, high]`` (``high`` None: no upper bound).
+
+    Raises TypeError for a non-integer dtype and ValueError for a wrong shape
+    or an out-of-range value, naming ``name`` and ``layout`` (what ``high`` is).
+    """
+    if not xp.isdtype(a.dtype, "integral"):
+        raise TypeError(f"{fn}: {name} must have an integer dtype, got {a.dtype}")
+    shape(fn, name, a, (batch,))
+    if batch == 0:
+        return
+    lo, hi = int(xp.min(a)), int(xp.max(a))
+    if lo < low or (high is not None and hi > high):
+        bound = f"lie in [{low}, {high}] ({layout})" if high is not None else f"be >= {low}"
+        raise ValueError(f"{fn}: {name} must {bound}, got values in [{lo}, {hi}]")

@@ -48,7 +48,7 @@ from .buffers import (
     primal,
     scratchspace_for,
 )
-from .registry import namespace_name, resolve
+from .registry import resolve
 
 __all__ = [
     "attention_",
@@ -74,41 +74,6 @@ class AttentionBackwardScratch(NamedTuple):
     dq_accum: object  #: ``(B, H, Sq, D)``, ``dq / scale`` summed over key tiles
 
 
-def same_namespace(fn, xp, arrays, reference=None) -> None:
-    """TypeError unless every array of ``arrays`` (name -> array or None) is in namespace ``xp``.
-
-    ``reference`` names the argument ``xp`` came from (default: the first name).
-    """
-    expected = namespace_name(xp)
-    first = reference or next(iter(arrays))
-    for name, a in arrays.items():
-        if a is None:
-            continue
-        got = namespace_name(check.namespace(fn, name, a))
-        if got != expected:
-            raise TypeError(
-                f"{fn}: {name} is a {got} array but {first} is a {expected} array; "
-                "all arrays of a call must come from one namespace"
-            )
-
-
-def batch_integers(fn, name, xp, a, batch, low, high, layout) -> None:
-    """Check a ``(B,)`` integer array whose values must lie in ``[low, high]`` (``high`` None: no upper bound).
-
-    Raises TypeError for a non-integer dtype and ValueError for a wrong shape
-    or an out-of-range value, naming ``name`` and ``layout`` (what ``high`` is).
-    """
-    if not xp.isdtype(a.dtype, "integral"):
-        raise TypeError(f"{fn}: {name} must have an integer dtype, got {a.dtype}")
-    check.shape(fn, name, a, (batch,))
-    if batch == 0:
-        return
-    lo, hi = int(xp.min(a)), int(xp.max(a))
-    if lo < low or (high is not None and hi > high):
-        bound = f"lie in [{low}, {high}] ({layout})" if high is not None else f"be >= {low}"
-        raise ValueError(f"{fn}: {name} must {bound}, got values in [{lo}, {hi}]")
-
-
 def _input_pos(fn, xp, input_pos, batch):
     """``input_pos`` as a Python int, or the validated ``(B,)`` integer array."""
     if isinstance(input_pos, bool):
@@ -121,7 +86,7 @@ def _input_pos(fn, xp, input_pos, batch):
                 f"{fn}: input_pos must be an int >= 0 or a ({batch},) integer array, "
                 f"got {type(input_pos).__name__}"
             ) from None
-        batch_integers(fn, "input_pos", xp, input_pos, batch, 0, None, "")
+        check.batch_integers(fn, "input_pos", xp, input_pos, batch, 0, None, "")
         return input_pos
     if value < 0:
         raise ValueError(f"{fn}: input_pos must be >= 0, got {value}")
@@ -135,7 +100,7 @@ def _checkpoint_arrays(fn, xp, checkpoints, q, reference="q"):
             f"allocate_checkpoints(attention_, q, k, v), got {type(checkpoints).__name__}"
         )
     rows = tuple(q.shape[:3])
-    same_namespace(fn, xp, {f"checkpoints.{n}": a for n, a in checkpoints._asdict().items()}, reference)
+    check.same_namespace(fn, xp, {f"checkpoints.{n}": a for n, a in checkpoints._asdict().items()}, reference)
     for name in AttentionCheckpoints._fields:
         a = getattr(checkpoints, name)
         check.shape(fn, f"checkpoints.{name}", a, rows)
@@ -181,15 +146,15 @@ def _validate_options(fn, xp, q, k, scale, input_pos, q_lengths, k_lengths):
     scale = 1.0 / math.sqrt(d) if scale is None else check.positive_finite(fn, "scale", scale)
     input_pos = _input_pos(fn, xp, input_pos, batch)
     if q_lengths is not None:
-        batch_integers(fn, "q_lengths", xp, q_lengths, batch, 0, sq, "Sq")
+        check.batch_integers(fn, "q_lengths", xp, q_lengths, batch, 0, sq, "Sq")
     if k_lengths is not None:
-        batch_integers(fn, "k_lengths", xp, k_lengths, batch, 0, sk, "Sk")
+        check.batch_integers(fn, "k_lengths", xp, k_lengths, batch, 0, sk, "Sk")
     return scale, input_pos
 
 
 def _validate_forward(fn, o, q, k, v, scale, input_pos, q_lengths, k_lengths, checkpoints):
     xp = check.namespace(fn, "q", q)
-    same_namespace(
+    check.same_namespace(
         fn, xp,
         {"q": q, "k": k, "v": v, "o": o, "q_lengths": q_lengths, "k_lengths": k_lengths,
          "input_pos": input_pos if hasattr(input_pos, "shape") else None},
@@ -305,7 +270,7 @@ def _scratch_arrays(fn, xp, scratch, q):
             f"{fn}: scratch must be the AttentionBackwardScratch from "
             f"allocate_scratchspace(attention_backward_, O, Q, K, V), got {type(scratch).__name__}"
         )
-    same_namespace(fn, xp, {f"scratch.{n}": a for n, a in scratch._asdict().items()}, reference="Q.primal")
+    check.same_namespace(fn, xp, {f"scratch.{n}": a for n, a in scratch._asdict().items()}, reference="Q.primal")
     for name, shape in (("delta", tuple(q.shape[:3])), ("dq_accum", tuple(q.shape))):
         a = getattr(scratch, name)
         check.shape(fn, f"scratch.{name}", a, shape)
@@ -318,7 +283,7 @@ def _validate_backward(fn, O, Q, K, V, checkpoints, scratch, scale, input_pos, q
     q = Q.primal
     xp = check.namespace(fn, "Q.primal", q)
     named = {f"{n}.{part}": getattr(d, part) for n, d in Ds.items() for part in ("primal", "shadow")}
-    same_namespace(
+    check.same_namespace(
         fn, xp,
         {**named, "q_lengths": q_lengths, "k_lengths": k_lengths,
          "input_pos": input_pos if hasattr(input_pos, "shape") else None},

@@ -31,7 +31,6 @@ from typing import NamedTuple
 import array_api_compat
 
 from . import _checks as check
-from .attention import batch_integers, same_namespace
 from .buffers import empty_accumulator, primal, scratchspace_for
 from .registry import resolve
 
@@ -60,7 +59,7 @@ def _n_splits(fn, n_splits) -> int:
 
 def _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits):
     xp = check.namespace(fn, "q", q)
-    same_namespace(fn, xp, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "o": o, "lengths": lengths})
+    check.same_namespace(fn, xp, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "o": o, "lengths": lengths})
     check.rank(fn, "q", q, 3, "(B, H, D)")
     check.rank(fn, "k_cache", k_cache, 4, "(B, Hkv, Smax, D)")
     check.rank(fn, "v_cache", v_cache, 4, "(B, Hkv, Smax, Dv)")
@@ -89,7 +88,7 @@ def _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits):
     check.last_axis_contiguous(fn, "o", o)
     if lengths is None or not hasattr(lengths, "shape"):
         raise TypeError(f"{fn}: lengths must be a ({batch},) integer array, got {type(lengths).__name__}")
-    batch_integers(fn, "lengths", xp, lengths, batch, 0, smax, "Smax")
+    check.batch_integers(fn, "lengths", xp, lengths, batch, 0, smax, "Smax")
     scale = 1.0 / math.sqrt(d) if scale is None else check.positive_finite(fn, "scale", scale)
     if n_splits is not None:
         n_splits = _n_splits(fn, n_splits)
@@ -105,7 +104,7 @@ def _check_scratch(fn, xp, scratch, q, dv, n_splits) -> None:
             f"allocate_scratchspace(decode_attention_, o, q, ...), got {type(scratch).__name__}"
         )
     batch, heads, _ = q.shape
-    same_namespace(fn, xp, {f"scratch.{n}": a for n, a in scratch._asdict().items()}, reference="q")
+    check.same_namespace(fn, xp, {f"scratch.{n}": a for n, a in scratch._asdict().items()}, reference="q")
     o_partial = scratch.o_partial
     check.rank(fn, "scratch.o_partial", o_partial, 4, "(B, H, n_splits, Dv)")
     splits = o_partial.shape[2]

@@ -58,14 +58,13 @@ class RMSNormBackwardScratch(NamedTuple):
 
 def _validate_forward(fn, y, x, w, eps, offset, checkpoints):
     xp = check.namespace(fn, "x", x)
+    check.same_namespace(fn, xp, {"x": x, "w": w, "y": y})
     check.min_rank(fn, "x", x, 1, "(..., M)")
     check.floating(fn, "x", xp, x)
     m = x.shape[-1]
-    check.namespace(fn, "w", w)
     check.floating(fn, "w", xp, w)
     check.shape(fn, "w", w, (m,))
     if y is not None:
-        check.namespace(fn, "y", y)
         check.floating(fn, "y", xp, y)
         check.shape(fn, "y", y, tuple(x.shape))
         check.last_axis_contiguous(fn, "y", y)
@@ -124,7 +123,7 @@ def rms_norm_(y, x, w, *, eps=1e-6, offset=0.0, checkpoints=None, backend=None) 
     """
     fn = "rms_norm_"
     x, w = primal(x), primal(w)
-    xp, eps, offset, rstd = _validate_forward(fn, y, x, w, eps, offset, checkpoints)
+    _, eps, offset, rstd = _validate_forward(fn, y, x, w, eps, offset, checkpoints)
     route = resolve("rms_norm", {"y": y, "x": x, "w": w, "checkpoints.rstd": rstd}, backend=backend)
     m = x.shape[-1]
     for first, (yv, xv) in row_groups([y, x], m):
@@ -136,7 +135,7 @@ def rms_norm_(y, x, w, *, eps=1e-6, offset=0.0, checkpoints=None, backend=None) 
 def allocate_rms_norm_checkpoints(x, w=None, **options) -> RMSNormCheckpoints:
     """Allocate ``rms_norm_``'s checkpoints for input ``x`` (``(..., M)``): ``rstd (rows,)`` float32."""
     x = primal(x)
-    xp = check.namespace("allocate_checkpoints(rms_norm_)", "x", x)
+    check.namespace("allocate_checkpoints(rms_norm_)", "x", x)
     check.min_rank("allocate_checkpoints(rms_norm_)", "x", x, 1, "(..., M)")
     return RMSNormCheckpoints(rstd=empty_float32(x, (n_rows(x.shape),)))
 
@@ -160,22 +159,19 @@ def _validate_backward(fn, Y, X, W, checkpoints, scratch, offset):
     X = check.duplicated(fn, "X", X)
     x, w, dy, dx = X.primal, primal(W), Y.shadow, X.shadow
     xp = check.namespace(fn, "X.primal", x)
+    dw = W.shadow if isinstance(W, Duplicated) else None
+    check.same_namespace(fn, xp, {"X.primal": x, "W": w, "Y.shadow": dy, "X.shadow": dx, "W.shadow": dw})
     check.min_rank(fn, "X.primal", x, 1, "(..., M)")
     check.floating(fn, "X.primal", xp, x)
     m = x.shape[-1]
     for name, a in (("Y.shadow", dy), ("X.shadow", dx)):
-        check.namespace(fn, name, a)
         check.floating(fn, name, xp, a)
         check.shape(fn, name, a, tuple(x.shape))
         check.last_axis_contiguous(fn, name, a)
     check.last_axis_contiguous(fn, "X.primal", x)
-    check.namespace(fn, "W", w)
     check.floating(fn, "W", xp, w)
     check.shape(fn, "W", w, (m,))
-    dw = None
-    if isinstance(W, Duplicated):
-        dw = W.shadow
-        check.namespace(fn, "W.shadow", dw)
+    if dw is not None:
         check.floating(fn, "W.shadow", xp, dw)
         check.shape(fn, "W.shadow", dw, (m,))
     if checkpoints is None:
@@ -200,7 +196,7 @@ def _validate_backward(fn, Y, X, W, checkpoints, scratch, offset):
                 f"got {tuple(dw_partial.shape)}"
             )
     offset = check.finite(fn, "offset", offset)
-    return xp, x, w, dy, dx, dw, rstd, dw_partial, offset
+    return x, w, dy, dx, dw, rstd, dw_partial, offset
 
 
 def rms_norm_backward_(Y, X, W, *, checkpoints, scratch=None, offset=0.0, backend=None) -> None:
@@ -236,7 +232,7 @@ def rms_norm_backward_(Y, X, W, *, checkpoints, scratch=None, offset=0.0, backen
     (float64 for float64 inputs).
     """
     fn = "rms_norm_backward_"
-    xp, x, w, dy, dx, dw, rstd, dw_partial, offset = _validate_backward(
+    x, w, dy, dx, dw, rstd, dw_partial, offset = _validate_backward(
         fn, Y, X, W, checkpoints, scratch, offset
     )
     arrays = {"X.primal": x, "W": w, "Y.shadow": dy, "X.shadow": dx, "W.shadow": dw, "rstd": rstd}
