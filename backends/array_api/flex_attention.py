@@ -1,0 +1,336 @@
+"""FlexAttention on the Array API: flash-style tiles running traced score and mask mods.
+
+Work runs per (batch, kv head), like attention: the query heads of the kv
+head's group are stacked as the rows of one matrix. The tile plan
+(:class:`xpkernels.mods.TilePlan`) says, for every (query tile, key tile),
+whether to skip it, to evaluate the mask there (PARTIAL) or not (FULL); the
+same plan drives the forward (query tiles outer, online softmax over their
+key tiles) and the backward (key tiles outer, recomputing each tile's
+probabilities from the checkpoints ``m``, ``l``).
+
+Mods arrive as traced graphs (:class:`xpkernels.mods.Graph`) and are
+evaluated on each tile's ``(heads, queries, keys)`` index grid; the score
+mod's reverse mode gives d(score out)/d(score in) for ``ds`` and adds the
+gradients of its captured arrays into their accumulators, tile by tile.
+Built-in and user mods take exactly the same path.
+
+Element-wise passes over a score tile are what NumPy pays for, so there are
+few, as in attention: the forward exponentiates unshifted scores while every
+running row max lies within ``+-SAFE_EXPONENT`` and gets row sums from a
+matrix-vector product; the backward folds ``-delta`` into the ``do @ v^T``
+product, and (without a score mod) ``-lse`` into the score product, by
+appending one column to each operand.
+
+A query tile is split into row chunks so that one chunk's scores hold at most
+``TILE_ELEMENTS``: extra memory is bounded by that budget, not by Sq or Sk.
+Rows that keep no key have ``o = 0``, ``m = -inf``, ``l = 0`` and zero
+gradients, with no NaN and no floating-point warning.
+"""
+
+from __future__ import annotations
+
+import math
+
+import array_api_compat
+import numpy as np
+
+from xpkernels.mods import PARTIAL, SKIP, tile_grid
+
+from ._blocks import acc_dtype, row_blocks, to
+
+__all__ = ["forward", "backward", "default_tiles"]
+
+#: Score elements of one row chunk x key tile (float32: 1 MiB), as attention.
+#: Each call holds a handful of temporaries this size, whatever Sq and Sk are.
+TILE_ELEMENTS = 1 << 18
+
+#: Keys per tile without a mask (as attention) and with one (finer, so more
+#: tiles are skipped); queries per masked tile at most ``MASKED_QUERY_TILE``.
+KEY_TILE, MASKED_KEY_TILE, MASKED_QUERY_TILE = 1024, 256, 256
+
+#: Scores are exponentiated unshifted while every running row max is within
+#: this bound (no overflow or harmful underflow in float32 is possible there).
+SAFE_EXPONENT = 40.0
+
+
+def default_tiles(n_q: int, n_kv: int, group: int, masked: bool) -> tuple[int, int]:
+    """``(tile_m, tile_n)``: queries and keys per tile when no BlockMask fixes them."""
+    tile_n = max(1, min(MASKED_KEY_TILE if masked else KEY_TILE, n_kv))
+    tile_m = max(1, TILE_ELEMENTS // (tile_n * group))
+    if masked:
+        tile_m = min(tile_m, MASKED_QUERY_TILE)
+    return max(1, min(tile_m, n_q)), tile_n
+
+
+def _spans(start: int, stop: int, size: int):
+    """``(first, end)`` ranges of at most ``size`` covering ``[start, stop)``."""
+    for first in range(start, stop, size):
+        yield first, min(stop, first + size)
+
+
+def _with_column(xp, a, column, acc):
+    """``[a | column]`` in ``acc``: ``a`` (rows, n) and one more column ((rows,) array or float)."""
+    rows, n = a.shape
+    out = xp.empty((rows, n + 1), dtype=acc, device=array_api_compat.device(a))
+    out[:, :n] = to(xp, a, acc)
+    out[:, n] = column
+    return out
+
+
+class _Tiles:
+    """What every tile of one call shares: namespace, dtypes, sizes, bound graphs."""
+
+    def __init__(self, xp, q, k, v, *, scale, input_pos, score_mod, mask_mod, plan):
+        self.xp = xp
+        self.acc = acc_dtype(xp, q.dtype)
+        self.device = array_api_compat.device(q)
+        self.batch, self.heads, self.n_q, self.d = q.shape
+        self.kv_heads, self.n_kv, self.dv = k.shape[1], k.shape[2], v.shape[3]
+        self.group = self.heads // self.kv_heads
+        self.scale = scale
+        self.positions = input_pos if len(input_pos) > 1 else input_pos * self.batch
+        self.plan = plan
+        self.rows_per_chunk = max(1, TILE_ELEMENTS // (self.group * plan.tile_n))
+        self.score = None if score_mod is None else score_mod.bind(xp, self.acc, self.device)
+        self.mask = None if mask_mod is None else mask_mod.bind(xp, self.acc, self.device)
+        self.names = (score_mod.inputs if score_mod else frozenset()) | (
+            mask_mod.inputs if mask_mod else frozenset()
+        )
+        self.ones = xp.ones((plan.tile_n,), dtype=self.acc, device=self.device)
+
+    def q_chunks(self, i):
+        """Row chunks of query tile ``i``."""
+        first = i * self.plan.tile_m
+        return _spans(first, min(self.n_q, first + self.plan.tile_m), self.rows_per_chunk)
+
+    def kv_span(self, j):
+        first = j * self.plan.tile_n
+        return first, min(self.n_kv, first + self.plan.tile_n)
+
+    def scores(self, s, b, g, r0, r1, j0, j1, state):
+        """Scores ``s`` (rows, keys) of a chunk after the score mod and (PARTIAL tiles) the mask.
+
+        Returns ``(s, values, grid)``; ``values`` are the score graph's node
+        values (for its reverse mode), None without a score mod.
+        """
+        needs_mask = self.mask is not None and state == PARTIAL
+        if self.score is None and not needs_mask:
+            return s, None, None
+        xp = self.xp
+        shape = (self.group, r1 - r0, j1 - j0)
+        grid = tile_grid(
+            xp, self.device, self.names, b=b, h0=g * self.group, n_h=self.group,
+            q_pos0=self.positions[b] + r0, q_row0=r0, n_q=r1 - r0, kv0=j0, n_kv=j1 - j0,
+        )
+        s3 = xp.reshape(s, shape)
+        values = None
+        if self.score is not None:
+            values = self.score.run(grid, s3)
+            s3 = values[self.score.graph.output]
+        if needs_mask:
+            keep = self.mask.run(grid)[self.mask.graph.output]
+            s3 = xp.where(keep, s3, -math.inf)
+        if tuple(s3.shape) != shape:
+            s3 = xp.broadcast_to(s3, shape)
+        return xp.reshape(s3, tuple(s.shape)), values, grid
+
+
+def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) -> None:
+    """Write ``o`` (and the checkpoints ``m``, ``l`` unless None) for validated inputs.
+
+    Parameters
+    ----------
+    o : (B, H, Sq, Dv) output.
+    q, k, v : (B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv).
+    m, l : (B, H, Sq) float32 checkpoints, or None (inference).
+    scale : float
+    input_pos : tuple of int
+        Position of query row 0, per batch (one entry when shared).
+    score_mod, mask_mod : xpkernels.mods.Graph or None
+    plan : xpkernels.mods.TilePlan
+    """
+    xp = array_api_compat.array_namespace(o, q, k, v)
+    t = _Tiles(
+        xp, q, k, v, scale=scale, input_pos=input_pos, score_mod=score_mod, mask_mod=mask_mod,
+        plan=plan,
+    )
+    for b in range(t.batch):
+        for g in range(t.kv_heads):
+            heads = slice(g * t.group, (g + 1) * t.group)
+            states = plan.group(b, heads.start, heads.stop)
+            k_norm = None
+            if m is None and t.score is None:
+                k_norm = _max_row_norm(xp, k[b, g, :, :], t.acc)
+            for i in range(states.shape[0]):
+                visits = [(int(j), int(states[i, j])) for j in np.nonzero(states[i] != SKIP)[0]]
+                for r0, r1 in t.q_chunks(i):
+                    if visits:
+                        _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm)
+                    else:
+                        _empty_rows(o, m, l, b, heads, r0, r1)
+
+
+def _empty_rows(o, m, l, b, heads, r0, r1) -> None:
+    o[b, heads, r0:r1, :] = 0.0
+    if m is not None:
+        m[b, heads, r0:r1] = -math.inf
+        l[b, heads, r0:r1] = 0.0
+
+
+def _max_row_norm(xp, a, acc) -> float:
+    """Largest Euclidean norm of the rows of the 2-D array ``a`` (0 for no rows), in row blocks."""
+    largest = 0.0
+    for r0, r1 in row_blocks(a.shape[0], a.shape[1]):
+        block = to(xp, a[r0:r1, :], acc)
+        largest = max(largest, float(xp.max(xp.vecdot(block, block))))
+    return math.sqrt(largest)
+
+
+def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm) -> None:
+    """Rows ``[r0, r1)`` of the heads of kv group ``g`` against their visited key tiles.
+
+    ``o_acc`` and ``l_run`` hold sums of ``exp(s - shift)``, where ``shift``
+    is 0 (None) or the running max (0 for rows that kept nothing so far: rows
+    can be all -inf under a PARTIAL mask or a score mod returning -inf). A
+    row holding sums had its max within ``SAFE_EXPONENT`` or was shifted, so
+    its rescale exponent never exceeds ``SAFE_EXPONENT``; the clamp only
+    touches rows whose sums are still 0 (no overflow, no 0 * inf). Without
+    checkpoints or a score mod, ``k_norm`` (the largest key norm of the kv
+    head) lets Cauchy-Schwarz bound every score of the chunk, and the row max
+    is skipped altogether when that bound is within ``SAFE_EXPONENT``.
+    """
+    xp, acc = t.xp, t.acc
+    rows = t.group * (r1 - r0)
+    masked = t.score is not None or (
+        t.mask is not None and any(state == PARTIAL for _, state in visits)
+    )
+    q_scaled = xp.reshape(to(xp, q[b, heads, r0:r1, :], acc) * t.scale, (rows, t.d))
+    bounded = k_norm is not None and k_norm * _max_row_norm(xp, q_scaled, acc) <= SAFE_EXPONENT
+    m_run = l_run = o_acc = shift = new_shift = None
+    for j, state in visits:
+        j0, j1 = t.kv_span(j)
+        s = q_scaled @ to(xp, k[b, g, j0:j1, :], acc).mT
+        s, _, _ = t.scores(s, b, g, r0, r1, j0, j1, state)
+        if not bounded:
+            row_max = xp.max(s, axis=1)
+            m_run = row_max if m_run is None else xp.maximum(m_run, row_max)
+            finite = xp.where(m_run == -math.inf, 0.0, m_run) if masked else m_run
+            new_shift = None if float(xp.max(xp.abs(finite))) <= SAFE_EXPONENT else finite
+        if new_shift is not None:
+            s -= new_shift[:, None]
+        p = xp.exp(s)
+        pv = p @ to(xp, v[b, g, j0:j1, :], acc)
+        row_sum = p @ t.ones[: j1 - j0]
+        if o_acc is None:
+            l_run, o_acc = row_sum, pv
+        else:
+            if shift is not None or new_shift is not None:
+                step = (0.0 if shift is None else shift) - (0.0 if new_shift is None else new_shift)
+                alpha = xp.exp(xp.clip(step, max=SAFE_EXPONENT))
+                l_run = l_run * alpha
+                o_acc *= alpha[:, None]
+            l_run = l_run + row_sum
+            o_acc += pv
+        shift = new_shift
+    seen = l_run > 0
+    o_acc /= (xp.where(seen, l_run, 1.0) if masked else l_run)[:, None]
+    n = r1 - r0
+    o[b, heads, r0:r1, :] = to(xp, xp.reshape(o_acc, (t.group, n, t.dv)), o.dtype)
+    if m is not None:
+        finite = xp.where(seen, m_run, 0.0) if masked else m_run
+        l_run = l_run * xp.exp((0.0 if shift is None else shift) - finite)
+        m[b, heads, r0:r1] = to(xp, xp.reshape(m_run, (t.group, n)), m.dtype)
+        l[b, heads, r0:r1] = to(xp, xp.reshape(l_run, (t.group, n)), l.dtype)
+
+
+def backward(
+    do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *,
+    scale, input_pos, score_mod, mask_mod, plan, score_mod_grads,
+) -> None:
+    """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
+
+    ``delta`` (B, H, Sq) receives ``rowsum(do * o)`` and ``dq_accum``
+    (B, H, Sq, D) the sums ``dq / scale`` over key tiles (accumulation dtype).
+    ``score_mod_grads`` holds one accumulator (or None) per slot of
+    ``score_mod``. Other arguments as :func:`forward`.
+    """
+    xp = array_api_compat.array_namespace(do, q, k, v, o)
+    t = _Tiles(
+        xp, q, k, v, scale=scale, input_pos=input_pos, score_mod=score_mod, mask_mod=mask_mod,
+        plan=plan,
+    )
+    for b in range(t.batch):
+        _row_dots(t, do, o, delta, b)
+        dq_accum[b, ...] = 0.0
+        for g in range(t.kv_heads):
+            heads = slice(g * t.group, (g + 1) * t.group)
+            states = plan.group(b, heads.start, heads.stop)
+            for j in range(states.shape[1]):
+                visits = [(int(i), int(states[i, j])) for i in np.nonzero(states[:, j] != SKIP)[0]]
+                _backward_key_tile(
+                    t, do, q, k, v, m, l, dk, dv, delta, dq_accum, b, g, heads, j, visits,
+                    score_mod_grads,
+                )
+        for h in range(t.heads):
+            for r0, r1 in row_blocks(t.n_q, t.d):
+                dq[b, h, r0:r1, :] = to(xp, dq_accum[b, h, r0:r1, :] * scale, dq.dtype)
+
+
+def _row_dots(t, do, o, delta, b) -> None:
+    """``delta[b] = rowsum(do * o)`` in row blocks."""
+    xp = t.xp
+    for h in range(t.heads):
+        for r0, r1 in row_blocks(t.n_q, t.dv):
+            dots = xp.vecdot(to(xp, do[b, h, r0:r1, :], t.acc), to(xp, o[b, h, r0:r1, :], t.acc))
+            delta[b, h, r0:r1] = to(xp, dots, delta.dtype)
+
+
+def _backward_key_tile(
+    t, do, q, k, v, m, l, dk, dv, delta, dq_accum, b, g, heads, j, visits, grads
+) -> None:
+    """dk, dv of key tile ``j`` of kv head ``g``; its share of dq and of the mod's gradients.
+
+    With ``do_aug = [do | -delta]`` and ``v_aug = [v | 1]``, ``do_aug @
+    v_aug^T = do v^T - delta``; without a score mod, ``q_aug = [q * scale |
+    -lse]`` and ``k_aug = [k | 1]`` give ``q_aug @ k_aug^T = s - lse``. Rows
+    that kept nothing have ``lse = +inf``: their probabilities are 0.
+    """
+    xp, acc, d = t.xp, t.acc, t.d
+    j0, j1 = t.kv_span(j)
+    k_aug = _with_column(xp, k[b, g, j0:j1, :], 1.0, acc)
+    v_aug = _with_column(xp, v[b, g, j0:j1, :], 1.0, acc)
+    dk_tile = xp.zeros((j1 - j0, d), dtype=acc, device=t.device)
+    dv_tile = xp.zeros((j1 - j0, t.dv), dtype=acc, device=t.device)
+    for i, state in visits:
+        for r0, r1 in t.q_chunks(i):
+            n = r1 - r0
+            rows = t.group * n
+            l_rows = to(xp, xp.reshape(l[b, heads, r0:r1], (rows,)), acc)
+            seen = l_rows > 0
+            m_rows = to(xp, xp.reshape(m[b, heads, r0:r1], (rows,)), acc)
+            lse = xp.where(seen, m_rows + xp.log(xp.where(seen, l_rows, 1.0)), math.inf)
+            q_rows = xp.reshape(q[b, heads, r0:r1, :], (rows, d))
+            do_aug = _with_column(
+                xp, xp.reshape(do[b, heads, r0:r1, :], (rows, t.dv)),
+                -xp.reshape(to(xp, delta[b, heads, r0:r1], acc), (rows,)), acc,
+            )
+            if t.score is None:
+                q_op = _with_column(xp, q_rows, -lse, acc)
+                q_op[:, :d] *= t.scale
+                s, values, grid = t.scores(q_op @ k_aug.mT, b, g, r0, r1, j0, j1, state)
+            else:
+                q_op = to(xp, q_rows, acc) * t.scale
+                s, values, grid = t.scores(q_op @ k_aug[:, :d].mT, b, g, r0, r1, j0, j1, state)
+                s -= lse[:, None]
+            p = xp.exp(s)
+            dv_tile += p.mT @ do_aug[:, : t.dv]
+            ds = do_aug @ v_aug.mT
+            ds *= p
+            if values is not None:
+                d_in = t.score.backprop(values, grid, xp.reshape(ds, (t.group, n, j1 - j0)), grads)
+                ds = ds * 0.0 if d_in is None else xp.reshape(d_in, (rows, j1 - j0))
+            dq_step = xp.reshape(ds @ k_aug[:, :d], (t.group, n, d))
+            dq_accum[b, heads, r0:r1, :] += to(xp, dq_step, dq_accum.dtype)
+            dk_tile += ds.mT @ q_op[:, :d]
+    dk[b, g, j0:j1, :] = to(xp, dk_tile, dk.dtype)
+    dv[b, g, j0:j1, :] = to(xp, dv_tile, dv.dtype)

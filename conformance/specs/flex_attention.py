@@ -1,0 +1,812 @@
+"""FlexAttention conformance declaration.
+
+Every case builds its mods from the case's arrays (target arrays for the
+kernels, float64 NumPy for the reference, torch tensors for the oracle), so
+one declaration drives all three. The learnable arrays a score mod captures
+(slopes, bias, tables, pair projections, features) are packed into one flat
+input ``params``; its gradient is the concatenation of the mod's
+``grad_shadow`` fields, so the generic templates check mod gradients like any
+other input gradient.
+
+- Reference (float64, naive): the full ``(B, H, Sq, Sk)`` scores with the
+  mods applied per pair by calling the mod functions directly on NumPy index
+  grids (no tracing, no tiles). Its backward takes ``d score_mod / d score``
+  and the parameter gradients from the traced graph's reverse mode on the
+  host (:func:`xpkernels.mods.score_grad`), which the oracle checks.
+- PyTorch oracle: ``torch.nn.attention.flex_attention`` (CPU eager) with the
+  same mods (and ``create_block_mask``) for the forward; float64 autograd over
+  a naive materialised version for q, k, v and the mod parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import numpy as np
+
+from conformance.harness import Case, ErrorCase, OpSpec
+from xpkernels import mods as xm
+from xpkernels.attention import AttentionCheckpoints
+from xpkernels.buffers import Duplicated, allocate_checkpoints, allocate_scratchspace, grad_shadow
+from xpkernels.flex_attention import (
+    flex_attention,
+    flex_attention_,
+    flex_attention_backward,
+    flex_attention_backward_,
+)
+
+_BASE = {
+    "B": 1,
+    "H": 2,
+    "Hkv": 2,
+    "Sq": 16,
+    "Sk": 16,
+    "D": 16,
+    "Dv": None,
+    "scale": None,
+    "input_pos": 0,
+    "score": None,
+    "mask": None,
+    "w": 8,
+    "n": 5,
+    "block": None,
+    "sparse": True,
+    "layout": "bhsd",
+}
+
+
+def _case(ident, **params):
+    unknown = set(params) - set(_BASE)
+    if unknown:
+        raise TypeError(f"flex case {ident}: unknown parameters {sorted(unknown)}")
+    return Case(ident, {**_BASE, **params})
+
+
+CASES = [
+    _case("nomod-gqa2-b2-dv24", B=2, H=4, Hkv=2, Sq=40, Sk=150, Dv=24),
+    _case("full-noop", Sq=30, Sk=140, mask="full", score="noop"),
+    _case("causal-s160", Sq=160, Sk=160, mask="causal"),
+    _case("causal-pos150-mqa", H=4, Hkv=1, Sq=48, Sk=200, mask="causal", input_pos=150),
+    _case("causal-pos-per-batch", B=2, Sq=40, Sk=160, mask="causal", input_pos=[0, 100]),
+    _case("sliding37-s200", Sq=200, Sk=200, mask="sliding", w=37),
+    _case("prefix20", Sq=60, Sk=140, mask="prefix", n=20),
+    _case("prefix_lm30", Sq=160, Sk=160, mask="prefix_lm", n=30),
+    _case("document-b2", B=2, Sq=150, Sk=150, mask="document"),
+    _case("document-rows-empty", Sq=40, Sk=140, mask="document-rows", score="alibi"),
+    _case(
+        "sliding-and-document-gqa", B=2, H=4, Hkv=2, Sq=150, Sk=150, mask="sliding&document", w=50
+    ),
+    _case("softcap", Sq=33, Sk=140, score="softcap"),
+    _case("alibi-causal", H=4, Sq=150, Sk=150, mask="causal", score="alibi"),
+    _case(
+        "alibi-then-softcap-sliding", Sq=150, Sk=150, mask="sliding", w=40, score="alibi>>softcap"
+    ),
+    _case("bias-heads", H=3, Hkv=1, Sq=20, Sk=140, score="bias-h"),
+    _case("bias-batch-pos60", B=2, Sq=20, Sk=140, score="bias-b", mask="causal", input_pos=60),
+    _case("bias-full-gqa", B=2, H=4, Hkv=2, Sq=24, Sk=140, score="bias-bh"),
+    _case("user-relpos-user-mask", H=2, Sq=140, Sk=140, mask="user", score="relpos"),
+    _case("pair-features", B=2, Sq=30, Sk=140, score="pair", mask="causal", input_pos=110),
+    _case("pair-features-grads", B=2, Sq=30, Sk=140, score="pair-grads"),
+    _case("rows-fully-masked", Sq=64, Sk=140, mask="late", score="alibi"),
+    _case("block-causal-16x32-gqa", B=2, H=4, Hkv=2, Sq=70, Sk=90, mask="causal", block=(16, 32)),
+    _case(
+        "block-sliding-document-bias",
+        B=2,
+        Sq=96,
+        Sk=96,
+        mask="sliding&document",
+        w=20,
+        score="bias-h",
+        block=(32, 16),
+    ),
+    _case(
+        "dense-path-sliding-document-alibi",
+        B=2,
+        Sq=150,
+        Sk=150,
+        mask="sliding&document",
+        w=30,
+        score="alibi",
+        sparse=False,
+    ),
+    _case(
+        "bshd-causal-alibi",
+        B=2,
+        H=4,
+        Hkv=2,
+        Sq=48,
+        Sk=150,
+        mask="causal",
+        score="alibi",
+        input_pos=102,
+        layout="bshd",
+    ),
+    _case(
+        "sq1-decode-alibi",
+        B=2,
+        H=4,
+        Hkv=1,
+        Sq=1,
+        Sk=150,
+        mask="causal",
+        score="alibi",
+        input_pos=[149, 77],
+        scale=0.3,
+    ),
+]
+
+
+def _dims(p):
+    return p["B"], p["H"], p["Hkv"], p["Sq"], p["Sk"], p["D"], p["Dv"] or p["D"]
+
+
+def _scale(p):
+    return p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(p["D"])
+
+
+def _positions(p):
+    """``input_pos`` as a ``(B,)`` NumPy integer array."""
+    return np.broadcast_to(np.asarray(p["input_pos"], dtype=np.int64), (p["B"],))
+
+
+def _param_layout(p):
+    """``(grad_shadow field, shape)`` of every learnable array, in ``params`` order."""
+    batch, heads, _, sq, sk, _, _ = _dims(p)
+    return {
+        "alibi": [("slopes", (heads,))],
+        "alibi>>softcap": [("0.slopes", (heads,))],
+        "bias-h": [("bias", (1, heads, sq, sk))],
+        "bias-b": [("bias", (batch, 1, sq, sk))],
+        "bias-bh": [("bias", (batch, heads, sq, sk))],
+        "relpos": [("table", (heads, 2 * _RELATIVE + 1))],
+        "pair": [("pair_proj", (heads, 3))],
+        "pair-grads": [
+            ("q_features", (batch, sq, 2)),
+            ("k_features", (batch, sk, 2)),
+            ("pair_proj", (heads, 3)),
+        ],
+    }.get(p["score"], [])
+
+
+_RELATIVE = 24
+
+
+def _relative_bias(score, b, h, q_idx, kv_idx, *, table):
+    """A user score mod: a learnable bias per head and clamped relative position."""
+    return (
+        score + table[h, xm.minimum(xm.maximum(q_idx - kv_idx, -_RELATIVE), _RELATIVE) + _RELATIVE]
+    )
+
+
+def _user_mask(b, h, q_idx, kv_idx):
+    """A user mask mod: causal, dropping every fourth diagonal."""
+    return xm.logical_and(kv_idx <= q_idx, (q_idx - kv_idx) % 4 != 3)
+
+
+def _late(b, h, q_idx, kv_idx):
+    """Keys at least 30 positions back: the first 30 queries keep nothing."""
+    return kv_idx + 30 <= q_idx
+
+
+def _pair_op(qv, kv):
+    return [qv[0] * kv[0], xm.tanh(qv[1] - kv[1]), xm.abs(qv[0] - kv[1])]
+
+
+def _mods(p, arrays):
+    """``(score_mod, mask_mod)`` of case ``p`` built from ``arrays`` (any namespace)."""
+    params = arrays["params"]
+    pieces, offset = {}, 0
+    for name, shape in _param_layout(p):
+        size = math.prod(shape)
+        pieces[name.split(".")[-1]] = _reshape(params[offset : offset + size], shape)
+        offset += size
+    score = {
+        None: lambda: None,
+        "noop": xm.NoOpScore,
+        "softcap": lambda: xm.SoftCapScore(1.5),
+        "alibi": lambda: xm.AliBiScore(pieces["slopes"]),
+        "alibi>>softcap": lambda: xm.AliBiScore(pieces["slopes"]) >> xm.SoftCapScore(2.0),
+        "bias-h": lambda: xm.BiasScore(pieces["bias"]),
+        "bias-b": lambda: xm.BiasScore(pieces["bias"]),
+        "bias-bh": lambda: xm.BiasScore(pieces["bias"]),
+        "relpos": lambda: xm.ScoreMod(_relative_bias, table=pieces["table"]),
+        "pair": lambda: xm.PairFeatureScore(
+            _pair_op, arrays["q_features"], arrays["k_features"], pieces["pair_proj"]
+        ),
+        "pair-grads": lambda: xm.PairFeatureScore(
+            _pair_op, pieces["q_features"], pieces["k_features"], pieces["pair_proj"]
+        ),
+    }[p["score"]]()
+    mask = {
+        None: lambda: None,
+        "full": xm.FullMask,
+        "causal": xm.CausalMask,
+        "sliding": lambda: xm.SlidingWindowMask(p["w"]),
+        "prefix": lambda: xm.PrefixMask(p["n"]),
+        "prefix_lm": lambda: xm.prefix_lm(p["n"]),
+        "document": lambda: xm.DocumentMask(arrays["doc"]),
+        "document-rows": lambda: xm.DocumentMask(arrays["doc_q"], arrays["doc_kv"]),
+        "sliding&document": lambda: xm.SlidingWindowMask(p["w"]) & xm.DocumentMask(arrays["doc"]),
+        "user": lambda: xm.MaskMod(_user_mask),
+        "late": lambda: xm.MaskMod(_late),
+    }[p["mask"]]()
+    return score, mask
+
+
+def _reshape(a, shape):
+    import array_api_compat
+
+    return array_api_compat.array_namespace(a).reshape(a, shape)
+
+
+def _grids(p):
+    """Broadcastable ``b, h, q_row, q_idx, kv_idx`` NumPy index grids of rank 4."""
+    batch, heads, _, sq, sk, _, _ = _dims(p)
+    b = np.arange(batch)[:, None, None, None]
+    h = np.arange(heads)[None, :, None, None]
+    row = np.arange(sq)[None, None, :, None]
+    pos = _positions(p)[:, None, None, None]
+    return b, h, row, row + pos, np.arange(sk)[None, None, None, :]
+
+
+def _naive(p, inputs):
+    """Full float64 matrices: raw scores, probabilities, repeated K/V, output, m, l, the mods."""
+    score_mod, mask_mod = _mods(p, inputs)
+    group = p["H"] // p["Hkv"]
+    k_rep, v_rep = np.repeat(inputs["k"], group, axis=1), np.repeat(inputs["v"], group, axis=1)
+    raw = np.einsum("bhid,bhjd->bhij", inputs["q"], k_rep) * _scale(p)
+    b, h, row, q_idx, kv_idx = _grids(p)
+    s = (
+        raw
+        if score_mod is None
+        else np.broadcast_to(score_mod(raw, b, h, q_idx, kv_idx, q_row=row), raw.shape)
+    )
+    keep = (
+        np.ones(raw.shape, bool)
+        if mask_mod is None
+        else np.broadcast_to(mask_mod(b, h, q_idx, kv_idx, q_row=row), raw.shape)
+    )
+    valid = keep.any(axis=-1)
+    m = np.where(valid, np.max(np.where(keep, s, -np.inf), axis=-1), -np.inf)
+    e = np.where(keep, np.exp(np.where(keep, s, 0.0) - np.where(valid, m, 0.0)[..., None]), 0.0)
+    l_sum = e.sum(axis=-1)
+    probs = e / np.where(valid, l_sum, 1.0)[..., None]
+    return {
+        "raw": raw,
+        "probs": probs,
+        "k_rep": k_rep,
+        "v_rep": v_rep,
+        "o": probs @ v_rep,
+        "m": m,
+        "l": l_sum,
+        "score_mod": score_mod,
+    }
+
+
+def _group_sum(p, a):
+    batch, _, kv_heads = _dims(p)[:3]
+    return a.reshape(batch, kv_heads, p["H"] // kv_heads, *a.shape[2:]).sum(axis=2)
+
+
+class FlexAttentionSpec(OpSpec):
+    def cases(self):
+        return CASES
+
+    def inputs(self, case, rng):
+        p = case.params
+        batch, heads, kv_heads, sq, sk, d, dv = _dims(p)
+        arrays = {
+            "q": rng.standard_normal((batch, heads, sq, d)),
+            "k": rng.standard_normal((batch, kv_heads, sk, d)),
+            "v": rng.standard_normal((batch, kv_heads, sk, dv)),
+        }
+        scales = {"slopes": 0.05, "table": 0.5}
+        pieces = [
+            rng.standard_normal(math.prod(shape)) * scales.get(name.split(".")[-1], 1.0)
+            for name, shape in _param_layout(p)
+        ]
+        arrays["params"] = np.concatenate(pieces) if pieces else np.zeros(0)
+        if p["score"] == "pair":
+            arrays["q_features"] = rng.standard_normal((batch, sq, 2))
+            arrays["k_features"] = rng.standard_normal((batch, sk, 2))
+        if p["mask"] in ("document", "sliding&document"):
+            arrays["doc"] = np.sort(rng.integers(0, 4, size=(batch, sk)), axis=1)
+        if p["mask"] == "document-rows":
+            arrays["doc_q"] = rng.integers(0, 4, size=sq)
+            arrays["doc_kv"] = rng.integers(0, 3, size=sk)
+        if not isinstance(p["input_pos"], int):
+            arrays["input_pos"] = np.asarray(p["input_pos"], dtype=np.int64)
+        return arrays
+
+    def arrange(self, case, arrays, target):
+        if case.params["layout"] != "bshd":
+            return arrays
+        return {**arrays, **{name: _bshd(target, arrays[name]) for name in ("q", "k", "v")}}
+
+    def cotangents(self, case, rng):
+        batch, heads, _, sq, _, _, dv = _dims(case.params)
+        return {"o": rng.standard_normal((batch, heads, sq, dv))}
+
+    def reference(self, case, inputs):
+        st = _naive(case.params, inputs)
+        return {"o": st["o"]}, {"m": st["m"], "l": st["l"]}
+
+    def reference_backward(self, case, inputs, cotangents):
+        p = case.params
+        st = _naive(p, inputs)
+        do = cotangents["o"]
+        probs = st["probs"]
+        dv_rep = np.swapaxes(probs, -1, -2) @ do
+        delta = np.sum(do * st["o"], axis=-1, keepdims=True)
+        g = probs * (do @ np.swapaxes(st["v_rep"], -1, -2) - delta)
+        grads = {}
+        ds = g
+        if st["score_mod"] is not None:
+            b, h, _, q_idx, kv_idx = _grids(p)
+            ds, tree = xm.score_grad(
+                st["score_mod"],
+                st["raw"],
+                g,
+                q_idx,
+                kv_idx,
+                b,
+                h,
+                input_pos=_positions(p)[:, None, None, None],
+                feature_grads=p["score"] == "pair-grads",
+            )
+            grads = dict(tree.items())
+        flat = [grads[name].reshape(-1) for name, _ in _param_layout(p)]
+        return {
+            "q": ds @ st["k_rep"] * _scale(p),
+            "k": _group_sum(p, np.swapaxes(ds, -1, -2) @ inputs["q"] * _scale(p)),
+            "v": _group_sum(p, dv_rep),
+            "params": np.concatenate(flat) if flat else np.zeros(0),
+        }
+
+    def torch_reference(self, case, inputs, cotangents):
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask
+        from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+        p = case.params
+        batch, heads, _, sq, sk, _, _ = _dims(p)
+        t = {name: torch.tensor(a) for name, a in inputs.items()}
+        for name in ("q", "k", "v", "params"):
+            t[name].requires_grad_(True)
+        pos = torch.tensor(_positions(p))
+        constants = {name: a.detach() for name, a in t.items()}
+        oracle_score, oracle_mask = _mods(p, constants)
+
+        def torch_score(s, b, h, q_row, kv_idx):
+            return oracle_score(s, b, h, q_row + pos[b], kv_idx, q_row=q_row)
+
+        def torch_mask(b, h, q_row, kv_idx):
+            keep = oracle_mask(b, h, q_row + pos[b], kv_idx, q_row=q_row)
+            return keep if torch.is_tensor(keep) else torch.full_like(q_row, keep, dtype=torch.bool)
+
+        block_mask = (
+            None
+            if oracle_mask is None
+            else create_block_mask(torch_mask, batch, heads, sq, sk, device="cpu")
+        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            oracle = torch_flex(
+                constants["q"],
+                constants["k"],
+                constants["v"],
+                score_mod=None if oracle_score is None else torch_score,
+                block_mask=block_mask,
+                scale=_scale(p),
+                enable_gqa=True,
+            )
+        score_mod, mask_mod = _mods(p, t)
+        group = heads // p["Hkv"]
+        k_rep, v_rep = (
+            t["k"].repeat_interleave(group, dim=1),
+            t["v"].repeat_interleave(group, dim=1),
+        )
+        s = t["q"] @ k_rep.transpose(-1, -2) * _scale(p)
+        b, h, row, q_idx, kv_idx = (torch.tensor(a) for a in _grids(p))
+        if score_mod is not None:
+            s = score_mod(s, b, h, q_idx, kv_idx, q_row=row)
+        if mask_mod is not None:
+            keep = torch.as_tensor(mask_mod(b, h, q_idx, kv_idx, q_row=row))
+            s = s.masked_fill(~torch.broadcast_to(keep, s.shape), -math.inf)
+        valid = torch.isfinite(s).any(dim=-1, keepdim=True)
+        probs = torch.softmax(torch.where(valid, s, 0.0), dim=-1) * valid
+        (probs @ v_rep).backward(torch.tensor(cotangents["o"]))
+        grads = {name: t[name].grad.numpy() for name in ("q", "k", "v")}
+        grads["params"] = t["params"].grad.numpy() if t["params"].grad is not None else np.zeros(0)
+        return {"o": oracle.numpy()}, grads
+
+    def allocate_outputs(self, case, arrays, target, dtype):
+        batch, heads, _, sq, _, _, dv = _dims(case.params)
+        o = target.full((batch, heads, sq, dv), np.nan, dtype)
+        return {"o": _bshd(target, o) if case.params["layout"] == "bshd" else o}
+
+    def allocate_checkpoints(self, case, arrays):
+        return allocate_checkpoints(flex_attention_, arrays["q"], arrays["k"], arrays["v"])
+
+    def forward_(self, case, arrays, outs, checkpoints, backend):
+        flex_attention_(
+            outs["o"],
+            arrays["q"],
+            arrays["k"],
+            arrays["v"],
+            **_options(case, arrays),
+            checkpoints=checkpoints,
+            backend=backend,
+        )
+
+    def forward(self, case, arrays, checkpoints, backend):
+        o = flex_attention(
+            arrays["q"],
+            arrays["k"],
+            arrays["v"],
+            **_options(case, arrays),
+            checkpoints=checkpoints,
+            backend=backend,
+        )
+        return {"o": o}
+
+    def backward_(self, case, arrays, outs, cotangents, grads, checkpoints, backend):
+        options = _options(case, arrays)
+        O = Duplicated(outs["o"], cotangents["o"])
+        Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
+        scratch = allocate_scratchspace(flex_attention_backward_, O, Q, K, V)
+        mod_grad = _mod_grad(case, options)
+        flex_attention_backward_(
+            O,
+            Q,
+            K,
+            V,
+            checkpoints=checkpoints,
+            scratch=scratch,
+            score_mod_grad=mod_grad,
+            **options,
+            backend=backend,
+        )
+        _write_params(case, mod_grad, grads["params"])
+
+    def backward(self, case, arrays, outs, cotangents, checkpoints, backend):
+        options = _options(case, arrays)
+        mod_grad = _mod_grad(case, options)
+        dq, dk, dv = flex_attention_backward(
+            cotangents["o"],
+            arrays["q"],
+            arrays["k"],
+            arrays["v"],
+            outs["o"],
+            checkpoints=checkpoints,
+            score_mod_grad=mod_grad,
+            **options,
+            backend=backend,
+        )
+        xp = _namespace(arrays["params"])
+        params = xp.empty_like(arrays["params"])
+        _write_params(case, mod_grad, params)
+        return {"q": dq, "k": dk, "v": dv, "params": params}
+
+    def errors(self):
+        return _error_cases()
+
+
+def _namespace(a):
+    import array_api_compat
+
+    return array_api_compat.array_namespace(a)
+
+
+def _options(case, arrays):
+    p = case.params
+    score_mod, mask_mod = _mods(p, arrays)
+    input_pos = arrays.get("input_pos", p["input_pos"])
+    options = {
+        "score_mod": score_mod,
+        "scale": p["scale"],
+        "input_pos": input_pos,
+        "block_sparse": p["sparse"],
+    }
+    if p["block"] is None:
+        options["mask_mod"] = mask_mod
+    else:
+        tile_m, tile_n = p["block"]
+        options["block_mask"] = xm.build_block_mask(
+            mask_mod,
+            p["Sq"],
+            p["Sk"],
+            tile_m=tile_m,
+            tile_n=tile_n,
+            input_pos=input_pos,
+            n_batch=p["B"],
+            n_heads=p["H"],
+        )
+    return options
+
+
+def _mod_grad(case, options):
+    if not _param_layout(case.params):
+        return None
+    return grad_shadow(options["score_mod"], feature_grads=case.params["score"] == "pair-grads")
+
+
+def _write_params(case, mod_grad, out) -> None:
+    """Copy the mod's gradient accumulators into the flat ``params`` gradient ``out``."""
+    if mod_grad is None:
+        return
+    xp = _namespace(out)
+    fields = dict(mod_grad.items())
+    offset = 0
+    for name, shape in _param_layout(case.params):
+        size = math.prod(shape)
+        out[offset : offset + size] = xp.astype(xp.reshape(fields[name], (size,)), out.dtype)
+        offset += size
+
+
+def _bshd(target, a):
+    """``a`` (B, H, S, D) as a view of a (B, S, H, D) buffer: BSHD, last axis contiguous."""
+    xp = target.xp
+    buffer = xp.asarray(xp.permute_dims(a, (0, 2, 1, 3)), copy=True)
+    return xp.permute_dims(buffer, (0, 2, 1, 3))
+
+
+def _error_cases():
+    shape_q, shape_kv = (2, 4, 8, 16), (2, 2, 8, 16)
+
+    def make(t):
+        q = t.full(shape_q, 0.5, "float32")
+        k = t.full(shape_kv, 0.25, "float32")
+        v = t.full(shape_kv, 0.5, "float32")
+        return q, k, v, t.full(shape_q, 0.0, "float32")
+
+    def forward(**options):
+        def call(t):
+            q, k, v, o = make(t)
+            flex_attention_(
+                o,
+                q,
+                k,
+                v,
+                **{n: f(t) if callable(f) and n != "mask_mod" else f for n, f in options.items()},
+            )
+
+        return call
+
+    def trained(t, **options):
+        q, k, v, o = make(t)
+        ck = allocate_checkpoints(flex_attention_, q, k, v)
+        flex_attention_(o, q, k, v, checkpoints=ck, **options)
+        return (Duplicated(o), Duplicated(q), Duplicated(k), Duplicated(v)), ck
+
+    def ints(t, values):
+        return t.asarray(np.asarray(values, dtype=np.int64))
+
+    def bias(shape):
+        return lambda t: xm.BiasScore(t.full(shape, 0.1, "float32"))
+
+    def slopes(shape):
+        return lambda t: xm.AliBiScore(t.full(shape, 0.1, "float32"))
+
+    def documents(length):
+        return lambda t: xm.DocumentMask(ints(t, np.arange(length) // 3))
+
+    def small_table(t):
+        return xm.ScoreMod(_relative_bias, table=t.full((4, 20), 0.0, "float32"))
+
+    def with_mask(mask):
+        def call(t):
+            q, k, v, o = make(t)
+            flex_attention_(o, q, k, v, mask_mod=mask(t))
+
+        return call
+
+    def sin_score(t):
+        return xm.ScoreMod(lambda s, b, h, q_idx, kv_idx: math.sin(s))
+
+    def branching_mask(t):
+        return xm.MaskMod(lambda b, h, q_idx, kv_idx: True if q_idx > kv_idx else kv_idx == 0)
+
+    def numeric_mask(t):
+        return xm.MaskMod(lambda b, h, q_idx, kv_idx: q_idx - kv_idx)
+
+    def block_for(n_q, n_kv, tile_m=4, tile_n=4, **extra):
+        return lambda t: xm.build_block_mask(
+            xm.CausalMask(), n_q, n_kv, tile_m=tile_m, tile_n=tile_n, **extra
+        )
+
+    def retiled(t):
+        built = xm.build_block_mask(xm.CausalMask(), 8, 8, tile_m=4, tile_n=4)
+        return dataclasses.replace(built, tile_m=2)
+
+    def other_mask_and_block(t):
+        q, k, v, o = make(t)
+        flex_attention_(o, q, k, v, mask_mod=xm.CausalMask(), block_mask=block_for(8, 8)(t))
+
+    def per_head_block(t):
+        return xm.build_block_mask(
+            lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + h, 8, 8, tile_m=4, tile_n=4, n_heads=2
+        )
+
+    def grad_of_other_mod(t):
+        args, ck = trained(t, score_mod=slopes((4,))(t))
+        mod = slopes((4,))(t) >> xm.SoftCapScore(3.0)
+        flex_attention_backward_(
+            *args,
+            checkpoints=ck,
+            score_mod=mod,
+            score_mod_grad=grad_shadow(xm.BiasScore(t.full((1, 1, 8, 8), 0.0, "float32"))),
+        )
+
+    def grad_without_score_mod(t):
+        args, ck = trained(t)
+        flex_attention_backward_(*args, checkpoints=ck, score_mod_grad=grad_shadow(slopes((4,))(t)))
+
+    def missing_checkpoints(t):
+        args, _ = trained(t)
+        flex_attention_backward_(*args, checkpoints=None)
+
+    def wrong_checkpoints(t):
+        q, k, v, o = make(t)
+        ck = AttentionCheckpoints(
+            m=t.full((2, 4, 9), 0.0, "float32"), l=t.full((2, 4, 8), 1.0, "float32")
+        )
+        flex_attention_(o, q, k, v, checkpoints=ck)
+
+    def h_not_multiple(t):
+        q, _, _, o = make(t)
+        kv = t.full((2, 3, 8, 16), 0.5, "float32")
+        flex_attention_(o, q, kv, kv)
+
+    return [
+        ErrorCase(
+            "bias-wrong-shape",
+            forward(score_mod=bias((1, 4, 9, 8))),
+            ValueError,
+            r"BiasScore.bias must have shape \(Bb, Hb, 8, 8\) with Bb in \{1, 2\} "
+            r"and Hb in \{1, 4\}",
+        ),
+        ErrorCase(
+            "bias-batch-3",
+            forward(score_mod=bias((3, 1, 8, 8))),
+            ValueError,
+            r"BiasScore.bias must have shape",
+        ),
+        ErrorCase(
+            "bias-rank3",
+            forward(score_mod=bias((4, 8, 8))),
+            TypeError,
+            r"BiasScore: bias must be a float array of shape \(Bb, Hb, Sq, Sk\)",
+        ),
+        ErrorCase(
+            "slopes-not-H",
+            forward(score_mod=slopes((2,))),
+            ValueError,
+            r"AliBiScore.slopes must have shape \(4,\), one per query head; got \(2,\)",
+        ),
+        ErrorCase(
+            "slopes-rank2",
+            forward(score_mod=slopes((4, 1))),
+            TypeError,
+            r"AliBiScore: slopes must be a float array of shape \(H,\)",
+        ),
+        ErrorCase(
+            "doc-ids-wrong-length",
+            with_mask(documents(9)),
+            ValueError,
+            r"DocumentMask.doc_q must have shape \(8,\) or \(2, 8\)",
+        ),
+        ErrorCase(
+            "doc-ids-float",
+            with_mask(lambda t: xm.DocumentMask(t.full((8,), 0.0, "float32"))),
+            TypeError,
+            r"DocumentMask: doc_q must be an integer array",
+        ),
+        ErrorCase(
+            "user-index-out-of-range",
+            forward(score_mod=small_table),
+            ValueError,
+            r"table \(shape \(4, 20\)\) is indexed on axis 1 by values in \[17, 31\] "
+            r"for this call .*outside \[0, 19\]",
+        ),
+        ErrorCase(
+            "unsupported-math-sin",
+            forward(score_mod=sin_score),
+            xm.TraceError,
+            r"converting a traced value with float\(\) or a math\.\* function",
+        ),
+        ErrorCase(
+            "unsupported-python-if",
+            with_mask(branching_mask),
+            xm.TraceError,
+            r"using a traced value as a Python bool",
+        ),
+        ErrorCase(
+            "mask-returns-number",
+            with_mask(numeric_mask),
+            xm.TraceError,
+            r"a mask mod must return a condition",
+        ),
+        ErrorCase(
+            "block-mask-other-lengths",
+            forward(block_mask=block_for(16, 8)),
+            ValueError,
+            r"block_mask was built for n_q=16, n_kv=8 but the call has Sq=8, Sk=8",
+        ),
+        ErrorCase(
+            "block-mask-other-tiles",
+            forward(block_mask=retiled),
+            ValueError,
+            r"it was built for other tile sizes or lengths",
+        ),
+        ErrorCase(
+            "block-mask-other-input-pos",
+            forward(block_mask=block_for(8, 8, input_pos=3)),
+            ValueError,
+            r"block_mask was built for input_pos=\[3\], the call has \[0\]",
+        ),
+        ErrorCase(
+            "block-mask-other-heads",
+            forward(block_mask=per_head_block),
+            ValueError,
+            r"block_mask.states has 2 head entries but the call has 4",
+        ),
+        ErrorCase(
+            "mask-and-other-block-mask",
+            other_mask_and_block,
+            ValueError,
+            r"mask_mod and block_mask.mask_mod differ",
+        ),
+        ErrorCase(
+            "score-mod-grad-mismatch",
+            grad_of_other_mod,
+            TypeError,
+            r"score_mod_grad does not match",
+        ),
+        ErrorCase(
+            "score-mod-grad-without-score-mod",
+            grad_without_score_mod,
+            TypeError,
+            r"the call has no score_mod",
+        ),
+        ErrorCase(
+            "missing-checkpoints", missing_checkpoints, ValueError, r"checkpoints are required"
+        ),
+        ErrorCase(
+            "checkpoint-shape",
+            wrong_checkpoints,
+            ValueError,
+            r"checkpoints.m must have shape \(2, 4, 8\)",
+        ),
+        ErrorCase(
+            "H-not-multiple-of-Hkv",
+            h_not_multiple,
+            ValueError,
+            r"H=4 query heads of q must be a multiple",
+        ),
+        ErrorCase(
+            "input-pos-negative", forward(input_pos=-2), ValueError, r"input_pos must be >= 0"
+        ),
+        ErrorCase(
+            "input-pos-shape",
+            forward(input_pos=lambda t: ints(t, [0, 1, 2])),
+            ValueError,
+            r"input_pos must have shape \(2,\)",
+        ),
+        ErrorCase(
+            "block-sparse-not-bool",
+            forward(block_sparse="yes"),
+            TypeError,
+            r"block_sparse must be a bool",
+        ),
+    ]
+
+
+SPEC = FlexAttentionSpec(
+    name="flex_attention",
+    outputs=("o",),
+    grad_names=("q", "k", "v", "params"),
+    checkpoint_names=("m", "l"),
+)

@@ -1,0 +1,562 @@
+r"""FlexAttention: attention whose scores and mask are Python functions, with their gradients.
+
+For batch ``b``, query head ``h`` (reading kv head ``h // (H // Hkv)``), query
+row ``i`` at position ``p_i = input_pos[b] + i`` and key ``j``:
+
+.. math::
+
+    s_{ij} = \begin{cases}
+        \mathrm{score\_mod}(\mathrm{scale}\; q_i \cdot k_j,\ b, h, p_i, j)
+            & \text{if } \mathrm{mask\_mod}(b, h, p_i, j) \\
+        -\infty & \text{otherwise}
+    \end{cases}
+
+    m_i = \max_j s_{ij}, \qquad l_i = \textstyle\sum_j e^{s_{ij} - m_i}, \qquad
+    o_i = \tfrac{1}{l_i} \textstyle\sum_j e^{s_{ij} - m_i}\, v_j
+
+Backward, with :math:`p_{ij} = e^{s_{ij} - m_i} / l_i`,
+:math:`\delta_i = do_i \cdot o_i` and :math:`g_{ij} = p_{ij} (do_i \cdot v_j - \delta_i)`
+(the gradient of the modified score):
+
+.. math::
+
+    ds_{ij} = g_{ij}\, \frac{\partial\, \mathrm{score\_mod}}{\partial s}, \qquad
+    dq_i = \mathrm{scale} \textstyle\sum_j ds_{ij}\, k_j, \qquad
+    dk_j = \mathrm{scale} \textstyle\sum_i ds_{ij}\, q_i, \qquad
+    dv_j = \textstyle\sum_i p_{ij}\, do_i, \qquad
+    d\theta \mathrel{+}=
+        \textstyle\sum_{ij} g_{ij}\, \frac{\partial\, \mathrm{score\_mod}}{\partial \theta}
+
+for every float array :math:`\theta` the score mod captures (ALiBi slopes, a
+bias table, a learnable relative-position table...). The mods are traced once
+into expression graphs (:mod:`xpkernels.mods`); the derivatives come from the
+graph's reverse mode, so a mod is written once, with no backward.
+
+Shapes, grouped-query heads, ``scale``, ``input_pos`` and the checkpoints
+``(m, l)`` follow :mod:`xpkernels.attention` exactly (its
+``AttentionCheckpoints`` and ``AttentionBackwardScratch`` are used here), so
+flex with no mods equals attention. A row that keeps no key has ``o = 0``,
+``m = -inf``, ``l = 0`` and zero gradients. Band masks and
+:class:`~xpkernels.mods.BlockMask` skip whole tiles in the forward AND the
+backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import array_api_compat
+
+from . import _checks as check
+from . import mods as _mods
+from .attention import (
+    AttentionBackwardScratch,
+    AttentionCheckpoints,
+    _validate_qkv,
+)
+from .buffers import (
+    Duplicated,
+    checkpoints_for,
+    empty_accumulator,
+    empty_float32,
+    primal,
+    scratchspace_for,
+)
+from .registry import resolve
+
+__all__ = [
+    "flex_attention_",
+    "flex_attention",
+    "flex_attention_backward_",
+    "flex_attention_backward",
+]
+
+
+class _Call:
+    """A validated flex call: mods as graphs, the tile plan and everything the backend receives."""
+
+    def __init__(
+        self, fn, xp, q, k, v, *, score_mod, mask_mod, block_mask, block_sparse, scale, input_pos
+    ):
+        batch, heads, n_q, d = q.shape
+        n_kv = k.shape[2]
+        self.scale = (
+            1.0 / math.sqrt(d) if scale is None else check.positive_finite(fn, "scale", scale)
+        )
+        if not isinstance(block_sparse, bool):
+            raise TypeError(f"{fn}: block_sparse must be a bool, got {block_sparse!r}")
+        self.block_sparse = block_sparse
+        self.positions = _positions(fn, xp, input_pos, batch)
+        call = _mods.CallShape(batch, heads, n_q, n_kv, self.positions)
+        self.score = None if score_mod is None else _mods.as_score_mod(score_mod)
+        self.mask = _mask(fn, mask_mod, block_mask)
+        self.block_mask = block_mask
+        for mod in (self.score, self.mask):
+            if mod is not None:
+                mod.validate(fn, call)
+        if block_mask is not None:
+            _check_block_mask(fn, block_mask, call)
+        self.score_graph = (
+            None if self.score is None or _is_input(self.score.graph, "score") else self.score.graph
+        )
+        self.mask_graph = (
+            None if self.mask is None or _is_true(self.mask.graph) else self.mask.graph
+        )
+        self.group = heads // k.shape[1]
+
+    def captured(self) -> dict:
+        """The arrays the mods read, by label, for namespace and device checks."""
+        out = {}
+        for graph in (self.score_graph, self.mask_graph):
+            if graph is not None:
+                out.update({f"captured {s.label}": s.array for s in graph.slots})
+        return out
+
+    def plan(self, route, n_q, n_kv):
+        """The tile plan: the BlockMask's tiles, else the backend's default tiles."""
+        masked = self.mask_graph is not None
+        tile_m, tile_n = route.impl.default_tiles(n_q, n_kv, self.group, masked)
+        return _mods.plan_tiles(
+            self.mask if masked else None, self.block_mask if masked else None,
+            block_sparse=self.block_sparse, n_q=n_q, n_kv=n_kv, positions=self.positions,
+            tile_m=tile_m, tile_n=tile_n,
+        )
+
+    def options(self, route, n_q, n_kv) -> dict:
+        """Keyword options of the backend's forward/backward."""
+        return {
+            "scale": self.scale,
+            "input_pos": self.positions,
+            "score_mod": self.score_graph,
+            "mask_mod": self.mask_graph,
+            "plan": self.plan(route, n_q, n_kv),
+        }
+
+
+def _is_input(graph, name) -> bool:
+    node = graph.nodes[graph.output]
+    return node.op == "input" and node.value == name
+
+
+def _is_true(graph) -> bool:
+    node = graph.nodes[graph.output]
+    return node.op == "const" and node.value is True
+
+
+def _positions(fn, xp, input_pos, batch) -> tuple[int, ...]:
+    """``input_pos`` (an int or a ``(B,)`` integer array of q's namespace) as Python ints."""
+    if hasattr(input_pos, "shape"):
+        check.same_namespace(fn, xp, {"q": None, "input_pos": input_pos})
+        check.batch_integers(fn, "input_pos", xp, input_pos, batch, 0, None, "")
+    return _mods.positions_of(fn, input_pos)
+
+
+def _mask(fn, mask_mod, block_mask):
+    if block_mask is None:
+        return None if mask_mod is None else _mods.as_mask_mod(mask_mod)
+    if not isinstance(block_mask, _mods.BlockMask):
+        raise TypeError(
+            f"{fn}: block_mask must be a BlockMask from build_block_mask, "
+            f"got {type(block_mask).__name__}"
+        )
+    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+        raise ValueError(
+            f"{fn}: mask_mod and block_mask.mask_mod differ; pass only block_mask (it carries "
+            "its mask) or the same mask object"
+        )
+    return block_mask.mask_mod
+
+
+def _check_block_mask(fn, block_mask, call) -> None:
+    """ValueError unless ``block_mask`` fits this call: lengths, positions, batch, heads, tiles."""
+    bm = block_mask
+    if (bm.n_q, bm.n_kv) != (call.n_q, call.n_kv):
+        raise ValueError(
+            f"{fn}: block_mask was built for n_q={bm.n_q}, n_kv={bm.n_kv} but the call has "
+            f"Sq={call.n_q}, Sk={call.n_kv}; build it for these lengths"
+        )
+    built = bm.input_pos * call.batch if len(bm.input_pos) == 1 else bm.input_pos
+    wanted = call.positions * call.batch if len(call.positions) == 1 else call.positions
+    if built != wanted:
+        raise ValueError(
+            f"{fn}: block_mask was built for input_pos={list(bm.input_pos)}, "
+            f"the call has {list(call.positions)}"
+        )
+    tiles = (-(-call.n_q // bm.tile_m), -(-call.n_kv // bm.tile_n))
+    if bm.states.ndim != 4 or tuple(bm.states.shape[2:]) != tiles:
+        raise ValueError(
+            f"{fn}: block_mask.states has shape {tuple(bm.states.shape)} but tiles of "
+            f"{bm.tile_m}x{bm.tile_n} over Sq={call.n_q}, Sk={call.n_kv} need "
+            f"(Bm, Hm, {tiles[0]}, {tiles[1]}); "
+            "it was built for other tile sizes or lengths"
+        )
+    uses = bm.mask_mod.graph.uses
+    for axis, extent, name, varies in (
+        (0, call.batch, "batch", uses("b") or len(set(wanted)) > 1),
+        (1, call.heads, "head", uses("h")),
+    ):
+        allowed = (extent,) if varies else (1, extent)
+        if bm.states.shape[axis] not in allowed:
+            raise ValueError(
+                f"{fn}: block_mask.states has {bm.states.shape[axis]} {name} entries but the "
+                f"call has {extent} (and the mask {'reads' if varies else 'does not read'} it); "
+                f"build it with n_{name if name == 'batch' else 'heads'}={extent}"
+            )
+
+
+def _checkpoints(fn, xp, checkpoints, q):
+    if not isinstance(checkpoints, AttentionCheckpoints):
+        raise TypeError(
+            f"{fn}: checkpoints must be the AttentionCheckpoints from "
+            f"allocate_checkpoints(flex_attention_, q, k, v), got {type(checkpoints).__name__}"
+        )
+    for name in AttentionCheckpoints._fields:
+        a = getattr(checkpoints, name)
+        check.namespace(fn, f"checkpoints.{name}", a)
+        check.shape(fn, f"checkpoints.{name}", a, tuple(q.shape[:3]))
+        check.float32(fn, f"checkpoints.{name}", xp, a)
+    return checkpoints.m, checkpoints.l
+
+
+def flex_attention_(
+    o, q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, block_sparse=True, scale=None,
+    input_pos=0, checkpoints=None, backend=None,
+) -> None:
+    """FlexAttention forward, in place: writes ``o`` (and the checkpoints).
+
+    Parameters
+    ----------
+    o : array
+        Output, written in full.
+    q, k, v : array or Duplicated
+        Queries, keys and values.
+    score_mod : ScoreMod or callable, optional
+        ``(score, b, h, q_idx, kv_idx) -> score`` applied to every scaled
+        score (see :mod:`xpkernels.mods`). None: scores unchanged.
+    mask_mod : MaskMod or callable, optional
+        ``(b, h, q_idx, kv_idx) -> keep``. None: every key (unless
+        ``block_mask`` carries a mask).
+    block_mask : BlockMask, optional
+        From :func:`~xpkernels.mods.build_block_mask` for this call's
+        lengths, ``input_pos``, batch and heads; its mask is the call's mask
+        and its tiles are the kernel's tiles.
+    block_sparse : bool
+        True skips tiles that the band of the mask or the BlockMask proves
+        empty, and skips evaluating the mask on tiles proven full. False
+        visits every tile and evaluates the mask everywhere (the dense path;
+        same results).
+    scale : float, optional
+        Score scale, finite and > 0; None gives ``1/sqrt(D)``.
+    input_pos : int or (B,) integer array
+        Position of query row 0 (per batch); mods see ``q_idx = input_pos + row``.
+    checkpoints : AttentionCheckpoints, optional
+        From ``allocate_checkpoints(flex_attention_, q, k, v)``; receives
+        ``(m, l)``. None saves nothing (inference).
+    backend : str, optional
+        Explicit backend; see :mod:`xpkernels.registry`.
+
+    Shapes
+    ------
+    q ``(B, H, Sq, D)``, k ``(B, Hkv, Sk, D)``, v ``(B, Hkv, Sk, Dv)``, o
+    ``(B, H, Sq, Dv)`` with ``H % Hkv == 0``. Last axes contiguous, other
+    strides free. Arrays captured by the mods live with q.
+
+    Checkpoints
+    -----------
+    m : ``(B, H, Sq)`` float32, row max of the modified, masked, scaled scores
+    (-inf for a row that keeps no key); l : ``(B, H, Sq)`` float32,
+    ``sum_j exp(s_ij - m_i)`` (0 for such a row).
+    """
+    fn = "flex_attention_"
+    q, k, v = primal(q), primal(k), primal(v)
+    xp = check.namespace(fn, "q", q)
+    check.same_namespace(fn, xp, {"q": q, "k": k, "v": v, "o": o})
+    _validate_qkv(fn, q, k, v)
+    batch, heads, n_q, _ = q.shape
+    check.floating(fn, "o", xp, o)
+    check.shape(fn, "o", o, (batch, heads, n_q, v.shape[3]))
+    check.last_axis_contiguous(fn, "o", o)
+    call = _Call(
+        fn,
+        xp,
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
+        block_sparse=block_sparse,
+        scale=scale,
+        input_pos=input_pos,
+    )
+    m = lse_sum = None
+    if checkpoints is not None:
+        m, lse_sum = _checkpoints(fn, xp, checkpoints, q)
+    arrays = {
+        "o": o,
+        "q": q,
+        "k": k,
+        "v": v,
+        "checkpoints.m": m,
+        "checkpoints.l": lse_sum,
+        **call.captured(),
+    }
+    route = resolve("flex_attention", arrays, backend=backend, head_dim=max(q.shape[3], v.shape[3]))
+    route.impl.forward(o, q, k, v, m, lse_sum, **call.options(route, n_q, k.shape[2]))
+
+
+@checkpoints_for(flex_attention_)
+def allocate_flex_attention_checkpoints(q, k=None, v=None, **options) -> AttentionCheckpoints:
+    """Allocate ``flex_attention_``'s checkpoints for q ``(B, H, Sq, D)``: m, l ``(B, H, Sq)``."""
+    fn = "allocate_checkpoints(flex_attention_)"
+    q = primal(q)
+    check.namespace(fn, "q", q)
+    check.rank(fn, "q", q, 4, "(B, H, Sq, D)")
+    rows = tuple(q.shape[:3])
+    return AttentionCheckpoints(m=empty_float32(q, rows), l=empty_float32(q, rows))
+
+
+def flex_attention(
+    q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, block_sparse=True, scale=None,
+    input_pos=0, checkpoints=None, backend=None,
+):
+    """FlexAttention forward into a new array; see :func:`flex_attention_`.
+
+    Returns
+    -------
+    o : array ``(B, H, Sq, Dv)`` with q's dtype.
+    """
+    fn = "flex_attention"
+    q, v = primal(q), primal(v)
+    xp = check.namespace(fn, "q", q)
+    check.namespace(fn, "v", v)
+    check.rank(fn, "q", q, 4, "(B, H, Sq, D)")
+    check.rank(fn, "v", v, 4, "(B, Hkv, Sk, Dv)")
+    o = xp.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype, device=array_api_compat.device(q))
+    flex_attention_(
+        o,
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
+        block_sparse=block_sparse,
+        scale=scale,
+        input_pos=input_pos,
+        checkpoints=checkpoints,
+        backend=backend,
+    )
+    return o
+
+
+def _scratch(fn, xp, scratch, q):
+    if not isinstance(scratch, AttentionBackwardScratch):
+        raise TypeError(
+            f"{fn}: scratch must be the AttentionBackwardScratch from "
+            "allocate_scratchspace(flex_attention_backward_, O, Q, K, V), "
+            f"got {type(scratch).__name__}"
+        )
+    for name, shape in (("delta", tuple(q.shape[:3])), ("dq_accum", tuple(q.shape))):
+        a = getattr(scratch, name)
+        check.namespace(fn, f"scratch.{name}", a)
+        check.shape(fn, f"scratch.{name}", a, shape)
+        check.accumulator(fn, f"scratch.{name}", xp, a, q.dtype)
+    return scratch.delta, scratch.dq_accum
+
+
+def _mod_grads(fn, xp, call, score_mod_grad) -> tuple:
+    """One accumulator (or None) per captured array of the score graph, checked against it."""
+    slots = call.score_graph.slots if call.score_graph is not None else ()
+    if score_mod_grad is None:
+        return (None,) * len(slots)
+    if not isinstance(score_mod_grad, _mods.ScoreModGrad) or call.score is None:
+        raise TypeError(
+            f"{fn}: score_mod_grad must be the ScoreModGrad from grad_shadow(score_mod) of the "
+            f"call's score mod, got {type(score_mod_grad).__name__}"
+            + ("" if call.score is not None else " (and the call has no score_mod)")
+        )
+    grads = []
+    for slot in slots:
+        try:
+            acc = score_mod_grad.lookup(slot.path, slot.field)
+        except IndexError:
+            raise TypeError(
+                f"{fn}: score_mod_grad does not match score_mod {call.score.label}; make it with "
+                "grad_shadow(score_mod)"
+            ) from None
+        if acc is not None:
+            name = f"score_mod_grad for {slot.label}"
+            check.namespace(fn, name, acc)
+            check.shape(fn, name, acc, tuple(slot.array.shape))
+            check.accumulator(fn, name, xp, acc, slot.array.dtype)
+        grads.append(acc)
+    return tuple(grads)
+
+
+def flex_attention_backward_(
+    O, Q, K, V, *, checkpoints, scratch=None, score_mod=None, score_mod_grad=None, mask_mod=None,
+    block_mask=None, block_sparse=True, scale=None, input_pos=0, backend=None,
+) -> None:
+    """FlexAttention backward, in place: overwrites Q, K, V's shadows; ADDS the mod's gradients.
+
+    Parameters
+    ----------
+    O : Duplicated
+        The forward's output (primal, read) and its cotangent ``do`` (shadow, read).
+    Q, K, V : Duplicated
+        The forward's inputs; their shadows receive ``dq``, ``dk``, ``dv`` in
+        full (zeros where nothing is kept); ``dk``, ``dv`` are summed over
+        each kv head's group of query heads.
+    checkpoints : AttentionCheckpoints
+        Filled by the forward with the same mods and options (or by any
+        backend following the contract).
+    scratch : AttentionBackwardScratch, optional
+        From ``allocate_scratchspace(flex_attention_backward_, O, Q, K, V)``;
+        None allocates it for this call.
+    score_mod_grad : ScoreModGrad, optional
+        From ``grad_shadow(score_mod)`` (``feature_grads=True`` for
+        PairFeatureScore features): the gradients of the score mod's captured
+        float arrays are ADDED into it. None computes none.
+    score_mod, mask_mod, block_mask, block_sparse, scale, input_pos, backend
+        As in the forward :func:`flex_attention_`.
+
+    Shapes
+    ------
+    As :func:`flex_attention_`; shadows share their primal's shape.
+    ``score_mod_grad`` fields share their array's shape; float32 (float64
+    for float64 arrays).
+
+    Scratch
+    -------
+    delta : ``(B, H, Sq)``, ``rowsum(do * o)``; dq_accum : ``(B, H, Sq, D)``,
+    dq accumulated over key tiles. Float32 (float64 for float64 inputs).
+    """
+    fn = "flex_attention_backward_"
+    Ds = {
+        name: check.duplicated(fn, name, d) for name, d in (("O", O), ("Q", Q), ("K", K), ("V", V))
+    }
+    q, k, v, o = Q.primal, K.primal, V.primal, O.primal
+    xp = check.namespace(fn, "Q.primal", q)
+    named = {
+        f"{n}.{part}": getattr(d, part) for n, d in Ds.items() for part in ("primal", "shadow")
+    }
+    check.same_namespace(fn, xp, named)
+    _validate_qkv(fn, q, k, v, names=("Q.primal", "K.primal", "V.primal"))
+    for name, a in named.items():
+        check.floating(fn, name, xp, a)
+        check.last_axis_contiguous(fn, name, a)
+    check.shape(fn, "O.primal", o, (*q.shape[:3], v.shape[3]))
+    check.shape(fn, "O.shadow", O.shadow, (*q.shape[:3], v.shape[3]))
+    call = _Call(
+        fn,
+        xp,
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
+        block_sparse=block_sparse,
+        scale=scale,
+        input_pos=input_pos,
+    )
+    if checkpoints is None:
+        raise ValueError(
+            f"{fn}: checkpoints are required: pass the AttentionCheckpoints that flex_attention_ "
+            "filled in the forward (allocate_checkpoints(flex_attention_, q, k, v))"
+        )
+    m, lse_sum = _checkpoints(fn, xp, checkpoints, q)
+    delta = dq_accum = None
+    if scratch is not None:
+        delta, dq_accum = _scratch(fn, xp, scratch, q)
+    grads = _mod_grads(fn, xp, call, score_mod_grad)
+    arrays = {
+        **named,
+        "checkpoints.m": m,
+        "checkpoints.l": lse_sum,
+        "scratch.delta": delta,
+        "scratch.dq_accum": dq_accum,
+        **call.captured(),
+        **{f"score_mod_grad {i}": g for i, g in enumerate(grads)},
+    }
+    route = resolve("flex_attention", arrays, backend=backend, head_dim=max(q.shape[3], v.shape[3]))
+    if delta is None:
+        delta, dq_accum = empty_accumulator(q, q.shape[:3]), empty_accumulator(q, q.shape)
+    route.impl.backward(
+        O.shadow,
+        q,
+        k,
+        v,
+        o,
+        m,
+        lse_sum,
+        Q.shadow,
+        K.shadow,
+        V.shadow,
+        delta,
+        dq_accum,
+        score_mod_grads=grads,
+        **call.options(route, q.shape[2], k.shape[2]),
+    )
+
+
+@scratchspace_for(flex_attention_backward_)
+def allocate_flex_attention_backward_scratch(
+    O, Q, K=None, V=None, **options
+) -> AttentionBackwardScratch:
+    """Allocate ``flex_attention_backward_``'s scratch from ``Q`` ``(B, H, Sq, D)``.
+
+    Returns ``delta (B, H, Sq)`` and ``dq_accum (B, H, Sq, D)``, float32
+    (float64 when ``Q`` is float64).
+    """
+    fn = "allocate_scratchspace(flex_attention_backward_)"
+    q = primal(Q)
+    xp = check.namespace(fn, "Q", q)
+    check.rank(fn, "Q", q, 4, "(B, H, Sq, D)")
+    check.floating(fn, "Q", xp, q)
+    return AttentionBackwardScratch(
+        delta=empty_accumulator(q, q.shape[:3]), dq_accum=empty_accumulator(q, q.shape)
+    )
+
+
+def flex_attention_backward(
+    do, q, k, v, o, *, checkpoints, score_mod=None, score_mod_grad=None, mask_mod=None,
+    block_mask=None, block_sparse=True, scale=None, input_pos=0, backend=None,
+):
+    """FlexAttention backward into new arrays; see :func:`flex_attention_backward_`.
+
+    Parameters
+    ----------
+    do : array
+        Cotangent of the forward's output ``o``.
+    q, k, v, o : array or Duplicated
+        The forward's inputs and output.
+    score_mod_grad : ScoreModGrad, optional
+        Receives (ADDS) the score mod's array gradients.
+
+    Returns
+    -------
+    dq, dk, dv : arrays shaped and typed like ``q``, ``k``, ``v``.
+    """
+    fn = "flex_attention_backward"
+    q, k, v, o = primal(q), primal(k), primal(v), primal(o)
+    shadows = {}
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        shadows[name] = Duplicated(a, check.namespace(fn, name, a).empty_like(a))
+    flex_attention_backward_(
+        Duplicated(o, do),
+        shadows["q"],
+        shadows["k"],
+        shadows["v"],
+        checkpoints=checkpoints,
+        score_mod=score_mod,
+        score_mod_grad=score_mod_grad,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
+        block_sparse=block_sparse,
+        scale=scale,
+        input_pos=input_pos,
+        backend=backend,
+    )
+    return shadows["q"].shadow, shadows["k"].shadow, shadows["v"].shadow

@@ -1,0 +1,487 @@
+"""Mods: tracing, evaluation on every namespace, reverse mode, bands, block masks, host helpers."""
+
+from __future__ import annotations
+
+import math
+
+import array_api_compat
+import numpy as np
+import pytest
+
+from xpkernels import mods as xm
+from xpkernels.buffers import grad_shadow
+
+strict = pytest.importorskip(
+    "array_api_strict", reason="array_api_strict is the portability check namespace"
+)
+
+NAMESPACES = ["numpy", "array_api_strict"]
+try:
+    import torch
+
+    NAMESPACES.append("torch")
+except ImportError:
+    torch = None
+
+
+def to_namespace(a, name):
+    a = np.asarray(a)
+    if name == "torch":
+        return torch.from_numpy(np.ascontiguousarray(a))
+    if name == "array_api_strict":
+        return strict.asarray(a)
+    return a
+
+
+def host(a):
+    return (
+        a.numpy()
+        if torch is not None and isinstance(a, torch.Tensor)
+        else np.from_dlpack(a)
+        if not isinstance(a, np.ndarray)
+        else a
+    )
+
+
+def grids(batch=2, heads=3, n_q=7, n_kv=9, pos=0):
+    """Broadcastable host index grids b, h, q_row, q_idx, kv_idx (rank 4)."""
+    b = np.arange(batch)[:, None, None, None]
+    h = np.arange(heads)[None, :, None, None]
+    row = np.arange(n_q)[None, None, :, None]
+    return b, h, row, row + pos, np.arange(n_kv)[None, None, None, :]
+
+
+def relative_bias(score, b, h, q_idx, kv_idx, *, table):
+    return score + table[h, xm.minimum(xm.maximum(q_idx - kv_idx, -4), 4) + 4]
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+def test_mod_is_traced_once_into_a_shared_graph():
+    calls = []
+
+    def mask(b, h, q_idx, kv_idx):
+        calls.append(1)
+        return xm.logical_and(kv_idx <= q_idx, kv_idx <= q_idx)
+
+    mod = xm.MaskMod(mask)
+    for _ in range(3):
+        xm.mask_value(mod, np.arange(4)[:, None], np.arange(4)[None, :])
+    assert len(calls) == 1
+    ops = [n.op for n in mod.graph.nodes]
+    assert ops.count("le") == 1, "identical sub-expressions are shared"
+    assert mod.graph.inputs == {"q_idx", "kv_idx"}
+    assert "le(" in str(mod.graph)
+
+
+@pytest.mark.parametrize(
+    "fn, arrays, message",
+    [
+        (lambda s, b, h, q, kv: s if q > kv else 0.0, {}, r"as a Python bool"),
+        (lambda s, b, h, q, kv: math.exp(s), {}, r"float\(\) or a math\.\* function"),
+        (lambda s, b, h, q, kv: np.sin(s), {}, r"numpy\.sin is not supported"),
+        (
+            lambda s, b, h, q, kv: s + np.ones((4, 4))[q, kv],
+            {},
+            r"indexing a plain array with a traced value",
+        ),
+        (
+            lambda s, b, h, q, kv, *, t: s + t[s > 0],
+            {"t": np.ones(3)},
+            r"index on axis 0 must be an integer",
+        ),
+        (
+            lambda s, b, h, q, kv, *, t: s + t[q, :],
+            {"t": np.ones((3, 3))},
+            r"slices, \.\.\. and None are not supported",
+        ),
+        (
+            lambda s, b, h, q, kv, *, t: s + t[q],
+            {"t": np.ones((3, 3))},
+            r"it has 2 axes, got 1 indices",
+        ),
+        (lambda s, b, h, q, kv, *, t: s + t, {"t": np.ones(3)}, r"captured array .* is used whole"),
+        (
+            lambda s, b, h, q, kv: s + (q & kv),
+            {},
+            r"bitwise operations on integers are not supported",
+        ),
+        (lambda s, b, h, q, kv: s**q, {}, r"needs a constant exponent"),
+        (lambda s, b, h, q, kv: s @ s, {}, r"the @ operator is not supported"),
+        (lambda s, b, h, q, kv: q > kv, {}, r"a score mod must return a number"),
+        (lambda s, b, h, q, kv: s + [1.0], {}, r"a list cannot be used in a mod"),
+        (lambda s, b, h, q, kv: s.clip(0), {}, r"attribute or method \.clip"),
+    ],
+)
+def test_unsupported_operations_fail_at_trace_time_naming_them(fn, arrays, message):
+    with pytest.raises(xm.TraceError, match=message):
+        xm.ScoreMod(fn, **arrays)
+
+
+def test_mask_must_return_a_condition():
+    with pytest.raises(xm.TraceError, match="a mask mod must return a condition"):
+        xm.MaskMod(lambda b, h, q_idx, kv_idx: q_idx - kv_idx)
+
+
+def test_numpy_ufuncs_on_traced_values_are_recorded():
+    mod = xm.ScoreMod(
+        lambda s, b, h, q, kv: np.maximum(np.exp(s), 1.0) + np.where(q > kv, 1.0, 0.0)
+    )
+    score = np.linspace(-2, 2, 5)
+    expected = np.maximum(np.exp(score), 1.0) + (np.arange(5) > 1)
+    np.testing.assert_allclose(xm.score_value(mod, score, np.arange(5), 1), expected)
+
+
+def test_int_score_mod_result_becomes_float():
+    mod = xm.ScoreMod(lambda s, b, h, q_idx, kv_idx: q_idx - kv_idx)
+    assert mod.graph.nodes[mod.graph.output].kind == "float"
+    np.testing.assert_array_equal(xm.score_value(mod, 0.0, 5, np.arange(3)), [5.0, 4.0, 3.0])
+
+
+# ------------------------------------------------------------- built-ins and host evaluation
+
+MASKS = {
+    "full": lambda: xm.FullMask(),
+    "causal": lambda: xm.CausalMask(),
+    "sliding3": lambda: xm.SlidingWindowMask(3),
+    "prefix4": lambda: xm.PrefixMask(4),
+    "prefix_lm4": lambda: xm.prefix_lm(4),
+    "document": lambda: xm.DocumentMask(
+        np.array([[0, 0, 1, 1, 1, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 3, 3]])
+    ),
+    "document-rows": lambda: xm.DocumentMask(np.arange(7) % 3, np.arange(9) % 2),
+    "sliding&document": lambda: xm.SlidingWindowMask(2) & xm.DocumentMask(np.arange(9) // 4),
+    "causal|prefix&sliding": lambda: xm.CausalMask() | (xm.PrefixMask(2) & xm.SlidingWindowMask(5)),
+    "user": lambda: xm.MaskMod(
+        lambda b, h, q, kv: xm.logical_or(kv == 0, (q + kv + h + b) % 3 == 0)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_traced_mask_equals_the_function_itself(name):
+    mask = MASKS[name]()
+    b, h, row, q_idx, kv_idx = grids(pos=2 if name not in ("document", "sliding&document") else 0)
+    direct = np.broadcast_to(mask(b, h, q_idx, kv_idx, q_row=row), (2, 3, 7, 9))
+    traced = xm.mask_value(mask, q_idx, kv_idx, b, h, input_pos=q_idx - row)
+    np.testing.assert_array_equal(traced, direct)
+
+
+def test_builtin_masks_mean_what_they_say():
+    q, kv = np.arange(8)[:, None], np.arange(8)[None, :]
+    np.testing.assert_array_equal(xm.mask_value(xm.CausalMask(), q, kv), kv <= q)
+    np.testing.assert_array_equal(
+        xm.mask_value(xm.SlidingWindowMask(2), q, kv), (q - 2 <= kv) & (kv <= q)
+    )
+    np.testing.assert_array_equal(
+        xm.mask_value(xm.PrefixMask(3), q, kv), np.broadcast_to(kv < 3, (8, 8))
+    )
+    np.testing.assert_array_equal(xm.mask_value(xm.prefix_lm(3), q, kv), (kv <= q) | (kv < 3))
+    assert xm.mask_value(xm.FullMask(), q, kv).all()
+
+
+SCORES = {
+    "noop": lambda: xm.NoOpScore(),
+    "softcap": lambda: xm.SoftCapScore(2.0),
+    "alibi": lambda: xm.AliBiScore(np.array([0.5, -0.25, 0.125])),
+    "bias": lambda: xm.BiasScore(np.random.default_rng(1).standard_normal((1, 3, 7, 9))),
+    "bias-batch": lambda: xm.BiasScore(np.random.default_rng(2).standard_normal((2, 1, 7, 9))),
+    "alibi>>softcap": lambda: xm.AliBiScore(np.array([0.5, -0.25, 0.125])) >> xm.SoftCapScore(1.5),
+    "relpos": lambda: xm.ScoreMod(
+        relative_bias, table=np.random.default_rng(3).standard_normal((3, 9))
+    ),
+    "pair": lambda: xm.PairFeatureScore(
+        lambda qv, kv: [qv[0] * kv[1], xm.sqrt(qv[1] * qv[1] + kv[0] * kv[0] + 1.0)],
+        *(np.random.default_rng(4).standard_normal(s) for s in ((2, 7, 2), (2, 9, 2), (3, 2))),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCORES))
+def test_traced_score_equals_the_function_itself(name):
+    mod = SCORES[name]()
+    b, h, row, q_idx, kv_idx = grids(pos=3)
+    score = np.random.default_rng(5).standard_normal((2, 3, 7, 9))
+    direct = mod(score, b, h, q_idx, kv_idx, q_row=row)
+    np.testing.assert_allclose(
+        xm.score_value(mod, score, q_idx, kv_idx, b, h, input_pos=3), direct, rtol=1e-14
+    )
+
+
+@pytest.mark.parametrize("name", sorted(SCORES))
+def test_reverse_mode_matches_finite_differences(name):
+    """d(score out)/d(score in) and every captured float array's gradient vs central differences."""
+    mod = SCORES[name]()
+    b, h, row, q_idx, kv_idx = grids(pos=3)
+    rng = np.random.default_rng(6)
+    score = rng.standard_normal((2, 3, 7, 9))
+    cot = rng.standard_normal((2, 3, 7, 9))
+    d_score, grads = xm.score_grad(
+        mod, score, cot, q_idx, kv_idx, b, h, input_pos=3, feature_grads=True
+    )
+    eps = 1e-6
+
+    def loss(score_in):
+        return float(np.sum(cot * mod(score_in, b, h, q_idx, kv_idx, q_row=row)))
+
+    np.testing.assert_allclose(
+        d_score,
+        cot
+        * (
+            mod(score + eps, b, h, q_idx, kv_idx, q_row=row)
+            - mod(score - eps, b, h, q_idx, kv_idx, q_row=row)
+        )
+        / (2 * eps),
+        atol=1e-7,
+    )
+    for field, grad in grads.items():
+        owner = mod.parts[int(field.split(".")[0])] if "." in field else mod
+        array = owner.arrays[field.split(".")[-1]]
+        numeric = np.zeros_like(array)
+        for index in np.ndindex(array.shape):
+            saved = array[index]
+            array[index] = saved + eps
+            up = loss(score)
+            array[index] = saved - eps
+            down = loss(score)
+            array[index] = saved
+            numeric[index] = (up - down) / (2 * eps)
+        np.testing.assert_allclose(grad, numeric, atol=1e-6, err_msg=field)
+
+
+def test_soft_cap_and_masks_have_no_gradients():
+    assert grad_shadow(xm.SoftCapScore(3.0)).items() == []
+    with pytest.raises(TypeError, match="expected an array or a score mod"):
+        grad_shadow(xm.CausalMask())
+
+
+def test_grad_shadow_is_zeroed_float32_or_float64_and_addressable():
+    mod = xm.AliBiScore(np.ones(4, np.float16)) >> xm.BiasScore(np.ones((1, 1, 3, 5), np.float64))
+    g = grad_shadow(mod)
+    assert g.slopes.dtype == np.float32 and g.bias.dtype == np.float64
+    assert g[0].slopes is g.slopes and [n for n, _ in g.items()] == ["0.slopes", "1.bias"]
+    assert not g.slopes.any() and not g.bias.any()
+    g.slopes[...] = 1.0
+    g.zero_()
+    assert not g.slopes.any()
+    pair = xm.PairFeatureScore(
+        lambda qv, kv: qv[0] * kv[0], np.ones((1, 3, 1)), np.ones((1, 5, 1)), np.ones((2, 1))
+    )
+    assert [n for n, _ in grad_shadow(pair).items()] == ["pair_proj"]
+    assert [n for n, _ in grad_shadow(pair, feature_grads=True).items()] == [
+        "q_features",
+        "k_features",
+        "pair_proj",
+    ]
+
+
+# ------------------------------------------------------------- evaluation on every namespace
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_tile_evaluation_and_gradients_agree_with_the_host_on_every_namespace(namespace):
+    """Kernel tile grids (slice reads, slice/scatter gradient adds) equal the host's gathers."""
+    rng = np.random.default_rng(7)
+    table = rng.standard_normal((4, 9))
+    bias = rng.standard_normal((2, 4, 6, 11))
+    mod_host = xm.ScoreMod(relative_bias, table=table) >> xm.BiasScore(bias)
+    mod = xm.ScoreMod(relative_bias, table=to_namespace(table, namespace)) >> xm.BiasScore(
+        to_namespace(bias, namespace)
+    )
+    score = rng.standard_normal((2, 4, 6, 11))
+    cot = rng.standard_normal((2, 4, 6, 11))
+    b, h, _, q_idx, kv_idx = grids(2, 4, 6, 11, pos=5)
+    expected_out = xm.score_value(mod_host, score, q_idx, kv_idx, b, h, input_pos=5)
+    expected_ds, expected_grads = xm.score_grad(
+        mod_host, score, cot, q_idx, kv_idx, b, h, input_pos=5
+    )
+
+    like = to_namespace(score, namespace)
+    xp, device = array_api_compat.array_namespace(like), array_api_compat.device(like)
+    bound = mod.graph.bind(xp, xp.float64, device)
+    grads = grad_shadow(mod)
+    accumulators = [grads.lookup(s.path, s.field) for s in mod.graph.slots]
+    for bi in range(2):
+        for h0, n_h in ((0, 2), (2, 2)):
+            for r0, r1, k0, k1 in ((0, 4, 0, 7), (0, 4, 7, 11), (4, 6, 0, 11)):
+                grid = xm.tile_grid(
+                    xp,
+                    device,
+                    mod.graph.inputs,
+                    b=bi,
+                    h0=h0,
+                    n_h=n_h,
+                    q_pos0=5 + r0,
+                    q_row0=r0,
+                    n_q=r1 - r0,
+                    kv0=k0,
+                    n_kv=k1 - k0,
+                )
+                tile = to_namespace(score[bi, h0 : h0 + n_h, r0:r1, k0:k1], namespace)
+                values = bound.run(grid, tile)
+                np.testing.assert_allclose(
+                    host(values[mod.graph.output]), expected_out[bi, h0 : h0 + n_h, r0:r1, k0:k1]
+                )
+                ds = bound.backprop(
+                    values,
+                    grid,
+                    to_namespace(cot[bi, h0 : h0 + n_h, r0:r1, k0:k1], namespace),
+                    accumulators,
+                )
+                np.testing.assert_allclose(host(ds), expected_ds[bi, h0 : h0 + n_h, r0:r1, k0:k1])
+    for name, expected in expected_grads.items():
+        np.testing.assert_allclose(
+            host(dict(grads.items())[name]), expected, rtol=1e-12, atol=1e-12, err_msg=name
+        )
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_scatter_add_sums_repeated_indices(namespace):
+    rng = np.random.default_rng(8)
+    index = rng.integers(3, 40, size=(6, 50))
+    values = rng.standard_normal((6, 50)).astype(np.float32)
+    expected = np.zeros((5, 10), np.float32)
+    np.add.at(expected.reshape(-1), index.reshape(-1), values.reshape(-1))
+    target = to_namespace(np.zeros((5, 10), np.float32), namespace)
+    xp = array_api_compat.array_namespace(target)
+    xm.scatter_add(xp, target, to_namespace(index, namespace), to_namespace(values, namespace))
+    np.testing.assert_allclose(host(target), expected, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- index bounds
+
+
+def test_indices_are_checked_against_every_pair_of_the_call():
+    mod = xm.ScoreMod(relative_bias, table=np.zeros((2, 9)))
+    mod.validate("f", xm.CallShape(batch=1, heads=2, n_q=100, n_kv=300, positions=(50,)))
+    with pytest.raises(
+        ValueError, match=r"table \(shape \(2, 9\)\) is indexed on axis 0 by values in \[0, 2\]"
+    ):
+        mod.validate("f", xm.CallShape(batch=1, heads=3, n_q=10, n_kv=10, positions=(0,)))
+    unclamped = xm.ScoreMod(lambda s, b, h, q, kv, *, t: s + t[q - kv + 3], t=np.zeros(7))
+    unclamped.validate("f", xm.CallShape(1, 1, 4, 4, (0,)))
+    with pytest.raises(ValueError, match=r"values in \[-1, 6\]"):
+        unclamped.validate("f", xm.CallShape(1, 1, 4, 5, (0,)))
+    guarded = xm.ScoreMod(lambda s, b, h, q, kv, *, t: s + t[(q - kv) % 7], t=np.zeros(7))
+    guarded.validate("f", xm.CallShape(1, 1, 400, 500, (9,)))
+
+
+def test_integer_tables_used_as_indices_are_bounded_by_their_values():
+    bucket = np.array([0, 1, 2, 2, 3, 3, 3, 3])
+    mod = xm.ScoreMod(
+        lambda s, b, h, q, kv, *, bucket, w: s + w[bucket[xm.minimum(q - kv, 7) * 0 + kv % 8]],
+        bucket=bucket,
+        w=np.zeros(4),
+    )
+    mod.validate("f", xm.CallShape(1, 1, 16, 16, (0,)))
+    with pytest.raises(
+        ValueError, match=r"w \(shape \(3,\)\) is indexed on axis 0 by values in \[0, 3\]"
+    ):
+        xm.ScoreMod(mod.fn, bucket=bucket, w=np.zeros(3)).validate(
+            "f", xm.CallShape(1, 1, 16, 16, (0,))
+        )
+
+
+# --------------------------------------------------------------------------- bands and block masks
+
+
+def dense_states(mask, n_q, n_kv, tile_m, tile_n, pos=0, b=0, h=0):
+    """Exact tile states by evaluating every pair (the test's oracle)."""
+    keep = xm.mask_value(
+        mask, np.arange(n_q)[:, None] + pos, np.arange(n_kv)[None, :], b, h, input_pos=pos
+    )
+    out = np.zeros((-(-n_q // tile_m), -(-n_kv // tile_n)), np.int8)
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            block = keep[i * tile_m : (i + 1) * tile_m, j * tile_n : (j + 1) * tile_n]
+            out[i, j] = xm.FULL if block.all() else xm.PARTIAL if block.any() else xm.SKIP
+    return out
+
+
+BANDS = {
+    "full": lambda: xm.FullMask(),
+    "causal": lambda: xm.CausalMask(),
+    "sliding": lambda: xm.SlidingWindowMask(13),
+    "prefix": lambda: xm.PrefixMask(9),
+    "empty-prefix": lambda: xm.PrefixMask(0),
+    "prefix_lm": lambda: xm.prefix_lm(21),
+    "sliding|prefix": lambda: xm.SlidingWindowMask(5) | xm.PrefixMask(7),
+    "(sliding|prefix)&causal": lambda: (
+        (xm.SlidingWindowMask(5) | xm.PrefixMask(30)) & xm.CausalMask()
+    ),
+    "sliding&prefix|causal": lambda: (
+        (xm.SlidingWindowMask(40) & xm.PrefixMask(30)) | xm.SlidingWindowMask(3)
+    ),
+    "sliding&document": lambda: xm.SlidingWindowMask(11) & xm.DocumentMask(np.arange(90) // 17),
+}
+
+
+@pytest.mark.parametrize("pos", [0, 7])
+@pytest.mark.parametrize("name", sorted(BANDS))
+def test_band_tile_states_are_sound(name, pos):
+    """A skipped tile holds no kept pair; a tile marked full holds no dropped pair."""
+    mask = BANDS[name]()
+    n_q = 90 - pos
+    for tile_m, tile_n in ((8, 8), (16, 4), (7, 13)):
+        states = xm.band_states(mask, pos, n_q, 90, tile_m, tile_n)
+        exact = dense_states(mask, n_q, 90, tile_m, tile_n, pos)
+        assert not np.any((states == xm.SKIP) & (exact != xm.SKIP)), (
+            "skipped a tile with kept pairs"
+        )
+        assert not np.any((states == xm.FULL) & (exact != xm.FULL)), (
+            "called a tile full that drops pairs"
+        )
+
+
+def test_simple_bands_classify_tiles_exactly():
+    for mask in (xm.CausalMask(), xm.SlidingWindowMask(16), xm.PrefixMask(24), xm.prefix_lm(8)):
+        np.testing.assert_array_equal(
+            xm.band_states(mask, 0, 64, 64, 8, 8), dense_states(mask, 64, 64, 8, 8)
+        )
+
+
+@pytest.mark.parametrize("name", ["sliding&document", "sliding|prefix", "user"])
+def test_build_block_mask_equals_dense_classification(name):
+    mask = BANDS[name]() if name in BANDS else xm.MaskMod(lambda b, h, q, kv: (q + kv) % 23 < 11)
+    bm = xm.build_block_mask(mask, 85, 90, tile_m=16, tile_n=8, input_pos=5)
+    assert bm.states.shape == (1, 1, 6, 12)
+    np.testing.assert_array_equal(bm.states[0, 0], dense_states(mask, 85, 90, 16, 8, pos=5))
+
+
+def test_build_block_mask_per_batch_and_head_and_vectorised(monkeypatch):
+    mask = xm.MaskMod(lambda b, h, q, kv: xm.logical_and(kv <= q, kv >= h * 10 + b * 3))
+    runs = []
+    original = xm.BoundGraph.run
+
+    def counting(self, grid, score=None):
+        runs.append(1)
+        return original(self, grid, score)
+
+    monkeypatch.setattr(xm.BoundGraph, "run", counting)
+    bm = xm.build_block_mask(
+        mask, 64, 64, tile_m=8, tile_n=8, input_pos=np.array([0, 4]), n_batch=2, n_heads=3
+    )
+    assert bm.states.shape == (2, 3, 8, 8)
+    assert len(runs) == 2, "one dense evaluation per batch, not one per tile or pair"
+    for b in range(2):
+        for h in range(3):
+            np.testing.assert_array_equal(
+                bm.states[b, h], dense_states(mask, 64, 64, 8, 8, pos=(0, 4)[b], b=b, h=h)
+            )
+    assert bm.kv_tiles(b=0, h=2, q_tile=0) == []
+    assert 0 < bm.density < 1
+
+
+def test_build_block_mask_needs_the_extent_of_axes_the_mask_reads():
+    with pytest.raises(ValueError, match="the mask reads h; pass n_heads"):
+        xm.build_block_mask(lambda b, h, q, kv: kv <= q + h, 8, 8, tile_m=4, tile_n=4)
+    with pytest.raises(ValueError, match="tile_m must be >= 1"):
+        xm.build_block_mask(xm.CausalMask(), 8, 8, tile_m=0, tile_n=4)
+
+
+def test_tile_plan_combines_heads_of_a_group():
+    states = np.array([[[[0, 1, 2]], [[2, 0, 2]]]], dtype=np.int8)
+    plan = xm.TilePlan(4, 4, states)
+    np.testing.assert_array_equal(plan.group(0, 0, 2), [[xm.PARTIAL, xm.PARTIAL, xm.FULL]])
+    np.testing.assert_array_equal(plan.group(0, 1, 2), [[xm.FULL, xm.SKIP, xm.FULL]])
