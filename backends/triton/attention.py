@@ -1,0 +1,765 @@
+r"""Fused multi-head attention on Triton: FA2-style forward, three-kernel backward.
+
+Forward, one program per (query tile, batch, query head). The scores of a
+tile, ``s = q k^T * scale``, are kept in base 2 (``scale * log2 e`` is folded
+into one multiply) and reduced by the online softmax with ``exp2``; the row
+max is converted to natural-log units only when it is stored, so the
+checkpoints follow the backend-neutral contract ``m = max_j s_j``,
+``l = sum_j exp(s_j - m)``. Key tiles are visited in two passes: the tiles
+every query row of the tile may see in full (never evaluating a mask), then
+the tiles that cross the causal diagonal or the end of ``k_lengths[b]``.
+GQA reads kv head ``h // (H // Hkv)`` directly; K and V are never repeated.
+
+Backward, with ``P = exp(s - m) / l`` rebuilt from the checkpoints as
+``exp2(s * log2 e - lse2)``, ``lse2 = m log2 e + log2 l``:
+
+.. math::
+
+    \delta_i = \textstyle\sum_d dO_{id} O_{id}, \qquad
+    dS = P \circ (dO\,V^T - \delta), \qquad
+    dQ = \mathrm{scale}\; dS\,K, \quad dK = \mathrm{scale}\; dS^T Q, \quad dV = P^T dO
+
+1. ``_delta_kernel`` computes ``delta`` into the scratch buffer;
+2. ``_dkdv_kernel``: one program per (key tile, batch, kv head) loops over the
+   query heads of its GQA group and the query tiles that see it, so dK and dV
+   are summed over the group in registers and stored once (no atomics);
+3. ``_dq_kernel``: one program per query tile recomputes ``P`` and ``dS`` and
+   writes dQ straight into the shadow in its dtype.
+
+dQ by a separate pass (rather than float32 atomics into ``dq_accum``) makes
+the backward deterministic -- the same inputs give bit-identical gradients --
+at the price of recomputing ``q k^T`` and ``dO V^T`` once more; the scratch
+``dq_accum`` is therefore not used by this backend.
+
+Fully masked query rows (``i >= q_lengths[b]``, or no visible key) get
+``o = 0``, ``m = -inf``, ``l = 0`` and zero gradients; keys ``j >= k_lengths[b]``
+get zero dK and dV. Every stride is passed to the kernels (BSHD views work
+without copies); batch, head and tile offsets are computed in int64.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._attn_common import (
+    LN2_CONST,
+    LOG2E,
+    LOG2E_CONST,
+    RANGE_LOOPS,
+    Tile,
+    TileTable,
+    autotuned,
+    dim_block,
+    dot_precision,
+    dot_type,
+    kv_tile,
+    launch,
+    scalar_or_pointer,
+)
+from ._common import launch_context
+
+__all__ = ["backward", "forward"]
+
+
+@triton.jit
+def _visible(n0, offs_n, q_pos, k_len, CAUSAL: tl.constexpr):
+    """Mask ``(rows, keys)`` of the key tile at ``n0``: keys ``< k_len``, ``<= q_pos`` if causal."""
+    keys = n0 + offs_n
+    visible = (keys < k_len)[None, :]
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= q_pos[:, None])
+    return visible
+
+
+@triton.jit
+def _forward_step(
+    acc, m_i, l_i, q, k_base, v_base, n0,
+    stride_kn, stride_vn,
+    offs_n, offs_d, offs_dv, q_pos,
+    k_len, qk_scale,
+    D, DV,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Online-softmax update of ``acc, m_i, l_i`` by the key tile at ``n0``.
+
+    With ``MASKED`` the tile is checked against ``k_len`` and (``CAUSAL``)
+    the query positions ``q_pos``; without it every key is visible to every row.
+    """
+    k, v = kv_tile(k_base, v_base, n0, stride_kn, stride_vn, offs_n, offs_d, offs_dv, k_len, D, DV,
+                    MASKED, EVEN_D, EVEN_DV)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(_visible(n0, offs_n, q_pos, k_len, CAUSAL), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = m_new
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _forward_tiles(
+    acc, m_i, l_i, q, k_base, v_base,
+    stride_kn, stride_vn,
+    offs_n, offs_d, offs_dv, q_pos,
+    n_lo, n_hi, k_len, qk_scale,
+    D, DV,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """:func:`_forward_step` over the key tiles ``[n_lo, n_hi)`` (see ``RANGE_LOOPS``)."""
+    if RANGE_LOOPS:
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            acc, m_i, l_i = _forward_step(acc, m_i, l_i, q, k_base, v_base, n0, stride_kn,
+                                          stride_vn, offs_n, offs_d, offs_dv, q_pos, k_len,
+                                          qk_scale, D, DV, MASKED, CAUSAL, EVEN_D, EVEN_DV,
+                                          PRECISION)
+    else:
+        n0 = n_lo
+        while n0 < n_hi:
+            acc, m_i, l_i = _forward_step(acc, m_i, l_i, q, k_base, v_base, n0, stride_kn,
+                                          stride_vn, offs_n, offs_d, offs_dv, q_pos, k_len,
+                                          qk_scale, D, DV, MASKED, CAUSAL, EVEN_D, EVEN_DV,
+                                          PRECISION)
+            n0 += BLOCK_N
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _row_context(
+    b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk,
+    HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, POS_ARRAY: tl.constexpr,
+):
+    """Batch ``b``'s valid query count, valid key count and first query position."""
+    q_len = Sq
+    if HAS_QLEN:
+        q_len = tl.minimum(tl.load(q_len_ptr + b).to(tl.int32), Sq)
+    k_len = Sk
+    if HAS_KLEN:
+        k_len = tl.minimum(tl.load(k_len_ptr + b).to(tl.int32), Sk)
+    pos0 = pos_scalar
+    if POS_ARRAY:
+        pos0 = tl.load(pos_ptr + b).to(tl.int32)
+    return q_len, k_len, pos0
+
+
+@triton.jit
+def _key_bounds(start_m, q_len, k_len, pos0,
+                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(full_end, hi)`` of the query tile at ``start_m``.
+
+    Keys ``[0, full_end)`` are visible to every row of the tile, keys
+    ``[full_end, hi)`` need a mask, keys from ``hi`` on are seen by none.
+    """
+    if CAUSAL:
+        full_end = tl.minimum(k_len, pos0 + start_m + 1)
+        hi = tl.minimum(k_len, pos0 + start_m + BLOCK_M)
+    else:
+        full_end = k_len
+        hi = k_len
+    live = start_m < q_len
+    full_end = (tl.where(live, full_end, 0) // BLOCK_N) * BLOCK_N
+    hi = tl.where(live, hi, 0)
+    return full_end, hi
+
+
+@triton.jit
+def _query_tile_program(Sq, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(query tile, batch * head)`` of this program in a 1-D grid of ``tiles * B * H``.
+
+    Consecutive programs share a head (and so its K/V in L2). Causal tiles
+    run last-first: the tiles with the most keys start earliest, which
+    shortens the tail of the launch.
+    """
+    n_tiles = tl.cdiv(Sq, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = pid % n_tiles
+    if CAUSAL:
+        pid_m = n_tiles - 1 - pid_m
+    return pid_m, pid // n_tiles
+
+
+_SIZES = ["H", "GROUP", "Sq", "Sk", "pos_scalar", "D", "DV"]
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _forward_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    m_ptr, l_ptr,  # (B,H,Sq) float32 checkpoints; unused unless STORE_STATS
+    q_len_ptr, k_len_ptr, pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
+    stride_qb, stride_qh, stride_qm,  # q strides (last axis contiguous)
+    stride_kb, stride_kh, stride_kn,  # k strides
+    stride_vb, stride_vh, stride_vn,  # v strides
+    stride_ob, stride_oh, stride_om,  # o strides
+    stride_mb, stride_mh, stride_mm,  # m strides
+    stride_lb, stride_lh, stride_lm,  # l strides
+    H, GROUP, Sq, Sk,  # query heads, query heads per kv head, query and key lengths
+    pos_scalar,  # input_pos when it is one integer
+    qk_scale,  # scale * log2(e)
+    D, DV,  # head dims of q/k and v/o
+    CAUSAL: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, POS_ARRAY: tl.constexpr,
+    STORE_STATS: tl.constexpr,  # write the m, l checkpoints
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
+    PRECISION: tl.constexpr,  # tl.dot input precision
+    DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query and key tile
+):
+    """One query tile of one (batch, head): ``o`` and, with ``STORE_STATS``, ``m`` and ``l``."""
+    pid_m, pid_bh = _query_tile_program(Sq, CAUSAL, BLOCK_M)
+    b = pid_bh // H
+    h = pid_bh % H
+    kvh = h // GROUP
+    q_len, k_len, pos0 = _row_context(b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk,
+                                      HAS_QLEN, HAS_KLEN, POS_ARRAY)
+    b64 = b.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = start_m + offs_m
+    row_ok = rows < q_len
+
+    q_base = q_ptr + b64 * stride_qb + h.to(tl.int64) * stride_qh + start_m.to(tl.int64) * stride_qm
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(DOT_TYPE)
+    k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    q_pos = pos0 + rows
+    full_end, hi = _key_bounds(start_m, q_len, k_len, pos0, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, m_i, l_i = _forward_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                                   offs_n, offs_d, offs_dv, q_pos, 0, full_end, k_len, qk_scale,
+                                   D, DV, False, CAUSAL, EVEN_D, EVEN_DV, PRECISION, BLOCK_N)
+    acc, m_i, l_i = _forward_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                                   offs_n, offs_d, offs_dv, q_pos, full_end, hi, k_len, qk_scale,
+                                   D, DV, True, CAUSAL, EVEN_D, EVEN_DV, PRECISION, BLOCK_N)
+
+    live = row_ok & (l_i > 0.0)
+    o = acc / tl.where(live, l_i, 1.0)[:, None]
+    o = tl.where(live[:, None], o, 0.0)
+    in_bounds = rows < Sq
+    o_base = o_ptr + b64 * stride_ob + h.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_om
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=in_bounds[:, None] & (offs_dv[None, :] < DV))
+    if STORE_STATS:
+        m_out = tl.where(live, m_i * LN2_CONST, float("-inf"))
+        l_out = tl.where(live, l_i, 0.0)
+        h64 = h.to(tl.int64)
+        row_off = start_m.to(tl.int64)
+        m_base = m_ptr + b64 * stride_mb + h64 * stride_mh + row_off * stride_mm
+        l_base = l_ptr + b64 * stride_lb + h64 * stride_lh + row_off * stride_lm
+        tl.store(m_base + offs_m * stride_mm, m_out, mask=in_bounds)
+        tl.store(l_base + offs_m * stride_lm, l_out, mask=in_bounds)
+
+
+@triton.jit(do_not_specialize=["H", "Sq", "DV"])
+def _delta_kernel(
+    o_ptr, do_ptr, delta_ptr,  # (B,H,Sq,DV) output and its cotangent; (B,H,Sq) float32 delta
+    q_len_ptr,  # (B,) valid query counts; unused unless HAS_QLEN
+    stride_ob, stride_oh, stride_om,  # o strides
+    stride_dob, stride_doh, stride_dom,  # do strides
+    stride_deb, stride_deh, stride_dem,  # delta strides
+    H, Sq, DV,  # query heads, query length, value head dim
+    HAS_QLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,  # row tile, padded value head dim
+):
+    """``delta = rowsum(do * o)`` in float32; 0 for rows ``>= q_lengths[b]``."""
+    n_tiles = tl.cdiv(Sq, BLOCK_M)
+    pid_m = tl.program_id(0) % n_tiles
+    pid_bh = tl.program_id(0) // n_tiles
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    q_len = Sq
+    if HAS_QLEN:
+        q_len = tl.minimum(tl.load(q_len_ptr + b).to(tl.int32), Sq)
+    start_m = pid_m * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = (start_m + offs_m) < q_len
+    mask = row_ok[:, None] & (offs_dv[None, :] < DV)
+    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_om
+                + offs_m[:, None] * stride_om + offs_dv[None, :], mask=mask, other=0.0)
+    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + start_m.to(tl.int64) * stride_dom
+                 + offs_m[:, None] * stride_dom + offs_dv[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    delta_base = delta_ptr + b * stride_deb + h * stride_deh + start_m.to(tl.int64) * stride_dem
+    tl.store(delta_base + offs_m * stride_dem, delta, mask=(start_m + offs_m) < Sq)
+
+
+@triton.jit
+def _row_stats(m_base, l_base, delta_base, stride_mm, stride_lm, stride_dem, offs_m, row_ok):
+    """Per row: ``lse2 = m log2 e + log2 l`` (``+inf`` if fully masked, so P = 0) and ``delta``."""
+    m = tl.load(m_base + offs_m * stride_mm, mask=row_ok, other=0.0)
+    l = tl.load(l_base + offs_m * stride_lm, mask=row_ok, other=0.0)
+    lse2 = tl.where(l > 0.0, m * LOG2E_CONST + tl.log2(tl.where(l > 0.0, l, 1.0)), float("inf"))
+    delta = tl.load(delta_base + offs_m * stride_dem, mask=row_ok, other=0.0)
+    return lse2, delta
+
+
+@triton.jit
+def _dkdv_step(
+    dk, dv, k, v, m0,
+    q_base, do_base, m_base, l_base, delta_base,
+    stride_qm, stride_dom, stride_mm, stride_lm, stride_dem,
+    offs_m, offs_d, offs_dv, key_pos,
+    q_len, pos0, qk_scale,
+    D, DV,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Add the query tile at ``m0`` of one query head to a key tile's ``dk`` (unscaled) and ``dv``.
+
+    ``MASKED`` applies the causal mask (query tiles crossing the diagonal);
+    rows ``>= q_len`` are excluded by the loads (``P = 0`` there). K and V stay
+    the B operands of the products (``q k^T``, ``do v^T``), which keeps them out
+    of registers; P and dS are transposed instead.
+    """
+    rows = m0 + offs_m
+    row_ok = rows < q_len
+    row_off = tl.cast(m0, tl.int64)
+    q = tl.load(q_base + row_off * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(k.dtype)
+    do = tl.load(do_base + row_off * stride_dom + offs_m[:, None] * stride_dom + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(k.dtype)
+    lse2, delta = _row_stats(m_base + row_off * stride_mm, l_base + row_off * stride_lm,
+                             delta_base + row_off * stride_dem, stride_mm, stride_lm, stride_dem,
+                             offs_m, row_ok)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    p = tl.exp2(s - lse2[:, None])
+    if MASKED:
+        p = tl.where(key_pos[None, :] <= (pos0 + rows)[:, None], p, 0.0)
+    dv = tl.dot(tl.trans(p.to(k.dtype)), do, dv, input_precision=PRECISION)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    dk = tl.dot(tl.trans(ds.to(k.dtype)), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v,
+    q_base, do_base, m_base, l_base, delta_base,
+    stride_qm, stride_dom, stride_mm, stride_lm, stride_dem,
+    offs_m, offs_d, offs_dv, key_pos,
+    m_lo, m_hi, q_len, pos0, qk_scale,
+    D, DV,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """:func:`_dkdv_step` over the query tiles ``[m_lo, m_hi)`` (see ``RANGE_LOOPS``)."""
+    if RANGE_LOOPS:
+        for m0 in range(m_lo, m_hi, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, m0, q_base, do_base, m_base, l_base, delta_base,
+                                stride_qm, stride_dom, stride_mm, stride_lm, stride_dem,
+                                offs_m, offs_d, offs_dv, key_pos, q_len, pos0, qk_scale, D, DV,
+                                MASKED, PRECISION)
+    else:
+        m0 = m_lo
+        while m0 < m_hi:
+            dk, dv = _dkdv_step(dk, dv, k, v, m0, q_base, do_base, m_base, l_base, delta_base,
+                                stride_qm, stride_dom, stride_mm, stride_lm, stride_dem,
+                                offs_m, offs_d, offs_dv, key_pos, q_len, pos0, qk_scale, D, DV,
+                                MASKED, PRECISION)
+            m0 += BLOCK_M
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["HKV", "GROUP", "Sq", "Sk", "pos_scalar", "D", "DV"])
+def _dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    m_ptr, l_ptr, delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
+    dk_ptr, dv_ptr,  # (B,Hkv,Sk,D), (B,Hkv,Sk,DV) shadows, overwritten
+    q_len_ptr, k_len_ptr, pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
+    stride_qb, stride_qh, stride_qm,  # q strides
+    stride_kb, stride_kh, stride_kn,  # k strides
+    stride_vb, stride_vh, stride_vn,  # v strides
+    stride_dob, stride_doh, stride_dom,  # do strides
+    stride_mb, stride_mh, stride_mm,  # m strides
+    stride_lb, stride_lh, stride_lm,  # l strides
+    stride_deb, stride_deh, stride_dem,  # delta strides
+    stride_dkb, stride_dkh, stride_dkn,  # dk strides
+    stride_dvb, stride_dvh, stride_dvn,  # dv strides
+    HKV, GROUP, Sq, Sk,  # kv heads, query heads per kv head, query and key lengths
+    pos_scalar,  # input_pos when it is one integer
+    scale, qk_scale,  # softmax scale, and scale * log2(e)
+    D, DV,  # head dims
+    CAUSAL: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, POS_ARRAY: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input precision
+    DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query tile, key tile
+):
+    """One key tile of one (batch, kv head): dK and dV, summed over the GQA group."""
+    n_tiles = tl.cdiv(Sk, BLOCK_N)
+    pid_n = tl.program_id(0) % n_tiles
+    pid_bkv = tl.program_id(0) // n_tiles
+    b = pid_bkv // HKV
+    kvh = pid_bkv % HKV
+    q_len, k_len, pos0 = _row_context(b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk,
+                                      HAS_QLEN, HAS_KLEN, POS_ARRAY)
+    b64 = b.to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    key_pos = start_n + offs_n
+    key_ok = key_pos < k_len
+
+    k_tile = b64 * stride_kb + kvh.to(tl.int64) * stride_kh + start_n.to(tl.int64) * stride_kn
+    v_tile = b64 * stride_vb + kvh.to(tl.int64) * stride_vh + start_n.to(tl.int64) * stride_vn
+    k = tl.load(k_ptr + k_tile + offs_n[:, None] * stride_kn + offs_d[None, :],
+                mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(DOT_TYPE)
+    v = tl.load(v_ptr + v_tile + offs_n[:, None] * stride_vn + offs_dv[None, :],
+                mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(k.dtype)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
+
+    # Query tiles [m_lo, m_full) cross the causal diagonal; from m_full on every
+    # row sees every valid key of the tile. A tile past k_len visits none.
+    m_lo = 0
+    m_full = 0
+    if CAUSAL:
+        last_key = tl.minimum(start_n + BLOCK_N, k_len) - 1
+        m_lo = (tl.maximum(start_n - pos0, 0) // BLOCK_M) * BLOCK_M
+        m_full = tl.cdiv(tl.maximum(last_key - pos0, 0), BLOCK_M) * BLOCK_M
+    key_tile_live = start_n < k_len
+    m_lo = tl.where(key_tile_live, m_lo, q_len)
+    m_full = tl.where(key_tile_live, m_full, q_len)
+    m_diag_end = tl.minimum(m_full, q_len)
+    g = 0
+    while g < GROUP:
+        h = (kvh * GROUP + g).to(tl.int64)
+        q_base = q_ptr + b64 * stride_qb + h * stride_qh
+        do_base = do_ptr + b64 * stride_dob + h * stride_doh
+        m_base = m_ptr + b64 * stride_mb + h * stride_mh
+        l_base = l_ptr + b64 * stride_lb + h * stride_lh
+        delta_base = delta_ptr + b64 * stride_deb + h * stride_deh
+        if CAUSAL:
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, m_base, l_base, delta_base,
+                                 stride_qm, stride_dom, stride_mm, stride_lm, stride_dem,
+                                 offs_m, offs_d, offs_dv, key_pos, m_lo, m_diag_end, q_len, pos0,
+                                 qk_scale, D, DV, True, PRECISION, BLOCK_M)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, m_base, l_base, delta_base,
+                             stride_qm, stride_dom, stride_mm, stride_lm, stride_dem,
+                             offs_m, offs_d, offs_dv, key_pos, m_full, q_len, q_len, pos0, qk_scale,
+                             D, DV, False, PRECISION, BLOCK_M)
+        g += 1
+
+    dk = tl.where(key_ok[:, None], dk * scale, 0.0)
+    dv = tl.where(key_ok[:, None], dv, 0.0)
+    in_bounds = key_pos < Sk
+    kvh64 = kvh.to(tl.int64)
+    key_off = start_n.to(tl.int64)
+    dk_base = dk_ptr + b64 * stride_dkb + kvh64 * stride_dkh + key_off * stride_dkn
+    dv_base = dv_ptr + b64 * stride_dvb + kvh64 * stride_dvh + key_off * stride_dvn
+    tl.store(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :],
+             dk.to(dk_ptr.dtype.element_ty), mask=in_bounds[:, None] & (offs_d[None, :] < D))
+    tl.store(dv_base + offs_n[:, None] * stride_dvn + offs_dv[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=in_bounds[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _dq_step(
+    dq, q, do, lse2, delta, k_base, v_base, n0,
+    stride_kn, stride_vn,
+    offs_n, offs_d, offs_dv, q_pos,
+    k_len, qk_scale,
+    D, DV,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Add the key tile at ``n0`` to a query tile's ``dq`` (unscaled); ``MASKED`` as forward."""
+    k, v = kv_tile(k_base, v_base, n0, stride_kn, stride_vn, offs_n, offs_d, offs_dv, k_len, D, DV,
+                    MASKED, EVEN_D, EVEN_DV)
+    k = k.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    p = tl.exp2(s - lse2[:, None])
+    if MASKED:
+        p = tl.where(_visible(n0, offs_n, q_pos, k_len, CAUSAL), p, 0.0)
+    dp = tl.dot(do, tl.trans(v.to(q.dtype)), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(q.dtype), k, dq, input_precision=PRECISION)
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse2, delta, k_base, v_base,
+    stride_kn, stride_vn,
+    offs_n, offs_d, offs_dv, q_pos,
+    n_lo, n_hi, k_len, qk_scale,
+    D, DV,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """:func:`_dq_step` over the key tiles ``[n_lo, n_hi)`` (see ``RANGE_LOOPS``)."""
+    if RANGE_LOOPS:
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, n0, stride_kn, stride_vn,
+                          offs_n, offs_d, offs_dv, q_pos, k_len, qk_scale, D, DV,
+                          MASKED, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
+    else:
+        n0 = n_lo
+        while n0 < n_hi:
+            dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, n0, stride_kn, stride_vn,
+                          offs_n, offs_d, offs_dv, q_pos, k_len, qk_scale, D, DV,
+                          MASKED, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
+            n0 += BLOCK_N
+    return dq
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    m_ptr, l_ptr, delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
+    dq_ptr,  # (B,H,Sq,D) shadow, overwritten
+    q_len_ptr, k_len_ptr, pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
+    stride_qb, stride_qh, stride_qm,  # q strides
+    stride_kb, stride_kh, stride_kn,  # k strides
+    stride_vb, stride_vh, stride_vn,  # v strides
+    stride_dob, stride_doh, stride_dom,  # do strides
+    stride_mb, stride_mh, stride_mm,  # m strides
+    stride_lb, stride_lh, stride_lm,  # l strides
+    stride_deb, stride_deh, stride_dem,  # delta strides
+    stride_dqb, stride_dqh, stride_dqm,  # dq strides
+    H, GROUP, Sq, Sk,  # query heads, query heads per kv head, query and key lengths
+    pos_scalar,  # input_pos when it is one integer
+    scale, qk_scale,  # softmax scale, and scale * log2(e)
+    D, DV,  # head dims
+    CAUSAL: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, POS_ARRAY: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
+    PRECISION: tl.constexpr,  # tl.dot input precision
+    DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query tile, key tile
+):
+    """One query tile of one (batch, head): dQ."""
+    pid_m, pid_bh = _query_tile_program(Sq, CAUSAL, BLOCK_M)
+    b = pid_bh // H
+    h = pid_bh % H
+    kvh = h // GROUP
+    q_len, k_len, pos0 = _row_context(b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk,
+                                      HAS_QLEN, HAS_KLEN, POS_ARRAY)
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    row_off = start_m.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = start_m + offs_m
+    row_ok = rows < q_len
+
+    q = tl.load(q_ptr + b64 * stride_qb + h64 * stride_qh + row_off * stride_qm
+                + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(DOT_TYPE)
+    do = tl.load(do_ptr + b64 * stride_dob + h64 * stride_doh + row_off * stride_dom
+                 + offs_m[:, None] * stride_dom + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(q.dtype)
+    lse2, delta = _row_stats(m_ptr + b64 * stride_mb + h64 * stride_mh + row_off * stride_mm,
+                             l_ptr + b64 * stride_lb + h64 * stride_lh + row_off * stride_lm,
+                             delta_ptr + b64 * stride_deb + h64 * stride_deh + row_off * stride_dem,
+                             stride_mm, stride_lm, stride_dem, offs_m, row_ok)
+    k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    q_pos = pos0 + rows
+    full_end, hi = _key_bounds(start_m, q_len, k_len, pos0, CAUSAL, BLOCK_M, BLOCK_N)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+                   offs_n, offs_d, offs_dv, q_pos, 0, full_end, k_len, qk_scale,
+                   D, DV, False, CAUSAL, EVEN_D, EVEN_DV, PRECISION, BLOCK_N)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
+                   offs_n, offs_d, offs_dv, q_pos, full_end, hi, k_len, qk_scale,
+                   D, DV, True, CAUSAL, EVEN_D, EVEN_DV, PRECISION, BLOCK_N)
+
+    dq = tl.where(row_ok[:, None], dq * scale, 0.0)
+    tl.store(dq_ptr + b64 * stride_dqb + h64 * stride_dqh + row_off * stride_dqm
+             + offs_m[:, None] * stride_dqm + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=(rows < Sq)[:, None] & (offs_d[None, :] < D))
+
+
+# Tiles per head-dim class (64, 128, 256), chosen so that the sm_90 build of
+# each kernel fits shared memory without spilling registers (checked by
+# compiling for sm_90 and reading the cubin's resource usage). Float32 uses
+# IEEE products on CUDA cores, which need far more registers: smaller tiles.
+_FORWARD_TILES = TileTable(
+    default={64: Tile(128, 64, 8, 2), 128: Tile(128, 64, 8, 2), 256: Tile(64, 32, 8, 2)},
+    wide_default={64: Tile(32, 32, 4, 2), 128: Tile(32, 16, 8, 1), 256: Tile(32, 16, 8, 1)},
+    candidates={
+        64: (Tile(128, 64, 4, 3), Tile(128, 128, 8, 3), Tile(128, 64, 8, 3), Tile(64, 64, 4, 3)),
+        128: (Tile(128, 64, 8, 3), Tile(128, 128, 8, 3), Tile(128, 64, 8, 2), Tile(64, 64, 8, 2)),
+        256: (Tile(64, 32, 8, 2), Tile(64, 64, 8, 2), Tile(128, 32, 8, 2)),
+    },
+)
+# dK/dV: BLOCK_N keys per program, BLOCK_M query rows per step.
+_DKDV_TILES = TileTable(
+    default={64: Tile(32, 64, 4, 3), 128: Tile(32, 64, 8, 2), 256: Tile(32, 32, 8, 2)},
+    wide_default={64: Tile(32, 32, 8, 1), 128: Tile(16, 16, 4, 1), 256: Tile(16, 16, 4, 1)},
+    candidates={
+        64: (Tile(32, 64, 4, 3), Tile(64, 64, 8, 3), Tile(32, 128, 8, 3)),
+        128: (Tile(32, 64, 8, 3), Tile(32, 64, 8, 2), Tile(64, 64, 8, 2), Tile(32, 128, 8, 2)),
+        256: (Tile(32, 32, 8, 2), Tile(16, 32, 4, 2), Tile(32, 64, 8, 2)),
+    },
+)
+# dQ: BLOCK_M query rows per program, BLOCK_N keys per step.
+_DQ_TILES = TileTable(
+    default={64: Tile(64, 64, 4, 3), 128: Tile(128, 64, 8, 2), 256: Tile(32, 32, 8, 2)},
+    wide_default={64: Tile(32, 32, 4, 2), 128: Tile(16, 16, 4, 1), 256: Tile(16, 16, 8, 1)},
+    candidates={
+        64: (Tile(128, 64, 8, 3), Tile(64, 64, 4, 3), Tile(128, 32, 4, 3)),
+        128: (Tile(128, 32, 8, 3), Tile(128, 64, 8, 2), Tile(64, 64, 8, 3)),
+        256: (Tile(32, 32, 8, 2), Tile(32, 64, 8, 2), Tile(32, 32, 4, 2)),
+    },
+)
+_TUNE_KEY = ["Sq", "Sk", "BLOCK_D", "BLOCK_DV", "CAUSAL"]
+_forward_tuned = autotuned(_forward_kernel, _FORWARD_TILES, _TUNE_KEY)
+_dkdv_tuned = autotuned(_dkdv_kernel, _DKDV_TILES, _TUNE_KEY)
+_dq_tuned = autotuned(_dq_kernel, _DQ_TILES, _TUNE_KEY)
+#: Elements of one ``delta`` tile (rows x padded Dv): 64 per thread of 4 warps.
+_DELTA_TILE = 8192
+
+
+def _options(q, k, v, input_pos, q_lengths, k_lengths):
+    pos_arg, pos_scalar, pos_array = scalar_or_pointer(input_pos, q)
+    meta = {
+        "HAS_QLEN": q_lengths is not None,
+        "HAS_KLEN": k_lengths is not None,
+        "POS_ARRAY": pos_array,
+        "PRECISION": dot_precision(q.dtype),
+        "DOT_TYPE": dot_type(q.dtype),
+        "BLOCK_D": dim_block(q.shape[-1]),
+        "BLOCK_DV": dim_block(v.shape[-1]),
+    }
+    pointers = (
+        q if q_lengths is None else q_lengths,
+        q if k_lengths is None else k_lengths,
+        pos_arg,
+    )
+    return pointers, pos_scalar, meta
+
+
+def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths) -> None:
+    """Attention forward into ``o`` and, unless ``m`` is None, the checkpoints ``m`` and ``l``.
+
+    Parameters
+    ----------
+    o : torch.Tensor
+        ``(B, H, Sq, Dv)`` output, overwritten.
+    q, k, v : torch.Tensor
+        ``(B, H, Sq, D)``, ``(B, Hkv, Sk, D)``, ``(B, Hkv, Sk, Dv)``; one dtype.
+    m, l : torch.Tensor or None
+        ``(B, H, Sq)`` float32 checkpoints (row max in natural-log units, sum
+        of ``exp(s - m)``), both None for inference.
+    scale : float
+        Multiplies ``q k^T``.
+    causal : bool
+        Keep keys at positions ``<=`` the query's position.
+    input_pos : int or torch.Tensor
+        Position of query 0, one int or ``(B,)`` integers.
+    q_lengths, k_lengths : torch.Tensor or None
+        ``(B,)`` valid query and key counts.
+
+    Shapes
+    ------
+    Every tensor's last axis has stride 1; other strides are free.
+    """
+    B, H, Sq, D = q.shape
+    Hkv, Sk, DV = k.shape[1], k.shape[2], v.shape[-1]
+    if o.numel() == 0:
+        return
+    pointers, pos_scalar, meta = _options(q, k, v, input_pos, q_lengths, k_lengths)
+    store_stats = m is not None
+    m_arg, l_arg = (m, l) if store_stats else (o, o)
+    m_strides = m.stride() if store_stats else (0, 0, 0)
+    l_strides = l.stride() if store_stats else (0, 0, 0)
+    args = (
+        q, k, v, o, m_arg, l_arg, *pointers,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *m_strides, *l_strides,
+        H, H // Hkv, Sq, Sk, pos_scalar, scale * LOG2E, D, DV,
+    )
+    meta.update(
+        CAUSAL=bool(causal), STORE_STATS=store_stats,
+        EVEN_D=meta["BLOCK_D"] == D, EVEN_DV=meta["BLOCK_DV"] == DV,
+    )
+    with launch_context(_forward_kernel, q):
+        launch(_forward_kernel, _forward_tuned, _FORWARD_TILES,
+               lambda blocks: (triton.cdiv(Sq, blocks["BLOCK_M"]) * B * H,), args, meta,
+               B * H * Sq * Sk, q)
+
+
+def backward(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *, scale, causal, input_pos,
+             q_lengths, k_lengths) -> None:
+    """Attention backward: overwrites ``dq``, ``dk``, ``dv`` (and the scratch ``delta``).
+
+    Parameters
+    ----------
+    do : torch.Tensor
+        ``(B, H, Sq, Dv)`` cotangent of ``o``.
+    q, k, v, o : torch.Tensor
+        The forward's inputs and output.
+    m, l : torch.Tensor
+        ``(B, H, Sq)`` float32 checkpoints from a forward (any backend's).
+    dq, dk, dv : torch.Tensor
+        Shadows of q, k, v, overwritten in their own dtypes; dk and dv are
+        summed over each GQA group.
+    delta : torch.Tensor
+        ``(B, H, Sq)`` float32 scratch, receives ``rowsum(do * o)``.
+    dq_accum : torch.Tensor
+        ``(B, H, Sq, D)`` float32 scratch; not used (dQ is a separate,
+        deterministic pass).
+    scale, causal, input_pos, q_lengths, k_lengths
+        As in :func:`forward`.
+
+    Shapes
+    ------
+    As in :func:`forward`; dq like q, dk like k, dv like v.
+    """
+    B, H, Sq, D = q.shape
+    Hkv, Sk, DV = k.shape[1], k.shape[2], v.shape[-1]
+    group = H // Hkv
+    if B == 0 or H == 0:
+        return
+    pointers, pos_scalar, meta = _options(q, k, v, input_pos, q_lengths, k_lengths)
+    meta["CAUSAL"] = bool(causal)
+    qk_scale = scale * LOG2E
+    work = B * H * Sq * Sk
+    with launch_context(_dq_kernel, q):
+        if Sq > 0:
+            delta_rows = _DELTA_TILE // meta["BLOCK_DV"]
+            _delta_kernel[(triton.cdiv(Sq, delta_rows) * B * H,)](
+                o, do, delta, pointers[0],
+                *o.stride()[:3], *do.stride()[:3], *delta.stride(),
+                H, Sq, DV,
+                HAS_QLEN=meta["HAS_QLEN"], BLOCK_M=delta_rows, BLOCK_DV=meta["BLOCK_DV"],
+            )
+        common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+                  *m.stride(), *l.stride(), *delta.stride())
+        if Sk > 0:
+            launch(_dkdv_kernel, _dkdv_tuned, _DKDV_TILES,
+                   lambda blocks: (triton.cdiv(Sk, blocks["BLOCK_N"]) * B * Hkv,),
+                   (q, k, v, do, m, l, delta, dk, dv, *pointers, *common,
+                    *dk.stride()[:3], *dv.stride()[:3], Hkv, group, Sq, Sk, pos_scalar, scale,
+                    qk_scale, D, DV),
+                   meta, work, q)
+        if Sq > 0:
+            launch(_dq_kernel, _dq_tuned, _DQ_TILES,
+                   lambda blocks: (triton.cdiv(Sq, blocks["BLOCK_M"]) * B * H,),
+                   (q, k, v, do, m, l, delta, dq, *pointers, *common,
+                    *dq.stride()[:3], H, group, Sq, Sk, pos_scalar, scale, qk_scale, D, DV),
+                   {**meta, "EVEN_D": meta["BLOCK_D"] == D, "EVEN_DV": meta["BLOCK_DV"] == DV},
+                   work, q)

@@ -1,0 +1,310 @@
+r"""Split-KV decode attention on Triton (one new query per head over a KV cache).
+
+Decode is bound by reading the cache, so the kernels are built to stream K
+and V once at full bandwidth:
+
+1. ``_split_kernel``: one program per (split, batch, kv head). Batch ``b``'s
+   keys ``[0, lengths[b])`` are cut into ``n_splits`` chunks (whole key tiles
+   each); a program streams its chunk once for ALL the query heads of its GQA
+   group (a ``(group, D) x (D, BLOCK_N)`` product per tile), runs the online
+   softmax in base 2 and writes, per query head and split, ``m_partial`` (the
+   chunk's score max ``m_s``, natural-log units), ``l_partial``
+   (``l_s = sum exp(s - m_s)``) and ``o_partial`` (the unnormalised
+   ``sum exp(s - m_s) v``). Only the last, partial tile of a chunk evaluates a
+   mask; an empty chunk writes ``o = 0, m = -inf, l = 0``.
+2. ``_combine_kernel``: one program per (batch, query head) merges the splits,
+
+.. math::
+
+    o = \frac{\sum_s e^{m_s - M} o_s}{\sum_s e^{m_s - M} l_s}, \qquad M = \max_s m_s,
+
+   and writes 0 when every split is empty (``lengths[b] == 0``).
+
+:func:`default_splits` picks ``n_splits`` so that ``batch * kv_heads * n_splits``
+programs keep every streaming multiprocessor busy, without cutting a cache
+into chunks shorter than ``MIN_SPLIT_KEYS``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._attn_common import (
+    LN2_CONST,
+    LOG2E,
+    RANGE_LOOPS,
+    Tile,
+    TileTable,
+    autotuned,
+    dim_block,
+    dot_precision,
+    dot_type,
+    kv_tile,
+    launch,
+    sm_count,
+)
+from ._common import launch_context
+
+__all__ = ["default_splits", "forward"]
+
+#: Programs per streaming multiprocessor the default split count aims for.
+PROGRAMS_PER_SM = 4
+#: Fewest keys a default split holds (shorter chunks cost more to combine than they save).
+MIN_SPLIT_KEYS = 256
+#: Most splits :func:`default_splits` returns.
+MAX_SPLITS = 128
+
+
+@triton.jit
+def _decode_step(
+    acc, m_i, l_i, q, k_base, v_base, n0,
+    stride_kn, stride_vn,
+    offs_n, offs_d, offs_dv,
+    length, qk_scale,
+    D, DV,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Online-softmax update by the key tile at ``n0``; ``MASKED`` checks keys ``< length``."""
+    k, v = kv_tile(k_base, v_base, n0, stride_kn, stride_vn, offs_n, offs_d, offs_dv, length, D, DV,
+                   MASKED, EVEN_D, EVEN_DV)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(((n0 + offs_n) < length)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_tiles(
+    acc, m_i, l_i, q, k_base, v_base,
+    stride_kn, stride_vn,
+    offs_n, offs_d, offs_dv,
+    n_lo, n_hi, length, qk_scale,
+    D, DV,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """:func:`_decode_step` over the key tiles ``[n_lo, n_hi)`` (``RANGE_LOOPS`` as in attention).
+
+    Every tile holds at least one key ``< length``, so the running max is
+    finite after the first tile (no ``-inf - -inf``).
+    """
+    if RANGE_LOOPS:
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            acc, m_i, l_i = _decode_step(acc, m_i, l_i, q, k_base, v_base, n0, stride_kn, stride_vn,
+                                         offs_n, offs_d, offs_dv, length, qk_scale, D, DV,
+                                         MASKED, EVEN_D, EVEN_DV, PRECISION)
+    else:
+        n0 = n_lo
+        while n0 < n_hi:
+            acc, m_i, l_i = _decode_step(acc, m_i, l_i, q, k_base, v_base, n0, stride_kn, stride_vn,
+                                         offs_n, offs_d, offs_dv, length, qk_scale, D, DV,
+                                         MASKED, EVEN_D, EVEN_DV, PRECISION)
+            n0 += BLOCK_N
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["HKV", "GROUP", "Smax", "n_splits", "D", "DV"])
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr,  # (B,H,D) queries, (B,Hkv,Smax,D) and (B,Hkv,Smax,DV) caches
+    lengths_ptr,  # (B,) valid keys per batch
+    o_part_ptr, m_part_ptr, l_part_ptr,  # (B,H,S,DV), (B,H,S), (B,H,S) float32 scratch
+    stride_qb, stride_qh,  # q strides (last axis contiguous)
+    stride_kb, stride_kh, stride_kn,  # k cache strides
+    stride_vb, stride_vh, stride_vn,  # v cache strides
+    stride_opb, stride_oph, stride_ops,  # o_partial strides
+    stride_mpb, stride_mph, stride_mps,  # m_partial strides
+    stride_lpb, stride_lph, stride_lps,  # l_partial strides
+    HKV, GROUP, Smax, n_splits,  # kv heads, query heads per kv head, cache length, splits
+    qk_scale,  # scale * log2(e)
+    D, DV,  # head dims
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
+    PRECISION: tl.constexpr,  # tl.dot input precision
+    DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
+    BLOCK_G: tl.constexpr,  # query heads of a group, padded to >= 16 rows for tl.dot
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_N: tl.constexpr,  # key tile
+):
+    """One split of one (batch, kv head), for all the query heads of its group."""
+    pid_s = tl.program_id(0) % n_splits
+    pid_bkv = tl.program_id(0) // n_splits
+    b = (pid_bkv // HKV).to(tl.int64)
+    kvh = pid_bkv % HKV
+    length = tl.minimum(tl.load(lengths_ptr + b).to(tl.int32), Smax)
+    chunk = tl.cdiv(tl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * chunk
+    end = tl.minimum(start + chunk, length)
+    full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    head_ok = offs_g < GROUP
+    heads = (kvh * GROUP + offs_g).to(tl.int64)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=head_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(DOT_TYPE)
+    k_base = k_ptr + b * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + b * stride_vb + kvh.to(tl.int64) * stride_vh
+
+    acc = tl.zeros((BLOCK_G, BLOCK_DV), dtype=tl.float32)
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc, m_i, l_i = _decode_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                                  offs_n, offs_d, offs_dv, start, full_end, length, qk_scale,
+                                  D, DV, False, EVEN_D, EVEN_DV, PRECISION, BLOCK_N)
+    acc, m_i, l_i = _decode_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
+                                  offs_n, offs_d, offs_dv, full_end, end, length, qk_scale,
+                                  D, DV, True, EVEN_D, EVEN_DV, PRECISION, BLOCK_N)
+
+    live = l_i > 0.0
+    split = pid_s.to(tl.int64)
+    o_part = o_part_ptr + b * stride_opb + split * stride_ops
+    tl.store(o_part + heads[:, None] * stride_oph + offs_dv[None, :], acc,
+             mask=head_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(m_part_ptr + b * stride_mpb + heads * stride_mph + split * stride_mps,
+             tl.where(live, m_i * LN2_CONST, float("-inf")), mask=head_ok)
+    tl.store(l_part_ptr + b * stride_lpb + heads * stride_lph + split * stride_lps,
+             tl.where(live, l_i, 0.0), mask=head_ok)
+
+
+@triton.jit(do_not_specialize=["H", "n_splits", "DV"])
+def _combine_kernel(
+    o_part_ptr, m_part_ptr, l_part_ptr,  # (B,H,S,DV), (B,H,S), (B,H,S) float32 split results
+    o_ptr,  # (B,H,DV) output, overwritten
+    stride_opb, stride_oph, stride_ops,  # o_partial strides
+    stride_mpb, stride_mph, stride_mps,  # m_partial strides
+    stride_lpb, stride_lph, stride_lps,  # l_partial strides
+    stride_ob, stride_oh,  # o strides
+    H, n_splits, DV,  # query heads, splits, value head dim
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,  # splits per step, padded value head dim
+):
+    """The splits of one (batch, query head) merged into ``o``."""
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    op_base = o_part_ptr + b * stride_opb + h * stride_oph
+    m_base = m_part_ptr + b * stride_mpb + h * stride_mph
+    l_base = l_part_ptr + b * stride_lpb + h * stride_lph
+
+    m_run = tl.full((BLOCK_S,), float("-inf"), dtype=tl.float32)
+    s0 = 0
+    while s0 < n_splits:
+        splits = s0 + offs_s
+        m_run = tl.maximum(m_run, tl.load(m_base + splits * stride_mps, mask=splits < n_splits,
+                                          other=float("-inf")))
+        s0 += BLOCK_S
+    m_max = tl.max(m_run, 0)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+
+    acc = tl.zeros((BLOCK_S, BLOCK_DV), dtype=tl.float32)
+    weight_sum = tl.zeros((BLOCK_S,), dtype=tl.float32)
+    s0 = 0
+    while s0 < n_splits:
+        splits = s0 + offs_s
+        ok = splits < n_splits
+        m = tl.load(m_base + splits * stride_mps, mask=ok, other=float("-inf"))
+        l = tl.load(l_base + splits * stride_lps, mask=ok, other=0.0)
+        weight = tl.exp(m - m_ref)
+        part = tl.load(op_base + splits[:, None].to(tl.int64) * stride_ops + offs_dv[None, :],
+                       mask=ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc += weight[:, None] * part
+        weight_sum += weight * l
+        s0 += BLOCK_S
+    total = tl.sum(weight_sum, 0)
+    o = tl.sum(acc, 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_dv, o.to(o_ptr.dtype.element_ty),
+             mask=offs_dv < DV)
+
+
+# Key tiles per head-dim class; the query rows are the (padded) GQA group.
+# Each fits sm_90 shared memory without register spills.
+_SPLIT_TILES = TileTable(
+    default={64: Tile(None, 64, 4, 3), 128: Tile(None, 64, 4, 3), 256: Tile(None, 32, 4, 2)},
+    wide_default={64: Tile(None, 64, 4, 2), 128: Tile(None, 32, 8, 2), 256: Tile(None, 16, 4, 2)},
+    candidates={
+        64: (Tile(None, 64, 4, 3), Tile(None, 128, 4, 3), Tile(None, 128, 8, 4)),
+        128: (Tile(None, 64, 4, 3), Tile(None, 128, 8, 3), Tile(None, 64, 4, 4)),
+        256: (Tile(None, 32, 4, 2), Tile(None, 64, 8, 2), Tile(None, 32, 4, 3)),
+    },
+)
+_split_tuned = autotuned(_split_kernel, _SPLIT_TILES,
+                         ["n_splits", "BLOCK_G", "BLOCK_D", "BLOCK_DV"])
+_COMBINE_SPLITS = 16
+
+
+def forward(o, q, k, v, lengths, o_partial, m_partial, l_partial, *, scale) -> None:
+    """Decode attention into ``o``, through the split scratch buffers.
+
+    Parameters
+    ----------
+    o : torch.Tensor
+        ``(B, H, Dv)`` output, overwritten; 0 where ``lengths[b] == 0``.
+    q : torch.Tensor
+        ``(B, H, D)`` one query per head, at position ``lengths[b] - 1``.
+    k, v : torch.Tensor
+        ``(B, Hkv, Smax, D)`` and ``(B, Hkv, Smax, Dv)`` caches; keys
+        ``[0, lengths[b])`` are attended.
+    lengths : torch.Tensor
+        ``(B,)`` integers in ``[0, Smax]``.
+    o_partial, m_partial, l_partial : torch.Tensor
+        ``(B, H, S, Dv)``, ``(B, H, S)``, ``(B, H, S)`` float32 scratch,
+        overwritten; ``S = n_splits``.
+    scale : float
+        Multiplies ``q k^T``.
+
+    Shapes
+    ------
+    Every tensor's last axis has stride 1; other strides are free.
+    """
+    B, H, D = q.shape
+    Hkv, Smax, DV = k.shape[1], k.shape[2], v.shape[-1]
+    n_splits = o_partial.shape[2]
+    if B == 0 or H == 0:
+        return
+    group = H // Hkv
+    meta = {
+        "EVEN_D": dim_block(D) == D,
+        "EVEN_DV": dim_block(DV) == DV,
+        "PRECISION": dot_precision(q.dtype),
+        "DOT_TYPE": dot_type(q.dtype),
+        "BLOCK_G": max(16, triton.next_power_of_2(group)),
+        "BLOCK_D": dim_block(D),
+        "BLOCK_DV": dim_block(DV),
+    }
+    args = (
+        q, k, v, lengths, o_partial, m_partial, l_partial,
+        *q.stride()[:2], *k.stride()[:3], *v.stride()[:3],
+        *o_partial.stride()[:3], *m_partial.stride(), *l_partial.stride(),
+        Hkv, group, Smax, n_splits, scale * LOG2E, D, DV,
+    )
+    with launch_context(_split_kernel, q):
+        launch(_split_kernel, _split_tuned, _SPLIT_TILES, lambda blocks: (n_splits * B * Hkv,),
+               args, meta, B * Hkv * Smax * D, q)
+        _combine_kernel[(B * H,)](
+            o_partial, m_partial, l_partial, o,
+            *o_partial.stride()[:3], *m_partial.stride(), *l_partial.stride(), *o.stride()[:2],
+            H, n_splits, DV,
+            BLOCK_S=_COMBINE_SPLITS, BLOCK_DV=meta["BLOCK_DV"],
+        )
+
+
+def default_splits(batch: int, kv_heads: int, max_len: int, like) -> int:
+    """Splits per (batch, kv head) for a cache of ``max_len`` keys on ``like``'s device.
+
+    Enough for ``PROGRAMS_PER_SM`` programs per streaming multiprocessor
+    (one on CPU), at most one per ``MIN_SPLIT_KEYS`` keys and at most
+    ``MAX_SPLITS``; at least 1.
+    """
+    programs = max(batch * kv_heads, 1)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count(like), programs)
+    by_length = max(1, triton.cdiv(max_len, MIN_SPLIT_KEYS))
+    return max(1, min(wanted, by_length, MAX_SPLITS))

@@ -1,0 +1,438 @@
+"""GPU benchmarks of xpkernels' Triton backend, against ceilings measured in the same run.
+
+Run by ``bench/device.sh`` (see ``bench/README.md``); by hand::
+
+    python bench/gpu.py --out DIR            # CUDA device required
+    python bench/gpu.py --out DIR --dry-run  # CPU, tiny shapes, Triton interpreter
+
+Measures, in order:
+
+1. ceilings: device-to-device copy bandwidth (``dst.copy_(src)``, bytes read
+   plus bytes written) and a bf16 ``8192 x 8192 x 8192`` matrix product;
+2. RMSNorm, LayerNorm and softmax at ``(32768, 4096)`` and ``(4096, 65536)``
+   in bfloat16 and float32, forward and backward: GB/s by the bytes formula
+   recorded with each entry, as a share of the copy bandwidth, next to
+   ``F.rms_norm`` / ``F.layer_norm`` / ``torch.softmax`` and (norms)
+   ``torch.compile`` of the same PyTorch function, while the compile budget
+   lasts;
+3. attention ``B=4, H=32, S=4096``, ``D`` 64 and 128, bfloat16, causal and
+   not, forward and backward: TFLOP/s with forward ``4 B H S^2 D`` (halved
+   when causal) and backward 2.5 x forward, next to
+   ``F.scaled_dot_product_attention``;
+4. decode attention ``B=16, H=32, Hkv=8, S=32768, D=128`` bfloat16: GB/s of
+   the K and V cache read, next to ``F.scaled_dot_product_attention`` with
+   ``enable_gqa``.
+
+Every xpkernels call is made through the public in-place functions with
+``backend="triton"`` and preallocated buffers (checkpoints, scratch), so a
+timing is the kernels alone. Writes ``gpu.json`` into ``--out`` and prints a
+table. An entry that raises is recorded with its traceback and the run goes
+on; the exit status is 1 if any entry failed or was skipped for time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Entry:
+    """One measured kernel: the xpkernels figure and its PyTorch baselines."""
+
+    section: str
+    op: str
+    pass_: str
+    dtype: str
+    shape: tuple
+    unit: str  # "GB/s" or "TFLOP/s"
+    formula: str  # how the bytes or FLOPs are counted
+    amount: float  # bytes or FLOPs per call
+    ceiling: str  # "copy" or "matmul"
+    ms: float | None = None
+    rate: float | None = None
+    pct_of_ceiling: float | None = None
+    baselines: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+class Bench:
+    """Timing and bookkeeping shared by the sections."""
+
+    def __init__(self, args):
+        import torch
+
+        self.torch = torch
+        self.dry = args.dry_run
+        self.device = "cpu" if self.dry else "cuda"
+        self.deadline = time.monotonic() + args.time_budget
+        self.compile_budget = 0.0 if self.dry else args.compile_budget
+        self.entries: list[Entry] = []
+        self.ceilings: dict[str, float] = {}
+        self.skipped: list[str] = []
+
+    def time_ms(self, fn) -> float:
+        """Median milliseconds of ``fn()``; one warm call and one timed call in a dry run."""
+        if self.dry:
+            fn()
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def rate(self, entry: Entry, ms: float) -> float:
+        scale = 1e9 if entry.unit == "GB/s" else 1e12
+        return entry.amount / (ms * 1e-3) / scale
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def run(self, entry: Entry, kernel, baselines: dict) -> None:
+        """Time ``kernel`` and each of ``baselines`` (name -> callable or None); keep ``entry``."""
+        label = f"{entry.op} {entry.pass_} {entry.dtype} {entry.shape}"
+        if self.out_of_time():
+            self.skipped.append(label)
+            entry.error = "skipped: the time budget ran out"
+            self.entries.append(entry)
+            return
+        try:
+            entry.ms = self.time_ms(kernel)
+            entry.rate = self.rate(entry, entry.ms)
+            ceiling = self.ceilings.get(entry.ceiling)
+            if ceiling:
+                entry.pct_of_ceiling = 100.0 * entry.rate / ceiling
+        except Exception:  # noqa: BLE001 - recorded, reported, and fails the run at the end
+            entry.error = traceback.format_exc()
+        for name, fn in baselines.items():
+            if fn is None:
+                continue
+            try:
+                ms = self.time_ms(fn)
+                entry.baselines[name] = {"ms": ms, "rate": self.rate(entry, ms)}
+            except Exception as exc:  # noqa: BLE001 - a baseline failing is data, not our failure
+                entry.baselines[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        self.entries.append(entry)
+        print(format_entry(entry), flush=True)
+
+    def free(self) -> None:
+        if not self.dry:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.empty_cache()
+
+
+def format_entry(e: Entry) -> str:
+    if e.error:
+        first = e.error.strip().splitlines()[-1]
+        return f"  {e.op:<16} {e.pass_:<8} {e.dtype:<8} {e.shape!s:<24} ERROR {first}"
+    pct = f"{e.pct_of_ceiling:5.1f}% {e.ceiling}" if e.pct_of_ceiling is not None else ""
+    head = f"  {e.op:<16} {e.pass_:<8} {e.dtype:<8} {e.shape!s:<24}"
+    parts = [f"{head} {e.ms:9.3f} ms {e.rate:9.1f} {e.unit} {pct}"]
+    for name, b in e.baselines.items():
+        if "error" in b:
+            parts.append(f"{name}: {b['error'][:60]}")
+        else:
+            parts.append(f"{name}: {b['rate']:.1f} ({e.rate / b['rate']:.2f}x)")
+    return " | ".join(parts)
+
+
+def measure_ceilings(bench: Bench) -> None:
+    n_bytes = (1 << 20) if bench.dry else (1 << 31)
+    n = 256 if bench.dry else 8192
+    bench.ceilings["copy"] = 2 * n_bytes / (copy_ms(bench, n_bytes) * 1e-3) / 1e9
+    bench.ceilings["matmul"] = 2 * n**3 / (matmul_ms(bench, n) * 1e-3) / 1e12
+    bench.ceiling_formulas = {
+        "copy": f"GB/s of dst.copy_(src), {n_bytes} bytes read + {n_bytes} bytes written (bf16)",
+        "matmul": f"TFLOP/s of a bf16 {n}x{n}x{n} torch.matmul on random data, 2*n^3 FLOPs",
+    }
+    bench.free()
+    print(f"ceilings: copy {bench.ceilings['copy']:.1f} GB/s, "
+          f"bf16 matmul {bench.ceilings['matmul']:.1f} TFLOP/s", flush=True)
+
+
+def copy_ms(bench: Bench, n_bytes: int) -> float:
+    src = bench.torch.empty(n_bytes // 2, dtype=bench.torch.bfloat16, device=bench.device).normal_()
+    dst = bench.torch.empty_like(src)
+    return bench.time_ms(lambda: dst.copy_(src))
+
+
+def matmul_ms(bench: Bench, n: int) -> float:
+    a = bench.torch.randn(n, n, dtype=bench.torch.bfloat16, device=bench.device)
+    b = bench.torch.randn(n, n, dtype=bench.torch.bfloat16, device=bench.device)
+    return bench.time_ms(lambda: bench.torch.matmul(a, b))
+
+
+class CompileBudget:
+    """``torch.compile`` of a function, attempted while the run's compile budget lasts."""
+
+    def __init__(self, bench: Bench):
+        self.bench = bench
+        self.spent = 0.0
+
+    def compiled(self, fn, *example):
+        """``fn`` compiled and called once on ``example`` (timed against the budget), or None."""
+        if self.spent >= self.bench.compile_budget:
+            return None
+        start = time.monotonic()
+        try:
+            compiled = self.bench.torch.compile(fn, dynamic=False)
+            compiled(*example)
+        except Exception:  # noqa: BLE001 - torch.compile failing is a missing baseline
+            compiled = None
+        self.spent += time.monotonic() - start
+        return compiled
+
+
+def norm_sections(bench: Bench, compiler: CompileBudget) -> None:
+    shapes = [(64, 256), (8, 2048)] if bench.dry else [(32768, 4096), (4096, 65536)]
+    for rows, m in shapes:
+        for dtype_name in ("bfloat16", "float32"):
+            rows_case(bench, compiler, rows, m, dtype_name)
+            bench.free()
+
+
+def rows_case(bench: Bench, compiler: CompileBudget, rows: int, m: int, dtype_name: str) -> None:
+    """RMSNorm, LayerNorm and softmax, forward and backward, on ``(rows, m)`` inputs."""
+    import torch.nn.functional as F
+
+    import xpkernels as xk
+    from xpkernels import Duplicated
+
+    torch = bench.torch
+    eps = 1e-6
+    dtype = getattr(torch, dtype_name)
+    s = torch.finfo(dtype).bits // 8
+    x = torch.randn(rows, m, dtype=dtype, device=bench.device)
+    w = torch.randn(m, dtype=dtype, device=bench.device)
+    bias = torch.randn(m, dtype=dtype, device=bench.device)
+    dy = torch.randn_like(x)
+    y = torch.empty_like(x)
+    X, W, B = (Duplicated(t, torch.empty_like(t)) for t in (x, w, bias))
+    Y = Duplicated(y, dy)
+    xr, wr, br = (t.detach().requires_grad_() for t in (x, w, bias))
+    rmm = rows * m * s
+
+    def entry(op, pass_, formula, amount):
+        return Entry("rows", op, pass_, dtype_name, (rows, m), "GB/s", formula, amount, "copy")
+
+    def grad(out, inputs):
+        if out is None:
+            return None
+        return lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True)
+
+    def call(fn, *args):
+        return None if fn is None else (lambda: fn(*args))
+
+    def torch_rms(a, b):
+        return F.rms_norm(a, (m,), b, eps=eps)
+
+    ck = xk.allocate_checkpoints(xk.rms_norm_, x, w)
+    compiled = compiler.compiled(torch_rms, xr, wr)
+    bench.run(
+        entry("rms_norm", "forward", "2*R*M*s (x read, y written) + M*s (w) + 4*R (rstd)",
+              2 * rmm + m * s + 4 * rows),
+        lambda: xk.rms_norm_(y, x, w, eps=eps, checkpoints=ck, backend="triton"),
+        {"F.rms_norm": call(torch_rms, x, w), "torch.compile": call(compiled, x, w)},
+    )
+    scratch = xk.allocate_scratchspace(xk.rms_norm_backward_, Y, X, W, backend="triton")
+    bench.run(
+        entry("rms_norm", "backward",
+              "3*R*M*s (x, dy read, dx written) + 2*M*s (w read, dw written) + 4*R (rstd)",
+              3 * rmm + 2 * m * s + 4 * rows),
+        lambda: xk.rms_norm_backward_(Y, X, W, checkpoints=ck, scratch=scratch, backend="triton"),
+        {"F.rms_norm": grad(torch_rms(xr, wr), (xr, wr)),
+         "torch.compile": grad(None if compiled is None else compiled(xr, wr), (xr, wr))},
+    )
+
+    def torch_ln(a, b, c):
+        return F.layer_norm(a, (m,), b, c, eps=eps)
+
+    ck = xk.allocate_checkpoints(xk.layer_norm_, x, w, bias)
+    compiled = compiler.compiled(torch_ln, xr, wr, br)
+    bench.run(
+        entry("layer_norm", "forward",
+              "2*R*M*s (x read, y written) + 2*M*s (w, b) + 8*R (mean, rstd)",
+              2 * rmm + 2 * m * s + 8 * rows),
+        lambda: xk.layer_norm_(y, x, w, bias, eps=eps, checkpoints=ck, backend="triton"),
+        {"F.layer_norm": call(torch_ln, x, w, bias), "torch.compile": call(compiled, x, w, bias)},
+    )
+    scratch = xk.allocate_scratchspace(xk.layer_norm_backward_, Y, X, W, B, backend="triton")
+    bench.run(
+        entry("layer_norm", "backward",
+              "3*R*M*s (x, dy read, dx written) + 3*M*s (w read, dw, db written)"
+              " + 8*R (mean, rstd)",
+              3 * rmm + 3 * m * s + 8 * rows),
+        lambda: xk.layer_norm_backward_(Y, X, W, B, checkpoints=ck, scratch=scratch,
+                                        backend="triton"),
+        {"F.layer_norm": grad(torch_ln(xr, wr, br), (xr, wr, br)),
+         "torch.compile": grad(None if compiled is None else compiled(xr, wr, br), (xr, wr, br))},
+    )
+
+    bench.run(
+        entry("softmax", "forward", "2*R*M*s (x read, y written)", 2 * rmm),
+        lambda: xk.softmax_(y, x, backend="triton"),
+        {"torch.softmax": call(torch.softmax, x, -1)},
+    )
+    xk.softmax_(y, x, backend="triton")
+    bench.run(
+        entry("softmax", "backward", "3*R*M*s (y, dy read, dx written)", 3 * rmm),
+        lambda: xk.softmax_backward_(Y, X, backend="triton"),
+        {"torch.softmax": grad(torch.softmax(xr, -1), (xr,))},
+    )
+
+
+def attention_section(bench: Bench) -> None:
+    B, H, S = (1, 2, 48) if bench.dry else (4, 32, 4096)
+    for D in (16, 32) if bench.dry else (64, 128):
+        for causal in (False, True):
+            attention_case(bench, B, H, S, D, causal)
+        bench.free()
+
+
+def attention_case(bench: Bench, B: int, H: int, S: int, D: int, causal: bool) -> None:
+    """Attention forward and backward, bfloat16, ``(B, H, S, D)``."""
+    import torch.nn.functional as F
+
+    import xpkernels as xk
+    from xpkernels import Duplicated
+
+    torch = bench.torch
+    q, k, v, do = (torch.randn(B, H, S, D, dtype=torch.bfloat16, device=bench.device)
+                   for _ in range(4))
+    o = torch.empty_like(q)
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    name = "attention-causal" if causal else "attention"
+    ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
+    bench.run(
+        Entry("attention", name, "forward", "bfloat16", (B, H, S, D), "TFLOP/s",
+              "4*B*H*S*S*D (q k^T and p v), halved when causal", flops, "matmul"),
+        lambda: xk.attention_(o, q, k, v, causal=causal, checkpoints=ck, backend="triton"),
+        {"F.sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)},
+    )
+    xk.attention_(o, q, k, v, causal=causal, checkpoints=ck, backend="triton")
+    O = Duplicated(o, do)
+    Q, K, V = (Duplicated(t, torch.empty_like(t)) for t in (q, k, v))
+    scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
+    out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+    bench.run(
+        Entry("attention", name, "backward", "bfloat16", (B, H, S, D), "TFLOP/s",
+              "2.5 x forward FLOPs (5 matmuls against the forward's 2)", 2.5 * flops, "matmul"),
+        lambda: xk.attention_backward_(O, Q, K, V, checkpoints=ck, scratch=scratch, causal=causal,
+                                       backend="triton"),
+        {"F.sdpa": lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True)},
+    )
+
+
+def decode_section(bench: Bench) -> None:
+    """Decode attention, bfloat16, every cache full."""
+    import torch.nn.functional as F
+
+    import xpkernels as xk
+
+    torch = bench.torch
+    B, H, Hkv, S, D = (2, 8, 2, 96, 32) if bench.dry else (16, 32, 8, 32768, 128)
+    k_cache = torch.randn(B, Hkv, S, D, dtype=torch.bfloat16, device=bench.device)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(B, H, D, dtype=torch.bfloat16, device=bench.device)
+    o = torch.empty_like(q)
+    lengths = torch.full((B,), S, dtype=torch.int32, device=bench.device)
+    scratch = xk.allocate_scratchspace(xk.decode_attention_, o, q, k_cache, v_cache, lengths,
+                                       backend="triton")
+    amount = 2 * B * Hkv * S * D * 2 + 2 * B * H * D * 2
+    bench.run(
+        Entry("decode", "decode_attention", "forward", "bfloat16", (B, H, Hkv, S, D), "GB/s",
+              "2*B*Hkv*S*D*2 (K and V caches read, bf16) + 2*B*H*D*2 (q read, o written)",
+              amount, "copy"),
+        lambda: xk.decode_attention_(o, q, k_cache, v_cache, lengths, scratch=scratch,
+                                     backend="triton"),
+        {"F.sdpa(enable_gqa)": lambda: F.scaled_dot_product_attention(
+            q[:, :, None, :], k_cache, v_cache, enable_gqa=True)},
+    )
+    print(f"  decode n_splits = {scratch.o_partial.shape[2]}", flush=True)
+
+
+def environment(bench: Bench) -> dict:
+    torch = bench.torch
+    import triton
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dry_run": bench.dry,
+        "device": "cpu (dry run)" if bench.dry else torch.cuda.get_device_name(),
+    }
+    if not bench.dry:
+        props = torch.cuda.get_device_properties(0)
+        env.update(sm_count=props.multi_processor_count,
+                   memory_gib=round(props.total_memory / 2**30, 1),
+                   capability=f"{props.major}.{props.minor}")
+    return env
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for gpu.json")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU tensors, tiny shapes, Triton interpreter: checks this script "
+                             "and measures nothing")
+    parser.add_argument("--time-budget", type=float, default=240.0,
+                        help="seconds after which the remaining entries are skipped (a failure)")
+    parser.add_argument("--compile-budget", type=float, default=60.0,
+                        help="seconds of torch.compile for the norm baselines; then none")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("bench/gpu.py: no CUDA device; use --dry-run to check the script on CPU",
+              file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    bench = Bench(args)
+    started = time.monotonic()
+    measure_ceilings(bench)
+    compiler = CompileBudget(bench)
+    print("norms and softmax (GB/s; baselines: their GB/s and our speed-up):", flush=True)
+    norm_sections(bench, compiler)
+    print("attention (TFLOP/s):", flush=True)
+    attention_section(bench)
+    print("decode attention (GB/s):", flush=True)
+    decode_section(bench)
+    bench.free()
+    failed = [e for e in bench.entries if e.error]
+    report = {
+        "environment": environment(bench),
+        "ceilings": bench.ceilings,
+        "ceiling_formulas": bench.ceiling_formulas,
+        "torch_compile_seconds": round(compiler.spent, 1),
+        "seconds": round(time.monotonic() - started, 1),
+        "entries": [asdict(e) for e in bench.entries],
+        "failed": [f"{e.op} {e.pass_} {e.dtype} {e.shape}" for e in failed],
+    }
+    path = os.path.join(args.out, "gpu.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path} ({len(bench.entries)} entries, {len(failed)} failed, "
+          f"{report['seconds']} s)", flush=True)
+    for e in failed:
+        print(f"FAILED {e.op} {e.pass_} {e.dtype} {e.shape}:\n{e.error}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""The Triton attention and decode-attention kernels against naive float64 references.
+
+Without a CUDA device the kernels run on CPU tensors through the Triton
+interpreter (``TRITON_INTERPRET=1`` is set before any kernel is defined), so
+shapes stay tiny; they still cross the 16-wide interpreter tiles, with odd
+sizes, GQA, causal masks, per-batch lengths and positions, fully masked rows,
+BSHD views and NaN-filled outputs that must be overwritten. With a CUDA
+device the same tests run on it.
+
+These call the backend modules directly (validated bare tensors, as the
+front files pass them); the generic conformance suite covers the front.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
+    pytest.skip("the triton backend needs torch and triton", allow_module_level=True)
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] != "1":
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 for Triton kernels",
+                    allow_module_level=True)
+
+from xpkernels.backends.triton import attention as tri_attention
+from xpkernels.backends.triton import decode_attention as tri_decode
+
+TOL = {torch.float32: 5e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+BACKWARD_TOL = {torch.float32: 1e-4, torch.float16: 8e-3, torch.bfloat16: 6e-2}
+
+
+def _err(actual, expected):
+    """``max|a - e| / max(max|e|, 1)`` over finite references; inf on any NaN."""
+    a = actual.detach().cpu().double().numpy()
+    e = np.asarray(expected, dtype=np.float64)
+    both_inf = np.isinf(e) & (a == e)
+    diff = np.abs(np.where(both_inf, 0.0, a) - np.where(both_inf, 0.0, e))
+    if np.isnan(diff).any():
+        return float("inf")
+    scale = max(float(np.max(np.abs(e[np.isfinite(e)]), initial=0.0)), 1.0)
+    return float(np.max(diff, initial=0.0)) / scale
+
+
+def _masks(B, Sq, Sk, causal, input_pos, q_lengths, k_lengths):
+    pos = np.broadcast_to(np.asarray(input_pos, dtype=np.int64), (B,))
+    ql = np.full(B, Sq) if q_lengths is None else np.asarray(q_lengths)
+    kl = np.full(B, Sk) if k_lengths is None else np.asarray(k_lengths)
+    i = np.arange(Sq)[None, :, None]
+    j = np.arange(Sk)[None, None, :]
+    visible = (i < ql[:, None, None]) & (j < kl[:, None, None])
+    if causal:
+        visible = visible & (j <= pos[:, None, None] + i)
+    return visible[:, None]  # (B, 1, Sq, Sk)
+
+
+def reference_attention(q, k, v, do, *, scale, causal, input_pos, q_lengths, k_lengths):
+    """Float64 ``o, m, l`` and ``dq, dk, dv`` from the full score matrix."""
+    q, k, v, do = (np.asarray(t, dtype=np.float64) for t in (q, k, v, do))
+    B, H, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = H // Hkv
+    kk, vv = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    visible = _masks(B, Sq, Sk, causal, input_pos, q_lengths, k_lengths)
+    s = np.einsum("bhid,bhjd->bhij", q, kk) * scale
+    s = np.where(visible, s, -np.inf)
+    m = np.max(s, axis=-1, initial=-np.inf)
+    e = np.where(visible, np.exp(s - np.where(np.isinf(m), 0.0, m)[..., None]), 0.0)
+    l = e.sum(-1)
+    p = e / np.where(l > 0, l, 1.0)[..., None]
+    o = p @ vv
+    delta = np.sum(do * o, axis=-1, keepdims=True)
+    ds = p * (do @ np.swapaxes(vv, -1, -2) - delta)
+    dq = scale * ds @ kk
+    dk = scale * np.swapaxes(ds, -1, -2) @ q
+    dv = np.swapaxes(p, -1, -2) @ do
+    dk = dk.reshape(B, Hkv, group, Sk, -1).sum(2)
+    dv = dv.reshape(B, Hkv, group, Sk, -1).sum(2)
+    return {"o": o, "m": m, "l": l}, {"q": dq, "k": dk, "v": dv}
+
+
+def _tensor(a, dtype, bshd=False):
+    """``a`` (B, H, S, D) on DEVICE; with ``bshd`` a view of a (B, S, H, D) buffer."""
+    t = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+    if bshd:
+        t = t.transpose(1, 2).contiguous().transpose(1, 2)
+    return t.to(DEVICE)
+
+
+def _nan_like(t):
+    return torch.full_like(t, float("nan"))
+
+
+def _int(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+ATTN_CASES = [
+    # id, B, H, Hkv, Sq, Sk, D, Dv, causal, input_pos, q_lengths, k_lengths, bshd
+    ("plain-odd", 1, 2, 2, 19, 23, 16, 16, False, 0, None, None, False),
+    ("causal-gqa", 2, 4, 2, 33, 33, 16, 16, True, 0, None, None, False),
+    ("causal-pos-chunk", 1, 2, 1, 17, 40, 32, 16, True, 21, None, None, False),
+    ("lengths-posarray", 2, 2, 1, 20, 35, 16, 24, True, [3, 15], [20, 9], [35, 18], False),
+    ("fully-masked", 2, 2, 2, 18, 17, 8, 8, False, 0, [18, 5], [0, 17], False),
+    ("bshd-views", 2, 3, 1, 21, 26, 16, 16, True, [5, 0], None, [26, 7], True),
+]
+
+
+def _attn_inputs(case, dtype, rng):
+    _, B, H, Hkv, Sq, Sk, D, Dv, causal, pos, ql, kl, bshd = case
+    raw = {
+        "q": rng.standard_normal((B, H, Sq, D)),
+        "k": rng.standard_normal((B, Hkv, Sk, D)),
+        "v": rng.standard_normal((B, Hkv, Sk, Dv)),
+        "do": rng.standard_normal((B, H, Sq, Dv)),
+    }
+    tensors = {name: _tensor(a, dtype, bshd) for name, a in raw.items()}
+    exact = {name: t.double().cpu().numpy() for name, t in tensors.items()}
+    opts = {
+        "scale": 1.0 / np.sqrt(D),
+        "causal": causal,
+        "input_pos": pos if isinstance(pos, int) else _int(pos),
+        "q_lengths": None if ql is None else _int(ql),
+        "k_lengths": None if kl is None else _int(kl),
+    }
+    ref_opts = {**opts, "input_pos": pos, "q_lengths": ql, "k_lengths": kl}
+    return tensors, exact, opts, ref_opts
+
+
+def _run_forward(tensors, opts, with_stats=True):
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    B, H, Sq, _ = q.shape
+    o = _nan_like(torch.empty(B, H, Sq, v.shape[-1], dtype=q.dtype, device=DEVICE))
+    m = l = None
+    if with_stats:
+        m = torch.full((B, H, Sq), float("nan"), dtype=torch.float32, device=DEVICE)
+        l = torch.full_like(m, float("nan"))
+    tri_attention.forward(o, q, k, v, m, l, **opts)
+    return o, m, l
+
+
+def _run_backward(tensors, o, m, l, opts):
+    q, k, v, do = tensors["q"], tensors["k"], tensors["v"], tensors["do"]
+    grads = {"q": _nan_like(q), "k": _nan_like(k), "v": _nan_like(v)}
+    delta = torch.full(m.shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    dq_accum = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
+    tri_attention.backward(do, q, k, v, o, m, l, grads["q"], grads["k"], grads["v"], delta,
+                           dq_accum, **opts)
+    return grads
+
+
+ATTN_PARAMS = [
+    pytest.param(case, dtype, id=f"{case[0]}-{name}")
+    for case in ATTN_CASES
+    for dtype, name in ((torch.float32, "float32"), (torch.float16, "float16"))
+] + [pytest.param(ATTN_CASES[3], torch.bfloat16, id=f"{ATTN_CASES[3][0]}-bfloat16")]
+
+
+@pytest.mark.parametrize("case,dtype", ATTN_PARAMS)
+def test_attention_forward_and_backward_match_reference(case, dtype):
+    rng = np.random.default_rng(zlib.crc32(case[0].encode()))
+    tensors, exact, opts, ref_opts = _attn_inputs(case, dtype, rng)
+    ref_out, ref_grad = reference_attention(
+        exact["q"], exact["k"], exact["v"], exact["do"], **ref_opts
+    )
+
+    o, m, l = _run_forward(tensors, opts)
+    assert _err(o, ref_out["o"]) <= TOL[dtype], "o"
+    assert _err(m, ref_out["m"]) <= 2e-5, "checkpoint m"
+    assert _err(l, ref_out["l"]) <= max(2e-5, TOL[dtype]), "checkpoint l"
+
+    o_inference, _, _ = _run_forward(tensors, opts, with_stats=False)
+    assert torch.equal(o_inference, o), "forward without checkpoints gives the same output"
+
+    # The backward from the reference's own state isolates it from the forward.
+    ref_state = {
+        "o": _tensor(ref_out["o"], dtype, case[-1]),
+        "m": torch.from_numpy(ref_out["m"]).float().to(DEVICE),
+        "l": torch.from_numpy(ref_out["l"]).float().to(DEVICE),
+    }
+    grads = _run_backward(tensors, ref_state["o"], ref_state["m"], ref_state["l"], opts)
+    for name in ("q", "k", "v"):
+        assert _err(grads[name], ref_grad[name]) <= BACKWARD_TOL[dtype], f"d{name}"
+
+    own = _run_backward(tensors, o, m, l, opts)
+    for name in ("q", "k", "v"):
+        assert _err(own[name], ref_grad[name]) <= BACKWARD_TOL[dtype], f"d{name}, own checkpoints"
+
+
+def test_fully_masked_rows_are_zero_with_infinite_max():
+    case = ATTN_CASES[4]
+    rng = np.random.default_rng(7)
+    tensors, _, opts, _ = _attn_inputs(case, torch.float32, rng)
+    o, m, l = _run_forward(tensors, opts)
+    # batch 0 has no keys: every row is fully masked; batch 1 has 5 valid queries.
+    assert torch.all(o[0] == 0) and torch.all(torch.isneginf(m[0])) and torch.all(l[0] == 0)
+    assert torch.all(o[1, :, 5:] == 0) and torch.all(l[1, :, 5:] == 0)
+    assert torch.all(torch.isneginf(m[1, :, 5:]))
+    assert torch.all(torch.isfinite(m[1, :, :5])) and torch.all(l[1, :, :5] > 0)
+    grads = _run_backward(tensors, o, m, l, opts)
+    assert all(torch.all(grads[name][0] == 0) for name in ("q", "k", "v"))
+    assert torch.all(grads["q"][1, :, 5:] == 0)
+    assert not any(torch.isnan(g).any() for g in grads.values())
+
+
+def test_backward_is_deterministic():
+    case = ATTN_CASES[1]
+    rng = np.random.default_rng(3)
+    tensors, _, opts, _ = _attn_inputs(case, torch.float16, rng)
+    o, m, l = _run_forward(tensors, opts)
+    first = _run_backward(tensors, o, m, l, opts)
+    second = _run_backward(tensors, o, m, l, opts)
+    for name in ("q", "k", "v"):
+        assert torch.equal(first[name], second[name]), name
+
+
+def reference_decode(q, k, v, lengths, scale):
+    """Float64 decode attention: one query per (b, h) over keys ``< lengths[b]``."""
+    q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
+    B, H, _ = q.shape
+    Hkv = k.shape[1]
+    out = np.zeros((B, H, v.shape[-1]))
+    for b in range(B):
+        n = int(lengths[b])
+        if n == 0:
+            continue
+        for h in range(H):
+            s = k[b, h // (H // Hkv), :n] @ q[b, h] * scale
+            p = np.exp(s - s.max())
+            out[b, h] = p @ v[b, h // (H // Hkv), :n] / p.sum()
+    return out
+
+
+DECODE_CASES = [
+    # id, B, H, Hkv, Smax, D, Dv, lengths, n_splits
+    ("one-split", 2, 2, 2, 37, 16, 16, [37, 20], 1),
+    ("splits-gqa", 2, 8, 2, 70, 16, 24, [70, 33], 3),
+    ("more-splits-than-tiles", 3, 4, 1, 40, 8, 8, [1, 0, 40], 5),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
+def test_decode_matches_reference(case, dtype):
+    _, B, H, Hkv, Smax, D, Dv, lengths, n_splits = case
+    rng = np.random.default_rng(11)
+    q = torch.from_numpy(rng.standard_normal((B, H, D))).to(dtype).to(DEVICE)
+    k = _tensor(rng.standard_normal((B, Hkv, Smax, D)), dtype)
+    v = _tensor(rng.standard_normal((B, Hkv, Smax, Dv)), dtype)
+    lens = _int(lengths)
+    o = torch.full((B, H, Dv), float("nan"), dtype=dtype, device=DEVICE)
+    o_partial = torch.full((B, H, n_splits, Dv), float("nan"), dtype=torch.float32, device=DEVICE)
+    m_partial = torch.full((B, H, n_splits), float("nan"), dtype=torch.float32, device=DEVICE)
+    l_partial = torch.full_like(m_partial, float("nan"))
+    scale = 1.0 / np.sqrt(D)
+    tri_decode.forward(o, q, k, v, lens, o_partial, m_partial, l_partial, scale=scale)
+    ref = reference_decode(*(t.double().cpu().numpy() for t in (q, k, v)), lengths, scale)
+    assert _err(o, ref) <= TOL[dtype]
+    assert torch.all(o[np.array(lengths) == 0] == 0)
+
+
+def test_decode_equals_causal_attention_of_last_query():
+    rng = np.random.default_rng(5)
+    B, H, Hkv, Smax, D = 2, 4, 2, 45, 16
+    k = _tensor(rng.standard_normal((B, Hkv, Smax, D)), torch.float32)
+    v = _tensor(rng.standard_normal((B, Hkv, Smax, D)), torch.float32)
+    q = torch.from_numpy(rng.standard_normal((B, H, D))).float().to(DEVICE)
+    lengths = [45, 30]
+    n_splits = tri_decode.default_splits(B, Hkv, Smax, k)
+    o = torch.empty(B, H, D, device=DEVICE)
+    partial = torch.empty(B, H, n_splits, D, device=DEVICE)
+    m_partial = torch.empty(B, H, n_splits, device=DEVICE)
+    l_partial = torch.empty(B, H, n_splits, device=DEVICE)
+    tri_decode.forward(o, q, k, v, _int(lengths), partial, m_partial, l_partial, scale=0.25)
+    o_attn = torch.empty(B, H, 1, D, device=DEVICE)
+    tri_attention.forward(
+        o_attn, q[:, :, None, :], k, v, None, None, scale=0.25, causal=True,
+        input_pos=_int([n - 1 for n in lengths]), q_lengths=None, k_lengths=_int(lengths),
+    )
+    assert _err(o, o_attn[:, :, 0].double().cpu().numpy()) <= 1e-5
+
+
+def test_default_splits_is_bounded_by_keys_and_fills_the_device():
+    k = torch.empty(1, 1, 1, 16, device=DEVICE)
+    assert tri_decode.default_splits(16, 8, 1, k) == 1
+    assert tri_decode.default_splits(1, 1, 0, k) == 1
+    many = tri_decode.default_splits(1, 1, 1 << 20, k)
+    few = tri_decode.default_splits(64, 8, 1 << 20, k)
+    assert 1 <= few <= many
+
+
+# Compiles every kernel for sm_90 (Hopper) in a fresh process without the
+# interpreter: catches what only the compiler checks (constexpr globals, loop
+# types, shared memory) on a machine with no GPU. Triton's wheel ships ptxas.
+_SM90_SCRIPT = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from xpkernels.backends.triton import attention as A, decode_attention as DA
+
+LIMIT = 227 * 1024
+common = dict(HAS_QLEN=True, HAS_KLEN=True, POS_ARRAY=True, PRECISION="tf32",
+              DOT_TYPE=triton.language.bfloat16, BLOCK_D=128, BLOCK_DV=128, CAUSAL=True,
+              STORE_STATS=True, EVEN_D=False, EVEN_DV=True, BLOCK_G=16, BLOCK_S=16)
+kernels = [
+    (A._forward_kernel, A._FORWARD_TILES.default[128]),
+    (A._dkdv_kernel, A._DKDV_TILES.default[128]),
+    (A._dq_kernel, A._DQ_TILES.default[128]),
+    (A._delta_kernel, A._FORWARD_TILES.default[128]),
+    (DA._split_kernel, DA._SPLIT_TILES.default[128]),
+    (DA._combine_kernel, DA._SPLIT_TILES.default[128]),
+]
+for fn, tile in kernels:
+    meta = {**common, **tile.blocks(), "BLOCK_M": tile.block_m or 64}
+    constexprs = {name: meta[name] for name in fn.arg_names if name in meta}
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("m_ptr", "l_ptr", "delta_ptr", "o_part_ptr", "m_part_ptr", "l_part_ptr"):
+            signature[name] = "*fp32"
+        elif name in ("q_len_ptr", "k_len_ptr", "pos_ptr", "lengths_ptr"):
+            signature[name] = "*i32"
+        elif name.endswith("_ptr"):
+            signature[name] = "*bf16"
+        elif name in ("scale", "qk_scale"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    compiled = triton.compile(
+        ASTSource(fn, signature, constexprs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": tile.num_warps, "num_stages": tile.num_stages},
+    )
+    shared = compiled.metadata.shared
+    print(fn.__name__, "shared", shared)
+    if shared > LIMIT:
+        sys.exit(f"{fn.__name__}: {shared} bytes of shared memory > {LIMIT}")
+"""
+
+
+def test_kernels_compile_for_hopper():
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler",
+                        reason="this Triton has no NVIDIA backend")
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for name in ("_forward_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel", "_split_kernel",
+                 "_combine_kernel"):
+        assert f"{name} shared" in run.stdout
+
+
+@pytest.mark.parametrize("block_d,cls", [(16, 64), (64, 64), (128, 128), (256, 256)])
+def test_tile_search_tries_only_its_head_dim_class(block_d, cls):
+    for tuned, table in (
+        (tri_attention._forward_tuned, tri_attention._FORWARD_TILES),
+        (tri_attention._dkdv_tuned, tri_attention._DKDV_TILES),
+        (tri_attention._dq_tuned, tri_attention._DQ_TILES),
+        (tri_decode._split_tuned, tri_decode._SPLIT_TILES),
+    ):
+        tried = tuned.early_config_prune(tuned.configs, {}, BLOCK_D=block_d)
+        expected = [tile.config().all_kwargs() for tile in table.candidates[cls]]
+        assert [c.all_kwargs() for c in tried] == expected
