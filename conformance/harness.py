@@ -17,8 +17,9 @@ import importlib
 import importlib.util
 import os
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

@@ -16,11 +16,11 @@ import zlib
 
 import numpy as np
 import pytest
+from xpkernels.backends.array_api import attention as attention_impl
+from xpkernels.backends.array_api import decode_attention as decode_impl
 
 import xpkernels as xk
 from xpkernels.attention import AttentionCheckpoints
-from xpkernels.backends.array_api import attention as attention_impl
-from xpkernels.backends.array_api import decode_attention as decode_impl
 from xpkernels.buffers import Duplicated
 
 

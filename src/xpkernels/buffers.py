@@ -19,8 +19,9 @@ graphs) without hidden allocations.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import array_api_compat
 

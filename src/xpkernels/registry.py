@@ -29,9 +29,10 @@ import importlib.util
 import os
 import sys
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any
 
 import array_api_compat
 
