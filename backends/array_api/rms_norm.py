@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import array_api_compat
 
-from ._blocks import acc_dtype, reduce_partials, row_blocks, to
+from ._blocks import (
+    WorkerSums,
+    acc_dtype,
+    block_rows,
+    column_dot,
+    for_each_block,
+    ones,
+    reduce_partials,
+    tiled,
+    to,
+    workers,
+)
 
-__all__ = ["forward", "backward", "partials", "reduce_partials"]
+__all__ = ["backward", "forward", "partials", "reduce_partials"]
 
 
 def forward(y, x, w, rstd, *, eps, offset) -> None:
@@ -14,42 +25,58 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
     xp = array_api_compat.array_namespace(y, x, w)
     acc = acc_dtype(xp, x.dtype)
     rows, m = x.shape
-    w_eff = to(xp, w, acc) + offset
-    for r0, r1 in row_blocks(rows, m):
+    m_div = max(m, 1)  # rows of length 0: every sum is 0
+    w_rows = tiled(xp, to(xp, w, acc) + offset, rows, m)
+
+    def block(worker, r0, r1):
         xb = to(xp, x[r0:r1, :], acc)
-        rstd_b = 1.0 / xp.sqrt(xp.vecdot(xb, xb) / m + eps)
+        rstd_b = 1.0 / xp.sqrt(xp.vecdot(xb, xb) / m_div + eps)
         yb = xb * rstd_b[:, None]
-        yb *= w_eff
+        yb *= w_rows[: r1 - r0, :]
         y[r0:r1, :] = to(xp, yb, y.dtype)
         if rstd is not None:
             rstd[r0:r1] = to(xp, rstd_b, rstd.dtype)
 
+    for_each_block(xp, block, rows, m, workers(xp, rows, m))
+
 
 def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
-    """``dx`` (overwritten) and, unless ``dw_partial`` is None, ``dw`` partial sums into row 0.
+    """``dx`` (overwritten) and, unless ``dw_partial`` is None, ``dw`` partial sums.
 
-    ``accumulate=False`` overwrites ``dw_partial``; True adds to it (later row groups).
+    With ``g = dy * rstd * (w + offset)`` (``rstd`` folded in once, so one
+    row-broadcast product serves both ``dx`` and ``dw``), per row:
+    ``dx = g - x * rstd**2 * sum(g * x) / M``. Worker ``k`` adds its blocks'
+    ``sum(dy * rstd * x, axis=0)`` into ``dw_partial[k]``.
+    ``accumulate=False`` overwrites all rows of ``dw_partial``; True adds to
+    them (later row groups).
     """
     xp = array_api_compat.array_namespace(dy, x, w)
     acc = acc_dtype(xp, x.dtype)
     rows, m = x.shape
-    w_eff = to(xp, w, acc) + offset
-    if dw_partial is not None and not accumulate:
-        dw_partial[...] = 0.0
-    for r0, r1 in row_blocks(rows, m):
+    m_div = max(m, 1)  # rows of length 0: every sum is 0
+    w_rows = tiled(xp, to(xp, w, acc) + offset, rows, m)
+    ones_rows = ones(xp, block_rows(rows, m), acc, x)
+    n_workers = workers(xp, rows, m)
+    if dw_partial is not None:
+        n_workers = min(n_workers, dw_partial.shape[0])
+    dw_sums = WorkerSums(n_workers)
+
+    def block(worker, r0, r1):
         rstd_b = to(xp, rstd[r0:r1], acc)[:, None]
-        x_hat = to(xp, x[r0:r1, :], acc) * rstd_b
-        dy_b = to(xp, dy[r0:r1, :], acc)
+        xb = to(xp, x[r0:r1, :], acc)
+        g = to(xp, dy[r0:r1, :], acc) * rstd_b
         if dw_partial is not None:
-            dw_partial[0, :] += to(xp, xp.sum(dy_b * x_hat, axis=0), xp.float32)
-        g = dy_b * w_eff
-        c = xp.vecdot(g, x_hat) / m
-        x_hat *= c[:, None]
-        g -= x_hat
-        g *= rstd_b
+            dw_sums.add(worker, column_dot(xp, g, xb, ones_rows))
+        g *= w_rows[: r1 - r0, :]
+        coef = (rstd_b * rstd_b) * (xp.vecdot(g, xb) / m_div)[:, None]
+        g -= xb * coef
         dx[r0:r1, :] = to(xp, g, dx.dtype)
+
+    for_each_block(xp, block, rows, m, n_workers)
+    if dw_partial is not None:
+        dw_sums.write(dw_partial, accumulate)
 
 
 def partials(rows: int, m: int, like) -> int:
-    """Rows of ``dw_partial`` this backend uses: one running sum."""
-    return 1
+    """Rows of ``dw_partial`` this backend uses: one running sum per worker thread."""
+    return workers(array_api_compat.array_namespace(like), rows, m)

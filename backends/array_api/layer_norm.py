@@ -1,0 +1,119 @@
+"""LayerNorm on the Array API: row blocks within the block budget, float32/float64 accumulation."""
+
+from __future__ import annotations
+
+import array_api_compat
+
+from ._blocks import (
+    WorkerSums,
+    acc_dtype,
+    block_rows,
+    column_dot,
+    for_each_block,
+    ones,
+    reduce_partials,
+    store,
+    tiled,
+    to,
+    workers,
+)
+
+__all__ = ["backward", "forward", "partials", "reduce_partials"]
+
+
+def forward(y, x, w, b, mean, rstd, *, eps) -> None:
+    """``y = (x - mean) * rstd * w + b`` over 2-D ``(rows, M)`` views.
+
+    ``w`` / ``b`` None mean no scale / no shift; ``mean`` and ``rstd`` are
+    written unless None (inference).
+    """
+    xp = array_api_compat.array_namespace(y, x)
+    acc = acc_dtype(xp, x.dtype)
+    rows, m = x.shape
+    m_div = max(m, 1)  # rows of length 0: every sum is 0
+    ones_m = ones(xp, m, acc, x)
+    w_rows = None if w is None else tiled(xp, to(xp, w, acc), rows, m)
+    b_rows = None if b is None else tiled(xp, to(xp, b, acc), rows, m)
+
+    def block(worker, r0, r1):
+        xb = to(xp, x[r0:r1, :], acc)
+        mean_b = (xb @ ones_m) / m_div
+        x_hat = xb - mean_b[:, None]
+        # One refinement step for the mean, from the centred block already in
+        # cache: rows whose mean dwarfs their spread get it to a rounding.
+        residual = (x_hat @ ones_m) / m_div
+        x_hat -= residual[:, None]
+        mean_b += residual
+        rstd_b = 1.0 / xp.sqrt(xp.vecdot(x_hat, x_hat) / m_div + eps)
+        x_hat *= rstd_b[:, None]
+        if w_rows is not None:
+            x_hat *= w_rows[: r1 - r0, :]
+        if b_rows is not None:
+            x_hat += b_rows[: r1 - r0, :]
+        y[r0:r1, :] = to(xp, x_hat, y.dtype)
+        if mean is not None:
+            mean[r0:r1] = to(xp, mean_b, mean.dtype)
+        if rstd is not None:
+            rstd[r0:r1] = to(xp, rstd_b, rstd.dtype)
+
+    for_each_block(xp, block, rows, m, workers(xp, rows, m))
+
+
+def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) -> None:
+    """``dx`` (overwritten) and, for the partials that are not None, ``dw`` / ``db`` partial sums.
+
+    With ``x_c = x - mean`` and ``g = dy * rstd * w`` (``rstd`` folded in
+    once, so one product serves ``dx`` and ``dw``; ``w = 1`` when None), per
+    row: ``dx = g - mean(g) - x_c * rstd**2 * mean(g * x_c)``, the usual
+    ``rstd * (dy w - mean(dy w) - x_hat mean(dy w x_hat))``. Worker ``k``
+    adds its blocks' ``sum(dy * rstd * x_c, axis=0)`` into ``dw_partial[k]``
+    and ``sum(dy, axis=0)`` into ``db_partial[k]``. ``accumulate=False``
+    overwrites all rows of the partials; True adds to them (later row
+    groups). Float64 inputs recompute the row means in float64 rather than
+    read the float32 checkpoint: ``x - mean`` cancels, and a rounded mean
+    times a large ``rstd`` (near-constant rows) would cost the float64
+    gradients most of their precision.
+    """
+    xp = array_api_compat.array_namespace(dy, x, dx)
+    acc = acc_dtype(xp, x.dtype)
+    rows, m = x.shape
+    m_div = max(m, 1)  # rows of length 0: every sum is 0
+    ones_m = ones(xp, m, acc, x)
+    ones_rows = ones(xp, block_rows(rows, m), acc, x)
+    w_rows = None if w is None else tiled(xp, to(xp, w, acc), rows, m)
+    n_workers = workers(xp, rows, m)
+    for partial in (dw_partial, db_partial):
+        if partial is not None:
+            n_workers = min(n_workers, partial.shape[0])
+    dw_sums, db_sums = WorkerSums(n_workers), WorkerSums(n_workers)
+
+    def block(worker, r0, r1):
+        xb = to(xp, x[r0:r1, :], acc)
+        dy_b = to(xp, dy[r0:r1, :], acc)
+        rstd_b = to(xp, rstd[r0:r1], acc)[:, None]
+        if acc == xp.float64:
+            mean_b = (xb @ ones_m) / m_div
+        else:
+            mean_b = to(xp, mean[r0:r1], acc)
+        x_c = xb - mean_b[:, None]
+        g = dy_b * rstd_b
+        if dw_partial is not None:
+            dw_sums.add(worker, column_dot(xp, g, x_c, ones_rows))
+        if db_partial is not None:
+            db_sums.add(worker, ones_rows[: r1 - r0] @ dy_b)
+        if w_rows is not None:
+            g *= w_rows[: r1 - r0, :]
+        g_mean = (g @ ones_m) / m_div
+        x_c *= (rstd_b * rstd_b) * (xp.vecdot(g, x_c) / m_div)[:, None]
+        g -= x_c
+        store(xp, dx, r0, r1, "subtract", g, g_mean[:, None])
+
+    for_each_block(xp, block, rows, m, n_workers)
+    for sums, partial in ((dw_sums, dw_partial), (db_sums, db_partial)):
+        if partial is not None:
+            sums.write(partial, accumulate)
+
+
+def partials(rows: int, m: int, like) -> int:
+    """Rows of ``dw_partial`` / ``db_partial`` this backend uses: one running sum per worker."""
+    return workers(array_api_compat.array_namespace(like), rows, m)

@@ -1,0 +1,348 @@
+"""The row primitives (rms_norm, layer_norm, softmax) on the array_api backend.
+
+What a user relies on beyond the conformance templates: in-place aliasing
+(``y`` is ``x``, ``dx`` is ``dy``), validation that writes nothing, half
+precision inputs with float32 outputs, every shadow element overwritten
+(also across row groups, blocks and worker threads), extra memory bounded by
+the block budget rather than the number of rows, and clear errors for mixed
+namespaces and non-contiguous rows.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+from xpkernels.backends.array_api import _blocks
+
+import xpkernels as xk
+from xpkernels.buffers import Duplicated
+from xpkernels.layer_norm import LayerNormBackwardScratch, LayerNormCheckpoints
+from xpkernels.rms_norm import RMSNormBackwardScratch, RMSNormCheckpoints
+
+OPS = ("rms_norm", "layer_norm", "softmax")
+
+# Enough rows of width 24 for several row blocks, hence several worker threads on NumPy.
+MANY_ROWS = (3 * _blocks.ROW_BLOCK_ELEMENTS) // 24 + 5
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def _weights(op, m, rng, dtype=np.float32):
+    """The op's parameter arrays by name (none for softmax)."""
+    if op == "rms_norm":
+        return {"w": rng.standard_normal(m).astype(dtype)}
+    if op == "layer_norm":
+        return {"w": rng.standard_normal(m).astype(dtype), "b": rng.standard_normal(m).astype(dtype)}
+    return {}
+
+
+def _checkpoints(op, x, params):
+    if op == "softmax":
+        return None
+    forward = {"rms_norm": xk.rms_norm_, "layer_norm": xk.layer_norm_}[op]
+    return xk.allocate_checkpoints(forward, x, *params.values())
+
+
+def _forward(op, y, x, params, ck):
+    if op == "rms_norm":
+        xk.rms_norm_(y, x, params["w"], checkpoints=ck)
+    elif op == "layer_norm":
+        xk.layer_norm_(y, x, params["w"], params["b"], checkpoints=ck)
+    else:
+        xk.softmax_(y, x)
+
+
+def _backward(op, y, dy, x, dx, params, grads, ck, scratch=None):
+    """Run the op's in-place backward; ``grads`` holds the parameter shadows by name."""
+    Y, X = Duplicated(y, dy), Duplicated(x, dx)
+    if op == "rms_norm":
+        xk.rms_norm_backward_(Y, X, Duplicated(params["w"], grads["w"]), checkpoints=ck, scratch=scratch)
+    elif op == "layer_norm":
+        W = Duplicated(params["w"], grads["w"])
+        B = Duplicated(params["b"], grads["b"])
+        xk.layer_norm_backward_(Y, X, W, B, checkpoints=ck, scratch=scratch)
+    else:
+        xk.softmax_backward_(Y, X)
+
+
+def _reference(op, x, params, dy):
+    """Float64 ``(y, dx, grads)`` computed naively."""
+    x = np.asarray(x, dtype=np.float64)
+    dy = np.asarray(dy, dtype=np.float64)
+    p = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
+    m = x.shape[-1]
+    if op == "softmax":
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        y = e / e.sum(axis=-1, keepdims=True)
+        return y, y * (dy - np.sum(y * dy, axis=-1, keepdims=True)), {}
+    if op == "rms_norm":
+        rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+        x_hat = x * rstd
+        g = dy * p["w"]
+        dx = rstd * (g - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True))
+        return x_hat * p["w"], dx, {"w": np.sum((dy * x_hat).reshape(-1, m), axis=0)}
+    mean = np.mean(x, axis=-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(np.mean((x - mean) ** 2, axis=-1, keepdims=True) + 1e-5)
+    x_hat = (x - mean) * rstd
+    g = dy * p["w"]
+    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True))
+    grads = {"w": np.sum((dy * x_hat).reshape(-1, m), axis=0), "b": np.sum(dy.reshape(-1, m), axis=0)}
+    return x_hat * p["w"] + p["b"], dx, grads
+
+
+def _rel_err(actual, expected):
+    actual = np.asarray(actual, dtype=np.float64)
+    return float(np.max(np.abs(actual - expected)) / max(float(np.max(np.abs(expected))), 1.0))
+
+
+def _case(op, shape, seed=0, dtype=np.float32):
+    rng = _rng(seed)
+    x = (rng.standard_normal(shape) * 2.0).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    return x, dy, _weights(op, shape[-1], rng, dtype)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_y_may_alias_x(op):
+    x, _, params = _case(op, (MANY_ROWS, 24))
+    expected = np.empty_like(x)
+    ck_expected = _checkpoints(op, x, params)
+    _forward(op, expected, x, params, ck_expected)
+    ck = _checkpoints(op, x, params)
+    buf = x.copy()
+    _forward(op, buf, buf, params, ck)
+    np.testing.assert_array_equal(buf, expected)
+    if ck is not None:
+        for got, want in zip(ck, ck_expected):
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_dx_may_alias_dy(op):
+    x, dy, params = _case(op, (MANY_ROWS, 24), seed=1)
+    y = np.empty_like(x)
+    ck = _checkpoints(op, x, params)
+    _forward(op, y, x, params, ck)
+    dx = np.empty_like(x)
+    grads = {k: np.empty_like(v) for k, v in params.items()}
+    _backward(op, y, dy, x, dx, params, grads, ck)
+    buf = dy.copy()
+    grads_aliased = {k: np.empty_like(v) for k, v in params.items()}
+    _backward(op, y, buf, x, buf, params, grads_aliased, ck)
+    np.testing.assert_array_equal(buf, dx)
+    for name, g in grads.items():
+        np.testing.assert_array_equal(grads_aliased[name], g)
+
+
+def _bad_forward_calls(op, x, y, params):
+    """Calls that fail validation only at their last checks, after every array has been seen."""
+    if op == "rms_norm":
+        yield lambda: xk.rms_norm_(y, x, params["w"], eps=float("nan"))
+        bad = RMSNormCheckpoints(rstd=np.zeros(x.shape[0], np.float64))
+        yield lambda: xk.rms_norm_(y, x, params["w"], checkpoints=bad)
+    elif op == "layer_norm":
+        yield lambda: xk.layer_norm_(y, x, params["w"], params["b"], eps=0.0)
+        bad = LayerNormCheckpoints(mean=np.zeros(x.shape[0], np.float32), rstd=np.zeros(3, np.float32))
+        yield lambda: xk.layer_norm_(y, x, params["w"], params["b"], checkpoints=bad)
+    else:
+        yield lambda: xk.softmax_(y, np.ones((x.shape[0], 2 * x.shape[1]), np.float32)[:, ::2])
+        yield lambda: xk.softmax_(y, x.astype(np.int32))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_failed_forward_validation_writes_nothing(op):
+    x, _, params = _case(op, (6, 16))
+    y = np.full_like(x, 7.0)
+    for call in _bad_forward_calls(op, x, y, params):
+        with pytest.raises((ValueError, TypeError)):
+            call()
+        np.testing.assert_array_equal(y, np.full_like(x, 7.0))
+
+
+def _bad_backward_calls(op, x, y, dy, dx, params, grads, ck):
+    if op == "rms_norm":
+        bad = RMSNormBackwardScratch(dw_partial=np.zeros((1, 3), np.float32))
+        yield lambda: _backward(op, y, dy, x, dx, params, grads, ck, scratch=bad)
+        yield lambda: _backward(op, y, dy, x, dx, params, grads, None)
+    elif op == "layer_norm":
+        bad = LayerNormBackwardScratch(
+            dw_partial=np.zeros((2, x.shape[1]), np.float32), db_partial=np.zeros((2, x.shape[1]), np.float64)
+        )
+        yield lambda: _backward(op, y, dy, x, dx, params, grads, ck, scratch=bad)
+        yield lambda: _backward(op, y, dy, x, dx, params, grads, None)
+    else:
+        strided_dy = np.ones((x.shape[0], 2 * x.shape[1]), np.float32)[:, ::2]
+        yield lambda: _backward(op, y, strided_dy, x, dx, params, grads, ck)
+        yield lambda: _backward(op, y, dy.astype(np.int32), x, dx, params, grads, ck)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_failed_backward_validation_writes_nothing(op):
+    x, dy, params = _case(op, (6, 16))
+    y = np.empty_like(x)
+    ck = _checkpoints(op, x, params)
+    _forward(op, y, x, params, ck)
+    saved = None if ck is None else [a.copy() for a in ck]
+    dx = np.full_like(x, 7.0)
+    grads = {k: np.full_like(v, 7.0) for k, v in params.items()}
+    for call in _bad_backward_calls(op, x, y, dy, dx, params, grads, ck):
+        with pytest.raises((ValueError, TypeError)):
+            call()
+        np.testing.assert_array_equal(dx, np.full_like(x, 7.0))
+        for name, g in grads.items():
+            np.testing.assert_array_equal(g, np.full_like(g, 7.0), err_msg=name)
+        if saved is not None:
+            for got, want in zip(ck, saved):
+                np.testing.assert_array_equal(got, want)
+
+
+def _half_inputs(namespace, op, shape):
+    """``(arrays, as_numpy, float32_like)``: x, dy and the parameters in half precision on ``namespace``."""
+    x, dy, params = _case(op, shape, seed=2, dtype=np.float64)
+    if namespace == "numpy":
+        half = {k: v.astype(np.float16) for k, v in {"x": x, "dy": dy, **params}.items()}
+        return half, lambda a: np.asarray(a, dtype=np.float64), lambda a: np.empty(a.shape, np.float32)
+    torch = pytest.importorskip("torch", reason="bfloat16 arrays come from torch")
+    half = {k: torch.tensor(v, dtype=torch.bfloat16) for k, v in {"x": x, "dy": dy, **params}.items()}
+    return (
+        half,
+        lambda a: a.detach().double().numpy(),
+        lambda a: torch.empty(tuple(a.shape), dtype=torch.float32),
+    )
+
+
+@pytest.mark.parametrize("namespace", ["numpy-float16", "torch-bfloat16"])
+@pytest.mark.parametrize("op", OPS)
+def test_half_inputs_with_float32_outputs_keep_float32_precision(op, namespace):
+    """Half-precision inputs written to float32 buffers are never rounded through half precision."""
+    shape = (37, 130)
+    half, as_numpy, f32_like = _half_inputs(namespace.split("-")[0], op, shape)
+    x, dy = half["x"], half["dy"]
+    params = {k: v for k, v in half.items() if k in ("w", "b")}
+    y = f32_like(x)
+    ck = _checkpoints(op, x, params)
+    _forward(op, y, x, params, ck)
+    dx = f32_like(x)
+    grads = {k: f32_like(v) for k, v in params.items()}
+    _backward(op, y, dy, x, dx, params, grads, ck)
+    exact = {k: as_numpy(v) for k, v in half.items()}
+    y_ref, dx_ref, grads_ref = _reference(op, exact["x"], {k: exact[k] for k in params}, exact["dy"])
+    # A half-precision round trip would cost ~1e-3 (float16) to ~1e-2 (bfloat16).
+    assert _rel_err(as_numpy(y), y_ref) < 2e-5
+    # dx of softmax is computed from the float32 y, not the exact one: its error follows y's.
+    assert _rel_err(as_numpy(dx), dx_ref) < 1e-4
+    for name, g in grads.items():
+        assert _rel_err(as_numpy(g), grads_ref[name]) < 1e-4, name
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "leading-transposed"])
+@pytest.mark.parametrize("op", OPS)
+def test_every_shadow_element_overwritten(op, layout):
+    """NaN-filled shadows come back finite and right: every block, worker, row group and partial sum."""
+    x, dy, params = _case(op, (3, MANY_ROWS // 3, 24), seed=3)
+    if layout == "leading-transposed":
+        x = np.swapaxes(np.swapaxes(x, 0, 1).copy(), 0, 1)
+        assert x.base is not None and not x.flags.c_contiguous
+    y = np.full_like(x, np.nan)
+    ck = _checkpoints(op, x, params)
+    if ck is not None:
+        for a in ck:
+            a[...] = np.nan
+    _forward(op, y, x, params, ck)
+    dx = np.full_like(x, np.nan)
+    grads = {k: np.full_like(v, np.nan) for k, v in params.items()}
+    scratch = None
+    if op != "softmax":
+        # More partial-sum rows than the backend uses: the unused ones must not leak NaN into dw / db.
+        nan_partial = np.full((_blocks.MAX_WORKERS + 3, x.shape[-1]), np.nan, np.float32)
+        if op == "rms_norm":
+            scratch = RMSNormBackwardScratch(dw_partial=nan_partial)
+        else:
+            scratch = LayerNormBackwardScratch(dw_partial=nan_partial, db_partial=nan_partial.copy())
+    _backward(op, y, dy, x, dx, params, grads, ck, scratch=scratch)
+    y_ref, dx_ref, grads_ref = _reference(op, x, params, dy)
+    assert _rel_err(y, y_ref) < 2e-5
+    assert _rel_err(dx, dx_ref) < 4e-5
+    for name, g in grads.items():
+        assert _rel_err(g, grads_ref[name]) < 4e-5, name
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_extra_memory_bounded_by_block_budget_not_rows(op):
+    """A forward + backward over 2**20 rows allocates a few blocks per worker, not a copy of the input."""
+    rows, m = 1 << 20, 8
+    x, dy, params = _case(op, (rows, m), seed=4)
+    y, dx = np.empty_like(x), np.empty_like(x)
+    grads = {k: np.empty_like(v) for k, v in params.items()}
+    ck = _checkpoints(op, x, params)
+    scratch = None
+    if op != "softmax":
+        Y, X = Duplicated(y, dy), Duplicated(x, dx)
+        P = [Duplicated(v, grads[k]) for k, v in params.items()]
+        backward = {"rms_norm": xk.rms_norm_backward_, "layer_norm": xk.layer_norm_backward_}[op]
+        scratch = xk.allocate_scratchspace(backward, Y, X, *P)
+    tracemalloc.start()
+    try:
+        _forward(op, y, x, params, ck)
+        _backward(op, y, dy, x, dx, params, grads, ck, scratch=scratch)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # Each worker keeps at most six block-sized float32 temporaries alive at once.
+    budget = 6 * _blocks.ROW_BLOCK_ELEMENTS * 4 * _blocks.workers(np, rows, m)
+    assert budget < x.nbytes / 2, "the bound must be well below one input for this test to mean anything"
+    assert peak <= budget, f"peak extra memory {peak} B exceeds the block budget {budget} B"
+    y_ref, dx_ref, _ = _reference(op, x[:1000], params, dy[:1000])
+    assert _rel_err(y[:1000], y_ref) < 2e-5
+    assert _rel_err(dx[:1000], dx_ref) < 4e-5
+
+
+def _call_with_torch_parameter(op):
+    torch = pytest.importorskip("torch", reason="mixing namespaces needs torch")
+    x = np.ones((4, 8), np.float32)
+    y = np.empty_like(x)
+    if op == "rms_norm":
+        xk.rms_norm_(y, x, torch.ones(8))
+    elif op == "layer_norm":
+        xk.layer_norm_(y, x, torch.ones(8), np.zeros(8, np.float32))
+    else:
+        xk.softmax_(torch.empty(4, 8), x)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_numpy_x_with_torch_array_names_both_namespaces(op):
+    other = "y" if op == "softmax" else "w"
+    with pytest.raises(TypeError, match=rf"{other} is a torch array but x is a numpy array"):
+        _call_with_torch_parameter(op)
+
+
+@pytest.mark.parametrize("which", ["x", "y"])
+@pytest.mark.parametrize("op", OPS)
+def test_non_contiguous_last_axis_raises(op, which):
+    x, _, params = _case(op, (4, 8))
+    y = np.empty_like(x)
+    strided = np.zeros((4, 16), np.float32)[:, ::2]
+    strided[...] = x
+    args = {"x": x, "y": y, which: strided}
+    with pytest.raises(ValueError, match=rf"{which} must be contiguous along its last axis \(stride 1\)"):
+        _forward(op, args["y"], args["x"], params, None)
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("op", OPS)
+def test_rows_of_length_zero_give_empty_results_without_warnings(op):
+    x = np.ones((3, 0), np.float32)
+    params = _weights(op, 0, _rng())
+    y = np.empty_like(x)
+    ck = _checkpoints(op, x, params)
+    _forward(op, y, x, params, ck)
+    dx = np.empty_like(x)
+    grads = {k: np.empty_like(v) for k, v in params.items()}
+    _backward(op, y, x, x, dx, params, grads, ck)
+    assert y.shape == dx.shape == (3, 0)
+    if ck is not None:
+        assert all(np.isfinite(a).all() for a in ck)
