@@ -247,6 +247,7 @@ class LayerNormSpec(OpSpec):
             ErrorCase("checkpoint-rstd-dtype", forward_ckpt(rstd_dtype="float64"), TypeError, r"checkpoints.rstd must be float32"),
             ErrorCase("missing-checkpoints", backward_with(ck=False), ValueError, r"checkpoints are required"),
             ErrorCase("scratch-dw-shape", backward_with(scratch=partials(dw=((1, 9), "float32"))), ValueError, r"dw_partial must have shape \(P, 8\)"),
+            ErrorCase("scratch-partials-disagree", backward_with(scratch=partials(db=((2, 8), "float32"))), ValueError, r"db_partial must have the shape of scratch.dw_partial \(1, 8\)"),
             ErrorCase("scratch-db-dtype", backward_with(scratch=partials(db=((1, 8), "float64"))), TypeError, r"db_partial must be"),
             ErrorCase("db-dtype", backward_with(b_dtype="int32"), TypeError, r"B.shadow must have dtype in"),
             ErrorCase("bare-X", backward_with(bare_x=True), TypeError, r"X must be a Duplicated"),

@@ -237,6 +237,11 @@ def _validate_backward(fn, Y, X, W, B, checkpoints, scratch):
         if db is not None:
             db_partial = scratch.db_partial
             _partial(fn, "scratch.db_partial", xp, db_partial, x)
+        if dw_partial is not None and db_partial is not None and dw_partial.shape != db_partial.shape:
+            raise ValueError(
+                f"{fn}: scratch.db_partial must have the shape of scratch.dw_partial "
+                f"{tuple(dw_partial.shape)}, got {tuple(db_partial.shape)}"
+            )
     return x, w, b, dy, dx, dw, db, mean, rstd, dw_partial, db_partial
 
 
