@@ -3,4 +3,21 @@
 Backends receive validated arrays from the front files in ``xpkernels`` and
 never allocate what the caller can own. See ``xpkernels.registry`` for the
 declared table of backends and their capabilities.
+
+The package is also callable: ``xpkernels.backends()`` lists every declared
+backend, whether it is available here and why not (``registry.backends``).
 """
+
+import sys
+import types
+
+
+class _BackendsPackage(types.ModuleType):
+    def __call__(self):
+        """Every declared backend, whether it is available here, and why not."""
+        from xpkernels.registry import backends
+
+        return backends()
+
+
+sys.modules[__name__].__class__ = _BackendsPackage

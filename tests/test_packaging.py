@@ -26,6 +26,9 @@ def test_function_names_survive_their_module_being_imported():
     code = (
         "import xpkernels.rms_norm, xpkernels\n"
         "assert callable(xpkernels.rms_norm) and xpkernels.rms_norm.__name__ == 'rms_norm'\n"
+        "import xpkernels.backends.array_api.rms_norm as impl\n"
+        "assert callable(impl.forward)\n"
+        "assert {b.name for b in xpkernels.backends()} >= {'array_api', 'triton'}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

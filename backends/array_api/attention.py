@@ -39,12 +39,12 @@ from ._blocks import acc_dtype, row_blocks, to
 
 __all__ = ["forward", "backward"]
 
-#: Score elements of one query tile x key tile pair (float32: 1 MiB). Each
+#: Score elements of one query tile x key tile pair (float32: 2 MiB). Each
 #: call holds a handful of temporaries this size, whatever Sq and Sk are.
-TILE_ELEMENTS = 1 << 18
+TILE_ELEMENTS = 1 << 19
 
 #: Keys per tile; a query tile holds ``TILE_ELEMENTS // KEY_TILE`` rows.
-KEY_TILE = 1024
+KEY_TILE = 512
 
 #: Scores are exponentiated unshifted while every running row max is within
 #: this bound: ``exp(40)`` times any realistic key count stays finite and

@@ -23,7 +23,7 @@ _EXPORTS = {
         "allocate_scratchspace",
         "grad_shadow",
     ),
-    "registry": ("BackendError", "backends", "use_backend"),
+    "registry": ("BackendError", "use_backend"),
     "rms_norm": ("rms_norm", "rms_norm_", "rms_norm_backward", "rms_norm_backward_"),
     "layer_norm": ("layer_norm", "layer_norm_", "layer_norm_backward", "layer_norm_backward_"),
     "softmax": ("softmax", "softmax_", "softmax_backward", "softmax_backward_"),
@@ -38,10 +38,12 @@ _EXPORTS = {
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = [*sorted(_WHERE), "__version__"]
+__all__ = [*sorted(_WHERE), "backends", "__version__"]
 
 
 def __getattr__(name):
+    if name == "backends":  # the subpackage, callable as registry.backends()
+        return importlib.import_module(f"{__name__}.backends")
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'xpkernels' has no attribute {name!r}")
@@ -53,18 +55,17 @@ def __dir__():
 
 
 class _Package(types.ModuleType):
-    """Keeps ``xpkernels.rms_norm`` and ``xpkernels.backends`` the functions when same-named modules load.
+    """Keeps ``xpkernels.rms_norm`` the function when the module ``xpkernels/rms_norm.py`` loads.
 
-    Importing a submodule sets it as an attribute of its package. Where a
-    public function shares a submodule's name (the primitives' files, and the
-    ``backends`` subpackage vs ``registry.backends``), store the function
-    instead; the module stays reachable through ``sys.modules``.
+    Importing a submodule sets it as an attribute of its package; for the
+    primitives whose function shares its file's name, store the function
+    instead (the module stays reachable through ``sys.modules`` and
+    ``from xpkernels.rms_norm import ...``).
     """
 
     def __setattr__(self, name, value):
-        source = _WHERE.get(name)
-        if isinstance(value, types.ModuleType) and source is not None:
-            value = getattr(importlib.import_module(f"{__name__}.{source}"), name)
+        if isinstance(value, types.ModuleType) and _WHERE.get(name) == name:
+            value = getattr(value, name)
         super().__setattr__(name, value)
 
 
