@@ -87,7 +87,20 @@ def _naive(p, q, k, v):
     return probs, k_rep, v_rep, probs @ v_rep, m, l_sum
 
 
-class AttentionSpec(OpSpec):
+class AttentionLayout:
+    """What attention-shaped specs share: BSHD views of q/k/v when asked, and the ``do`` cotangent."""
+
+    def arrange(self, case, arrays, target):
+        if case.params["layout"] != "bshd":
+            return arrays
+        return {**arrays, **{name: _bshd(target, arrays[name]) for name in ("q", "k", "v")}}
+
+    def cotangents(self, case, rng):
+        batch, heads, _, sq, _, _, dv = _dims(case.params)
+        return {"o": rng.standard_normal((batch, heads, sq, dv))}
+
+
+class AttentionSpec(AttentionLayout, OpSpec):
     def cases(self):
         return CASES
 
@@ -106,14 +119,6 @@ class AttentionSpec(OpSpec):
             arrays["input_pos"] = np.asarray(p["input_pos"], dtype=np.int64)
         return arrays
 
-    def arrange(self, case, arrays, target):
-        if case.params["layout"] != "bshd":
-            return arrays
-        return {**arrays, **{name: _bshd(target, arrays[name]) for name in ("q", "k", "v")}}
-
-    def cotangents(self, case, rng):
-        batch, heads, _, sq, _, _, dv = _dims(case.params)
-        return {"o": rng.standard_normal((batch, heads, sq, dv))}
 
     def reference(self, case, inputs):
         _, _, _, o, m, l_sum = _naive(case.params, inputs["q"], inputs["k"], inputs["v"])

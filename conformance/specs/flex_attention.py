@@ -27,6 +27,7 @@ import warnings
 import numpy as np
 
 from conformance.harness import Case, ErrorCase, OpSpec
+from conformance.specs.attention import AttentionLayout, _bshd, _dims, _scale
 from xpkernels import mods as xm
 from xpkernels.attention import AttentionCheckpoints
 from xpkernels.buffers import Duplicated, allocate_checkpoints, allocate_scratchspace, grad_shadow
@@ -138,12 +139,6 @@ CASES = [
 ]
 
 
-def _dims(p):
-    return p["B"], p["H"], p["Hkv"], p["Sq"], p["Sk"], p["D"], p["Dv"] or p["D"]
-
-
-def _scale(p):
-    return p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(p["D"])
 
 
 def _positions(p):
@@ -290,7 +285,7 @@ def _group_sum(p, a):
     return a.reshape(batch, kv_heads, p["H"] // kv_heads, *a.shape[2:]).sum(axis=2)
 
 
-class FlexAttentionSpec(OpSpec):
+class FlexAttentionSpec(AttentionLayout, OpSpec):
     def cases(self):
         return CASES
 
@@ -320,14 +315,6 @@ class FlexAttentionSpec(OpSpec):
             arrays["input_pos"] = np.asarray(p["input_pos"], dtype=np.int64)
         return arrays
 
-    def arrange(self, case, arrays, target):
-        if case.params["layout"] != "bshd":
-            return arrays
-        return {**arrays, **{name: _bshd(target, arrays[name]) for name in ("q", "k", "v")}}
-
-    def cotangents(self, case, rng):
-        batch, heads, _, sq, _, _, dv = _dims(case.params)
-        return {"o": rng.standard_normal((batch, heads, sq, dv))}
 
     def reference(self, case, inputs):
         st = _naive(case.params, inputs)
@@ -544,13 +531,6 @@ def _write_params(case, mod_grad, out) -> None:
         size = math.prod(shape)
         out[offset : offset + size] = xp.astype(xp.reshape(fields[name], (size,)), out.dtype)
         offset += size
-
-
-def _bshd(target, a):
-    """``a`` (B, H, S, D) as a view of a (B, S, H, D) buffer: BSHD, last axis contiguous."""
-    xp = target.xp
-    buffer = xp.asarray(xp.permute_dims(a, (0, 2, 1, 3)), copy=True)
-    return xp.permute_dims(buffer, (0, 2, 1, 3))
 
 
 def _error_cases():
