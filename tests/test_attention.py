@@ -306,7 +306,7 @@ def test_decode_equals_attention_for_every_split_count(monkeypatch):
     want = _decode_reference(q, k_cache, v_cache, lengths)
     assert np.all(want[1] == 0)
     n_tiles = math.ceil(smax / 16)
-    for n_splits in [*range(1, n_tiles + 3), 150]:
+    for n_splits in [*range(1, n_tiles + 3), smax]:
         o = np.full((batch, heads, dv), np.nan)
         scratch = xk.allocate_scratchspace(xk.decode_attention_, o, q, n_splits=n_splits)
         xk.decode_attention_(o, q, k_cache, v_cache, lengths, scratch=scratch)
@@ -336,3 +336,247 @@ def test_decode_bshd_cache_view_is_read_in_place():
     v_view, _ = _bshd(v_cache)
     got = xk.decode_attention(q, k_view, v_view, lengths, n_splits=3)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _tol(dtype):
+    """Error allowed against the float64 reference for results computed in ``dtype`` (a few hundred ulps)."""
+    return 512 * float(np.finfo(dtype).eps)
+
+
+def _as(namespace, a):
+    """A NumPy array ``a`` as an array of ``namespace`` ("numpy" or "torch", CPU)."""
+    if namespace == "torch" and isinstance(a, np.ndarray):
+        torch = pytest.importorskip("torch", reason="the torch namespace needs torch")
+        return torch.from_numpy(np.ascontiguousarray(a))
+    return a
+
+
+def _run_in(namespace, q, k, v, do, **options):
+    """:func:`_run` with every array (options included) converted to ``namespace``; results as NumPy."""
+    arrays = [_as(namespace, a) for a in (q, k, v, do)]
+    options = {n: _as(namespace, x) for n, x in options.items()}
+    if namespace == "numpy":
+        return _run(*arrays, **options)
+    import torch
+
+    q_t, k_t, v_t, do_t = arrays
+    o = torch.full((*q_t.shape[:3], v_t.shape[3]), torch.nan, dtype=q_t.dtype)
+    ck = xk.allocate_checkpoints(xk.attention_, q_t, k_t, v_t)
+    xk.attention_(o, q_t, k_t, v_t, checkpoints=ck, **options)
+    O, Q, K, V = Duplicated(o, do_t), *(Duplicated(a, torch.full_like(a, torch.nan)) for a in (q_t, k_t, v_t))
+    xk.attention_backward_(O, Q, K, V, checkpoints=ck, **options)
+    return tuple(a.numpy() for a in (o, ck.m, ck.l, Q.shadow, K.shadow, V.shadow))
+
+
+NAMESPACES = ["numpy", "torch"]
+OUTPUTS = ("o", "m", "l", "dq", "dk", "dv")
+
+
+def _assert_matches(got, want, dtype, rows=None, what=OUTPUTS):
+    """``got`` equals ``want`` (the float64 reference) within the dtype's tolerance; ``rows`` selects query rows of o, m, l, dq."""
+    for name in what:
+        a, b = got[OUTPUTS.index(name)], want[OUTPUTS.index(name)]
+        if rows is not None and name in ("o", "m", "l", "dq"):
+            a, b = a[:, :, rows], b[:, :, rows]
+        finite = np.isfinite(b)
+        assert np.array_equal(np.isfinite(a), finite), f"{name}: non-finite where the reference is finite or back"
+        assert np.array_equal(a[~finite], b[~finite]), f"{name}: infinities differ"
+        scale = max(float(np.max(np.abs(b[finite]), initial=0.0)), 1.0)
+        # Checkpoints are float32, and the gradients are rebuilt from them.
+        tol = _tol(dtype) if name == "o" else max(_tol(dtype), _tol(np.float32))
+        np.testing.assert_allclose(a[finite] / scale, b[finite] / scale, rtol=0, atol=tol, err_msg=name)
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+@pytest.mark.parametrize("input_pos", [-3, [-3, -12], [-1, -(2**62)], -(2**40), [2**62, -5]])
+def test_negative_input_pos_gives_bottom_right_alignment(namespace, input_pos, monkeypatch):
+    """``input_pos = Sk - Sq`` (< 0 for Sq > Sk): queries before key 0 see nothing (o = 0, m = -inf, l = 0, dq = 0)."""
+    _small_tiles(monkeypatch, 64, 4)
+    rng = np.random.default_rng(41)
+    q, k, v, do = _inputs(rng, 2, 2, 1, 13, 10, 8)
+    pos = np.asarray(input_pos, dtype=np.int64) if isinstance(input_pos, list) else input_pos
+    got = _run_in(namespace, q, k, v, do, causal=True, input_pos=pos)
+    want = _naive(q, k, v, do, causal=True, input_pos=np.clip(np.asarray(input_pos), -13, 10))
+    _assert_matches(got, want, np.float64)
+    blind = np.broadcast_to(np.asarray(input_pos), (2,))[:, None] + np.arange(13)[None, :] < 0  # (B, Sq)
+    o, m, l_sum, dq = got[:4]
+    assert blind.any()
+    assert np.all(o[blind[:, None, :].repeat(2, 1)] == 0) and np.all(dq.transpose(0, 2, 1, 3)[blind] == 0)
+    assert np.all(m.transpose(0, 2, 1)[blind] == -np.inf) and np.all(l_sum.transpose(0, 2, 1)[blind] == 0)
+
+
+def test_bottom_right_alignment_matches_torch_sdpa_lower_right():
+    """``input_pos = Sk - Sq`` is torch's ``causal_lower_right`` (Sq < Sk: every row sees a key)."""
+    torch = pytest.importorskip("torch", reason="the oracle is torch's SDPA")
+    from torch.nn.attention.bias import causal_lower_right
+
+    rng = np.random.default_rng(43)
+    q, k, v, _ = _inputs(rng, 1, 2, 2, 5, 12, 8)
+    got = xk.attention(q, k, v, causal=True, input_pos=12 - 5)
+    qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(5, 12))
+    np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=_tol(np.float64))
+
+
+def test_allocating_backward_accepts_broadcast_kv_views():
+    """K/V shared across the batch as ``np.broadcast_to`` views: gradients come back contiguous and correct."""
+    rng = np.random.default_rng(47)
+    q, k1, v1, do = _inputs(rng, 3, 2, 1, 9, 11, 8)
+    k, v = np.broadcast_to(k1[:1], (3, 1, 11, 8)), np.broadcast_to(v1[:1], (3, 1, 11, 8))
+    ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
+    o = xk.attention(q, k, v, causal=True, checkpoints=ck)
+    dq, dk, dv = xk.attention_backward(do, q, k, v, o, checkpoints=ck, causal=True)
+    _assert_matches((o, ck.m, ck.l, dq, dk, dv), _naive(q, k, v, do, causal=True), np.float64)
+    assert dk.flags.c_contiguous and dv.flags.c_contiguous and dk.shape == k.shape
+
+
+@pytest.mark.parametrize("causal", ["no", 1, None, np.True_])
+def test_causal_must_be_a_bool_in_forward_and_backward(causal):
+    rng = np.random.default_rng(53)
+    q, k, v, do = _inputs(rng, 1, 2, 2, 4, 4, 8)
+    o = np.full_like(q, 7.0)
+    with pytest.raises(TypeError, match="attention_: causal must be a bool"):
+        xk.attention_(o, q, k, v, causal=causal)
+    assert np.all(o == 7.0)
+    ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
+    xk.attention_(o, q, k, v, checkpoints=ck)
+    shadows = [np.full_like(a, 7.0) for a in (q, k, v)]
+    with pytest.raises(TypeError, match="attention_backward_: causal must be a bool"):
+        xk.attention_backward_(Duplicated(o, do), *map(Duplicated, (q, k, v), shadows), checkpoints=ck,
+                               causal=causal)
+    assert all(np.all(s == 7.0) for s in shadows)
+
+
+def test_input_pos_beyond_int64_is_refused_and_numpy_scalars_are_ints():
+    rng = np.random.default_rng(59)
+    q, k, v, _ = _inputs(rng, 1, 1, 1, 4, 4, 8)
+    o = np.full_like(q, 7.0)
+    with pytest.raises(ValueError, match=r"attention_: input_pos must fit the kernels' int64 positions"):
+        xk.attention_(o, q, k, v, causal=True, input_pos=2**63)
+    assert np.all(o == 7.0)
+    np.testing.assert_array_equal(xk.attention(q, k, v, causal=True, input_pos=np.int64(-2)),
+                                  xk.attention(q, k, v, causal=True, input_pos=-2))
+    with pytest.raises(TypeError, match=r"input_pos must have an integer dtype"):
+        xk.attention(q, k, v, input_pos=np.zeros(1))
+
+
+def _clean_reference(q, k, v, do, **options):
+    """The float64 reference with every non-finite input replaced by 0 (what rows that cannot see it get)."""
+    return _naive(*(np.where(np.isfinite(a), a, 0.0) for a in (q, k, v, do)), **options)
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_nan_key_or_value_reaches_only_the_rows_that_see_it(namespace, where, monkeypatch):
+    """Causal: rows before a NaN key/value stay finite and exact; rows at or after it are NaN."""
+    _small_tiles(monkeypatch, 64, 4)
+    rng = np.random.default_rng(61)
+    q, k, v, do = _inputs(rng, 1, 2, 1, 12, 12, 8)
+    {"k": k, "v": v}[where][0, 0, 6, 3] = np.nan
+    got = _run_in(namespace, q, k, v, do, causal=True)
+    want = _clean_reference(q, k, v, do, causal=True)
+    _assert_matches(got, want, np.float64, rows=slice(0, 6), what=("o", "m", "l", "dq"))
+    o, m, l_sum, dq, dk, dv = got
+    assert np.all(np.isnan(o[:, :, 6:]).any(axis=-1)) and np.all(np.isnan(dq[:, :, 6:]).any(axis=-1))
+    if where == "k":
+        assert np.all(np.isnan(m[:, :, 6:])) and np.all(np.isnan(l_sum[:, :, 6:]))
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_nan_beyond_k_lengths_and_q_lengths_is_never_seen(namespace, monkeypatch):
+    _small_tiles(monkeypatch, 64, 4)
+    rng = np.random.default_rng(67)
+    q, k, v, do = _inputs(rng, 2, 2, 2, 9, 14, 8)
+    options = dict(causal=True, input_pos=np.asarray([5, -2]), q_lengths=np.asarray([9, 6]),
+                   k_lengths=np.asarray([10, 7]))
+    k[0, :, 10:] = v[0, :, 10:] = np.nan
+    k[1, :, 7:] = v[1, :, 7:] = np.inf
+    q[1, :, 6:] = do[1, :, 6:] = np.nan
+    got = _run_in(namespace, q, k, v, do, **options)
+    assert all(np.isfinite(a[np.isfinite(b)]).all() for a, b in zip(got, _clean_reference(q, k, v, do, **options)))
+    _assert_matches(got, _clean_reference(q, k, v, do, **options), np.float64)
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_in_one_query_row_affects_only_that_row(namespace, causal, monkeypatch):
+    """NaN in q[b, h, i]: o, m, l, dq of that row are NaN, dk/dv of the keys it sees are NaN; nothing else."""
+    _small_tiles(monkeypatch, 64, 8)  # query tiles of 3 rows meet key tiles of 8: row 3 shares tiles with keys > 3
+    rng = np.random.default_rng(71)
+    q, k, v, do = _inputs(rng, 1, 2, 1, 10, 10, 8)
+    q[0, 1, 3, 0] = np.nan
+    got = _run_in(namespace, q, k, v, do, causal=causal)
+    want = _naive(*(np.where(np.isfinite(a), a, 0.0) for a in (q, k, v, do)), causal=causal)
+    o, m, l_sum, dq, dk, dv = got
+    nan_row = np.zeros((1, 2, 10), dtype=bool)
+    nan_row[0, 1, 3] = True
+    for a in (o, dq):
+        assert np.all(np.isnan(a[nan_row])) and np.all(np.isfinite(a[~nan_row]))
+    assert np.isnan(m[nan_row]).all() and np.isnan(l_sum[nan_row]).all()
+    seen = np.arange(10) <= 3 if causal else np.ones(10, dtype=bool)
+    for a in (dk, dv):
+        assert np.all(np.isnan(a[0, 0, seen]).any(axis=-1)) and np.all(np.isfinite(a[0, 0, ~seen]))
+    other = np.ones(10, dtype=bool)
+    other[3] = False
+    _assert_matches([a[:, :1] for a in got], [a[:, :1] for a in want], np.float64, what=("o", "m", "l", "dq"))
+    _assert_matches(got, want, np.float64, rows=other, what=("o", "m", "l", "dq"))
+    if causal:
+        _assert_matches([None] * 4 + [a[:, :, 4:] for a in got[4:]], [None] * 4 + [a[:, :, 4:] for a in want[4:]],
+                        np.float64, what=("dk", "dv"))
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_out_of_range_device_lengths_and_positions_are_clamped_by_the_kernels(namespace):
+    """Past the front (whose value checks of device arrays run only in debug mode) the kernels clamp:
+    lengths to [0, S], positions to [-Sq, Sk]; nothing is read out of bounds and results equal the clamped call."""
+    rng = np.random.default_rng(73)
+    q, k, v, do = _inputs(rng, 3, 2, 1, 6, 9, 8)
+    raw = dict(input_pos=np.asarray([2**40, -(2**40), 3]), q_lengths=np.asarray([-4, 2**33, 5]),
+               k_lengths=np.asarray([2**35, 4, -(2**34)]))
+    clamped = dict(input_pos=np.asarray([9, -6, 3]), q_lengths=np.asarray([0, 6, 5]),
+                   k_lengths=np.asarray([9, 4, 0]))
+    want = _naive(q, k, v, do, causal=True, **clamped)
+    arrays = [_as(namespace, a) for a in (q, k, v, do)]
+    options = {n: _as(namespace, a) for n, a in raw.items()}
+    xp = np if namespace == "numpy" else __import__("torch")
+    o = xp.full((3, 2, 6, 8), math.nan, dtype=xp.float64)
+    m, l_sum = xp.full((3, 2, 6), math.nan, dtype=xp.float32), xp.full((3, 2, 6), math.nan, dtype=xp.float32)
+    attention_impl.forward(o, *arrays[:3], m, l_sum, scale=1 / math.sqrt(8), causal=True, **options)
+    grads = [xp.full(a.shape, math.nan, dtype=xp.float64) for a in arrays[:3]]
+    delta, dq_accum = xp.empty((3, 2, 6), dtype=xp.float64), xp.empty((3, 2, 6, 8), dtype=xp.float64)
+    attention_impl.backward(arrays[3], *arrays[:3], o, m, l_sum, *grads, delta, dq_accum, scale=1 / math.sqrt(8),
+                            causal=True, **options)
+    got = [np.asarray(a) for a in (o, m, l_sum, *grads)]
+    _assert_matches(got, want, np.float32, what=("o", "dq", "dk", "dv"))
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_decode_clamps_out_of_range_device_lengths(namespace):
+    rng = np.random.default_rng(79)
+    q, k_cache, v_cache = rng.standard_normal((3, 2, 8)), rng.standard_normal((3, 1, 7, 8)), rng.standard_normal((3, 1, 7, 8))
+    want = _decode_reference(q, k_cache, v_cache, [7, 0, 4])
+    xp = np if namespace == "numpy" else __import__("torch")
+    arrays = [_as(namespace, a) for a in (q, k_cache, v_cache, np.asarray([2**36, -(2**33), 4]))]
+    o = xp.full((3, 2, 8), math.nan, dtype=xp.float64)
+    scratch = [xp.full(shape, math.nan, dtype=xp.float64) for shape in ((3, 2, 3, 8), (3, 2, 3), (3, 2, 3))]
+    decode_impl.forward(o, *arrays, *scratch, scale=1 / math.sqrt(8))
+    np.testing.assert_allclose(np.asarray(o), want, rtol=0, atol=_tol(np.float64))
+
+
+def test_decode_n_splits_is_bounded_by_the_cache_length():
+    """At most one split per cache entry (``max(1, Smax)``), through n_splits, the scratch or its allocator."""
+    q = np.ones((1, 2, 8))
+    cache = np.ones((1, 1, 8, 8))
+    lengths = np.asarray([8])
+    o = np.full((1, 2, 8), 7.0)
+    with pytest.raises(ValueError, match=r"decode_attention_: n_splits must be <= 8 \(one split per cache entry"):
+        xk.decode_attention_(o, q, cache, cache, lengths, n_splits=10**6)
+    scratch = xk.allocate_scratchspace(xk.decode_attention_, o, q, n_splits=9)
+    with pytest.raises(ValueError, match=r"scratch.o_partial.shape\[2\] \(its n_splits\) must be <= 8"):
+        xk.decode_attention_(o, q, cache, cache, lengths, scratch=scratch)
+    assert np.all(o == 7.0)
+    with pytest.raises(ValueError, match=r"allocate_scratchspace\(decode_attention_\): n_splits must be <= 8"):
+        xk.allocate_scratchspace(xk.decode_attention_, o, q, cache, n_splits=9)
+    empty = np.ones((1, 1, 0, 8))
+    np.testing.assert_array_equal(xk.decode_attention(q, empty, empty, np.asarray([0]), n_splits=1), 0)
+    np.testing.assert_allclose(xk.decode_attention(q, cache, cache, lengths, n_splits=8), 1.0)

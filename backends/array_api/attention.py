@@ -22,11 +22,21 @@ column to each operand, leaving the exponential and one product as its passes.
 Masking never materialises a full mask: key lengths and causal limits shrink
 the range of key tiles, query lengths shrink the range of query tiles, and only
 the keys past a query tile's first position are masked, with a tile-sized
-0/-inf bias (forward) or mask (backward). Queries
-past ``q_lengths[b]`` (and every query of a batch with ``k_lengths[b] == 0``)
-are fully masked: they are written directly (o = 0, m = -inf, l = 0, dq = 0).
-Every other row sees key 0, because ``input_pos >= 0``; so its running max is
-finite from the first key tile on and no -inf - -inf ever occurs.
+visibility mask selecting ``-inf`` (never added: a NaN score must not reach a
+row that cannot see it). Queries past ``q_lengths[b]``, causal queries before
+the first key (``input_pos + i < 0``) and every query of a batch with
+``k_lengths[b] == 0`` are fully masked: they are written directly (o = 0,
+m = -inf, l = 0, dq = 0). Every other row sees key 0, so its running max is
+finite (or NaN) from the first key tile on and no -inf - -inf ever occurs.
+
+Non-finite inputs reach exactly the rows that see them. In masked tiles the
+products whose left operand is zero on masked pairs (``p @ v``, ``ds @ k``,
+``p^T @ do``, ``ds^T @ q``) would turn a non-finite right operand into NaN for
+rows that cannot see it (``0 * NaN``); when a masked tile's right operand holds
+one, it is multiplied with its non-finite entries zeroed and the results that
+see such an entry are set to NaN (:func:`_visible_product`). Lengths and
+positions are read per batch as Python ints and clamped to the range where
+they change the result (lengths to ``[0, S]``, positions to ``[-Sq, Sk]``).
 """
 
 from __future__ import annotations
@@ -52,13 +62,13 @@ KEY_TILE = 512
 SAFE_EXPONENT = 40.0
 
 
-def per_batch(value, batch: int, default: int) -> list[int]:
-    """``value`` (None, an int or a ``(batch,)`` integer array) as one Python int per batch."""
+def per_batch(value, batch: int, default: int, low: int, high: int) -> list[int]:
+    """``value`` (None, an int or a ``(batch,)`` integer array) as one Python int per batch, clamped to ``[low, high]``."""
     if value is None:
         return [default] * batch
     if isinstance(value, int):
-        return [value] * batch
-    return [int(value[b]) for b in range(batch)]
+        return [min(high, max(low, value))] * batch
+    return [min(high, max(low, int(value[b]))) for b in range(batch)]
 
 
 def tiles(start: int, stop: int, size: int):
@@ -74,29 +84,44 @@ def _tile_sizes(keys: int, group: int, d: int, dv: int) -> tuple[int, int]:
     return key_tile, max(1, rows // group)
 
 
-def _causal_mask(xp, s, group: int, q_first: int, q_end: int, k_first: int, k_end: int):
-    """Scores ``s`` (group x queries, keys) with keys after each query's position set to -inf.
+def _causal_visible(xp, q_first: int, q_end: int, k_first: int, k_end: int, device):
+    """``(queries, keys)`` bool: key ``k_first + c`` is visible to the query at position ``q_first + r``."""
+    q_pos = xp.arange(q_first, q_end, device=device)[:, None]
+    k_pos = xp.arange(k_first, k_end, device=device)[None, :]
+    return k_pos <= q_pos
 
-    ``q_first .. q_end`` are the absolute positions of the tile's queries,
-    ``k_first .. k_end`` those of its keys.
+
+def _where_visible(xp, s, visible, fill):
+    """``s`` (group x queries, keys) with every pair not ``visible`` (queries, keys) set to ``fill``."""
+    group = s.shape[0] // visible.shape[0]
+    stacked = xp.reshape(s, (group, *visible.shape))
+    return xp.reshape(xp.where(visible, stacked, fill), tuple(s.shape))
+
+
+def _visible_product(xp, a, b, visible, *, key_side: bool):
+    """``a @ b`` for a masked tile, where ``a`` is zero on the pairs that are not ``visible``.
+
+    ``visible`` is the tile's ``(queries, keys)`` mask; the group's query
+    heads are stacked as ``group x queries`` rows. Query side: ``a`` is
+    ``(group x queries, keys)`` and ``b`` ``(keys, c)`` (``p @ v``,
+    ``ds @ k``); key side: ``a`` is ``(keys, group x queries)`` and ``b``
+    ``(group x queries, c)`` (``p^T @ do``, ``ds^T @ q``). A non-finite entry
+    of ``b`` would reach every result through ``0 * inf`` or ``0 * NaN``; it
+    is zeroed in the product instead, and the results that see it are NaN.
     """
-    dev = array_api_compat.device(s)
-    q_pos = xp.arange(q_first, q_end, device=dev)[:, None]
-    k_pos = xp.arange(k_first, k_end, device=dev)[None, :]
-    stacked = xp.reshape(s, (group, q_end - q_first, k_end - k_first))
-    return xp.reshape(xp.where(k_pos <= q_pos, stacked, -math.inf), tuple(s.shape))
-
-
-def _causal_bias(xp, n_rows: int, n_cols: int, dtype, device):
-    """``(n_rows, n_cols)``: 0 where key column ``c`` is visible to query row ``r`` (``c + 1 <= r``), else -inf.
-
-    Row ``r`` is the query at position ``p + r`` and column ``c`` the key at
-    ``p + 1 + c``: the keys just past a query tile's first position, the only
-    ones a forward tile has to mask.
-    """
-    rows = xp.arange(n_rows, device=device)[:, None]
-    cols = xp.arange(n_cols, device=device)[None, :]
-    return xp.where(cols + 1 <= rows, xp.asarray(0.0, dtype=dtype, device=device), -math.inf)
+    finite = xp.isfinite(b)
+    if bool(xp.all(finite)):
+        return a @ b
+    product = a @ xp.where(finite, b, xp.zeros_like(b))
+    bad = to(xp, ~finite, b.dtype)
+    seen = to(xp, visible, b.dtype)
+    n_q = visible.shape[0]
+    if key_side:
+        bad_rows = xp.sum(xp.reshape(bad, (-1, n_q, b.shape[1])), axis=0)
+        return xp.where(seen.mT @ bad_rows > 0, math.nan, product)
+    counts = seen @ bad
+    stacked = xp.reshape(product, (-1, n_q, b.shape[1]))
+    return xp.reshape(xp.where(counts > 0, math.nan, stacked), tuple(product.shape))
 
 
 def _with_column(xp, a, column, acc):
@@ -121,28 +146,31 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
     kv_heads, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = heads // kv_heads
     q_device = array_api_compat.device(q)
-    positions = per_batch(input_pos, batch, 0)
-    q_valid = per_batch(q_lengths, batch, sq)
-    k_valid = per_batch(k_lengths, batch, sk)
+    positions = per_batch(input_pos, batch, 0, -sq, sk)
+    q_valid = per_batch(q_lengths, batch, sq, 0, sq)
+    k_valid = per_batch(k_lengths, batch, sk, 0, sk)
     for b in range(batch):
         nk, pos = k_valid[b], positions[b]
         nq = q_valid[b] if nk > 0 else 0
-        o[b, :, nq:, :] = 0.0
-        if m is not None:
-            m[b, :, nq:] = -math.inf
-            l[b, :, nq:] = 0.0
+        first = min(nq, max(0, -pos)) if causal else 0  # queries before key 0 see nothing
+        for rows in (slice(0, first), slice(nq, sq)):
+            o[b, :, rows, :] = 0.0
+            if m is not None:
+                m[b, :, rows] = -math.inf
+                l[b, :, rows] = 0.0
         key_tile, query_tile = _tile_sizes(nk, group, d, dv)
-        bias = None
-        if causal and nq > 0:
-            bias = _causal_bias(xp, query_tile, min(query_tile - 1, nk), acc_dtype(xp, q.dtype), q_device)
+        visible = None
+        if causal and nq > first:
+            # Row r: the query at position p + r; column c: the key at p + 1 + c.
+            visible = _causal_visible(xp, 0, query_tile, 1, 1 + min(query_tile - 1, nk), q_device)
         for g in range(kv_heads):
-            k_norm = _max_row_norm(xp, k[b, g, :nk, :]) if m is None and nq > 0 else None
-            for i0, i1 in tiles(0, nq, query_tile):
+            k_norm = _max_row_norm(xp, k[b, g, :nk, :]) if m is None and nq > first else None
+            for i0, i1 in tiles(first, nq, query_tile):
                 k_end = min(nk, pos + i1) if causal else nk
                 _forward_tile(
                     xp, o, q, k, v, m, l, b, g, slice(g * group, (g + 1) * group), i0, i1,
                     k_end=k_end, mask_start=min(k_end, pos + i0 + 1) if causal else k_end,
-                    key_tile=key_tile, scale=scale, k_norm=k_norm, bias=bias,
+                    key_tile=key_tile, scale=scale, k_norm=k_norm, visible=visible,
                 )
 
 
@@ -157,13 +185,14 @@ def _max_row_norm(xp, a) -> float:
 
 
 def _forward_tile(
-    xp, o, q, k, v, m, l, b, g, heads_g, i0, i1, *, k_end, mask_start, key_tile, scale, k_norm, bias
+    xp, o, q, k, v, m, l, b, g, heads_g, i0, i1, *, k_end, mask_start, key_tile, scale, k_norm, visible
 ):
     """One query tile of batch ``b``, kv group ``g`` against keys ``[0, k_end)``.
 
     Every query of the tile sees keys ``[0, mask_start)``; keys
     ``[mask_start, k_end)`` (fewer than the tile's queries) are causally
-    masked by adding the matching block of ``bias`` (see :func:`_causal_bias`),
+    masked with the matching block of ``visible`` (row ``r``, column ``c``:
+    the query at ``mask_start - 1 + r`` sees the key at ``mask_start + c``),
     in tiles of their own. ``o_acc`` and ``l_run`` hold sums of
     ``exp(s - shift)``, where ``shift`` is 0 (None) or the running max.
     ``k_norm`` is the largest key norm, or None when the checkpoints need the max.
@@ -177,10 +206,10 @@ def _forward_tile(
     m_run = l_run = o_acc = shift = new_shift = None
     for j0, j1 in (*tiles(0, mask_start, key_tile), *tiles(mask_start, k_end, key_tile)):
         s = q_scaled @ to(xp, k[b, g, j0:j1, :], acc).mT
+        tile_visible = None
         if j0 >= mask_start:
-            stacked = xp.reshape(s, (group, n_q, j1 - j0))
-            stacked += bias[:n_q, j0 - mask_start : j1 - mask_start]
-            s = xp.reshape(stacked, (rows, j1 - j0))
+            tile_visible = visible[:n_q, j0 - mask_start : j1 - mask_start]
+            s = _where_visible(xp, s, tile_visible, -math.inf)
         if not bounded:
             row_max = xp.max(s, axis=1)
             m_run = row_max if m_run is None else xp.maximum(m_run, row_max)
@@ -188,7 +217,8 @@ def _forward_tile(
         if new_shift is not None:
             s -= new_shift[:, None]
         p = xp.exp(s)
-        pv = p @ to(xp, v[b, g, j0:j1, :], acc)
+        v_tile = to(xp, v[b, g, j0:j1, :], acc)
+        pv = p @ v_tile if tile_visible is None else _visible_product(xp, p, v_tile, tile_visible, key_side=False)
         row_sum = p @ ones[: j1 - j0]
         if o_acc is None:
             l_run, o_acc = row_sum, pv
@@ -223,9 +253,9 @@ def backward(
     batch, heads, sq, d = q.shape
     kv_heads, sk, d_v = k.shape[1], k.shape[2], v.shape[3]
     group = heads // kv_heads
-    positions = per_batch(input_pos, batch, 0)
-    q_valid = per_batch(q_lengths, batch, sq)
-    k_valid = per_batch(k_lengths, batch, sk)
+    positions = per_batch(input_pos, batch, 0, -sq, sk)
+    q_valid = per_batch(q_lengths, batch, sq, 0, sq)
+    k_valid = per_batch(k_lengths, batch, sk, 0, sk)
     for b in range(batch):
         nk, pos = k_valid[b], positions[b]
         nq = q_valid[b] if nk > 0 else 0
@@ -287,13 +317,23 @@ def _backward_key_tile(
             -xp.reshape(to(xp, delta[b, heads_g, i0:i1], acc), (rows,)), acc,
         )
         s = q_aug @ k_aug[:width, :].mT
-        if causal and j0 + width - 1 > pos + i0:
-            s = _causal_mask(xp, s, group, pos + i0, pos + i1, j0, j0 + width)
-        p = xp.exp(s)
-        dv_tile[:width, :] += p.mT @ do_aug[:, :d_v]
+        if not (causal and j0 + width - 1 > pos + i0):
+            p = xp.exp(s)
+            dv_tile[:width, :] += p.mT @ do_aug[:, :d_v]
+            ds = do_aug @ v_aug[:width, :].mT
+            ds *= p
+            dq_accum[b, heads_g, i0:i1, :] += xp.reshape(ds @ k_aug[:width, :d], (group, n_q, d))
+            dk_tile[:width, :] += ds.mT @ q_aug[:, :d]
+            continue
+        # A tile crossing the causal diagonal: masked pairs get p = ds = 0 by
+        # selection, and the products keep non-finite inputs to the pairs that see them.
+        visible = _causal_visible(xp, pos + i0, pos + i1, j0, j0 + width, dev)
+        p = xp.exp(_where_visible(xp, s, visible, -math.inf))
+        dv_tile[:width, :] += _visible_product(xp, p.mT, do_aug[:, :d_v], visible, key_side=True)
         ds = do_aug @ v_aug[:width, :].mT
-        ds *= p
-        dq_accum[b, heads_g, i0:i1, :] += xp.reshape(ds @ k_aug[:width, :d], (group, n_q, d))
-        dk_tile[:width, :] += ds.mT @ q_aug[:, :d]
+        ds = _where_visible(xp, ds * p, visible, 0.0)
+        dq_rows = _visible_product(xp, ds, k_aug[:width, :d], visible, key_side=False)
+        dq_accum[b, heads_g, i0:i1, :] += xp.reshape(dq_rows, (group, n_q, d))
+        dk_tile[:width, :] += _visible_product(xp, ds.mT, q_aug[:, :d], visible, key_side=True)
     dk[b, g, j0:j1, :] = to(xp, dk_tile, dk.dtype)
     dv[b, g, j0:j1, :] = to(xp, dv_tile, dv.dtype)

@@ -4,7 +4,9 @@ For batch ``b`` the valid cache ``[0, lengths[b])`` is cut into ``n_splits``
 contiguous slices of ``ceil(lengths[b] / n_splits)`` keys. Each slice yields,
 for every query head, an unnormalised partial output, its running max and its
 exponent sum (an empty slice yields 0, -inf, 0); a log-sum-exp combine then
-merges the slices. Within a slice, keys are read in tiles within
+merges the slices (the trailing empty slices of a short length are written in
+one step). ``lengths[b]`` is read as a Python int and clamped to
+``[0, Smax]``. Within a slice, keys are read in tiles within
 ``TILE_ELEMENTS`` with an online softmax. The query heads of one kv group are
 stacked as rows, so the cache is read once per group.
 """
@@ -39,7 +41,7 @@ def forward(o, q, k, v, lengths, o_partial, m_partial, l_partial, *, scale) -> N
     """Write ``o`` for validated inputs.
 
     ``o``: (B, H, Dv); ``q``: (B, H, D); ``k``: (B, Hkv, Smax, D); ``v``:
-    (B, Hkv, Smax, Dv); ``lengths``: (B,) integers in ``[0, Smax]``;
+    (B, Hkv, Smax, Dv); ``lengths``: (B,) integers (clamped to ``[0, Smax]``);
     ``o_partial`` (B, H, n_splits, Dv), ``m_partial`` and ``l_partial``
     (B, H, n_splits): scratch in the accumulation dtype, overwritten for every
     batch with ``lengths[b] > 0``. ``scale`` is a float. ``lengths[b] == 0``
@@ -49,32 +51,31 @@ def forward(o, q, k, v, lengths, o_partial, m_partial, l_partial, *, scale) -> N
     batch, heads, d = q.shape
     kv_heads, dv = k.shape[1], v.shape[3]
     group = heads // kv_heads
-    n_splits = o_partial.shape[2]
+    smax, n_splits = k.shape[2], o_partial.shape[2]
     key_tile = max(1, TILE_ELEMENTS // max(group, d, dv))
     for b in range(batch):
-        n = int(lengths[b])
+        n = min(smax, max(0, int(lengths[b])))
         if n == 0:
             o[b, ...] = 0.0
             continue
         chunk = math.ceil(n / n_splits)
+        used = math.ceil(n / chunk)  # splits holding a key; the rest are empty
+        o_partial[b, :, used:, :] = 0.0
+        m_partial[b, :, used:] = -math.inf
+        l_partial[b, :, used:] = 0.0
         for g in range(kv_heads):
             heads_g = slice(g * group, (g + 1) * group)
-            for split in range(n_splits):
+            for split in range(used):
                 _split(
                     xp, q, k, v, o_partial, m_partial, l_partial, b, g, heads_g, split,
-                    start=min(n, split * chunk), stop=min(n, (split + 1) * chunk),
+                    start=split * chunk, stop=min(n, (split + 1) * chunk),
                     key_tile=key_tile, scale=scale,
                 )
         _combine(xp, o, o_partial, m_partial, l_partial, b)
 
 
 def _split(xp, q, k, v, o_partial, m_partial, l_partial, b, g, heads_g, split, *, start, stop, key_tile, scale):
-    """Partial result of keys ``[start, stop)`` for the query heads ``heads_g`` of kv head ``g``."""
-    if start == stop:
-        o_partial[b, heads_g, split, :] = 0.0
-        m_partial[b, heads_g, split] = -math.inf
-        l_partial[b, heads_g, split] = 0.0
-        return
+    """Partial result of keys ``[start, stop)`` (not empty) for the query heads ``heads_g`` of kv head ``g``."""
     acc = acc_dtype(xp, q.dtype)
     q_scaled = to(xp, q[b, heads_g, :], acc) * scale
     m_run = l_run = o_acc = None

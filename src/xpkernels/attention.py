@@ -15,6 +15,24 @@ position ``input_pos[b] + i`` and key ``j`` at position ``j``; key ``j`` is
 seen when ``j < k_lengths[b]``, ``i < q_lengths[b]`` and, if ``causal``,
 ``j <= input_pos[b] + i``. A row that sees no key (fully masked) has
 ``o = 0``, ``m = -inf``, ``l = 0`` and zero gradients, never NaN.
+``input_pos`` may be negative: causal queries before the first key
+(``input_pos[b] + i < 0``) see nothing, and ``input_pos = Sk - Sq`` gives
+flash-attn's bottom-right causal alignment for ``Sq > Sk``.
+
+Positions and lengths are carried at int64 width. The kernels clamp them to
+the range where they change the result (lengths to ``[0, S]``, positions to
+``[-Sq, Sk]``) without reading device values on the host, so no value of a
+device array can make a kernel read out of bounds; host values (Python ints,
+NumPy arrays) are checked in the front.
+
+Non-finite inputs: a NaN (or infinity) in ``q``, ``k`` or ``v`` reaches
+exactly the rows that can see it. A row that sees a NaN key, value or query
+entry gets NaN in its output and gradients (and in ``dk``/``dv`` of the keys
+it sees); rows that cannot see it -- causal rows before the key, keys at or
+past ``k_lengths[b]``, queries past ``q_lengths[b]``, other query rows --
+stay finite and exact. Masked scores are never combined with an input in a
+way that could turn a NaN into a visible one (no ``0 * NaN``, no maximum
+taken over a masked NaN).
 
 Backward, with :math:`p_{ij} = e^{s_{ij} - m_i} / l_i` and
 :math:`\delta_i = \sum_c do_{ic}\, o_{ic}`:
@@ -34,7 +52,7 @@ backward on another. Accumulation is in float32 (float64 for float64 inputs).
 from __future__ import annotations
 
 import math
-import operator
+import numbers
 from typing import NamedTuple
 
 import array_api_compat
@@ -74,23 +92,47 @@ class AttentionBackwardScratch(NamedTuple):
     dq_accum: object  #: ``(B, H, Sq, D)``, ``dq / scale`` summed over key tiles
 
 
+#: Positions are carried at int64 width: the largest ``|input_pos|`` a call accepts.
+POSITION_LIMIT = 2**63 - 1
+
+
+def _position_array(input_pos):
+    """``input_pos`` when it is an array (not a Python or NumPy integer scalar), else None."""
+    if isinstance(input_pos, numbers.Integral) or not hasattr(input_pos, "shape"):
+        return None
+    return input_pos
+
+
 def _input_pos(fn, xp, input_pos, batch):
-    """``input_pos`` as a Python int, or the validated ``(B,)`` integer array."""
+    """``input_pos`` as a Python int, or the validated ``(B,)`` integer array.
+
+    Any int64 value is allowed, negative included; only the dtype and shape of
+    an array are checked (its values are never read on the host).
+    """
+    expected = f"an int or a ({batch},) integer array"
     if isinstance(input_pos, bool):
-        raise TypeError(f"{fn}: input_pos must be an int >= 0 or a ({batch},) integer array, got a bool")
-    try:
-        value = operator.index(input_pos)
-    except TypeError:
-        if not hasattr(input_pos, "shape"):
-            raise TypeError(
-                f"{fn}: input_pos must be an int >= 0 or a ({batch},) integer array, "
-                f"got {type(input_pos).__name__}"
-            ) from None
-        check.batch_integers(fn, "input_pos", xp, input_pos, batch, 0, None, "")
+        raise TypeError(f"{fn}: input_pos must be {expected}, got a bool")
+    if _position_array(input_pos) is not None:
+        if not xp.isdtype(input_pos.dtype, "integral"):
+            raise TypeError(f"{fn}: input_pos must have an integer dtype, got {input_pos.dtype}")
+        check.shape(fn, "input_pos", input_pos, (batch,))
         return input_pos
-    if value < 0:
-        raise ValueError(f"{fn}: input_pos must be >= 0, got {value}")
+    if not isinstance(input_pos, numbers.Integral):
+        raise TypeError(f"{fn}: input_pos must be {expected}, got {type(input_pos).__name__}")
+    value = int(input_pos)
+    if abs(value) > POSITION_LIMIT:
+        raise ValueError(
+            f"{fn}: input_pos must fit the kernels' int64 positions (|input_pos| <= 2**63 - 1), "
+            f"got {value}"
+        )
     return value
+
+
+def _causal(fn, causal) -> bool:
+    """``causal`` itself; TypeError unless it is a bool (``"no"`` is not False)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"{fn}: causal must be a bool, got {type(causal).__name__} {causal!r}")
+    return causal
 
 
 def _checkpoint_arrays(fn, xp, checkpoints, q, reference="q"):
@@ -152,12 +194,13 @@ def _validate_options(fn, xp, q, k, scale, input_pos, q_lengths, k_lengths):
     return scale, input_pos
 
 
-def _validate_forward(fn, o, q, k, v, scale, input_pos, q_lengths, k_lengths, checkpoints):
+def _validate_forward(fn, o, q, k, v, causal, scale, input_pos, q_lengths, k_lengths, checkpoints):
+    _causal(fn, causal)
     xp = check.namespace(fn, "q", q)
     check.same_namespace(
         fn, xp,
         {"q": q, "k": k, "v": v, "o": o, "q_lengths": q_lengths, "k_lengths": k_lengths,
-         "input_pos": input_pos if hasattr(input_pos, "shape") else None},
+         "input_pos": _position_array(input_pos)},
     )
     _validate_qkv(fn, q, k, v)
     batch, heads, sq, _ = q.shape
@@ -188,8 +231,12 @@ def attention_(
     scale : float, optional
         Score scale, finite and > 0; None means ``1 / sqrt(D)``.
     input_pos : int or array
-        Absolute position of query 0: an int >= 0 for every batch, or a
-        ``(B,)`` integer array. Keys sit at positions ``0 .. Sk - 1``.
+        Absolute position of query 0: an int for every batch, or a ``(B,)``
+        integer array; any int64 value, negative included (causal queries
+        at negative positions see no key: ``o = 0``, ``m = -inf``, ``l = 0``).
+        Keys sit at positions ``0 .. Sk - 1``. ``input_pos = Sk - Sq`` aligns
+        the last query with the last key: flash-attn's bottom-right causal
+        alignment (for ``Sq > Sk`` the first ``Sq - Sk`` queries see nothing).
     q_lengths, k_lengths : array, optional
         ``(B,)`` integer arrays in ``[0, Sq]`` / ``[0, Sk]``: queries
         ``i >= q_lengths[b]`` and keys ``j >= k_lengths[b]`` are masked out.
@@ -215,7 +262,7 @@ def attention_(
     fn = "attention_"
     q, k, v = primal(q), primal(k), primal(v)
     scale, input_pos, m, lse_sum = _validate_forward(
-        fn, o, q, k, v, scale, input_pos, q_lengths, k_lengths, checkpoints
+        fn, o, q, k, v, causal, scale, input_pos, q_lengths, k_lengths, checkpoints
     )
     arrays = {
         "o": o, "q": q, "k": k, "v": v, "checkpoints.m": m, "checkpoints.l": lse_sum,
@@ -223,7 +270,7 @@ def attention_(
     }
     route = resolve("attention", arrays, backend=backend, head_dim=max(q.shape[3], v.shape[3]))
     route.impl.forward(
-        o, q, k, v, m, lse_sum, scale=scale, causal=bool(causal), input_pos=input_pos,
+        o, q, k, v, m, lse_sum, scale=scale, causal=causal, input_pos=input_pos,
         q_lengths=q_lengths, k_lengths=k_lengths,
     )
 
@@ -278,7 +325,8 @@ def _scratch_arrays(fn, xp, scratch, q):
     return scratch.delta, scratch.dq_accum
 
 
-def _validate_backward(fn, O, Q, K, V, checkpoints, scratch, scale, input_pos, q_lengths, k_lengths):
+def _validate_backward(fn, O, Q, K, V, checkpoints, scratch, causal, scale, input_pos, q_lengths, k_lengths):
+    _causal(fn, causal)
     Ds = {name: check.duplicated(fn, name, d) for name, d in (("O", O), ("Q", Q), ("K", K), ("V", V))}
     q = Q.primal
     xp = check.namespace(fn, "Q.primal", q)
@@ -286,7 +334,7 @@ def _validate_backward(fn, O, Q, K, V, checkpoints, scratch, scale, input_pos, q
     check.same_namespace(
         fn, xp,
         {**named, "q_lengths": q_lengths, "k_lengths": k_lengths,
-         "input_pos": input_pos if hasattr(input_pos, "shape") else None},
+         "input_pos": _position_array(input_pos)},
     )
     _validate_qkv(fn, q, K.primal, V.primal, names=("Q.primal", "K.primal", "V.primal"))
     o_shape = (*q.shape[:3], V.primal.shape[3])
@@ -344,7 +392,7 @@ def attention_backward_(
     """
     fn = "attention_backward_"
     scale, input_pos, m, lse_sum, delta, dq_accum = _validate_backward(
-        fn, O, Q, K, V, checkpoints, scratch, scale, input_pos, q_lengths, k_lengths
+        fn, O, Q, K, V, checkpoints, scratch, causal, scale, input_pos, q_lengths, k_lengths
     )
     q, k, v, o = Q.primal, K.primal, V.primal, O.primal
     arrays = {
@@ -358,7 +406,7 @@ def attention_backward_(
         delta, dq_accum = _allocate_scratch(q)
     route.impl.backward(
         O.shadow, q, k, v, o, m, lse_sum, Q.shadow, K.shadow, V.shadow, delta, dq_accum,
-        scale=scale, causal=bool(causal), input_pos=input_pos, q_lengths=q_lengths,
+        scale=scale, causal=causal, input_pos=input_pos, q_lengths=q_lengths,
         k_lengths=k_lengths,
     )
 
@@ -405,7 +453,10 @@ def attention_backward(
     q, k, v, o = primal(q), primal(k), primal(v), primal(o)
     arrays = {}
     for name, a in (("q", q), ("k", k), ("v", v)):
-        arrays[name] = Duplicated(a, check.namespace(fn, name, a).empty_like(a))
+        xp = check.namespace(fn, name, a)
+        # Contiguous, never empty_like: a broadcast view (np.broadcast_to) has zero strides.
+        gradient = xp.empty(tuple(a.shape), dtype=a.dtype, device=array_api_compat.device(a))
+        arrays[name] = Duplicated(a, gradient)
     attention_backward_(
         Duplicated(o, do), arrays["q"], arrays["k"], arrays["v"], checkpoints=checkpoints,
         causal=causal, scale=scale, input_pos=input_pos, q_lengths=q_lengths,

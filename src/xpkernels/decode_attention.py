@@ -20,6 +20,13 @@ merged by a log-sum-exp combine:
 
 ``lengths[b] == 0`` gives ``o = 0``. Forward only: there are no checkpoints.
 Accumulation is in float32 (float64 for float64 inputs).
+
+``n_splits`` lies in ``[1, max(1, Smax)]``: a split holds whole keys, so more
+splits than cache entries could only add splits that never hold one (and cost
+their launch and combine for nothing); larger values are refused. The kernels
+clamp ``lengths`` to ``[0, Smax]`` at int64 width without reading device
+values on the host, so no value of a device ``lengths`` array can make them
+read outside the cache.
 """
 
 from __future__ import annotations
@@ -43,6 +50,20 @@ class DecodeAttentionScratch(NamedTuple):
     o_partial: object  #: ``(B, H, n_splits, Dv)``, each split's unnormalised output
     m_partial: object  #: ``(B, H, n_splits)``, each split's score max (-inf: empty split)
     l_partial: object  #: ``(B, H, n_splits)``, each split's ``sum exp(s - m)`` (0: empty split)
+
+
+def max_splits(smax: int) -> int:
+    """Most splits a cache of ``smax`` entries takes: one per entry (at least 1)."""
+    return max(1, smax)
+
+
+def _bound_splits(fn, name, splits, smax) -> None:
+    """ValueError unless ``splits`` (from ``name``) is at most :func:`max_splits` of ``smax``."""
+    if splits > max_splits(smax):
+        raise ValueError(
+            f"{fn}: {name} must be <= {max_splits(smax)} (one split per cache entry at most, "
+            f"Smax={smax}), got {splits}"
+        )
 
 
 def _n_splits(fn, n_splits) -> int:
@@ -92,8 +113,10 @@ def _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits):
     scale = 1.0 / math.sqrt(d) if scale is None else check.positive_finite(fn, "scale", scale)
     if n_splits is not None:
         n_splits = _n_splits(fn, n_splits)
+        _bound_splits(fn, "n_splits", n_splits, smax)
     if scratch is not None:
         _check_scratch(fn, xp, scratch, q, dv, n_splits)
+        _bound_splits(fn, "scratch.o_partial.shape[2] (its n_splits)", scratch.o_partial.shape[2], smax)
     return scale, n_splits
 
 
@@ -145,8 +168,9 @@ def decode_attention_(
         its ``o_partial.shape[2]`` is the number of splits. None allocates it
         for this call.
     n_splits : int, optional
-        Slices of the cache, >= 1 (any number, also more than keys). None:
-        the scratch's, else the backend's default for this cache.
+        Slices of the cache, in ``[1, max(1, Smax)]`` (more than ``lengths[b]``
+        is fine: the extra splits are empty). None: the scratch's, else the
+        backend's default for this cache.
     backend : str, optional
         Explicit backend; see :mod:`xpkernels.registry`.
 
@@ -193,7 +217,8 @@ def allocate_decode_attention_scratch(
 ) -> DecodeAttentionScratch:
     """Allocate ``decode_attention_``'s scratch for output ``o`` ``(B, H, Dv)`` and queries ``q`` ``(B, H, D)``.
 
-    ``n_splits`` None asks the backend for its default, which needs ``k_cache``.
+    ``n_splits`` None asks the backend for its default, which needs ``k_cache``;
+    with ``k_cache`` given, ``n_splits`` must be at most ``max(1, Smax)``.
     Float32, or float64 when ``q`` is float64.
     """
     fn = "allocate_scratchspace(decode_attention_)"
@@ -206,6 +231,11 @@ def allocate_decode_attention_scratch(
     check.shape(fn, "o", o, (*q.shape[:2], o.shape[2]))
     if n_splits is not None:
         n_splits = _n_splits(fn, n_splits)
+        if k_cache is not None:
+            k_cache = primal(k_cache)
+            check.namespace(fn, "k_cache", k_cache)
+            check.rank(fn, "k_cache", k_cache, 4, "(B, Hkv, Smax, D)")
+            _bound_splits(fn, "n_splits", n_splits, k_cache.shape[2])
     else:
         if k_cache is None:
             raise TypeError(
