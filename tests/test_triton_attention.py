@@ -377,3 +377,169 @@ def test_tile_search_tries_only_its_head_dim_class(block_d, cls):
         tried = tuned.early_config_prune(tuned.configs, {}, BLOCK_D=block_d)
         expected = [tile.config().all_kwargs() for tile in table.candidates[cls]]
         assert [c.all_kwargs() for c in tried] == expected
+
+
+def _rows_match(actual, expected, tol, what):
+    """Finite where the reference is finite, NaN where it is NaN, within ``tol`` elsewhere."""
+    a = actual.detach().cpu().double().numpy()
+    e = np.asarray(expected, dtype=np.float64)
+    assert np.array_equal(np.isnan(a), np.isnan(e)), f"{what}: NaN pattern differs"
+    keep = ~np.isnan(e)
+    assert _err(torch.from_numpy(np.where(keep, a, 0.0)), np.where(keep, e, 0.0)) <= tol, what
+
+
+def _forward_backward(q, k, v, do, **opts):
+    """Forward with checkpoints, then the backward from them; the tensors are float32 on DEVICE."""
+    tensors = {"q": q, "k": k, "v": v, "do": do}
+    o, m, l = _run_forward(tensors, opts)
+    return (o, m, l), _run_backward(tensors, o, m, l, opts)
+
+
+def _small(rng, B, H, Hkv, Sq, Sk, D=16):
+    arrays = (rng.standard_normal((B, H, Sq, D)), rng.standard_normal((B, Hkv, Sk, D)),
+              rng.standard_normal((B, Hkv, Sk, D)), rng.standard_normal((B, H, Sq, D)))
+    return [np.asarray(a) for a in arrays]
+
+
+def _check_against(raw, ref_opts, opts, nan_rows=None):
+    """Triton (float32) vs the float64 reference on ``raw`` with non-finite inputs zeroed.
+
+    ``nan_rows`` (B, H, Sq) bool: the query rows whose o, m, l and dq must be NaN;
+    every other query row must match the clean reference.
+    """
+    q, k, v, do = (_tensor(a, torch.float32) for a in raw)
+    (o, m, l), grads = _forward_backward(q, k, v, do, **opts)
+    clean = [np.where(np.isfinite(a), a, 0.0) for a in raw]
+    ref_out, ref_grad = reference_attention(*clean, scale=opts["scale"], **ref_opts)
+    nan_rows = np.zeros(o.shape[:3], dtype=bool) if nan_rows is None else nan_rows
+    for name, got, want in (("o", o, ref_out["o"]), ("dq", grads["q"], ref_grad["q"])):
+        assert torch.isnan(got).any(-1).numpy().tolist() == nan_rows.tolist(), f"{name}: NaN rows"
+        _rows_match(got[torch.from_numpy(~nan_rows)], want[~nan_rows], BACKWARD_TOL[torch.float32], name)
+    for name, got, want in (("m", m, ref_out["m"]), ("l", l, ref_out["l"])):
+        assert torch.isnan(got).numpy().tolist() == nan_rows.tolist(), f"{name}: NaN rows"
+        _rows_match(got[torch.from_numpy(~nan_rows)], want[~nan_rows], 2e-5, name)
+    return grads, ref_grad
+
+
+@pytest.mark.parametrize("pos", [-17, [-3, -40], [-(2**40), 2**40], -(2**40), 2**40],
+                         ids=["int", "array", "huge-array", "huge-int-negative", "huge-int"])
+def test_negative_and_huge_input_pos(pos):
+    """Bottom-right alignment ``input_pos = Sk - Sq`` (< 0): queries before key 0 see nothing.
+
+    Positions of any int64 size (Python ints, int64 tensors) equal the clamped ones.
+    """
+    rng = np.random.default_rng(101)
+    raw = _small(rng, 2, 2, 1, 40, 23)
+    pos_t = torch.tensor(pos, dtype=torch.int64, device=DEVICE) if isinstance(pos, list) else pos
+    opts = {"scale": 0.25, "causal": True, "input_pos": pos_t, "q_lengths": None, "k_lengths": None}
+    ref_pos = np.clip(np.broadcast_to(np.asarray(pos, dtype=np.int64), (2,)), -40, 23)
+    grads, ref_grad = _check_against(raw, {"causal": True, "input_pos": ref_pos, "q_lengths": None,
+                                           "k_lengths": None}, opts)
+    for name in ("k", "v"):
+        assert _err(grads[name], ref_grad[name]) <= BACKWARD_TOL[torch.float32], f"d{name}"
+
+
+def test_out_of_range_device_lengths_are_clamped_in_the_kernels():
+    """int64 lengths past int32 or below 0 (front checks bypassed): clamped to [0, S], never wrapped."""
+    rng = np.random.default_rng(103)
+    raw = _small(rng, 4, 2, 2, 18, 20)
+    big = lambda values: torch.tensor(values, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    opts = {"scale": 0.25, "causal": True, "input_pos": big([2, 2**33 + 1, -(2**33), 0]),
+            "q_lengths": big([2**32 + 3, 18, 18, -(2**32) + 7]),
+            "k_lengths": big([2**32 + 5, 20, 20, -(2**32) + 9])}
+    ref = {"causal": True, "input_pos": [2, 20, -18, 0], "q_lengths": [18, 18, 18, 0],
+           "k_lengths": [20, 20, 20, 0]}
+    grads, ref_grad = _check_against(raw, ref, opts)
+    for name in ("k", "v"):
+        assert _err(grads[name], ref_grad[name]) <= BACKWARD_TOL[torch.float32], f"d{name}"
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_nan_key_or_value_reaches_only_the_rows_that_see_it(where):
+    """Causal: rows before a NaN key/value (inside a masked diagonal tile) stay finite and exact."""
+    rng = np.random.default_rng(107)
+    raw = _small(rng, 1, 2, 1, 20, 20)
+    raw[1 if where == "k" else 2][0, 0, 9, 5] = np.nan
+    nan_rows = np.zeros((1, 2, 20), dtype=bool)
+    nan_rows[:, :, 9:] = True
+    opts = {"scale": 0.25, "causal": True, "input_pos": 0, "q_lengths": None, "k_lengths": None}
+    ref = {"causal": True, "input_pos": 0, "q_lengths": None, "k_lengths": None}
+    if where == "v":  # a NaN value leaves the scores, so m and l, finite
+        q, k, v, do = (_tensor(a, torch.float32) for a in raw)
+        (o, m, l), grads = _forward_backward(q, k, v, do, **opts)
+        assert torch.isnan(o).any(-1).numpy().tolist() == nan_rows.tolist()
+        assert torch.isfinite(m).all() and torch.isfinite(l).all()
+        assert torch.isnan(grads["q"]).any(-1).numpy().tolist() == nan_rows.tolist()
+        ref_out, ref_grad = reference_attention(*(np.nan_to_num(a, nan=0.0) for a in raw), scale=0.25, **ref)
+        _rows_match(o[:, :, :9], ref_out["o"][:, :, :9], TOL[torch.float32], "o")
+        _rows_match(grads["q"][:, :, :9], ref_grad["q"][:, :, :9], BACKWARD_TOL[torch.float32], "dq")
+        return
+    _check_against(raw, ref, opts, nan_rows)
+
+
+def test_nan_past_the_lengths_is_never_seen():
+    rng = np.random.default_rng(109)
+    raw = _small(rng, 2, 2, 1, 17, 21)
+    raw[1][0, :, 12:] = np.nan
+    raw[2][1, :, 5:] = np.inf
+    raw[0][1, :, 9:] = np.nan
+    opts = {"scale": 0.25, "causal": True, "input_pos": _int([4, -2]), "q_lengths": _int([17, 9]),
+            "k_lengths": _int([12, 5])}
+    ref = {"causal": True, "input_pos": [4, -2], "q_lengths": [17, 9], "k_lengths": [12, 5]}
+    grads, ref_grad = _check_against(raw, ref, opts)
+    for name in ("k", "v"):
+        assert _err(grads[name], ref_grad[name]) <= BACKWARD_TOL[torch.float32], f"d{name}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_in_one_query_row_affects_only_that_row(causal):
+    """NaN in q[0, 1, 3]: that row's o, m, l, dq are NaN, dk/dv of the keys it sees; nothing else."""
+    rng = np.random.default_rng(113)
+    raw = _small(rng, 1, 2, 1, 20, 20)
+    raw[0][0, 1, 3, 2] = np.nan
+    nan_rows = np.zeros((1, 2, 20), dtype=bool)
+    nan_rows[0, 1, 3] = True
+    opts = {"scale": 0.25, "causal": causal, "input_pos": 0, "q_lengths": None, "k_lengths": None}
+    ref = {"causal": causal, "input_pos": 0, "q_lengths": None, "k_lengths": None}
+    grads, ref_grad = _check_against(raw, ref, opts, nan_rows)
+    seen = np.arange(20) <= 3 if causal else np.ones(20, dtype=bool)
+    for name in ("k", "v"):
+        got = grads[name][0, 0]
+        assert torch.isnan(got).any(-1).numpy().tolist() == seen.tolist(), f"d{name}: NaN keys"
+        if causal:
+            _rows_match(got[4:], ref_grad[name][0, 0, 4:], BACKWARD_TOL[torch.float32], f"d{name}")
+
+
+def test_decode_clamps_out_of_range_device_lengths():
+    rng = np.random.default_rng(127)
+    B, H, Smax, D, n_splits = 3, 2, 21, 16, 3
+    q = torch.from_numpy(rng.standard_normal((B, H, D))).float().to(DEVICE)
+    k = _tensor(rng.standard_normal((B, 1, Smax, D)), torch.float32)
+    v = _tensor(rng.standard_normal((B, 1, Smax, D)), torch.float32)
+    lengths = torch.tensor([2**32 + 3, -(2**33), 9], dtype=torch.int64, device=DEVICE)
+    o = torch.full((B, H, D), float("nan"), device=DEVICE)
+    scratch = [torch.full(shape, float("nan"), device=DEVICE)
+               for shape in ((B, H, n_splits, D), (B, H, n_splits), (B, H, n_splits))]
+    tri_decode.forward(o, q, k, v, lengths, *scratch, scale=0.25)
+    ref = reference_decode(*(t.double().cpu().numpy() for t in (q, k, v)), [Smax, 0, 9], 0.25)
+    assert _err(o, ref) <= TOL[torch.float32]
+
+
+def test_front_bottom_right_alignment_on_triton_equals_array_api():
+    """Through the front (``backend="triton"``): ``input_pos = Sk - Sq`` < 0, as the array_api backend computes it."""
+    import xpkernels as xk
+
+    rng = np.random.default_rng(131)
+    q, k, v, do = (torch.from_numpy(a).float().to(DEVICE) for a in _small(rng, 1, 2, 1, 24, 9))
+    results = {}
+    for backend in ("triton", "array_api"):
+        if backend == "array_api" and DEVICE != "cpu":
+            q, k, v, do = (t.cpu() for t in (q, k, v, do))
+        ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
+        o = xk.attention(q, k, v, causal=True, input_pos=9 - 24, checkpoints=ck, backend=backend)
+        grads = xk.attention_backward(do, q, k, v, o, checkpoints=ck, causal=True, input_pos=9 - 24,
+                                      backend=backend)
+        results[backend] = [t.cpu() for t in (o, ck.m, ck.l, *grads)]
+    for name, a, b in zip(("o", "m", "l", "dq", "dk", "dv"), *results.values(), strict=True):
+        assert _err(a, b.double().numpy()) <= BACKWARD_TOL[torch.float32], name
+    assert torch.all(results["triton"][0][:, :, :15] == 0) and torch.all(results["triton"][3][:, :, :15] == 0)

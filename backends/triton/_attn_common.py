@@ -49,6 +49,23 @@ def interpreted() -> bool:
 RANGE_LOOPS = tl.constexpr(not interpreted())
 
 
+#: Whether kernels run through the interpreter, as a compile-time value.
+INTERPRETED = tl.constexpr(interpreted())
+
+
+@triton.jit
+def row_max(s):
+    """Max of each row of ``s`` ignoring NaN, as the GPU's ``max.f32`` does.
+
+    The interpreter reduces with ``numpy.nanmax``, which warns on an all-NaN
+    row (a query row holding NaN), so there NaN is replaced by ``-inf`` first.
+    The NaN still reaches the row through ``exp2(s - m)``.
+    """
+    if INTERPRETED:
+        s = tl.where(s == s, s, float("-inf"))
+    return tl.max(s, 1)
+
+
 @triton.jit
 def kv_tile(
     k_base, v_base, n0, stride_kn, stride_vn, offs_n, offs_d, offs_dv, k_len, D, DV,

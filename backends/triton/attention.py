@@ -35,6 +35,23 @@ Fully masked query rows (``i >= q_lengths[b]``, or no visible key) get
 ``o = 0``, ``m = -inf``, ``l = 0`` and zero gradients; keys ``j >= k_lengths[b]``
 get zero dK and dV. Every stride is passed to the kernels (BSHD views work
 without copies); batch, head and tile offsets are computed in int64.
+
+Lengths and positions: array values are loaded at int64 and clamped where
+clamping changes no result (lengths to ``[0, S]``, ``input_pos`` to
+``[-Sq, Sk]``) before they narrow to int32, and an int ``input_pos`` is
+clamped the same way on the host, so no value wraps, none is read on the host,
+and none leads a load out of bounds. Causal rows before key 0 (negative
+``input_pos``) see no key.
+
+Non-finite inputs reach exactly the rows that see them. Masked scores are
+selected to ``-inf`` (never added to), the row max ignores NaN (as the GPU's
+``max.f32`` does) so a NaN score makes ``exp2(s - m)`` and the row's sum NaN,
+and a row whose sum is NaN keeps it (o, m, l NaN) instead of being taken for
+a fully masked one. In tiles crossing the causal diagonal the products whose
+left operand is 0 on masked pairs would spread ``0 * NaN``: there ``ds`` is
+selected to 0, non-finite values of V (forward), K (dQ) and Q (dK) enter the
+product as 0, the pairs that see them carrying NaN through ``p`` or ``ds``
+(or, for V, by marking each row at or past a column's first non-finite value).
 """
 
 from __future__ import annotations
@@ -55,6 +72,7 @@ from ._attn_common import (
     dot_type,
     kv_tile,
     launch,
+    row_max,
     scalar_or_pointer,
 )
 from ._common import launch_context
@@ -92,16 +110,24 @@ def _forward_step(
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
     if MASKED:
         s = tl.where(_visible(n0, offs_n, q_pos, k_len, CAUSAL), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = m_new
+    m_new = tl.maximum(m_i, row_max(s))
+    # -inf: every score so far masked or NaN (a NaN query row); 0 avoids -inf - -inf.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
+    if MASKED and CAUSAL:
+        # p = 0 on masked pairs, but 0 * NaN is NaN: non-finite values enter the
+        # product as 0, and a row gets NaN in column c when it sees the first
+        # non-finite value of that column (visibility is monotone in the key).
+        finite = tl.abs(v.to(tl.float32)) < float("inf")
+        first_bad = tl.min(tl.where(finite, 2147483647, (n0 + offs_n)[:, None]), 0)
+        acc = tl.dot(p.to(q.dtype), tl.where(finite, v, 0.0).to(q.dtype), acc,
+                     input_precision=PRECISION)
+        acc = tl.where(first_bad[None, :] <= q_pos[:, None], float("nan"), acc)
+    else:
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
@@ -135,20 +161,33 @@ def _forward_tiles(
 
 
 @triton.jit
+def _clamped(ptr, b, low, high):
+    """``ptr[b]`` (any integer width) loaded at int64, clamped to ``[low, high]`` and narrowed to int32."""
+    value = tl.load(ptr + b).to(tl.int64)
+    return tl.minimum(tl.maximum(value, low), high).to(tl.int32)
+
+
+@triton.jit
 def _row_context(
     b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk,
     HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, POS_ARRAY: tl.constexpr,
 ):
-    """Batch ``b``'s valid query count, valid key count and first query position."""
+    """Batch ``b``'s valid query count, valid key count and first query position.
+
+    Array values are read at int64 and clamped where clamping changes no
+    result: lengths to ``[0, S]``, the position to ``[-Sq, Sk]`` (from ``Sk``
+    on every key is visible, up to ``-Sq`` none is), so no value wraps or
+    leads a load out of bounds. ``pos_scalar`` arrives clamped.
+    """
     q_len = Sq
     if HAS_QLEN:
-        q_len = tl.minimum(tl.load(q_len_ptr + b).to(tl.int32), Sq)
+        q_len = _clamped(q_len_ptr, b, 0, Sq)
     k_len = Sk
     if HAS_KLEN:
-        k_len = tl.minimum(tl.load(k_len_ptr + b).to(tl.int32), Sk)
+        k_len = _clamped(k_len_ptr, b, 0, Sk)
     pos0 = pos_scalar
     if POS_ARRAY:
-        pos0 = tl.load(pos_ptr + b).to(tl.int32)
+        pos0 = _clamped(pos_ptr, b, -Sq, Sk)
     return q_len, k_len, pos0
 
 
@@ -167,8 +206,9 @@ def _key_bounds(start_m, q_len, k_len, pos0,
         full_end = k_len
         hi = k_len
     live = start_m < q_len
-    full_end = (tl.where(live, full_end, 0) // BLOCK_N) * BLOCK_N
-    hi = tl.where(live, hi, 0)
+    # Negative where the tile's rows precede key 0 (input_pos < 0): no keys.
+    full_end = (tl.maximum(tl.where(live, full_end, 0), 0) // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(tl.where(live, hi, 0), 0)
     return full_end, hi
 
 
@@ -248,7 +288,7 @@ def _forward_kernel(
                                    offs_n, offs_d, offs_dv, q_pos, full_end, hi, k_len, qk_scale,
                                    D, DV, True, CAUSAL, EVEN_D, EVEN_DV, PRECISION, BLOCK_N)
 
-    live = row_ok & (l_i > 0.0)
+    live = row_ok & (l_i != 0.0)  # a NaN sum (a row that saw NaN) stays live: o, m, l NaN
     o = acc / tl.where(live, l_i, 1.0)[:, None]
     o = tl.where(live[:, None], o, 0.0)
     in_bounds = rows < Sq
@@ -257,6 +297,7 @@ def _forward_kernel(
              mask=in_bounds[:, None] & (offs_dv[None, :] < DV))
     if STORE_STATS:
         m_out = tl.where(live, m_i * LN2_CONST, float("-inf"))
+        m_out = tl.where(l_i == l_i, m_out, float("nan"))
         l_out = tl.where(live, l_i, 0.0)
         h64 = h.to(tl.int64)
         row_off = start_m.to(tl.int64)
@@ -285,7 +326,7 @@ def _delta_kernel(
     h = (pid_bh % H).to(tl.int64)
     q_len = Sq
     if HAS_QLEN:
-        q_len = tl.minimum(tl.load(q_len_ptr + b).to(tl.int32), Sq)
+        q_len = _clamped(q_len_ptr, b, 0, Sq)
     start_m = pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -302,10 +343,11 @@ def _delta_kernel(
 
 @triton.jit
 def _row_stats(m_base, l_base, delta_base, stride_mm, stride_lm, stride_dem, offs_m, row_ok):
-    """Per row: ``lse2 = m log2 e + log2 l`` (``+inf`` if fully masked, so P = 0) and ``delta``."""
+    """Per row: ``lse2 = m log2 e + log2 l`` (``+inf`` if fully masked, so P = 0; NaN stays NaN) and ``delta``."""
     m = tl.load(m_base + offs_m * stride_mm, mask=row_ok, other=0.0)
     l = tl.load(l_base + offs_m * stride_lm, mask=row_ok, other=0.0)
-    lse2 = tl.where(l > 0.0, m * LOG2E_CONST + tl.log2(tl.where(l > 0.0, l, 1.0)), float("inf"))
+    seen = l != 0.0
+    lse2 = tl.where(seen, m * LOG2E_CONST + tl.log2(tl.where(seen, l, 1.0)), float("inf"))
     delta = tl.load(delta_base + offs_m * stride_dem, mask=row_ok, other=0.0)
     return lse2, delta
 
@@ -340,11 +382,21 @@ def _dkdv_step(
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     p = tl.exp2(s - lse2[:, None])
     if MASKED:
-        p = tl.where(key_pos[None, :] <= (pos0 + rows)[:, None], p, 0.0)
-    dv = tl.dot(tl.trans(p.to(k.dtype)), do, dv, input_precision=PRECISION)
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    ds = p * (dp - delta[:, None])
-    dk = tl.dot(tl.trans(ds.to(k.dtype)), q, dk, input_precision=PRECISION)
+        # Masked pairs get p = ds = 0 by selection (never 0 * NaN); a query
+        # row's non-finite entries enter dK as 0 -- the pairs that see them
+        # carry NaN in ds already.
+        visible = key_pos[None, :] <= (pos0 + rows)[:, None]
+        p = tl.where(visible, p, 0.0)
+        dv = tl.dot(tl.trans(p.to(k.dtype)), do, dv, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)
+        q_finite = tl.where(tl.abs(q.to(tl.float32)) < float("inf"), q, 0.0).to(k.dtype)
+        dk = tl.dot(tl.trans(ds.to(k.dtype)), q_finite, dk, input_precision=PRECISION)
+    else:
+        dv = tl.dot(tl.trans(p.to(k.dtype)), do, dv, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk = tl.dot(tl.trans(ds.to(k.dtype)), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
@@ -487,10 +539,15 @@ def _dq_step(
     k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     p = tl.exp2(s - lse2[:, None])
-    if MASKED:
-        p = tl.where(_visible(n0, offs_n, q_pos, k_len, CAUSAL), p, 0.0)
     dp = tl.dot(do, tl.trans(v.to(q.dtype)), input_precision=PRECISION)
-    ds = p * (dp - delta[:, None])
+    if MASKED:
+        # As in _dkdv_step: ds = 0 on masked pairs by selection, non-finite keys
+        # enter dQ as 0 (the pairs that see them carry NaN in ds).
+        visible = _visible(n0, offs_n, q_pos, k_len, CAUSAL)
+        ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)
+        k = tl.where(tl.abs(k.to(tl.float32)) < float("inf"), k, 0.0).to(q.dtype)
+    else:
+        ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(q.dtype), k, dq, input_precision=PRECISION)
 
 
@@ -635,6 +692,8 @@ _DELTA_TILE = 8192
 
 
 def _options(q, k, v, input_pos, q_lengths, k_lengths):
+    if isinstance(input_pos, int):  # a host value: clamped here as the kernels clamp arrays
+        input_pos = min(max(input_pos, -q.shape[2]), k.shape[2])
     pos_arg, pos_scalar, pos_array = scalar_or_pointer(input_pos, q)
     meta = {
         "HAS_QLEN": q_lengths is not None,

@@ -136,7 +136,8 @@ def _split_kernel(
     pid_bkv = tl.program_id(0) // n_splits
     b = (pid_bkv // HKV).to(tl.int64)
     kvh = pid_bkv % HKV
-    length = tl.minimum(tl.load(lengths_ptr + b).to(tl.int32), Smax)
+    # Read at int64 and clamped to [0, Smax]: no length wraps or leads a load past the cache.
+    length = tl.minimum(tl.maximum(tl.load(lengths_ptr + b).to(tl.int64), 0), Smax).to(tl.int32)
     chunk = tl.cdiv(tl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
     start = pid_s * chunk
     end = tl.minimum(start + chunk, length)
@@ -254,7 +255,7 @@ def forward(o, q, k, v, lengths, o_partial, m_partial, l_partial, *, scale) -> N
         ``(B, Hkv, Smax, D)`` and ``(B, Hkv, Smax, Dv)`` caches; keys
         ``[0, lengths[b])`` are attended.
     lengths : torch.Tensor
-        ``(B,)`` integers in ``[0, Smax]``.
+        ``(B,)`` integers of any width, clamped to ``[0, Smax]`` in the kernel.
     o_partial, m_partial, l_partial : torch.Tensor
         ``(B, H, S, Dv)``, ``(B, H, S)``, ``(B, H, S)`` float32 scratch,
         overwritten; ``S = n_splits``.
