@@ -275,9 +275,12 @@ def test_checkpoints_feed_the_backward_as_a_contract():
     rng = np.random.default_rng(23)
     q, k, v, do = _inputs(rng, 1, 2, 2, 20, 33, 16)
     want = _naive(q, k, v, do, causal=True, k_lengths=[20])
-    ck = AttentionCheckpoints(m=want[1].astype(np.float32), l=want[2].astype(np.float32))
+    k_lengths = np.asarray([20])
+    ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
+    xk.attention_(np.empty_like(q), q, k, v, causal=True, k_lengths=k_lengths, checkpoints=ck)
+    ck.m[...], ck.l[...] = want[1], want[2]  # the reference's values, in the record of a forward
     dq, dk, dv = xk.attention_backward(do, q, k, v, want[0], checkpoints=ck, causal=True,
-                                       k_lengths=np.asarray([20]))
+                                       k_lengths=k_lengths)
     for got, w in zip((dq, dk, dv), want[3:], strict=True):
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
 
@@ -387,8 +390,17 @@ def _assert_matches(got, want, dtype, rows=None, what=OUTPUTS):
         np.testing.assert_allclose(a[finite] / scale, b[finite] / scale, rtol=0, atol=tol, err_msg=name)
 
 
-@pytest.mark.parametrize("namespace", NAMESPACES)
-@pytest.mark.parametrize("input_pos", [-3, [-3, -12], [-1, -(2**62)], -(2**40), [2**62, -5]])
+NEGATIVE_POSITIONS = [
+    pytest.param(namespace, pos, id=f"{namespace}-{name}")
+    for name, pos in (("int", -3), ("array", [-3, -12]), ("int-min", -(2**31 - 1)))
+    for namespace in NAMESPACES
+] + [  # device arrays hold any int64 value: the kernels clamp, the front does not read them
+    pytest.param("torch", pos, id=f"torch-{name}")
+    for name, pos in (("huge-negative", [-1, -(2**62)]), ("huge-both", [2**62, -5]))
+]
+
+
+@pytest.mark.parametrize("namespace,input_pos", NEGATIVE_POSITIONS)
 def test_negative_input_pos_gives_bottom_right_alignment(namespace, input_pos, monkeypatch):
     """``input_pos = Sk - Sq`` (< 0 for Sq > Sk): queries before key 0 see nothing (o = 0, m = -inf, l = 0, dq = 0)."""
     _small_tiles(monkeypatch, 64, 4)
@@ -447,16 +459,24 @@ def test_causal_must_be_a_bool_in_forward_and_backward(causal):
     assert all(np.all(s == 7.0) for s in shadows)
 
 
-def test_input_pos_beyond_int64_is_refused_and_numpy_scalars_are_ints():
+@pytest.mark.parametrize("input_pos", [2**31, -(2**40), np.asarray([0, 2**40]), np.asarray([-(2**31), 0])],
+                         ids=["int", "negative-int", "array", "negative-array"])
+def test_host_input_pos_beyond_the_index_type_is_refused(input_pos):
+    """Host values (Python ints, NumPy arrays) must fit the kernels' int32 index type; nothing is written."""
+    rng = np.random.default_rng(59)
+    q, k, v, _ = _inputs(rng, 2, 1, 1, 4, 4, 8)
+    o = np.full_like(q, 7.0)
+    with pytest.raises(ValueError, match=r"attention_: input_pos must lie in \[-2147483647, 2147483647\]"):
+        xk.attention_(o, q, k, v, causal=True, input_pos=input_pos)
+    assert np.all(o == 7.0)
+
+
+def test_input_pos_numpy_scalars_are_ints_and_float_arrays_are_refused():
     rng = np.random.default_rng(59)
     q, k, v, _ = _inputs(rng, 1, 1, 1, 4, 4, 8)
-    o = np.full_like(q, 7.0)
-    with pytest.raises(ValueError, match=r"attention_: input_pos must fit the kernels' int64 positions"):
-        xk.attention_(o, q, k, v, causal=True, input_pos=2**63)
-    assert np.all(o == 7.0)
     np.testing.assert_array_equal(xk.attention(q, k, v, causal=True, input_pos=np.int64(-2)),
                                   xk.attention(q, k, v, causal=True, input_pos=-2))
-    with pytest.raises(TypeError, match=r"input_pos must have an integer dtype"):
+    with pytest.raises(TypeError, match=r"input_pos must have dtype int32 or int64"):
         xk.attention(q, k, v, input_pos=np.zeros(1))
 
 
@@ -580,3 +600,124 @@ def test_decode_n_splits_is_bounded_by_the_cache_length():
     empty = np.ones((1, 1, 0, 8))
     np.testing.assert_array_equal(xk.decode_attention(q, empty, empty, np.asarray([0]), n_splits=1), 0)
     np.testing.assert_allclose(xk.decode_attention(q, cache, cache, lengths, n_splits=8), 1.0)
+
+
+# ---- the call contract (DESIGN section 6) ----------------------------------------------------
+
+
+def _forward(q, k, v, **options):
+    ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
+    o = np.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype)
+    xk.attention_(o, q, k, v, checkpoints=ck, **options)
+    return o, ck
+
+
+def _backward_args(q, k, v, o, do):
+    return Duplicated(o, do), *(Duplicated(a, np.full_like(a, 7.0)) for a in (q, k, v))
+
+
+@pytest.mark.parametrize("forward_options,backward_options,option", [
+    (dict(causal=True), dict(), "causal"),
+    (dict(scale=0.5), dict(scale=0.25), "scale"),
+    (dict(causal=True, input_pos=-2), dict(causal=True, input_pos=0), "input_pos"),
+    (dict(k_lengths=np.asarray([3, 5])), dict(k_lengths=np.asarray([3, 4])), "k_lengths"),
+    (dict(q_lengths=np.asarray([3, 5])), dict(), "q_lengths"),
+])
+def test_backward_with_other_options_than_the_forward_names_the_option(forward_options, backward_options, option):
+    rng = np.random.default_rng(83)
+    q, k, v, do = _inputs(rng, 2, 2, 1, 5, 6, 8)
+    o, ck = _forward(q, k, v, **forward_options)
+    args = _backward_args(q, k, v, o, do)
+    with pytest.raises(ValueError, match=f"attention_backward_: {option}=.* differs from the forward"):
+        xk.attention_backward_(*args, checkpoints=ck, **backward_options)
+    assert all(np.all(d.shadow == 7.0) for d in args[1:])
+    same = {n: np.array(a) if isinstance(a, np.ndarray) else a for n, a in forward_options.items()}
+    xk.attention_backward_(*args, checkpoints=ck, **same)  # equal NumPy values are the same option
+    assert not any(np.any(d.shadow == 7.0) for d in args[1:])
+
+
+def test_checkpoints_no_forward_wrote_are_refused():
+    rng = np.random.default_rng(89)
+    q, k, v, do = _inputs(rng, 1, 2, 2, 4, 4, 8)
+    o, _ = _forward(q, k, v)
+    by_hand = AttentionCheckpoints(m=np.zeros((1, 2, 4), np.float32), l=np.ones((1, 2, 4), np.float32))
+    fresh = xk.allocate_checkpoints(xk.attention_, q, k, v)
+    xk.attention_(o, q, k, v, checkpoints=None)  # inference: records nothing
+    for ck in (by_hand, fresh):
+        with pytest.raises(ValueError, match="attention_backward_: checkpoints were never written by a forward"):
+            xk.attention_backward_(*_backward_args(q, k, v, o, do), checkpoints=ck)
+
+
+def test_outputs_overlapping_inputs_are_refused_before_any_write():
+    """``attention_(k, q, k, v)`` and shadows sharing memory give a ValueError naming both arguments."""
+    rng = np.random.default_rng(97)
+    q, k, v, do = _inputs(rng, 1, 2, 2, 6, 6, 8, dtype=np.float32)
+    before = k.copy()
+    with pytest.raises(ValueError, match="attention_: o shares memory with k"):
+        xk.attention_(k, q, k, v)
+    np.testing.assert_array_equal(k, before)
+    ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
+    with pytest.raises(ValueError, match="attention_: checkpoints.m shares memory with q"):
+        xk.attention_(np.empty_like(q), q, k, v, checkpoints=ck._replace(m=q[:, :, :, 0]))
+    o, ck = _forward(q, k, v)
+    shared = np.full_like(k, 7.0)
+    O, Q = Duplicated(o, do), Duplicated(q, np.full_like(q, 7.0))
+    with pytest.raises(ValueError, match="attention_backward_: .* shares memory with"):
+        xk.attention_backward_(O, Q, Duplicated(k, shared), Duplicated(v, shared), checkpoints=ck)
+    with pytest.raises(ValueError, match="attention_backward_: Q.shadow shares memory with O.shadow"):
+        xk.attention_backward_(O, Duplicated(q, do), *(Duplicated(a, np.empty_like(a)) for a in (k, v)),
+                               checkpoints=ck)
+    assert np.all(Q.shadow == 7.0) and np.all(shared == 7.0)
+
+
+def test_read_only_outputs_and_grad_requiring_tensors_are_refused():
+    rng = np.random.default_rng(101)
+    q, k, v, do = _inputs(rng, 1, 2, 2, 4, 4, 8)
+    o = np.full_like(q, 7.0)
+    o.flags.writeable = False
+    with pytest.raises(ValueError, match="attention_: o is read-only"):
+        xk.attention_(o, q, k, v)
+    o, ck = _forward(q, k, v)
+    O, Q, K, V = _backward_args(q, k, v, o, do)
+    V.shadow.flags.writeable = False
+    with pytest.raises(ValueError, match="attention_backward_: V.shadow is read-only"):
+        xk.attention_backward_(O, Q, K, V, checkpoints=ck)
+    assert np.all(Q.shadow == 7.0)
+    out = np.full((1, 2, 8), 7.0)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="decode_attention_: o is read-only"):
+        xk.decode_attention_(out, q[:, :, 0], k, v, np.asarray([4]))
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+    ot = torch.zeros_like(qt, requires_grad=True)
+    with pytest.raises(ValueError, match="attention_: o requires grad"):
+        xk.attention_(ot, qt, kt, vt)
+    assert torch.all(ot == 0)
+
+
+def test_decode_output_overlapping_an_input_is_refused():
+    rng = np.random.default_rng(103)
+    q, cache = rng.standard_normal((2, 2, 8)), rng.standard_normal((2, 1, 5, 8))
+    before = q.copy()
+    with pytest.raises(ValueError, match="decode_attention_: o shares memory with q"):
+        xk.decode_attention_(q, q, cache, cache, np.asarray([5, 2]))
+    np.testing.assert_array_equal(q, before)
+    scratch = xk.allocate_scratchspace(xk.decode_attention_, np.empty_like(q), q, n_splits=2)
+    with pytest.raises(ValueError, match="decode_attention_: scratch.m_partial shares memory with scratch.l_partial"):
+        xk.decode_attention_(np.empty_like(q), q, cache, cache, np.asarray([5, 2]),
+                             scratch=scratch._replace(l_partial=scratch.m_partial))
+
+
+def test_device_lengths_are_value_checked_in_debug_mode_only():
+    """Outside debug mode a torch k_lengths past Sk reaches the kernels, which clamp it; debug mode refuses it."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    rng = np.random.default_rng(107)
+    q, k, v, _ = (torch.from_numpy(a) for a in _inputs(rng, 2, 2, 1, 5, 6, 8))
+    lengths = torch.tensor([99, -3])
+    got = xk.attention(q, k, v, causal=True, k_lengths=lengths, input_pos=torch.tensor([2**40, -7]))
+    want = xk.attention(q, k, v, causal=True, k_lengths=torch.tensor([6, 0]), input_pos=torch.tensor([6, -5]))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with xk.debug(), pytest.raises(ValueError, match=r"attention: k_lengths must lie in \[0, 6\]|attention_: k_lengths"):
+        xk.attention(q, k, v, k_lengths=lengths)
+    with xk.debug(), pytest.raises(ValueError, match=r"decode_attention_: lengths must lie in \[0, 6\]"):
+        xk.decode_attention(q[:, :, 0], k, v, lengths)

@@ -55,15 +55,18 @@ import math
 import numbers
 from typing import NamedTuple
 
-import array_api_compat
-
 from . import _checks as check
 from .buffers import (
+    Checkpoints,
     Duplicated,
+    check_forward,
     checkpoints_for,
+    empty,
     empty_accumulator,
     empty_float32,
+    forget_forward,
     primal,
+    record_forward,
     scratchspace_for,
 )
 from .registry import resolve
@@ -78,11 +81,14 @@ __all__ = [
 ]
 
 
-class AttentionCheckpoints(NamedTuple):
-    """What ``attention_`` saves for its backward."""
-
+class _AttentionCheckpointArrays(NamedTuple):
     m: object  #: ``(B, H, Sq)`` float32, row max of the scaled masked scores (-inf: fully masked row)
     l: object  #: ``(B, H, Sq)`` float32, ``sum_j exp(s_ij - m_i)`` (0: fully masked row)
+
+
+class AttentionCheckpoints(_AttentionCheckpointArrays, Checkpoints):
+    """What ``attention_`` saves for its backward: ``m`` and ``l``; it records the forward's
+    ``causal``, ``scale``, ``input_pos``, ``q_lengths`` and ``k_lengths``."""
 
 
 class AttentionBackwardScratch(NamedTuple):
@@ -90,10 +96,6 @@ class AttentionBackwardScratch(NamedTuple):
 
     delta: object  #: ``(B, H, Sq)``, ``rowsum(do * o)``
     dq_accum: object  #: ``(B, H, Sq, D)``, ``dq / scale`` summed over key tiles
-
-
-#: Positions are carried at int64 width: the largest ``|input_pos|`` a call accepts.
-POSITION_LIMIT = 2**63 - 1
 
 
 def _position_array(input_pos):
@@ -106,26 +108,19 @@ def _position_array(input_pos):
 def _input_pos(fn, xp, input_pos, batch):
     """``input_pos`` as a Python int, or the validated ``(B,)`` integer array.
 
-    Any int64 value is allowed, negative included; only the dtype and shape of
-    an array are checked (its values are never read on the host).
+    Any value is allowed, negative included, within the kernels' index type
+    (``+-INDEX_MAX``) for host values; a device array's values are read only in
+    debug mode (the kernels clamp them).
     """
     expected = f"an int or a ({batch},) integer array"
     if isinstance(input_pos, bool):
         raise TypeError(f"{fn}: input_pos must be {expected}, got a bool")
     if _position_array(input_pos) is not None:
-        if not xp.isdtype(input_pos.dtype, "integral"):
-            raise TypeError(f"{fn}: input_pos must have an integer dtype, got {input_pos.dtype}")
-        check.shape(fn, "input_pos", input_pos, (batch,))
+        check.batch_integers(fn, "input_pos", xp, input_pos, batch, None, None, "")
         return input_pos
     if not isinstance(input_pos, numbers.Integral):
         raise TypeError(f"{fn}: input_pos must be {expected}, got {type(input_pos).__name__}")
-    value = int(input_pos)
-    if abs(value) > POSITION_LIMIT:
-        raise ValueError(
-            f"{fn}: input_pos must fit the kernels' int64 positions (|input_pos| <= 2**63 - 1), "
-            f"got {value}"
-        )
-    return value
+    return check.index_int(fn, "input_pos", input_pos)
 
 
 def _causal(fn, causal) -> bool:
@@ -211,7 +206,22 @@ def _validate_forward(fn, o, q, k, v, causal, scale, input_pos, q_lengths, k_len
     m = lse_sum = None
     if checkpoints is not None:
         m, lse_sum = _checkpoint_arrays(fn, xp, checkpoints, q)
+    outputs = {"o": o, "checkpoints.m": m, "checkpoints.l": lse_sum}
+    check.writable(fn, outputs)
+    check.no_overlap(fn, outputs, _read(q, k, v, input_pos, q_lengths, k_lengths))
     return scale, input_pos, m, lse_sum
+
+
+def _read(q, k, v, input_pos, q_lengths, k_lengths, names=("q", "k", "v")) -> dict:
+    """The inputs a pass reads besides its own buffers, by argument name (for the overlap check)."""
+    return {**dict(zip(names, (q, k, v))), "input_pos": _position_array(input_pos),
+            "q_lengths": q_lengths, "k_lengths": k_lengths}
+
+
+def _recorded(causal, scale, input_pos, q_lengths, k_lengths) -> dict:
+    """The options of the forward that its backward must repeat."""
+    return {"causal": causal, "scale": scale, "input_pos": input_pos, "q_lengths": q_lengths,
+            "k_lengths": k_lengths}
 
 
 def attention_(
@@ -242,9 +252,18 @@ def attention_(
         ``i >= q_lengths[b]`` and keys ``j >= k_lengths[b]`` are masked out.
     checkpoints : AttentionCheckpoints, optional
         From ``allocate_checkpoints(attention_, q, k, v)``; receives ``m`` and
-        ``l``. None saves nothing (inference).
+        ``l`` and records ``causal``, ``scale``, ``input_pos``, ``q_lengths``
+        and ``k_lengths`` (arrays by identity, NumPy arrays by value), which
+        the backward must repeat. None saves nothing (inference).
     backend : str, optional
         Explicit backend; see :mod:`xpkernels.registry`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad arrays or options (named in the message), a read-only ``o`` or
+        checkpoint, an output sharing memory with an input or another output.
+        Nothing is written when a check fails.
 
     Shapes
     ------
@@ -269,10 +288,14 @@ def attention_(
         "q_lengths": q_lengths, "k_lengths": k_lengths,
     }
     route = resolve("attention", arrays, backend=backend, head_dim=max(q.shape[3], v.shape[3]))
+    if checkpoints is not None:
+        forget_forward(checkpoints)
     route.impl.forward(
         o, q, k, v, m, lse_sum, scale=scale, causal=causal, input_pos=input_pos,
         q_lengths=q_lengths, k_lengths=k_lengths,
     )
+    if checkpoints is not None:
+        record_forward(checkpoints, fn, _recorded(causal, scale, input_pos, q_lengths, k_lengths))
 
 
 @checkpoints_for(attention_)
@@ -298,12 +321,12 @@ def attention(
     """
     fn = "attention"
     q, v = primal(q), primal(v)
-    xp = check.namespace(fn, "q", q)
+    check.namespace(fn, "q", q)
     check.rank(fn, "q", q, 4, "(B, H, Sq, D)")
     check.namespace(fn, "v", v)
     check.rank(fn, "v", v, 4, "(B, Hkv, Sk, Dv)")
     shape = (*q.shape[:3], v.shape[3])
-    o = xp.empty(shape, dtype=q.dtype, device=array_api_compat.device(q))
+    o = empty(q, shape, q.dtype)
     attention_(
         o, q, k, v, causal=causal, scale=scale, input_pos=input_pos, q_lengths=q_lengths,
         k_lengths=k_lengths, checkpoints=checkpoints, backend=backend,
@@ -353,6 +376,14 @@ def _validate_backward(fn, O, Q, K, V, checkpoints, scratch, causal, scale, inpu
     delta = dq_accum = None
     if scratch is not None:
         delta, dq_accum = _scratch_arrays(fn, xp, scratch, q)
+    outputs = {"Q.shadow": Q.shadow, "K.shadow": K.shadow, "V.shadow": V.shadow,
+               "scratch.delta": delta, "scratch.dq_accum": dq_accum}
+    check.writable(fn, outputs)
+    inputs = {"O.primal": O.primal, "O.shadow": O.shadow, "checkpoints.m": m, "checkpoints.l": lse_sum,
+              **_read(q, K.primal, V.primal, input_pos, q_lengths, k_lengths,
+                      names=("Q.primal", "K.primal", "V.primal"))}
+    check.no_overlap(fn, outputs, inputs)
+    check_forward(fn, checkpoints, "attention_", _recorded(causal, scale, input_pos, q_lengths, k_lengths))
     return scale, input_pos, m, lse_sum, delta, dq_accum
 
 
@@ -371,13 +402,22 @@ def attention_backward_(
         ``dk`` and ``dv`` in full (zeros for masked queries and keys). ``dk``
         and ``dv`` are summed over each kv head's group of query heads.
     checkpoints : AttentionCheckpoints
-        Filled by the forward ``attention_`` with the same options (or by any
-        backend following the contract).
+        Filled by the forward ``attention_`` (on any backend) with the same
+        ``causal``, ``scale``, ``input_pos``, ``q_lengths`` and ``k_lengths``;
+        other options, or checkpoints no forward wrote, raise a ValueError
+        naming the option.
     scratch : AttentionBackwardScratch, optional
         From ``allocate_scratchspace(attention_backward_, O, Q, K, V)``; None
         allocates it for this call.
     causal, scale, input_pos, q_lengths, k_lengths, backend
         As in the forward :func:`attention_`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As the forward, for read-only shadows or scratch, outputs sharing
+        memory with an input or each other, and options differing from the
+        forward's. Nothing is written when a check fails.
 
     Shapes
     ------
@@ -453,10 +493,9 @@ def attention_backward(
     q, k, v, o = primal(q), primal(k), primal(v), primal(o)
     arrays = {}
     for name, a in (("q", q), ("k", k), ("v", v)):
-        xp = check.namespace(fn, name, a)
+        check.namespace(fn, name, a)
         # Contiguous, never empty_like: a broadcast view (np.broadcast_to) has zero strides.
-        gradient = xp.empty(tuple(a.shape), dtype=a.dtype, device=array_api_compat.device(a))
-        arrays[name] = Duplicated(a, gradient)
+        arrays[name] = Duplicated(a, empty(a, a.shape, a.dtype))
     attention_backward_(
         Duplicated(o, do), arrays["q"], arrays["k"], arrays["v"], checkpoints=checkpoints,
         causal=causal, scale=scale, input_pos=input_pos, q_lengths=q_lengths,

@@ -35,10 +35,8 @@ import math
 import operator
 from typing import NamedTuple
 
-import array_api_compat
-
 from . import _checks as check
-from .buffers import empty_accumulator, primal, scratchspace_for
+from .buffers import empty, empty_accumulator, primal, scratchspace_for
 from .registry import resolve
 
 __all__ = ["decode_attention_", "decode_attention", "DecodeAttentionScratch"]
@@ -114,9 +112,13 @@ def _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits):
     if n_splits is not None:
         n_splits = _n_splits(fn, n_splits)
         _bound_splits(fn, "n_splits", n_splits, smax)
+    outputs = {"o": o}
     if scratch is not None:
         _check_scratch(fn, xp, scratch, q, dv, n_splits)
         _bound_splits(fn, "scratch.o_partial.shape[2] (its n_splits)", scratch.o_partial.shape[2], smax)
+        outputs.update({f"scratch.{name}": a for name, a in scratch._asdict().items()})
+    check.writable(fn, outputs)
+    check.no_overlap(fn, outputs, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "lengths": lengths})
     return scale, n_splits
 
 
@@ -160,7 +162,9 @@ def decode_attention_(
         The caches; entries at or past ``lengths[b]`` are ignored. One float
         dtype with ``q``.
     lengths : array
-        ``(B,)`` integers in ``[0, Smax]``: valid cache entries per batch.
+        ``(B,)`` int32/int64 in ``[0, Smax]``: valid cache entries per batch.
+        Host values are checked; a device array's values only in debug mode
+        (the kernels clamp them to ``[0, Smax]``).
     scale : float, optional
         Score scale, finite and > 0; None means ``1 / sqrt(D)``.
     scratch : DecodeAttentionScratch, optional
@@ -173,6 +177,13 @@ def decode_attention_(
         backend's default for this cache.
     backend : str, optional
         Explicit backend; see :mod:`xpkernels.registry`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad arrays or options (named in the message), a read-only ``o`` or
+        scratch, an output sharing memory with an input or another output.
+        Nothing is written when a check fails.
 
     Shapes
     ------
@@ -258,11 +269,11 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, scratch=None, 
     """
     fn = "decode_attention"
     q, v_cache = primal(q), primal(v_cache)
-    xp = check.namespace(fn, "q", q)
+    check.namespace(fn, "q", q)
     check.rank(fn, "q", q, 3, "(B, H, D)")
     check.namespace(fn, "v_cache", v_cache)
     check.rank(fn, "v_cache", v_cache, 4, "(B, Hkv, Smax, Dv)")
-    o = xp.empty((*q.shape[:2], v_cache.shape[3]), dtype=q.dtype, device=array_api_compat.device(q))
+    o = empty(q, (*q.shape[:2], v_cache.shape[3]), q.dtype)
     decode_attention_(
         o, q, k_cache, v_cache, lengths, scale=scale, scratch=scratch, n_splits=n_splits, backend=backend
     )
