@@ -543,3 +543,59 @@ def test_front_bottom_right_alignment_on_triton_equals_array_api():
     for name, a, b in zip(("o", "m", "l", "dq", "dk", "dv"), *results.values(), strict=True):
         assert _err(a, b.double().numpy()) <= BACKWARD_TOL[torch.float32], name
     assert torch.all(results["triton"][0][:, :, :15] == 0) and torch.all(results["triton"][3][:, :, :15] == 0)
+
+
+class NoHostRead(torch.Tensor):
+    """A tensor whose values must not be read on the host (a CUDA graph would freeze them)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__"}:
+            raise AssertionError(f"host read of a device value: {name}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _record_launches(monkeypatch):
+    """On CPU (the interpreter copies every argument to the host) record launches instead of running them."""
+    launched = []
+    if DEVICE == "cuda":
+        return launched
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.append(args)
+
+    def launch(kernel, tuned, table, grid, args, meta, work, like):
+        launched.append(args)
+
+    for module, direct in ((tri_attention, "_delta_kernel"), (tri_decode, "_combine_kernel")):
+        monkeypatch.setattr(module, "launch", launch)
+        monkeypatch.setattr(module, direct, Kernel())
+    return launched
+
+
+def test_in_place_calls_read_no_device_integer_on_the_host(monkeypatch):
+    """Capture safety: with every buffer supplied, lengths and input_pos reach the kernels unread."""
+    import xpkernels as xk
+    from xpkernels.buffers import Duplicated
+
+    launched = _record_launches(monkeypatch)
+    rng = np.random.default_rng(137)
+    q, k, v, do = (torch.from_numpy(a).float().to(DEVICE) for a in _small(rng, 2, 2, 1, 9, 11))
+    guarded = {name: torch.tensor(values, device=DEVICE).as_subclass(NoHostRead) for name, values in
+               (("input_pos", [3, -2]), ("q_lengths", [9, 99]), ("k_lengths", [-1, 2**40]))}
+    o = torch.empty_like(q)
+    ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
+    xk.attention_(o, q, k, v, causal=True, checkpoints=ck, backend="triton", **guarded)
+    shadows = [torch.empty_like(a) for a in (q, k, v)]
+    args = (Duplicated(o, do), *map(Duplicated, (q, k, v), shadows))
+    scratch = xk.allocate_scratchspace(xk.attention_backward_, *args)
+    xk.attention_backward_(*args, checkpoints=ck, scratch=scratch, causal=True, backend="triton", **guarded)
+    lengths = torch.tensor([11, 2**33], device=DEVICE).as_subclass(NoHostRead)
+    o_dec = torch.empty(2, 2, 16, device=DEVICE)
+    dec_scratch = xk.allocate_scratchspace(xk.decode_attention_, o_dec, q[:, :, 0], k, n_splits=2)
+    xk.decode_attention_(o_dec, q[:, :, 0], k, v, lengths, scratch=dec_scratch, backend="triton")
+    if DEVICE == "cpu":
+        passed = {id(a) for args in launched for a in args if isinstance(a, torch.Tensor)}
+        assert len(launched) == 6 and {id(t) for t in (*guarded.values(), lengths)} <= passed
