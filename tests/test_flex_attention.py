@@ -66,13 +66,18 @@ def test_flex_equals_attention(attention_options, flex_options):
 
 
 def test_checkpoints_interchange_with_attention():
-    """Flex's (m, l) feed attention's backward and vice versa: one contract."""
+    """Flex's (m, l) equal attention's (one contract); attention's backward takes only checkpoints
+    its own forward recorded (it cannot compare flex's mods with its options)."""
     q, k, v, do = qkvo(n_q=40, n_kv=200)
-    ck = allocate_checkpoints(attention_, q, k, v)
-    o = flex_attention(q, k, v, checkpoints=ck, mask_mod=xm.CausalMask(), input_pos=160)
-    expected = attention_backward(do, q, k, v, o, checkpoints=ck, causal=True, input_pos=160)
     flex_ck = allocate_checkpoints(flex_attention_, q, k, v)
-    attention_(np.empty_like(o), q, k, v, checkpoints=flex_ck, causal=True, input_pos=160)
+    o = flex_attention(q, k, v, checkpoints=flex_ck, mask_mod=xm.CausalMask(), input_pos=160)
+    with pytest.raises(ValueError, match="attention_backward_: checkpoints were"):
+        attention_backward(do, q, k, v, o, checkpoints=flex_ck, causal=True, input_pos=160)
+    ck = allocate_checkpoints(attention_, q, k, v)
+    attention_(np.empty_like(o), q, k, v, checkpoints=ck, causal=True, input_pos=160)
+    for name in ("m", "l"):
+        np.testing.assert_allclose(getattr(flex_ck, name), getattr(ck, name), rtol=1e-5, atol=1e-6)
+    expected = attention_backward(do, q, k, v, o, checkpoints=ck, causal=True, input_pos=160)
     got = flex_attention_backward(
         do, q, k, v, o, checkpoints=flex_ck, mask_mod=xm.CausalMask(), input_pos=160
     )

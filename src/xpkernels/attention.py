@@ -19,11 +19,13 @@ seen when ``j < k_lengths[b]``, ``i < q_lengths[b]`` and, if ``causal``,
 (``input_pos[b] + i < 0``) see nothing, and ``input_pos = Sk - Sq`` gives
 flash-attn's bottom-right causal alignment for ``Sq > Sk``.
 
-Positions and lengths are carried at int64 width. The kernels clamp them to
-the range where they change the result (lengths to ``[0, S]``, positions to
-``[-Sq, Sk]``) without reading device values on the host, so no value of a
-device array can make a kernel read out of bounds; host values (Python ints,
-NumPy arrays) are checked in the front.
+Host values of positions and lengths (Python ints, NumPy arrays) are checked
+in the front: lengths within ``[0, S]``, every value within the kernels'
+int32 index type (``+-(2**31 - 1)``). A device array's values are checked
+only in debug mode (:func:`xpkernels.debug`), never read on the host
+otherwise: the kernels load them at int64 and clamp them to the range where
+they change the result (lengths to ``[0, S]``, positions to ``[-Sq, Sk]``),
+so no value can make a kernel wrap or read out of bounds.
 
 Non-finite inputs: a NaN (or infinity) in ``q``, ``k`` or ``v`` reaches
 exactly the rows that can see it. A row that sees a NaN key, value or query
