@@ -97,6 +97,23 @@ class _Tiles:
             mask_mod.inputs if mask_mod else frozenset()
         )
         self.ones = xp.ones((plan.tile_n,), dtype=self.acc, device=self.device)
+        self._shifted = None
+
+    def shifted(self, s, lse):
+        """``s - lse[:, None]`` in a buffer of this call, leaving ``s`` (the mod's values) intact.
+
+        The score mod's reverse mode reads its node values, the modified
+        scores among them, so they are not shifted in place; the buffer is
+        allocated once per call at the largest chunk's size and reused.
+        """
+        xp = self.xp
+        if self._shifted is None:
+            rows = self.group * min(self.rows_per_chunk, self.plan.tile_m, self.n_q)
+            self._shifted = xp.empty((rows, self.plan.tile_n), dtype=self.acc, device=self.device)
+        out = self._shifted[: s.shape[0], : s.shape[1]]
+        out[...] = s
+        out -= lse[:, None]
+        return out
 
     def q_chunks(self, i):
         """Row chunks of query tile ``i``."""
@@ -321,7 +338,7 @@ def _backward_key_tile(
             else:
                 q_op = to(xp, q_rows, acc) * t.scale
                 s, values, grid = t.scores(q_op @ k_aug[:, :d].mT, b, g, r0, r1, j0, j1, state)
-                s -= lse[:, None]
+                s = t.shifted(s, lse)
             p = xp.exp(s)
             dv_tile += p.mT @ do_aug[:, : t.dv]
             ds = do_aug @ v_aug.mT
