@@ -13,11 +13,12 @@ import pytest
 
 from xpkernels import mods as xm
 from xpkernels.attention import attention, attention_, attention_backward
-from xpkernels.buffers import allocate_checkpoints, grad_shadow
+from xpkernels.buffers import Duplicated, allocate_checkpoints, grad_shadow
 from xpkernels.flex_attention import (
     flex_attention,
     flex_attention_,
     flex_attention_backward,
+    flex_attention_backward_,
 )
 
 backend = importlib.import_module("xpkernels.backends.array_api.flex_attention")
@@ -317,3 +318,202 @@ def test_backward_of_score_mods_ending_in_a_nonlinear_operation(name, mask):
     tol = 100 * np.finfo(np.float32).eps  # the checkpoints (m, l) are float32 even for float64
     for axis, a, b in zip("qkv", got, expected):
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol, err_msg=axis)
+
+
+def test_negative_input_pos_aligns_causal_masks_bottom_right():
+    """``input_pos = Sk - Sq`` (Sq > Sk): the first Sq - Sk queries see nothing, the rest as flash-attn."""
+    q, k, v, do = qkvo(n_q=50, n_kv=30, dtype=np.float64)
+    o, ck, (dq, dk, dv) = forward_and_backward(q, k, v, do, mask_mod=xm.CausalMask(), input_pos=-20)
+    assert np.all(o[:, :, :20] == 0) and np.all(dq[:, :, :20] == 0)
+    assert np.all(np.isneginf(ck.m[:, :, :20])) and np.all(ck.l[:, :, :20] == 0)
+    tail_o, tail_ck, tail_grads = forward_and_backward(
+        q[:, :, 20:], k, v, do[:, :, 20:], mask_mod=xm.CausalMask()
+    )
+    np.testing.assert_allclose(o[:, :, 20:], tail_o, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(ck.m[:, :, 20:], tail_ck.m, rtol=1e-6)
+    for a, b in zip((dq[:, :, 20:], dk, dv), tail_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    per_batch, _, _ = forward_and_backward(
+        q, k, v, do, mask_mod=xm.CausalMask(), input_pos=np.array([-20, -20])
+    )
+    np.testing.assert_array_equal(per_batch, o)
+
+
+@pytest.mark.parametrize("input_pos", [[0], [0, 1, 2]])
+def test_a_wrong_length_input_pos_list_is_refused_before_any_write(input_pos):
+    q, k, v, _ = qkvo(n_q=8, n_kv=8)
+    o = np.full((2, 4, 8, 16), 7.0, np.float32)
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    ck.m[...] = 7.0
+    ck.l[...] = 7.0
+    with pytest.raises(ValueError, match=r"flex_attention_: input_pos must have 2 entries \(one per batch\), got"):
+        flex_attention_(o, q, k, v, mask_mod=xm.CausalMask(), input_pos=input_pos, checkpoints=ck)
+    assert np.all(o == 7.0) and np.all(ck.m == 7.0) and np.all(ck.l == 7.0)
+
+
+@pytest.mark.parametrize(
+    "other", [lambda: xm.AliBiScore(np.ones(4)), lambda: xm.BiasScore(np.ones((1, 1, 8, 8)))]
+)
+def test_score_mod_grad_of_another_mod_is_refused(other):
+    q, k, v, do = qkvo(n_q=8, n_kv=8, dtype=np.float64)
+    mod = xm.AliBiScore(np.linspace(0.1, 0.4, 4))
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    o = flex_attention(q, k, v, score_mod=mod, checkpoints=ck)
+    with pytest.raises(
+        TypeError, match=r"flex_attention_backward_: score_mod_grad does not match score_mod .*made by grad_shadow of another"
+    ):
+        flex_attention_backward(
+            do, q, k, v, o, checkpoints=ck, score_mod=mod, score_mod_grad=grad_shadow(other())
+        )
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"mask_mod": 3}, r"flex_attention_: mask_mod must be a MaskMod or a function .*got int"),
+        (
+            {"mask_mod": xm.SoftCapScore(2.0)},
+            r"flex_attention_: mask_mod must be a MaskMod .*got SoftCapScore\(2\), a score mod",
+        ),
+        ({"score_mod": "x"}, r"flex_attention_: score_mod must be a ScoreMod or a function .*got str"),
+        (
+            {"score_mod": xm.CausalMask()},
+            r"flex_attention_: score_mod must be a ScoreMod .*got CausalMask, a mask mod",
+        ),
+    ],
+)
+def test_bad_mod_types_name_the_function_and_argument(options, message):
+    q, k, v, _ = qkvo(n_q=8, n_kv=8)
+    with pytest.raises(TypeError, match=message):
+        flex_attention_(np.empty((2, 4, 8, 16), np.float32), q, k, v, **options)
+
+
+def test_allocating_backward_with_broadcast_keys_and_values():
+    """Batch-1 K/V shared across the batch with ``np.broadcast_to``: gradients come back contiguous."""
+    q, k, v, do = qkvo(batch=2, n_q=8, n_kv=8)
+    k_b, v_b = np.broadcast_to(k[:1], k.shape), np.broadcast_to(v[:1], v.shape)
+    ck = allocate_checkpoints(flex_attention_, q, k_b, v_b)
+    o = flex_attention(q, k_b, v_b, checkpoints=ck, mask_mod=xm.CausalMask())
+    dq, dk, dv = flex_attention_backward(do, q, k_b, v_b, o, checkpoints=ck, mask_mod=xm.CausalMask())
+    expected = flex_attention_backward(
+        do, q, np.ascontiguousarray(k_b), np.ascontiguousarray(v_b), o, checkpoints=ck,
+        mask_mod=xm.CausalMask(),
+    )
+    for a, b in zip((dq, dk, dv), expected):
+        assert a.flags.c_contiguous
+        np.testing.assert_array_equal(a, b)
+
+
+def _no_host_reads():
+    """A torch tensor subclass raising on every host read; integer and bool results stay in it."""
+    torch = pytest.importorskip("torch", reason="the host-read guard is a torch tensor subclass")
+    forbidden = (
+        "item", "__bool__", "__int__", "__index__", "__float__", "tolist", "cpu", "numpy",
+        "__array__",
+    )
+
+    class HostRead(AssertionError):
+        pass
+
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise HostRead(f"host read of a device value: Tensor.{name}")
+
+        return method
+
+    class NoHostReads(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in forbidden:
+                raise HostRead(f"host read of a device value: {func.__name__}")
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
+
+            def wrap(x):
+                if isinstance(x, torch.Tensor) and not x.is_floating_point():
+                    return x.as_subclass(cls)
+                return x
+
+            return tuple(wrap(x) for x in out) if isinstance(out, tuple) else wrap(out)
+
+    for name in forbidden:
+        setattr(NoHostReads, name, refuse(name))
+    return torch, HostRead, lambda t: t.as_subclass(NoHostReads)
+
+
+def test_in_place_calls_read_no_device_value_on_the_host():
+    """input_pos and captured integer arrays on the device are never read on the host."""
+    torch, HostRead, guard = _no_host_reads()
+    q, k, v, do = (torch.from_numpy(a) for a in qkvo(n_q=24, n_kv=40, dtype=np.float64))
+    pos = guard(torch.tensor([16, 3]))
+    with pytest.raises(HostRead):
+        bool(pos[0])
+    doc = guard(torch.from_numpy(np.repeat(np.arange(4), 10)).reshape(1, 40).repeat(2, 1))
+    bucket = guard(torch.tensor([0, 1, 2, 3, 3, 4, 4, 4]))
+    table = torch.linspace(-1.0, 1.0, 20, dtype=torch.float64).reshape(4, 5)
+
+    def bucketed(score, b, h, q_idx, kv_idx, *, bucket, table):
+        return score + table[h, bucket[xm.minimum(xm.abs(q_idx - kv_idx), 7)]]
+
+    score = xm.ScoreMod(bucketed, bucket=bucket, table=table)
+    mask = xm.CausalMask() & xm.DocumentMask(doc)
+    o = torch.empty_like(q)
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    flex_attention_(o, q, k, v, score_mod=score, mask_mod=mask, input_pos=pos, checkpoints=ck)
+    grads = [torch.empty_like(a) for a in (q, k, v)]
+    g = grad_shadow(score)
+    flex_attention_backward_(
+        Duplicated(o, do), *(Duplicated(a, d) for a, d in zip((q, k, v), grads)),
+        checkpoints=ck, score_mod=score, score_mod_grad=g, mask_mod=mask, input_pos=pos,
+    )
+    host = {"bucket": bucket.as_subclass(torch.Tensor).numpy(), "doc": doc.as_subclass(torch.Tensor).numpy()}
+    host_score = xm.ScoreMod(bucketed, bucket=host["bucket"], table=table.numpy())
+    host_mask = xm.CausalMask() & xm.DocumentMask(host["doc"])
+    ck_h = allocate_checkpoints(flex_attention_, q.numpy(), k.numpy(), v.numpy())
+    o_h = flex_attention(
+        q.numpy(), k.numpy(), v.numpy(), score_mod=host_score, mask_mod=host_mask,
+        input_pos=np.array([16, 3]), checkpoints=ck_h,
+    )
+    g_h = grad_shadow(host_score)
+    expected = flex_attention_backward(
+        do.numpy(), q.numpy(), k.numpy(), v.numpy(), o_h, checkpoints=ck_h, score_mod=host_score,
+        score_mod_grad=g_h, mask_mod=host_mask, input_pos=np.array([16, 3]),
+    )
+    np.testing.assert_allclose(o.numpy(), o_h, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(ck.m.numpy(), ck_h.m, rtol=1e-6)
+    for a, b in zip(grads, expected):
+        np.testing.assert_allclose(a.numpy(), b, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(g.table.numpy(), g_h.table, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("namespace", ["numpy", "torch"])
+def test_score_mods_ignoring_the_score_give_uniform_rows(namespace):
+    """A mod's result that does not span the tile (no score in it) is shifted like any other."""
+    q, k, v, do = qkvo(n_q=8, n_kv=8)
+    if namespace == "torch":
+        torch = pytest.importorskip("torch", reason="torch is the second namespace")
+        q, k, v, do = (torch.from_numpy(a) for a in (q, k, v, do))
+    mod = xm.ScoreMod(lambda s, b, h, q_idx, kv_idx: xm.where(kv_idx >= 0, 100.0, 0.0))
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    o = flex_attention(q, k, v, score_mod=mod, checkpoints=ck)
+    dq, _, dv = flex_attention_backward(do, q, k, v, o, score_mod=mod, checkpoints=ck)
+    mean_v = np.repeat(np.asarray(v).mean(axis=2, keepdims=True), 2, axis=1)
+    np.testing.assert_allclose(np.asarray(o), np.broadcast_to(mean_v, o.shape), rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(dq) == 0) and np.isfinite(np.asarray(dv)).all()
+
+
+def test_device_input_pos_evaluates_band_masks_densely_and_refuses_block_masks():
+    """Device positions are not read: band skipping needs host positions, as a BlockMask does."""
+    torch = pytest.importorskip("torch", reason="torch provides device arrays here")
+    q, k, v, _ = (torch.from_numpy(a) for a in qkvo(n_q=40, n_kv=300))
+    pos = torch.tensor([250, 7])
+    expected = flex_attention(q, k, v, mask_mod=xm.CausalMask(), input_pos=[250, 7])
+    got = flex_attention(q, k, v, mask_mod=xm.CausalMask(), input_pos=pos)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6, atol=1e-6)
+    block = xm.build_block_mask(xm.CausalMask(), 40, 300, tile_m=8, tile_n=32, input_pos=[250, 7])
+    np.testing.assert_allclose(
+        flex_attention(q, k, v, block_mask=block, input_pos=[250, 7]).numpy(), expected.numpy(),
+        rtol=1e-6, atol=1e-6,
+    )
+    with pytest.raises(TypeError, match=r"with a block_mask, input_pos must be an int, a list"):
+        flex_attention(q, k, v, block_mask=block, input_pos=pos)

@@ -88,7 +88,10 @@ class _Tiles:
         self.kv_heads, self.n_kv, self.dv = k.shape[1], k.shape[2], v.shape[3]
         self.group = self.heads // self.kv_heads
         self.scale = scale
-        self.positions = input_pos if len(input_pos) > 1 else input_pos * self.batch
+        if isinstance(input_pos, tuple):
+            self.positions = input_pos if len(input_pos) > 1 else input_pos * self.batch
+        else:  # a (B,) device array: never read on the host, only added to row indices
+            self.positions = xp.astype(input_pos, xp.int64)
         self.plan = plan
         self.rows_per_chunk = max(1, TILE_ELEMENTS // (self.group * plan.tile_n))
         self.score = None if score_mod is None else score_mod.bind(xp, self.acc, self.device)
@@ -148,7 +151,10 @@ class _Tiles:
             keep = self.mask.run(grid)[self.mask.graph.output]
             s3 = xp.where(keep, s3, -math.inf)
         if tuple(s3.shape) != shape:
-            s3 = xp.broadcast_to(s3, shape)
+            # a result that does not span the tile (it ignores the score): written into the raw
+            # scores, which it no longer reads, so that callers may shift it in place
+            s[...] = xp.reshape(xp.broadcast_to(s3, shape), tuple(s.shape))
+            return s, values, grid
         return xp.reshape(s3, tuple(s.shape)), values, grid
 
 
@@ -161,8 +167,9 @@ def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) ->
     q, k, v : (B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv).
     m, l : (B, H, Sq) float32 checkpoints, or None (inference).
     scale : float
-    input_pos : tuple of int
-        Position of query row 0, per batch (one entry when shared).
+    input_pos : tuple of int or (B,) integer array
+        Position of query row 0, per batch (one entry when shared), or the
+        caller's device array of them (values never read on the host).
     score_mod, mask_mod : xpkernels.mods.Graph or None
     plan : xpkernels.mods.TilePlan
     """

@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 
 import array_api_compat
+import numpy as np
 
 from . import _checks as check
 from . import mods as _mods
@@ -86,21 +87,36 @@ class _Call:
         if not isinstance(block_sparse, bool):
             raise TypeError(f"{fn}: block_sparse must be a bool, got {block_sparse!r}")
         self.block_sparse = block_sparse
-        self.positions = _positions(fn, xp, input_pos, batch)
-        call = _mods.CallShape(batch, heads, n_q, n_kv, self.positions)
-        self.score = None if score_mod is None else _mods.as_score_mod(score_mod)
+        self.positions = _positions(fn, xp, input_pos, batch, n_q)
+        host = self.positions if isinstance(self.positions, tuple) else None
+        self.host_positions = host
+        call = _mods.CallShape(batch, heads, n_q, n_kv, host)
+        self.score = (
+            None if score_mod is None else _mods.as_score_mod(score_mod, f"{fn}: score_mod")
+        )
         self.mask = _mask(fn, mask_mod, block_mask)
         self.block_mask = block_mask
+        clamps = {}
         for mod in (self.score, self.mask):
             if mod is not None:
-                mod.validate(fn, call)
+                clamps[id(mod)] = mod.validate(fn, call)
         if block_mask is not None:
+            if host is None:
+                raise TypeError(
+                    f"{fn}: with a block_mask, input_pos must be an int, a list of ints or a "
+                    "NumPy array (host values, checked against the positions the block mask was "
+                    f"built for), got a {type(input_pos).__name__} array"
+                )
             _check_block_mask(fn, block_mask, call)
         self.score_graph = (
-            None if self.score is None or _is_input(self.score.graph, "score") else self.score.graph
+            None
+            if self.score is None or _is_input(self.score.graph, "score")
+            else self.score.graph.clamping(clamps[id(self.score)])
         )
         self.mask_graph = (
-            None if self.mask is None or _is_true(self.mask.graph) else self.mask.graph
+            None
+            if self.mask is None or _is_true(self.mask.graph)
+            else self.mask.graph.clamping(clamps[id(self.mask)])
         )
         self.group = heads // k.shape[1]
 
@@ -113,12 +129,20 @@ class _Call:
         return out
 
     def plan(self, route, n_q, n_kv):
-        """The tile plan: the BlockMask's tiles, else the backend's default tiles."""
+        """The tile plan: the BlockMask's tiles, else the backend's default tiles.
+
+        Device positions are not read: a mask reading ``q_idx`` is then
+        evaluated on every tile (no band skipping).
+        """
         masked = self.mask_graph is not None
         tile_m, tile_n = route.impl.default_tiles(n_q, n_kv, self.group, masked)
+        positions, sparse = self.host_positions, self.block_sparse
+        if positions is None:
+            positions = (0,)
+            sparse = sparse and not (masked and self.mask_graph.uses("q_idx"))
         return _mods.plan_tiles(
             self.mask if masked else None, self.block_mask if masked else None,
-            block_sparse=self.block_sparse, n_q=n_q, n_kv=n_kv, positions=self.positions,
+            block_sparse=sparse, n_q=n_q, n_kv=n_kv, positions=positions,
             tile_m=tile_m, tile_n=tile_n,
         )
 
@@ -143,17 +167,31 @@ def _is_true(graph) -> bool:
     return node.op == "const" and node.value is True
 
 
-def _positions(fn, xp, input_pos, batch) -> tuple[int, ...]:
-    """``input_pos`` (an int or a ``(B,)`` integer array of q's namespace) as Python ints."""
-    if hasattr(input_pos, "shape"):
+def _positions(fn, xp, input_pos, batch, n_q):
+    """``input_pos`` as Python ints (an int, a list, a NumPy array) or the ``(B,)`` device array.
+
+    Host values are checked here (any sign; positions must fit int64); a
+    device array is checked for dtype and shape only, its values never read
+    on the host.
+    """
+    if hasattr(input_pos, "shape") and _mods._scalar(input_pos) is None:
         check.same_namespace(fn, xp, {"q": None, "input_pos": input_pos})
-        check.batch_integers(fn, "input_pos", xp, input_pos, batch, 0, None, "")
-    return _mods.positions_of(fn, input_pos)
+        if not xp.isdtype(input_pos.dtype, "integral"):
+            raise TypeError(f"{fn}: input_pos must have an integer dtype, got {input_pos.dtype}")
+        check.shape(fn, "input_pos", input_pos, (batch,))
+        if not isinstance(input_pos, np.ndarray):
+            return input_pos
+    positions = _mods.positions_of(fn, input_pos, n_q)
+    if isinstance(input_pos, (list, tuple)) and len(positions) != batch:
+        raise ValueError(
+            f"{fn}: input_pos must have {batch} entries (one per batch), got {len(positions)}"
+        )
+    return positions
 
 
 def _mask(fn, mask_mod, block_mask):
     if block_mask is None:
-        return None if mask_mod is None else _mods.as_mask_mod(mask_mod)
+        return None if mask_mod is None else _mods.as_mask_mod(mask_mod, f"{fn}: mask_mod")
     if not isinstance(block_mask, _mods.BlockMask):
         raise TypeError(
             f"{fn}: block_mask must be a BlockMask from build_block_mask, "
@@ -376,15 +414,15 @@ def _mod_grads(fn, xp, call, score_mod_grad) -> tuple:
             f"call's score mod, got {type(score_mod_grad).__name__}"
             + ("" if call.score is not None else " (and the call has no score_mod)")
         )
+    if not score_mod_grad.made_for(call.score):
+        raise TypeError(
+            f"{fn}: score_mod_grad does not match score_mod {call.score.label}: it was made by "
+            f"grad_shadow of another score mod ({score_mod_grad._label}, or one capturing other "
+            "arrays); make it with grad_shadow(score_mod)"
+        )
     grads = []
     for slot in slots:
-        try:
-            acc = score_mod_grad.lookup(slot.path, slot.field)
-        except IndexError:
-            raise TypeError(
-                f"{fn}: score_mod_grad does not match score_mod {call.score.label}; make it with "
-                "grad_shadow(score_mod)"
-            ) from None
+        acc = score_mod_grad.lookup(slot.path, slot.field)
         if acc is not None:
             name = f"score_mod_grad for {slot.label}"
             check.namespace(fn, name, acc)
@@ -543,7 +581,10 @@ def flex_attention_backward(
     q, k, v, o = primal(q), primal(k), primal(v), primal(o)
     shadows = {}
     for name, a in (("q", q), ("k", k), ("v", v)):
-        shadows[name] = Duplicated(a, check.namespace(fn, name, a).empty_like(a))
+        xp = check.namespace(fn, name, a)
+        # contiguous, whatever a's strides (a broadcast k has zero strides that empty_like keeps)
+        gradient = xp.empty(tuple(a.shape), dtype=a.dtype, device=array_api_compat.device(a))
+        shadows[name] = Duplicated(a, gradient)
     flex_attention_backward_(
         Duplicated(o, do),
         shadows["q"],
