@@ -517,3 +517,11 @@ def test_device_input_pos_evaluates_band_masks_densely_and_refuses_block_masks()
     )
     with pytest.raises(TypeError, match=r"with a block_mask, input_pos must be an int, a list"):
         flex_attention(q, k, v, block_mask=block, input_pos=pos)
+
+
+def test_numpy_integer_scalar_input_pos_is_a_host_int_for_any_namespace():
+    torch = pytest.importorskip("torch", reason="torch provides the second namespace")
+    q, k, v, _ = (torch.from_numpy(a) for a in qkvo(n_q=8, n_kv=16))
+    expected = flex_attention(q, k, v, mask_mod=xm.CausalMask(), input_pos=3)
+    got = flex_attention(q, k, v, mask_mod=xm.CausalMask(), input_pos=np.int64(3))
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())

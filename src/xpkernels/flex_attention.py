@@ -285,8 +285,14 @@ def flex_attention_(
         same results).
     scale : float, optional
         Score scale, finite and > 0; None gives ``1/sqrt(D)``.
-    input_pos : int or (B,) integer array
+    input_pos : int, list of B ints or (B,) integer array
         Position of query row 0 (per batch); mods see ``q_idx = input_pos + row``.
+        May be negative: queries before the first key keep nothing under a
+        causal mask (``input_pos = Sk - Sq`` is flash-attn's bottom-right
+        alignment). Host values (ints, lists, NumPy) are checked and drive
+        band skipping; a device array is never read on the host (the call
+        stays capture-safe; masks reading ``q_idx`` are then evaluated on
+        every tile, and ``block_mask`` needs host positions).
     checkpoints : AttentionCheckpoints, optional
         From ``allocate_checkpoints(flex_attention_, q, k, v)``; receives
         ``(m, l)``. None saves nothing (inference).
