@@ -525,3 +525,51 @@ def test_numpy_integer_scalar_input_pos_is_a_host_int_for_any_namespace():
     expected = flex_attention(q, k, v, mask_mod=xm.CausalMask(), input_pos=3)
     got = flex_attention(q, k, v, mask_mod=xm.CausalMask(), input_pos=np.int64(3))
     np.testing.assert_array_equal(got.numpy(), expected.numpy())
+
+
+def test_read_only_and_overlapping_outputs_are_refused_before_any_write():
+    q, k, v, do = qkvo(n_q=8, n_kv=8)
+    o = np.full((2, 4, 8, 16), 7.0, np.float32)
+    o.flags.writeable = False
+    with pytest.raises(ValueError, match="flex_attention_: o is read-only"):
+        flex_attention_(o, q, k, v)
+    packed = np.concatenate([k, k], axis=1)  # (2, 4, 8, 16): o would be written over k
+    before = packed.copy()
+    with pytest.raises(ValueError, match="flex_attention_: o shares memory with k"):
+        flex_attention_(packed, q, packed[:, :2], v)
+    np.testing.assert_array_equal(packed, before)
+    slopes = np.linspace(0.1, 0.4, 4)
+    mod = xm.AliBiScore(slopes)
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    o = flex_attention(q, k, v, score_mod=mod, checkpoints=ck)
+    g = grad_shadow(mod)
+    dq = np.full_like(q, 7.0)
+    with pytest.raises(
+        ValueError, match="flex_attention_backward_: Q.shadow shares memory with O.shadow"
+    ):
+        flex_attention_backward_(
+            Duplicated(o, dq[:, :, :, :16]), Duplicated(q, dq), Duplicated(k), Duplicated(v),
+            checkpoints=ck, score_mod=mod, score_mod_grad=g,
+        )
+    assert np.all(dq == 7.0)
+
+
+def test_debug_mode_reads_and_checks_device_values():
+    """Outside debug mode device values are clamped, never read; debug mode reads and checks them."""
+    import xpkernels
+
+    torch, HostRead, guard = _no_host_reads()
+    q, k, v, _ = (torch.from_numpy(a) for a in qkvo(n_q=8, n_kv=8))
+    bucket = torch.tensor([0, 1, 2, 30])
+    mod = xm.ScoreMod(
+        lambda s, b, h, q_idx, kv_idx, *, bucket, w: s + w[bucket[kv_idx % 4]],
+        bucket=bucket, w=torch.zeros(4),
+    )
+    o = torch.empty(2, 4, 8, 16)
+    flex_attention_(o, q, k, v, score_mod=mod, input_pos=guard(torch.tensor([0, 2**40])))
+    with xpkernels.debug(), pytest.raises(HostRead):
+        flex_attention_(o, q, k, v, input_pos=guard(torch.tensor([0, 1])))
+    with xpkernels.debug(), pytest.raises(ValueError, match=r"flex_attention_: input_pos must lie in"):
+        flex_attention_(o, q, k, v, input_pos=torch.tensor([0, 2**40]))
+    with xpkernels.debug(), pytest.raises(ValueError, match=r"w \(shape \(4,\)\) is indexed on axis 0 by values in \[0, 30\]"):
+        flex_attention_(o, q, k, v, score_mod=mod)

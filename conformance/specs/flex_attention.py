@@ -858,10 +858,10 @@ def _more_error_cases():
             r"flex_attention_: input_pos must have 2 entries \(one per batch\), got 1",
         ),
         ErrorCase(
-            "input-pos-past-int64",
-            forward(input_pos=2**63 - 4),
+            "input-pos-past-index-range",
+            forward(input_pos=2**31),
             ValueError,
-            r"input_pos must keep every query position input_pos \+ row within int64",
+            r"flex_attention_: input_pos must lie in \[-2147483647, 2147483647\], got 2147483648",
         ),
         ErrorCase(
             "mask-mod-an-int",

@@ -45,11 +45,9 @@ from __future__ import annotations
 
 import math
 
-import array_api_compat
-import numpy as np
-
 from . import _checks as check
 from . import mods as _mods
+from ._debug import debug_enabled
 from .attention import (
     AttentionBackwardScratch,
     AttentionCheckpoints,
@@ -58,6 +56,7 @@ from .attention import (
 from .buffers import (
     Duplicated,
     checkpoints_for,
+    empty,
     empty_accumulator,
     empty_float32,
     primal,
@@ -99,7 +98,7 @@ class _Call:
         clamps = {}
         for mod in (self.score, self.mask):
             if mod is not None:
-                clamps[id(mod)] = mod.validate(fn, call)
+                clamps[id(mod)] = mod.validate(fn, call, debug_enabled())
         if block_mask is not None:
             if host is None:
                 raise TypeError(
@@ -126,6 +125,13 @@ class _Call:
         for graph in (self.score_graph, self.mask_graph):
             if graph is not None:
                 out.update({f"captured {s.label}": s.array for s in graph.slots})
+        return out
+
+    def read(self) -> dict:
+        """Every array of the call's options that kernels read: captured arrays, input_pos."""
+        out = self.captured()
+        if self.host_positions is None:
+            out["input_pos"] = self.positions
         return out
 
     def plan(self, route, n_q, n_kv):
@@ -168,25 +174,27 @@ def _is_true(graph) -> bool:
 
 
 def _positions(fn, xp, input_pos, batch, n_q):
-    """``input_pos`` as Python ints (an int, a list, a NumPy array) or the ``(B,)`` device array.
+    """``input_pos`` as Python ints (an int, a list, a host array) or the ``(B,)`` device array.
 
-    Host values are checked here (any sign; positions must fit int64); a
-    device array is checked for dtype and shape only, its values never read
-    on the host.
+    Host values are checked here (any sign, within the kernels' index range);
+    a device array is checked for dtype and shape only, its values never
+    read on the host outside debug mode (:func:`xpkernels.debug`).
     """
     if hasattr(input_pos, "shape") and _mods._scalar(input_pos) is None:
         check.same_namespace(fn, xp, {"q": None, "input_pos": input_pos})
-        if not xp.isdtype(input_pos.dtype, "integral"):
-            raise TypeError(f"{fn}: input_pos must have an integer dtype, got {input_pos.dtype}")
-        check.shape(fn, "input_pos", input_pos, (batch,))
-        if not isinstance(input_pos, np.ndarray):
+        check.batch_integers(fn, "input_pos", xp, input_pos, batch, None, None, "")
+        if not (check.is_host_array(input_pos) or debug_enabled()):
             return input_pos
-    positions = _mods.positions_of(fn, input_pos, n_q)
-    if isinstance(input_pos, (list, tuple)) and len(positions) != batch:
-        raise ValueError(
-            f"{fn}: input_pos must have {batch} entries (one per batch), got {len(positions)}"
-        )
-    return positions
+        return _mods.positions_of(fn, input_pos, n_q)
+    if isinstance(input_pos, (list, tuple)):
+        if len(input_pos) != batch:
+            raise ValueError(
+                f"{fn}: input_pos must have {batch} entries (one per batch), got {len(input_pos)}"
+            )
+        values = tuple(check.index_int(fn, f"input_pos[{i}]", p) for i, p in enumerate(input_pos))
+    else:
+        values = (check.index_int(fn, "input_pos", input_pos),)
+    return _mods.positions_of(fn, values, n_q)
 
 
 def _mask(fn, mask_mod, block_mask):
@@ -289,15 +297,23 @@ def flex_attention_(
         Position of query row 0 (per batch); mods see ``q_idx = input_pos + row``.
         May be negative: queries before the first key keep nothing under a
         causal mask (``input_pos = Sk - Sq`` is flash-attn's bottom-right
-        alignment). Host values (ints, lists, NumPy) are checked and drive
-        band skipping; a device array is never read on the host (the call
-        stays capture-safe; masks reading ``q_idx`` are then evaluated on
-        every tile, and ``block_mask`` needs host positions).
+        alignment); ``|input_pos| < 2**31``. Host values (ints, lists,
+        NumPy or array_api_strict arrays) are checked and drive band
+        skipping; a device array is never read on the host outside debug
+        mode (the call stays capture-safe; masks reading ``q_idx`` are then
+        evaluated on every tile, and ``block_mask`` needs host positions).
     checkpoints : AttentionCheckpoints, optional
         From ``allocate_checkpoints(flex_attention_, q, k, v)``; receives
         ``(m, l)``. None saves nothing (inference).
     backend : str, optional
         Explicit backend; see :mod:`xpkernels.registry`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad arrays, mods or options (named in the message), a read-only
+        output, an output sharing memory with an input or another output.
+        Nothing is written when a check fails.
 
     Shapes
     ------
@@ -336,6 +352,9 @@ def flex_attention_(
     m = lse_sum = None
     if checkpoints is not None:
         m, lse_sum = _checkpoints(fn, xp, checkpoints, q)
+    outputs = {"o": o, "checkpoints.m": m, "checkpoints.l": lse_sum}
+    check.writable(fn, outputs)
+    check.no_overlap(fn, outputs, {"q": q, "k": k, "v": v, **call.read()})
     arrays = {
         "o": o,
         "q": q,
@@ -372,11 +391,11 @@ def flex_attention(
     """
     fn = "flex_attention"
     q, v = primal(q), primal(v)
-    xp = check.namespace(fn, "q", q)
+    check.namespace(fn, "q", q)
     check.namespace(fn, "v", v)
     check.rank(fn, "q", q, 4, "(B, H, Sq, D)")
     check.rank(fn, "v", v, 4, "(B, Hkv, Sk, Dv)")
-    o = xp.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype, device=array_api_compat.device(q))
+    o = empty(q, (*q.shape[:3], v.shape[3]), q.dtype)
     flex_attention_(
         o,
         q,
@@ -409,9 +428,14 @@ def _scratch(fn, xp, scratch, q):
     return scratch.delta, scratch.dq_accum
 
 
+def _slots(call) -> tuple:
+    """The captured-array slots of the call's score graph."""
+    return call.score_graph.slots if call.score_graph is not None else ()
+
+
 def _mod_grads(fn, xp, call, score_mod_grad) -> tuple:
     """One accumulator (or None) per captured array of the score graph, checked against it."""
-    slots = call.score_graph.slots if call.score_graph is not None else ()
+    slots = _slots(call)
     if score_mod_grad is None:
         return (None,) * len(slots)
     if not isinstance(score_mod_grad, _mods.ScoreModGrad) or call.score is None:
@@ -515,6 +539,26 @@ def flex_attention_backward_(
     if scratch is not None:
         delta, dq_accum = _scratch(fn, xp, scratch, q)
     grads = _mod_grads(fn, xp, call, score_mod_grad)
+    outputs = {
+        "Q.shadow": Q.shadow,
+        "K.shadow": K.shadow,
+        "V.shadow": V.shadow,
+        "scratch.delta": delta,
+        "scratch.dq_accum": dq_accum,
+        **{f"score_mod_grad for {s.label}": g for s, g in zip(_slots(call), grads)},
+    }
+    check.writable(fn, outputs)
+    inputs = {
+        "Q.primal": q,
+        "K.primal": k,
+        "V.primal": v,
+        "O.primal": o,
+        "O.shadow": O.shadow,
+        "checkpoints.m": m,
+        "checkpoints.l": lse_sum,
+        **call.read(),
+    }
+    check.no_overlap(fn, outputs, inputs)
     arrays = {
         **named,
         "checkpoints.m": m,
@@ -587,10 +631,9 @@ def flex_attention_backward(
     q, k, v, o = primal(q), primal(k), primal(v), primal(o)
     shadows = {}
     for name, a in (("q", q), ("k", k), ("v", v)):
-        xp = check.namespace(fn, name, a)
+        check.namespace(fn, name, a)
         # contiguous, whatever a's strides (a broadcast k has zero strides that empty_like keeps)
-        gradient = xp.empty(tuple(a.shape), dtype=a.dtype, device=array_api_compat.device(a))
-        shadows[name] = Duplicated(a, gradient)
+        shadows[name] = Duplicated(a, empty(a, tuple(a.shape), a.dtype))
     flex_attention_backward_(
         Duplicated(o, do),
         shadows["q"],

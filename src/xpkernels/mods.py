@@ -238,7 +238,9 @@ class Graph:
         """
         return BoundGraph(self, xp, float_dtype, device, arrays)
 
-    def check_indices(self, fn: str, ranges: dict, context: str) -> frozenset:
+    def check_indices(
+        self, fn: str, ranges: dict, context: str, read_device: bool = False
+    ) -> frozenset:
         """ValueError unless every captured-array index stays inside its array.
 
         ``ranges`` maps each index input to its inclusive ``(low, high)``
@@ -248,7 +250,8 @@ class Graph:
         wraps, so its interval becomes int64's. Integer NumPy arrays used
         inside indices contribute the min and max of their values (read when
         the mod was built); integer arrays of other namespaces are device
-        values, never read on the host.
+        values, never read on the host unless ``read_device`` (debug mode:
+        their indices are then checked like host ones, not clamped).
 
         Returns
         -------
@@ -267,7 +270,7 @@ class Graph:
             slot = self.slots[node.value]
             shape = tuple(slot.array.shape)
             for axis, arg in enumerate(node.args):
-                lo, hi, device, wrapped = _interval(self, arg, ranges, memo)
+                lo, hi, device, wrapped = _interval(self, arg, ranges, memo, read_device)
                 if 0 <= lo and hi <= shape[axis] - 1:
                     continue
                 if device:
@@ -294,7 +297,7 @@ class Graph:
         return frozenset(clamped)
 
 
-def _interval(graph, i, ranges, memo):
+def _interval(graph, i, ranges, memo, read_device=False):
     """``(low, high, device, wrapped)`` of integer node ``i`` over the call, in int64.
 
     ``device``: the value depends on device values (bounded by their dtype
@@ -319,12 +322,15 @@ def _interval(graph, i, ranges, memo):
         lo, hi = -inf, inf
         if node.kind == INT:
             slot = graph.slots[node.value]
-            device = slot.bounds is None
-            lo, hi = slot.bounds if not device else _dtype_range(slot.array)
+            bounds = slot.bounds
+            if bounds is None and read_device:
+                bounds = _host_bounds(_to_host(slot.array))
+            device = bounds is None
+            lo, hi = bounds if not device else _dtype_range(slot.array)
     elif node.kind == FLOAT:
         lo, hi = -inf, inf
     else:
-        args = [_interval(graph, a, ranges, memo) for a in node.args]
+        args = [_interval(graph, a, ranges, memo, read_device) for a in node.args]
         if op == "where":
             args = args[1:]
         device = builtins.any(a[2] for a in args)
@@ -1060,7 +1066,7 @@ def scatter_add(xp, target, index, values) -> None:
 
     Sorts the indices once, takes differences of a float64 running sum at
     each index's first and last occurrence, and adds the resulting dense run
-    to the contiguous slice of ``target`` the indices span (NumPy indices:
+    to the contiguous slice of ``target`` the indices span (host indices:
     read on the host) or to all of ``target`` (device indices are never read
     on the host; they lie inside ``target``). ``target`` must be
     C-contiguous (its reshape to 1-D is a view).
@@ -1069,7 +1075,7 @@ def scatter_add(xp, target, index, values) -> None:
     values = xp.reshape(values, (-1,))
     if index.shape[0] == 0:
         return
-    if isinstance(index, np.ndarray):
+    if is_host_array(index):
         lo, hi = int(xp.min(index)), int(xp.max(index))
     else:
         lo, hi = 0, math.prod(target.shape) - 1
@@ -1359,10 +1365,18 @@ def _array_kind(owner: str, name: str, a) -> str:
     raise TypeError(f"{owner}: {name} must have a bool, integer or real float dtype, got {a.dtype}")
 
 
+def is_host_array(a) -> bool:
+    """True for arrays whose values are read without a device sync: NumPy and array_api_strict."""
+    return isinstance(a, np.ndarray) or array_api_compat.is_array_api_strict_namespace(
+        array_api_compat.array_namespace(a)
+    )
+
+
 def _host_bounds(a) -> tuple[int, int] | None:
-    """``(min, max)`` of a NumPy integer array (``(0, 0)`` when empty); None for device arrays."""
-    if not isinstance(a, np.ndarray):
+    """``(min, max)`` of a host integer array (``(0, 0)`` when empty); None for device arrays."""
+    if not is_host_array(a):
         return None
+    a = _to_host(a)
     return (int(a.min()), int(a.max())) if a.size else (0, 0)
 
 
@@ -1464,13 +1478,14 @@ class _Mod:
     def _check(self, fn: str, call: CallShape) -> None:
         """Raise ValueError when this mod's arrays do not fit ``call`` (built-ins override)."""
 
-    def validate(self, fn: str, call: CallShape) -> frozenset:
+    def validate(self, fn: str, call: CallShape, read_device: bool = False) -> frozenset:
         """ValueError unless the mod fits the call: its own checks, then every index in bounds.
 
-        Returns the indices to clamp (see :meth:`Graph.check_indices`).
+        Returns the indices to clamp (see :meth:`Graph.check_indices`, which
+        ``read_device`` is passed to).
         """
         self._check(fn, call)
-        return self.graph.check_indices(fn, call.ranges(), call.describe())
+        return self.graph.check_indices(fn, call.ranges(), call.describe(), read_device)
 
     def __repr__(self):
         return self.label
