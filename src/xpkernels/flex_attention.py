@@ -103,8 +103,8 @@ class _Call:
             if host is None:
                 raise TypeError(
                     f"{fn}: with a block_mask, input_pos must be an int, a list of ints or a "
-                    "NumPy array (host values, checked against the positions the block mask was "
-                    f"built for), got a {type(input_pos).__name__} array"
+                    "host (NumPy, array_api_strict) array, checked against the positions the "
+                    f"block mask was built for; got a {type(input_pos).__name__} device array"
                 )
             _check_block_mask(fn, block_mask, call)
         self.score_graph = (
