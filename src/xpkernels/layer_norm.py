@@ -335,14 +335,14 @@ def layer_norm_backward_(Y, X, W=None, B=None, *, checkpoints, scratch=None, bac
             accumulate=k > 0,
         )
     if dw is not None:
-        route.impl.reduce_partials(dw_partial, dw)
+        route.hook("reduce_partials")(dw_partial, dw)
     if db is not None:
-        route.impl.reduce_partials(db_partial, db)
+        route.hook("reduce_partials")(db_partial, db)
 
 
 def _alloc_partial(route, x):
     m = x.shape[-1]
-    return empty_accumulator(x, (route.impl.partials(n_rows(x.shape), m, x), m))
+    return empty_accumulator(x, (route.hook("partials")(n_rows(x.shape), m, x), m))
 
 
 @scratchspace_for(layer_norm_backward_)

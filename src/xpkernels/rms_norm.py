@@ -290,12 +290,12 @@ def rms_norm_backward_(Y, X, W=None, *, checkpoints, scratch=None, offset=0.0, b
             dyv, xv, w, rv, dxv, dw_partial, offset=offset, accumulate=k > 0
         )
     if dw is not None:
-        route.impl.reduce_partials(dw_partial, dw)
+        route.hook("reduce_partials")(dw_partial, dw)
 
 
 def _alloc_dw_partial(route, x):
     m = x.shape[-1]
-    return empty_accumulator(x, (route.impl.partials(n_rows(x.shape), m, x), m))
+    return empty_accumulator(x, (route.hook("partials")(n_rows(x.shape), m, x), m))
 
 
 @scratchspace_for(rms_norm_backward_)
