@@ -578,3 +578,26 @@ def test_debug_mode_reads_and_checks_device_values():
         flex_attention_(o, q, k, v, input_pos=torch.tensor([0, 2**40]))
     with xpkernels.debug(), pytest.raises(ValueError, match=r"w \(shape \(4,\)\) is indexed on axis 0 by values in \[0, 30\]"):
         flex_attention_(o, q, k, v, score_mod=mod)
+
+
+def test_backward_refuses_other_mods_or_options_than_its_forward():
+    """Checkpoints record the forward's mods (traced graph and captured arrays) and options."""
+    q, k, v, do = qkvo(n_q=24, n_kv=40)
+    table = np.zeros((q.shape[1], 8), np.float32)
+
+    def bias(score, b, h, q_idx, kv_idx, *, table):
+        return score + table[h, xm.minimum(q_idx - kv_idx, 7) * 0]
+
+    score = xm.ScoreMod(bias, table=table)
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    o = flex_attention(q, k, v, checkpoints=ck, mask_mod=xm.CausalMask(), score_mod=score, input_pos=16)
+    again = dict(mask_mod=xm.CausalMask(), score_mod=xm.ScoreMod(bias, table=table), input_pos=16)
+    flex_attention_backward(do, q, k, v, o, checkpoints=ck, **again)
+    for name, change in (
+        ("mask_mod", dict(mask_mod=xm.SlidingWindowMask(4))),
+        ("score_mod", dict(score_mod=xm.ScoreMod(bias, table=table.copy()))),
+        ("input_pos", dict(input_pos=15)),
+        ("scale", dict(scale=0.5)),
+    ):
+        with pytest.raises(ValueError, match=f"flex_attention_backward_: {name}=.* differs from the forward"):
+            flex_attention_backward(do, q, k, v, o, checkpoints=ck, **{**again, **change})

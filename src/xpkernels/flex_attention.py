@@ -44,6 +44,7 @@ backward.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from . import _checks as check
 from . import mods as _mods
@@ -57,10 +58,13 @@ from .attention import (
 )
 from .buffers import (
     Duplicated,
+    check_forward,
     checkpoints_for,
     empty,
     empty_float32,
+    forget_forward,
     primal,
+    record_forward,
     scratchspace_for,
 )
 from .registry import resolve
@@ -71,6 +75,43 @@ __all__ = [
     "flex_attention_backward_",
     "flex_attention_backward",
 ]
+
+
+@dataclass(frozen=True, eq=False)
+class _ModKey:
+    """What a checkpoint records of a mod: its traced graph and the arrays it captures.
+
+    Two calls agree when they trace to the same graph over the same array
+    objects, so a mod rebuilt between forward and backward (a lambda, a new
+    ``CausalMask()``) matches, while a mod of another structure or over
+    other arrays does not.
+    """
+
+    kind: str  #: "score mod" or "mask mod"
+    nodes: tuple
+    output: int
+    arrays: tuple
+    labels: tuple
+
+    @classmethod
+    def of(cls, kind, graph):
+        if graph is None:
+            return None
+        slots = graph.slots
+        return cls(kind, graph.nodes, graph.output, tuple(s.array for s in slots),
+                   tuple(s.label for s in slots))
+
+    def same_as(self, other) -> bool:
+        return (
+            isinstance(other, _ModKey)
+            and (self.nodes, self.output) == (other.nodes, other.output)
+            and len(self.arrays) == len(other.arrays)
+            and all(a is b for a, b in zip(self.arrays, other.arrays))
+        )
+
+    def __repr__(self) -> str:
+        reading = f" reading {', '.join(self.labels)}" if self.labels else ""
+        return f"<a {self.kind} of {len(self.nodes)} graph nodes{reading}>"
 
 
 class _Call:
@@ -119,6 +160,16 @@ class _Call:
             else self.mask.graph.clamping(clamps[id(self.mask)])
         )
         self.group = heads // k.shape[1]
+
+    def recorded(self) -> dict:
+        """The options of the forward that its backward must repeat (recorded in checkpoints)."""
+        return {
+            "scale": self.scale,
+            "input_pos": self.positions,
+            "score_mod": _ModKey.of("score mod", self.score_graph),
+            "mask_mod": _ModKey.of("mask mod", self.mask_graph),
+            "block_mask": self.block_mask,
+        }
 
     def captured(self) -> dict:
         """The arrays the mods read, by label, for namespace and device checks."""
@@ -366,7 +417,11 @@ def flex_attention_(
         **call.captured(),
     }
     route = resolve("flex_attention", arrays, backend=backend, head_dim=max(q.shape[3], v.shape[3]))
+    if checkpoints is not None:
+        forget_forward(checkpoints)
     route.impl.forward(o, q, k, v, m, lse_sum, **call.options(route, n_q, k.shape[2]))
+    if checkpoints is not None:
+        record_forward(checkpoints, fn, call.recorded())
 
 
 @checkpoints_for(flex_attention_)
@@ -563,6 +618,7 @@ def flex_attention_backward_(
         **call.read(),
     }
     check.no_overlap(fn, outputs, inputs)
+    check_forward(fn, checkpoints, "flex_attention_", call.recorded())
     arrays = {
         **named,
         "checkpoints.m": m,
