@@ -246,7 +246,10 @@ def _backward_streaming(
                 if ACCUMULATE:
                     earlier = col_ok
                 else:
-                    earlier = col_ok & (tile > pid)
+                    # Columns the partial row already holds: all of them after this program's
+                    # first tile. Written as one comparison because the Triton interpreter
+                    # splats a scalar comparison as int32, which ``mask`` refuses from Triton 3.9.
+                    earlier = cols < tl.where(tile > pid, m, 0)
                 dw = tl.sum(dy * x_hat, axis=0) + tl.load(ptrs, mask=earlier, other=0.0)
                 tl.store(ptrs, dw, mask=col_ok)
         tile += tl.num_programs(0)
