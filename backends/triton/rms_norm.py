@@ -20,7 +20,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import launch_context, partial_programs, reduce_partials, row_config
+from ._common import (
+    fill_empty_row_checkpoints,
+    launch_context,
+    partial_programs,
+    reduce_partials,
+    row_config,
+)
 
 __all__ = ["backward", "forward", "partials", "reduce_partials"]
 
@@ -115,6 +121,9 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
     """
     rows, m = x.shape
     if rows == 0:
+        return
+    if m == 0:
+        fill_empty_row_checkpoints(eps, rstd)
         return
     config = row_config(m, x.element_size(), "forward")
     kernel = _forward_streaming if config.streaming else _forward_fused
@@ -278,6 +287,8 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     accumulate : bool
     """
     rows, m = x.shape
+    if m == 0:
+        return  # no element of dx and no column of dw_partial to write
     config = row_config(m, x.element_size(), "backward")
     if dw_partial is None:
         if rows == 0:
