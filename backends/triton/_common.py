@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ __all__ = [
     "TILE_BYTES",
     "VECTOR_BYTES",
     "RowConfig",
+    "fill_empty_row_checkpoints",
     "launch_context",
     "partial_programs",
     "reduce_partials",
@@ -192,6 +194,26 @@ def launch_context(kernel, tensor):
             "TRITON_INTERPRET=1 in the environment before importing xpkernels' triton kernels"
         )
     return contextlib.nullcontext()
+
+
+def fill_empty_row_checkpoints(eps: float, rstd, mean=None) -> None:
+    """Write the checkpoints of rows with no columns (``M = 0``), as the array_api backend does.
+
+    Every sum over an empty row is 0 and is divided by ``max(M, 1)``: the mean
+    and the mean square are 0, so ``rstd = 1/sqrt(eps)`` (finite: ``eps > 0``).
+    The row kernels, which divide by ``M``, are not launched for such rows.
+
+    Parameters
+    ----------
+    eps : float
+        Added to the mean square (or variance); positive.
+    rstd, mean : torch.Tensor or None
+        ``(rows,)`` float32 checkpoints to fill; None ones are skipped.
+    """
+    if rstd is not None:
+        rstd.fill_(1.0 / math.sqrt(eps))
+    if mean is not None:
+        mean.zero_()
 
 
 @triton.jit

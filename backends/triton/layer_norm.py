@@ -24,7 +24,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import launch_context, partial_programs, reduce_partials, row_config
+from ._common import (
+    fill_empty_row_checkpoints,
+    launch_context,
+    partial_programs,
+    reduce_partials,
+    row_config,
+)
 
 __all__ = ["backward", "forward", "partials", "reduce_partials"]
 
@@ -143,6 +149,9 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
     """
     rows, m = x.shape
     if rows == 0:
+        return
+    if m == 0:
+        fill_empty_row_checkpoints(eps, rstd, mean)
         return
     config = row_config(m, x.element_size(), "forward")
     kernel = _forward_streaming if config.streaming else _forward_fused
@@ -303,7 +312,10 @@ def _backward_streaming(
             if ACCUMULATE:
                 earlier = col_ok
             else:
-                earlier = col_ok & (tile > pid)
+                # Columns the partial row already holds: all of them after this program's
+                # first tile. Written as one comparison because the Triton interpreter
+                # splats a scalar comparison as int32, which ``mask`` refuses from Triton 3.9.
+                earlier = cols < tl.where(tile > pid, m, 0)
             if dw_partial_ptr is not None:
                 dw_ptrs = dw_partial_ptr + pid64 * stride_dw_p + cols * stride_dw_m
                 dw = tl.sum(dy * x_hat, axis=0) + tl.load(dw_ptrs, mask=earlier, other=0.0)
@@ -344,6 +356,8 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
     accumulate : bool
     """
     rows, m = x.shape
+    if m == 0:
+        return  # no element of dx and no column of dw_partial or db_partial to write
     config = row_config(m, x.element_size(), "backward")
     partial = dw_partial if dw_partial is not None else db_partial
     if partial is None:

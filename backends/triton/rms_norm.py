@@ -20,7 +20,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import launch_context, partial_programs, reduce_partials, row_config
+from ._common import (
+    fill_empty_row_checkpoints,
+    launch_context,
+    partial_programs,
+    reduce_partials,
+    row_config,
+)
 
 __all__ = ["backward", "forward", "partials", "reduce_partials"]
 
@@ -125,6 +131,9 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
     """
     rows, m = x.shape
     if rows == 0:
+        return
+    if m == 0:
+        fill_empty_row_checkpoints(eps, rstd)
         return
     config = row_config(m, x.element_size(), "forward")
     kernel = _forward_streaming if config.streaming else _forward_fused
@@ -256,7 +265,10 @@ def _backward_streaming(
                 if ACCUMULATE:
                     earlier = col_ok
                 else:
-                    earlier = col_ok & (tile > pid)
+                    # Columns the partial row already holds: all of them after this program's
+                    # first tile. Written as one comparison because the Triton interpreter
+                    # splats a scalar comparison as int32, which ``mask`` refuses from Triton 3.9.
+                    earlier = cols < tl.where(tile > pid, m, 0)
                 dw = tl.sum(dy * x_hat, axis=0) + tl.load(ptrs, mask=earlier, other=0.0)
                 tl.store(ptrs, dw, mask=col_ok)
         tile += tl.num_programs(0)
@@ -285,6 +297,8 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     accumulate : bool
     """
     rows, m = x.shape
+    if m == 0:
+        return  # no element of dx and no column of dw_partial to write
     config = row_config(m, x.element_size(), "backward")
     if dw_partial is None:
         if rows == 0:
