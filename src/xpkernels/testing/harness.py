@@ -1,38 +1,54 @@
-"""The conformance harness: targets (backend x namespace x device), op specs, comparison.
+"""Targets (backend x namespace x device), the OpSpec record, and how results are compared.
 
-A primitive declares ONE ``OpSpec`` subclass in ``conformance/specs/<op>.py``:
-its cases, float64 inputs, naive float64 references, how to call its
-in-place and allocating functions, its error inputs, and (where PyTorch has
-the op) a torch float64 autograd oracle. The generic templates in
-``test_templates.py`` run every spec on every available target and dtype.
+A primitive declares ONE :class:`OpSpec` in ``xpkernels/testing/specs/<op>.py``:
+its cases, float64 inputs, its references (built on
+:mod:`xpkernels.testing.references`), how to call its in-place and allocating
+functions, its error inputs, an optional :class:`Backward`, and (where
+PyTorch has the op) a torch float64 autograd oracle. The generic templates in
+``conformance/test_templates.py`` run every spec on every available target
+and dtype; ``python -m xpkernels check`` runs each spec's ``quick`` cases.
 
 Arrays cross this boundary as NumPy float64 (references, oracles) or as
-target arrays (kernels). Integer inputs (lengths) stay integer.
+target arrays (kernels). Integer inputs (lengths) stay integer. Nothing here
+imports torch, triton or pytest at import time.
 """
 
 from __future__ import annotations
 
-import abc
+import functools
 import importlib
 import importlib.util
 import os
 import pkgutil
+import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from xpkernels.registry import BACKENDS, FLOAT_DTYPES
 
-# The Triton interpreter must be chosen before any Triton kernel is defined.
-_HAS_CUDA_TORCH = False
-if importlib.util.find_spec("torch") is not None:
+
+@functools.cache
+def cuda_torch() -> bool:
+    """True when torch is installed and sees a CUDA device (imports torch only if installed)."""
+    if importlib.util.find_spec("torch") is None:
+        return False
     import torch
 
-    _HAS_CUDA_TORCH = torch.cuda.is_available()
-if not _HAS_CUDA_TORCH:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return torch.cuda.is_available()
+
+
+def select_triton_interpreter() -> None:
+    """Run Triton kernels through the interpreter when no CUDA device is present.
+
+    Must run before any Triton kernel is defined (the conformance suite calls
+    it on import); the CLI leaves the choice to the caller's environment.
+    """
+    if not cuda_torch():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 _NAMESPACE_DTYPES = {
     "numpy": ("float64", "float32", "float16"),
@@ -59,27 +75,30 @@ class Target:
         """True when kernels run through the (slow) Triton interpreter: keep shapes small."""
         return self.backend == "triton" and self.device == "cpu"
 
+    @property
+    def label(self) -> str:
+        """``"<namespace> <device>"``, as the CLI's table prints it."""
+        return f"{self.namespace} {self.device}"
+
     def unavailable(self) -> str | None:
-        """Why this target cannot run here, or None."""
-        module = {"numpy": "numpy", "torch": "torch", "array_api_strict": "array_api_strict", "cupy": "cupy"}[
-            self.namespace
-        ]
+        """Why this target cannot run here (without the target's id), or None."""
+        module = self.namespace
         if importlib.util.find_spec(module) is None:
-            return f"{self.id}: {module} is not installed"
+            return f"{module} is not installed"
         if self.backend == "triton" and importlib.util.find_spec("triton") is None:
-            return f"{self.id}: triton is not installed"
+            return "triton is not installed"
         if self.device == "cuda":
-            if self.namespace == "torch" and not _HAS_CUDA_TORCH:
-                return f"{self.id}: no CUDA device"
+            if self.namespace == "torch" and not cuda_torch():
+                return "no CUDA device"
             if self.namespace == "cupy":
                 try:
                     import cupy
 
                     cupy.cuda.runtime.getDeviceCount()
                 except Exception as exc:  # noqa: BLE001 - any failure means no usable device
-                    return f"{self.id}: no CUDA device ({type(exc).__name__})"
+                    return f"no CUDA device ({type(exc).__name__})"
         if self.interpreted and os.environ.get("TRITON_INTERPRET") != "1":
-            return f"{self.id}: TRITON_INTERPRET=1 is not set (a CUDA device is present)"
+            return "runs only through the Triton interpreter: set TRITON_INTERPRET=1 to include it"
         return None
 
     def dtypes(self, op: str) -> tuple[str, ...]:
@@ -177,11 +196,21 @@ class Case:
         Shapes and options, interpreted by the spec.
     interpreter : bool
         Small enough for the Triton interpreter (tile boundaries still crossed).
+    quick : bool
+        One of the cases ``python -m xpkernels check`` runs (float32, every target).
+    dtypes : tuple of str or None
+        The only dtypes the case runs in (None: every dtype of the target); a
+        case that restricts them says why next to its declaration.
     """
 
     id: str
     params: dict
     interpreter: bool = False
+    quick: bool = False
+    dtypes: tuple[str, ...] | None = None
+
+    def runs_in(self, dtype: str) -> bool:
+        return self.dtypes is None or dtype in self.dtypes
 
 
 @dataclass(frozen=True)
@@ -199,89 +228,98 @@ class ErrorCase:
     match: str
 
 
-@dataclass
-class OpSpec(abc.ABC):
-    """The declaration a primitive gives the conformance templates.
+def _same_arrays(case: Case, arrays: dict, target: Target) -> dict:
+    return arrays
 
-    Subclasses implement every method; array arguments are dicts by name.
-    ``arrays`` holds the target arrays of ``inputs(...)``; ``outs`` the forward
-    outputs by name; ``cotangents`` the output shadows by output name;
-    ``grads`` the input shadows by input name (which inputs get gradients is
-    ``grad_names``).
+
+@dataclass(frozen=True)
+class Backward:
+    """The backward half of an :class:`OpSpec` (absent for forward-only primitives).
+
+    Attributes
+    ----------
+    grad_names : tuple of str
+        The inputs that get gradients (keys of ``grads``).
+    cotangents : callable
+        ``(case, rng) -> {output name: float64 array}``: the output shadows.
+    reference : callable
+        ``(case, inputs, cotangents) -> {grad name: float64 array}``, naive.
+    inplace : callable
+        ``(case, arrays, outs, cotangents, grads, checkpoints, backend)``: the
+        in-place backward writing into the shadows ``grads``.
+    allocating : callable
+        ``(case, arrays, outs, cotangents, checkpoints, backend) -> grads``.
+    """
+
+    grad_names: tuple[str, ...]
+    cotangents: Callable[..., dict]
+    reference: Callable[..., dict]
+    inplace: Callable[..., None]
+    allocating: Callable[..., dict]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """The declaration a primitive gives the conformance templates and ``check``.
+
+    Array arguments are dicts by name: ``arrays`` holds the target arrays of
+    ``inputs(...)``, ``outs`` the forward outputs by name.
+
+    Attributes
+    ----------
+    name : str
+        The primitive (a key of :data:`xpkernels.registry.OPS`).
+    outputs : tuple of str
+        The forward's output names.
+    cases : tuple of Case
+        Every declared input configuration (samples and larger ones).
+    inputs : callable
+        ``(case, rng) -> {name: float64 or integer NumPy array}``.
+    reference : callable
+        ``(case, inputs) -> (outputs, checkpoints)``, float64, naive.
+    allocate_outputs : callable
+        ``(case, arrays, target, dtype) -> outs``, NaN-filled.
+    forward_ : callable
+        ``(case, arrays, outs, checkpoints, backend)``: the in-place forward.
+    forward : callable
+        ``(case, arrays, checkpoints, backend) -> outs``: the allocating one.
+    errors : callable
+        ``() -> list of ErrorCase``.
+    checkpoint_names : tuple of str
+        Fields of the checkpoints tuple (empty: the primitive saves none).
+    allocate_checkpoints : callable or None
+        ``(case, arrays) -> checkpoints``; None when it saves none.
+    arrange : callable
+        ``(case, arrays, target) -> arrays``: lays inputs out as the case asks.
+    backward : Backward or None
+        None for a forward-only primitive: templates skip backward checks.
+    torch_reference : callable or None
+        ``(case, inputs, cotangents) -> (outputs, grads)`` from PyTorch's own
+        op in float64; None where PyTorch has no such op.
     """
 
     name: str
     outputs: tuple[str, ...]
-    grad_names: tuple[str, ...]
+    cases: tuple[Case, ...]
+    inputs: Callable[..., dict]
+    reference: Callable[..., tuple[dict, dict]]
+    allocate_outputs: Callable[..., dict]
+    forward_: Callable[..., None]
+    forward: Callable[..., dict]
+    errors: Callable[[], list[ErrorCase]]
     checkpoint_names: tuple[str, ...] = ()
-    differentiable: bool = True
-    torch_oracle: bool = True
-    options: dict = field(default_factory=dict)
+    allocate_checkpoints: Callable[..., Any] | None = None
+    arrange: Callable[..., dict] = _same_arrays
+    backward: Backward | None = None
+    torch_reference: Callable[..., tuple[dict, dict]] | None = None
 
-    @abc.abstractmethod
-    def cases(self) -> list[Case]:
-        ...
-
-    @abc.abstractmethod
-    def inputs(self, case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        ...
-
-    @abc.abstractmethod
-    def cotangents(self, case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        ...
-
-    @abc.abstractmethod
-    def reference(self, case: Case, inputs: dict) -> tuple[dict, dict]:
-        """Float64 ``(outputs, checkpoints)`` computed naively from ``inputs``."""
-        ...
-
-    @abc.abstractmethod
-    def reference_backward(self, case: Case, inputs: dict, cotangents: dict) -> dict:
-        """Float64 gradients of every name in ``grad_names``."""
-        ...
-
-    @abc.abstractmethod
-    def torch_reference(self, case: Case, inputs: dict, cotangents: dict) -> tuple[dict, dict]:
-        """PyTorch's own op in float64: ``(outputs, grads)`` as NumPy arrays."""
-        ...
-
-    @abc.abstractmethod
-    def allocate_outputs(self, case: Case, arrays: dict, target: Target, dtype: str) -> dict:
-        ...
-
-    @abc.abstractmethod
-    def allocate_checkpoints(self, case: Case, arrays: dict):
-        ...
-
-    @abc.abstractmethod
-    def forward_(self, case: Case, arrays: dict, outs: dict, checkpoints, backend: str) -> None:
-        ...
-
-    @abc.abstractmethod
-    def forward(self, case: Case, arrays: dict, checkpoints, backend: str) -> dict:
-        ...
-
-    @abc.abstractmethod
-    def backward_(
-        self, case: Case, arrays: dict, outs: dict, cotangents: dict, grads: dict, checkpoints, backend: str
-    ) -> None:
-        ...
-
-    @abc.abstractmethod
-    def backward(self, case: Case, arrays: dict, outs: dict, cotangents: dict, checkpoints, backend: str) -> dict:
-        ...
-
-    @abc.abstractmethod
-    def errors(self) -> list[ErrorCase]:
-        ...
-
-    def arrange(self, case: Case, arrays: dict, target: Target) -> dict:
-        """Lay the input arrays out as the case asks (strided views); identity by default."""
-        return arrays
+    @property
+    def grad_names(self) -> tuple[str, ...]:
+        return () if self.backward is None else self.backward.grad_names
 
 
 def load_specs() -> list[OpSpec]:
-    """Every ``SPEC`` declared in ``conformance/specs/*.py``, in module-name order."""
+    """Every ``SPEC`` declared in ``xpkernels/testing/specs/*.py``, in module-name order."""
     from . import specs
 
     found = []
@@ -298,6 +336,7 @@ def max_error(actual: np.ndarray, expected: np.ndarray) -> float:
 
     Normalising by the largest reference magnitude (never below 1) keeps one
     tolerance per dtype meaningful across outputs, gradients and sums.
+    Matching infinities (a fully masked row's ``m = -inf``) count as equal.
     """
     actual = np.asarray(actual, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)
@@ -308,7 +347,7 @@ def max_error(actual: np.ndarray, expected: np.ndarray) -> float:
     both_inf = np.isinf(expected) & (actual == expected)
     with np.errstate(invalid="ignore"):  # -inf - -inf where both are -inf (masked rows' m)
         diff = np.where(both_inf, 0.0, np.abs(actual - expected))
-    if np.isnan(diff).any():
+    if not np.isfinite(diff).all():
         return float("inf")
     finite = np.isfinite(expected)
     scale = max(float(np.max(np.abs(expected[finite]), initial=0.0)), 1.0)
@@ -334,15 +373,59 @@ def quantize(inputs: dict, dtype: str, target: Target) -> tuple[dict, dict]:
     return arrays, exact
 
 
+# --------------------------------------------------------------------------- running one case
+
+
+def case_rng(spec: OpSpec, case: Case) -> np.random.Generator:
+    """The generator of a case's inputs, then its cotangents: the same on every target."""
+    return np.random.default_rng(zlib.crc32(f"{spec.name}/{case.id}".encode()))
+
+
+def setup(spec: OpSpec, case: Case, target: Target, dtype: str):
+    """``(rng, arrays, exact)``: the case's inputs on ``target`` in ``dtype``, laid out, and their exact values."""
+    rng = case_rng(spec, case)
+    arrays, exact = quantize(spec.inputs(case, rng), dtype, target)
+    return rng, spec.arrange(case, arrays, target), exact
+
+
+def cotangents(spec: OpSpec, case: Case, rng, target: Target, dtype: str) -> tuple[dict, dict]:
+    """``(target arrays, exact values)`` of the output shadows (call after :func:`setup`)."""
+    return quantize(spec.backward.cotangents(case, rng), dtype, target)
+
+
+def nan_checkpoints(spec: OpSpec, case: Case, arrays: dict):
+    """Freshly allocated checkpoints, every element NaN (None when the spec saves none)."""
+    if not spec.checkpoint_names:
+        return None
+    ck = spec.allocate_checkpoints(case, arrays)
+    for name in ck._fields:
+        getattr(ck, name)[...] = float("nan")
+    return ck
+
+
+def nan_grads(spec: OpSpec, arrays: dict, target: Target) -> dict:
+    """NaN-filled input shadows by gradient name: an element left unwritten shows as an infinite error."""
+    xp = target.xp
+    return {name: xp.full_like(arrays[name], float("nan")) for name in spec.grad_names}
+
+
 __all__ = [
     "Target",
     "TARGETS",
     "Case",
     "ErrorCase",
+    "Backward",
     "OpSpec",
     "load_specs",
     "max_error",
     "assert_close",
     "quantize",
+    "case_rng",
+    "setup",
+    "cotangents",
+    "nan_checkpoints",
+    "nan_grads",
+    "cuda_torch",
+    "select_triton_interpreter",
     "FLOAT_DTYPES",
 ]
