@@ -1,4 +1,4 @@
-"""Command line: ``python -m xpkernels info | check | bench | demo``.
+"""Command line: ``python -m xpkernels info | check | bench | demo`` (also the ``xpkernels`` script).
 
 - ``info``   versions of xpkernels and the array libraries, and every backend
   with whether it can run here and why not;
@@ -48,8 +48,8 @@ def _installed_version(module: str, distribution: str) -> str | None:
 
 
 def _info(args) -> int:
-    from . import __version__
-    from .registry import backends
+    from .. import __version__
+    from ..registry import backends
 
     rows = [
         ("xpkernels", __version__),
@@ -74,13 +74,13 @@ def _info(args) -> int:
 
 
 def _check(args) -> int:
-    from ._cli_check import run
+    from .check import run
 
     return run(ops=args.op, verbose=args.verbose)
 
 
 def _bench(args) -> int:
-    from ._cli_bench import run
+    from .bench import run
 
     return run(
         quick=args.quick, json_path=args.json, ops=args.op, array=args.array, repeats=args.repeats
@@ -106,7 +106,7 @@ def _demo(args) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .registry import OPS
+    from ..registry import OPS
 
     parser = argparse.ArgumentParser(
         prog="python -m xpkernels", description=__doc__.split("\n\n")[0]
@@ -184,7 +184,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Run one command; returns the process exit status."""
-    from .registry import BackendError
+    from ..registry import BackendError
 
     parser = _parser()
     args = parser.parse_args(argv)
@@ -197,7 +197,3 @@ def main(argv=None) -> int:
     except BackendError as exc:
         print(f"python -m xpkernels {args.command}: {exc}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
