@@ -84,8 +84,8 @@ def _as_result(a, dtype: str) -> np.ndarray:
 
 def straightforward(spec: OpSpec, case: Case, inputs: dict, cotangents: dict, dtype: str) -> dict:
     """``{(pass, name): float64 array}``: the spec's naive formula evaluated in ``dtype``."""
-    low = _in_dtype(inputs, dtype)
-    with np.errstate(all="ignore"):  # an overflow shows up as an infinite error below
+    with np.errstate(all="ignore"):  # an overflow shows up as an infinite error in allowed()
+        low = _in_dtype(inputs, dtype)
         outs, ck = spec.reference(case, low)
         results = {("forward", n): _as_result(outs[n], dtype) for n in spec.outputs}
         results.update({("checkpoints", n): _as_result(ck[n], dtype) for n in spec.checkpoint_names})

@@ -263,7 +263,8 @@ def _naive(p, inputs):
     s = (
         raw
         if score_mod is None
-        else np.broadcast_to(score_mod(raw, b, h, q_idx, kv_idx, q_row=row), raw.shape)
+        # Integer positions promote the mods' arithmetic to float64: back to the scores' dtype.
+        else np.broadcast_to(score_mod(raw, b, h, q_idx, kv_idx, q_row=row), raw.shape).astype(raw.dtype)
     )
     keep = (
         np.ones(raw.shape, bool)
