@@ -3,8 +3,9 @@
 Hypothesis draws the shape (leading dims, row count and length, from one
 element to several row blocks spread over worker threads), the value
 distribution (scale and offset of the rows, constant rows) and the dtype.
-Forward and backward are compared with float64 references on the same
-(rounded) inputs, under the DESIGN section 5 policy: the error may be at most
+Forward and backward are compared with the float64 references of
+:mod:`xpkernels.testing.references` on the same (rounded) inputs, under the
+DESIGN section 5 policy: the error may be at most
 max(dtype floor, 2 x the error of a straightforward same-dtype
 implementation), the latter measured on the very same inputs. Like the
 kernels, that implementation's backward reads float32 checkpoints (the
@@ -27,9 +28,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xpkernels as xk
-from conformance.harness import max_error
-from conformance.tolerances import tolerance
 from xpkernels.buffers import Duplicated
+from xpkernels.testing import references as ref
+from xpkernels.testing.harness import max_error
+from xpkernels.testing.tolerances import floor
 
 RMS_EPS, LN_EPS = 1e-6, 1e-5
 # A straightforward implementation may round its row statistics either way:
@@ -76,48 +78,37 @@ def _nudged(a, dtype, ulps):
 
 
 def _rms_norm(x, dy, w, acc, checkpoint, ulps=0):
-    """Straightforward RMSNorm forward and backward in dtype ``acc``.
+    """The reference RMSNorm forward and backward evaluated in dtype ``acc``.
 
     The backward reads ``rstd`` rounded to dtype ``checkpoint``; ``ulps``
     moves the row statistic one rounding either way, in both passes.
     """
     x, dy, w = (a.astype(acc) for a in (x, dy, w))
-    m = x.shape[-1]
-    exact = 1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + acc(RMS_EPS))
-    y = x * _nudged(exact, acc, ulps) * w
+    exact = ref.rms_norm_rstd(x, RMS_EPS)
+    y, _ = ref.rms_norm(x, w, eps=RMS_EPS, rstd=_nudged(exact, acc, ulps))
     rstd = _nudged(exact, checkpoint, ulps).astype(acc)
-    x_hat = x * rstd
-    g = dy * w
-    dx = rstd * (g - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True))
-    return {"y": y, "dx": dx, "dw": np.sum((dy * x_hat).reshape(-1, m), axis=0)}
+    dx, dw = ref.rms_norm_backward(x, w, dy, eps=RMS_EPS, rstd=rstd)
+    return {"y": y, "dx": dx, "dw": dw}
 
 
 def _layer_norm(x, dy, w, b, acc, checkpoint, ulps=0):
-    """Straightforward LayerNorm forward and backward in dtype ``acc``.
+    """The reference LayerNorm forward and backward evaluated in dtype ``acc``.
 
     The backward reads ``mean`` and ``rstd`` rounded to dtype ``checkpoint``;
     ``ulps`` moves the row statistics one rounding either way, in both passes.
     """
     x, dy, w, b = (a.astype(acc) for a in (x, dy, w, b))
-    m = x.shape[-1]
-    mean = np.mean(x, axis=-1, keepdims=True)
-    rstd = 1 / np.sqrt(np.mean((x - mean) ** 2, axis=-1, keepdims=True) + acc(LN_EPS))
-    y = (x - _nudged(mean, acc, ulps)) * _nudged(rstd, acc, ulps) * w + b
+    mean, rstd = ref.layer_norm_stats(x, LN_EPS)
+    y, _, _ = ref.layer_norm(x, w, b, eps=LN_EPS, mean=_nudged(mean, acc, ulps), rstd=_nudged(rstd, acc, ulps))
     mean, rstd = (_nudged(a, checkpoint, ulps).astype(acc) for a in (mean, rstd))
-    x_hat = (x - mean) * rstd
-    g = dy * w
-    dx = rstd * (g - np.mean(g, axis=-1, keepdims=True) - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True))
-    dw = np.sum((dy * x_hat).reshape(-1, m), axis=0)
-    db = np.sum(dy.reshape(-1, m), axis=0)
+    dx, dw, db = ref.layer_norm_backward(x, w, dy, eps=LN_EPS, mean=mean, rstd=rstd)
     return {"y": y, "dx": dx, "dw": dw, "db": db}
 
 
 def _softmax(x, dy, acc):
-    """Straightforward softmax forward and backward in dtype ``acc``."""
-    x, dy = x.astype(acc), dy.astype(acc)
-    e = np.exp(x - np.max(x, axis=-1, keepdims=True))
-    y = e / np.sum(e, axis=-1, keepdims=True)
-    return {"y": y, "dx": y * (dy - np.sum(y * dy, axis=-1, keepdims=True))}
+    """The reference softmax forward and backward evaluated in dtype ``acc``."""
+    y = ref.softmax(x.astype(acc))
+    return {"y": y, "dx": ref.softmax_backward(y, dy.astype(acc))}
 
 
 def _naive_errors(naive, reference, ulps=(0,)):
@@ -131,7 +122,7 @@ def _check(op, dtype, got, naive_errors, reference):
     kind = np.dtype(dtype).name
     for name, actual in got.items():
         pass_ = "forward" if name == "y" else "backward"
-        tol = max(tolerance(op, pass_, kind), 2 * naive_errors[name])
+        tol = max(floor(op, pass_, kind), 2 * naive_errors[name])
         err = max_error(actual, reference[name])
         assert err <= tol, f"{op} {name} ({kind}, shape {np.shape(actual)}): error {err:.3g} > {tol:.3g}"
 

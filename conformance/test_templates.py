@@ -10,24 +10,29 @@
 - error inputs raise the declared error;
 - allocators' shapes and dtypes;
 - the float64 reference agrees with PyTorch's own op (float64 autograd).
+
+Specs, references and the tolerance rule live in :mod:`xpkernels.testing`;
+each result's tolerance is max(floor, 2 x the error of the reference formula
+run in the target dtype on the same rounded inputs)
+(:func:`xpkernels.testing.tolerances.allowed`). A spec without a backward has
+its backward checks skipped with the reason.
 """
 
 from __future__ import annotations
 
-import zlib
+import functools
 
 import numpy as np
 import pytest
 
-from conformance.harness import TARGETS, assert_close, load_specs, quantize
-from conformance.tolerances import tolerance
+import xpkernels as xk
+from xpkernels.testing import harness, tolerances
+from xpkernels.testing.harness import TARGETS, assert_close, case_rng, load_specs
+
+harness.select_triton_interpreter()
 
 SPECS = load_specs()
-
-
-def _rng(*parts) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32("/".join(map(str, parts)).encode()))
-
+_BY_NAME = {spec.name: spec for spec in SPECS}
 
 # The Triton interpreter evaluates masked-out lanes with NumPy too (e.g. -inf - -inf in a
 # fully masked tile), whose RuntimeWarnings are artefacts of interpretation, not kernel
@@ -36,25 +41,34 @@ _INTERPRETER_MARKS = [pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
 
 def _marks(target, reason):
-    marks = [pytest.mark.skip(reason=reason)] if reason else []
+    marks = [pytest.mark.skip(reason=f"{target.id}: {reason}")] if reason else []
     return marks + (_INTERPRETER_MARKS if target.interpreted else [])
+
+
+def _forward_only(spec, what):
+    """One skipped parameter standing for every ``what`` check of a spec without a backward."""
+    reason = f"{spec.name} is forward-only: no {what} to check"
+    return pytest.param(spec, None, None, None, marks=pytest.mark.skip(reason=reason), id=f"{spec.name}-forward-only")
 
 
 def _params(with_dtype=True, targets=TARGETS, backward=False):
     params = []
     for spec in SPECS:
-        if backward and not spec.differentiable:
+        if backward and spec.backward is None:
+            params.append(_forward_only(spec, "backward"))
             continue
         for target in targets:
             dtypes = target.dtypes(spec.name)
             if not dtypes:
                 continue
             reason = target.unavailable()
-            for case in spec.cases():
+            for case in spec.cases:
                 if target.interpreted and not case.interpreter:
                     continue
                 for dtype in dtypes if with_dtype else (None,):
                     if target.interpreted and dtype == "float64":
+                        continue
+                    if dtype is not None and not case.runs_in(dtype):
                         continue
                     marks = _marks(target, reason)
                     ident = f"{spec.name}-{case.id}-{target.id}" + (f"-{dtype}" if dtype else "")
@@ -62,47 +76,49 @@ def _params(with_dtype=True, targets=TARGETS, backward=False):
     return params
 
 
-def _setup(spec, case, target, dtype):
-    rng = _rng(spec.name, case.id)
-    inputs = spec.inputs(case, rng)
-    arrays, exact = quantize(inputs, dtype, target)
-    arrays = spec.arrange(case, arrays, target)
-    return rng, arrays, exact
+# NumPy has no bfloat16: its rounded inputs come from torch on the CPU.
+_BFLOAT16_HOST = harness.Target("array_api", "torch", "cpu")
 
 
-def _nan_checkpoints(spec, case, arrays, target):
-    if not spec.checkpoint_names:
-        return None
-    ck = spec.allocate_checkpoints(case, arrays)
-    for name in ck._fields:
-        getattr(ck, name)[...] = float("nan")
-    return ck
+@functools.cache
+def _allowed(op: str, case_id: str, dtype: str) -> dict:
+    """``{(pass, name): tolerance}`` of a case in ``dtype``: the rule on the case's rounded inputs."""
+    spec = _BY_NAME[op]
+    case = next(c for c in spec.cases if c.id == case_id)
+    rounded = _BFLOAT16_HOST if dtype == "bfloat16" else harness.Target("array_api", "numpy", "cpu")
+    rng = case_rng(spec, case)
+    _, exact = harness.quantize(spec.inputs(case, rng), dtype, rounded)
+    cot = {} if spec.backward is None else harness.quantize(spec.backward.cotangents(case, rng), dtype, rounded)[1]
+    return tolerances.allowed(spec, case, exact, cot, dtype)
 
 
-def _nan_grads(spec, arrays, target):
-    xp = target.xp
-    return {name: xp.full_like(arrays[name], float("nan")) for name in spec.grad_names}
+def _tol(spec, case, dtype, pass_, name):
+    return _allowed(spec.name, case.id, dtype)[(pass_, name)]
 
 
-def _cotangents(spec, case, rng, target, dtype):
-    raw = spec.cotangents(case, rng)
-    arrays, exact = quantize(raw, dtype, target)
-    return arrays, exact
+def _check_grads(spec, case, target, dtype, grads, exact, cot_exact):
+    ref = spec.backward.reference(case, exact, cot_exact)
+    for name in spec.grad_names:
+        assert_close(
+            target.to_numpy(grads[name]), ref[name], _tol(spec, case, dtype, "backward", name), f"gradient {name}"
+        )
 
 
 @pytest.mark.parametrize("spec,case,target,dtype", _params())
 def test_forward_matches_reference(spec, case, target, dtype):
-    _, arrays, exact = _setup(spec, case, target, dtype)
+    _, arrays, exact = harness.setup(spec, case, target, dtype)
     outs = spec.allocate_outputs(case, arrays, target, dtype)
-    ck = _nan_checkpoints(spec, case, arrays, target)
+    ck = harness.nan_checkpoints(spec, case, arrays)
     spec.forward_(case, arrays, outs, ck, target.backend)
     ref_outs, ref_ck = spec.reference(case, exact)
     for name in spec.outputs:
-        assert_close(target.to_numpy(outs[name]), ref_outs[name], tolerance(spec.name, "forward", dtype), f"output {name}")
+        assert_close(
+            target.to_numpy(outs[name]), ref_outs[name], _tol(spec, case, dtype, "forward", name), f"output {name}"
+        )
     for name in spec.checkpoint_names:
         assert_close(
             target.to_numpy(getattr(ck, name)), ref_ck[name],
-            tolerance(spec.name, "checkpoints", dtype), f"checkpoint {name}",
+            _tol(spec, case, dtype, "checkpoints", name), f"checkpoint {name}",
         )
 
 
@@ -123,46 +139,42 @@ def _reference_state(spec, case, arrays, exact, target, dtype):
 
 @pytest.mark.parametrize("spec,case,target,dtype", _params(backward=True))
 def test_backward_from_reference_checkpoints(spec, case, target, dtype):
-    rng, arrays, exact = _setup(spec, case, target, dtype)
+    rng, arrays, exact = harness.setup(spec, case, target, dtype)
     outs, ck = _reference_state(spec, case, arrays, exact, target, dtype)
-    cot, cot_exact = _cotangents(spec, case, rng, target, dtype)
-    grads = _nan_grads(spec, arrays, target)
-    spec.backward_(case, arrays, outs, cot, grads, ck, target.backend)
-    ref = spec.reference_backward(case, exact, cot_exact)
-    for name in spec.grad_names:
-        assert_close(target.to_numpy(grads[name]), ref[name], tolerance(spec.name, "backward", dtype), f"gradient {name}")
+    cot, cot_exact = harness.cotangents(spec, case, rng, target, dtype)
+    grads = harness.nan_grads(spec, arrays, target)
+    spec.backward.inplace(case, arrays, outs, cot, grads, ck, target.backend)
+    _check_grads(spec, case, target, dtype, grads, exact, cot_exact)
 
 
 @pytest.mark.parametrize("spec,case,target,dtype", _params(backward=True))
 def test_backward_from_own_checkpoints(spec, case, target, dtype):
-    rng, arrays, exact = _setup(spec, case, target, dtype)
+    rng, arrays, exact = harness.setup(spec, case, target, dtype)
     outs = spec.allocate_outputs(case, arrays, target, dtype)
-    ck = _nan_checkpoints(spec, case, arrays, target)
+    ck = harness.nan_checkpoints(spec, case, arrays)
     spec.forward_(case, arrays, outs, ck, target.backend)
-    cot, cot_exact = _cotangents(spec, case, rng, target, dtype)
-    grads = _nan_grads(spec, arrays, target)
-    spec.backward_(case, arrays, outs, cot, grads, ck, target.backend)
-    ref = spec.reference_backward(case, exact, cot_exact)
-    for name in spec.grad_names:
-        assert_close(target.to_numpy(grads[name]), ref[name], tolerance(spec.name, "backward", dtype), f"gradient {name}")
+    cot, cot_exact = harness.cotangents(spec, case, rng, target, dtype)
+    grads = harness.nan_grads(spec, arrays, target)
+    spec.backward.inplace(case, arrays, outs, cot, grads, ck, target.backend)
+    _check_grads(spec, case, target, dtype, grads, exact, cot_exact)
 
 
 @pytest.mark.parametrize("spec,case,target,dtype", _params())
 def test_allocating_equals_inplace(spec, case, target, dtype):
-    rng, arrays, _ = _setup(spec, case, target, dtype)
+    rng, arrays, _ = harness.setup(spec, case, target, dtype)
     outs = spec.allocate_outputs(case, arrays, target, dtype)
-    ck = _nan_checkpoints(spec, case, arrays, target)
+    ck = harness.nan_checkpoints(spec, case, arrays)
     spec.forward_(case, arrays, outs, ck, target.backend)
-    ck2 = _nan_checkpoints(spec, case, arrays, target)
+    ck2 = harness.nan_checkpoints(spec, case, arrays)
     outs2 = spec.forward(case, arrays, ck2, target.backend)
     for name in spec.outputs:
         np.testing.assert_array_equal(target.to_numpy(outs2[name]), target.to_numpy(outs[name]), err_msg=name)
-    if not spec.differentiable:
+    if spec.backward is None:
         return
-    cot, _ = _cotangents(spec, case, rng, target, dtype)
-    grads = _nan_grads(spec, arrays, target)
-    spec.backward_(case, arrays, outs, cot, grads, ck, target.backend)
-    grads2 = spec.backward(case, arrays, outs, cot, ck2, target.backend)
+    cot, _ = harness.cotangents(spec, case, rng, target, dtype)
+    grads = harness.nan_grads(spec, arrays, target)
+    spec.backward.inplace(case, arrays, outs, cot, grads, ck, target.backend)
+    grads2 = spec.backward.allocating(case, arrays, outs, cot, ck2, target.backend)
     for name in spec.grad_names:
         np.testing.assert_array_equal(target.to_numpy(grads2[name]), target.to_numpy(grads[name]), err_msg=name)
 
@@ -170,7 +182,10 @@ def test_allocating_equals_inplace(spec, case, target, dtype):
 def _interchange_params():
     params = []
     for spec in SPECS:
-        if not (spec.differentiable and spec.checkpoint_names):
+        if not spec.checkpoint_names:
+            continue
+        if spec.backward is None:
+            params.append(_forward_only(spec, "backward reading checkpoints"))
             continue
         for a in TARGETS:
             for b in TARGETS:
@@ -179,8 +194,10 @@ def _interchange_params():
                 if "float32" not in a.dtypes(spec.name) or "float32" not in b.dtypes(spec.name):
                     continue
                 reason = a.unavailable() or b.unavailable()
-                for case in spec.cases():
+                for case in spec.cases:
                     if (a.interpreted or b.interpreted) and not case.interpreter:
+                        continue
+                    if not case.runs_in("float32"):
                         continue
                     marks = _marks(a if a.interpreted else b, reason)
                     params.append(
@@ -193,16 +210,14 @@ def _interchange_params():
 def test_checkpoints_interchangeable(spec, case, producer, consumer):
     """A forward on one backend feeds a backward on another."""
     dtype = "float32"
-    rng, arrays, exact = _setup(spec, case, producer, dtype)
+    rng, arrays, exact = harness.setup(spec, case, producer, dtype)
     outs = spec.allocate_outputs(case, arrays, producer, dtype)
-    ck = _nan_checkpoints(spec, case, arrays, producer)
+    ck = harness.nan_checkpoints(spec, case, arrays)
     spec.forward_(case, arrays, outs, ck, producer.backend)
-    cot, cot_exact = _cotangents(spec, case, rng, producer, dtype)
-    grads = _nan_grads(spec, arrays, producer)
-    spec.backward_(case, arrays, outs, cot, grads, ck, consumer.backend)
-    ref = spec.reference_backward(case, exact, cot_exact)
-    for name in spec.grad_names:
-        assert_close(producer.to_numpy(grads[name]), ref[name], tolerance(spec.name, "backward", dtype), f"gradient {name}")
+    cot, cot_exact = harness.cotangents(spec, case, rng, producer, dtype)
+    grads = harness.nan_grads(spec, arrays, producer)
+    spec.backward.inplace(case, arrays, outs, cot, grads, ck, consumer.backend)
+    _check_grads(spec, case, producer, dtype, grads, exact, cot_exact)
 
 
 def _error_params():
@@ -213,13 +228,19 @@ def _error_params():
                 continue
             reason = target.unavailable()
             for err in spec.errors():
-                marks = [pytest.mark.skip(reason=reason)] if reason else []
+                marks = [pytest.mark.skip(reason=f"{target.id}: {reason}")] if reason else []
                 params.append(pytest.param(err, target, marks=marks, id=f"{spec.name}-{err.id}-{target.namespace}-{target.device}"))
     return params
 
 
 @pytest.mark.parametrize("err,target", _error_params())
 def test_error_inputs_raise(err, target):
+    on_device = target.namespace not in ("numpy", "array_api_strict")
+    if err.values and on_device:
+        err.call(target)  # outside debug mode device values are clamped, never read on the host
+        with xk.debug(), pytest.raises(err.error, match=err.match):
+            err.call(target)
+        return
     with pytest.raises(err.error, match=err.match):
         err.call(target)
 
@@ -228,7 +249,7 @@ def test_error_inputs_raise(err, target):
 def test_checkpoint_allocator_shapes(spec, case, target, dtype):
     if not spec.checkpoint_names:
         pytest.skip(f"{spec.name} saves no checkpoints")
-    _, arrays, exact = _setup(spec, case, target, "float32")
+    _, arrays, exact = harness.setup(spec, case, target, "float32")
     ck = spec.allocate_checkpoints(case, arrays)
     _, ref_ck = spec.reference(case, exact)
     xp = target.xp
@@ -243,22 +264,27 @@ def _oracle_params():
     return [
         pytest.param(spec, case, id=f"{spec.name}-{case.id}")
         for spec in SPECS
-        if spec.torch_oracle
-        for case in spec.cases()
+        if spec.torch_reference is not None
+        for case in spec.cases
     ]
 
 
 @pytest.mark.parametrize("spec,case", _oracle_params())
 def test_reference_matches_torch(spec, case):
     pytest.importorskip("torch", reason="torch is not installed: no PyTorch oracle")
-    rng = _rng(spec.name, case.id)
+    rng = case_rng(spec, case)
     inputs = spec.inputs(case, rng)
-    cot = spec.cotangents(case, rng) if spec.differentiable else {}
+    cot = {} if spec.backward is None else spec.backward.cotangents(case, rng)
     ref_outs, _ = spec.reference(case, inputs)
     torch_outs, torch_grads = spec.torch_reference(case, inputs, cot)
     for name in spec.outputs:
         assert_close(ref_outs[name], torch_outs[name], 1e-9, f"output {name} vs torch")
-    if spec.differentiable:
-        ref_grads = spec.reference_backward(case, inputs, cot)
+    if spec.backward is not None:
+        ref_grads = spec.backward.reference(case, inputs, cot)
         for name in spec.grad_names:
             assert_close(ref_grads[name], torch_grads[name], 1e-9, f"gradient {name} vs torch")
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[spec.name for spec in SPECS])
+def test_every_spec_declares_a_quick_case_for_check(spec):
+    assert any(case.quick for case in spec.cases), f"{spec.name}: no case is marked quick"

@@ -22,36 +22,19 @@ from xpkernels.backends.array_api import decode_attention as decode_impl
 import xpkernels as xk
 from xpkernels.attention import AttentionCheckpoints
 from xpkernels.buffers import Duplicated
+from xpkernels.testing import references as ref
 
 
 def _naive(q, k, v, do, *, causal=False, scale=None, input_pos=0, q_lengths=None, k_lengths=None):
     """Float64 full-matrix attention: o, m, l, dq, dk, dv (fully masked rows: 0, -inf, 0, 0)."""
     q, k, v, do = (np.asarray(a, dtype=np.float64) for a in (q, k, v, do))
-    batch, heads, sq, d = q.shape
-    kv_heads, sk = k.shape[1], k.shape[2]
-    group = heads // kv_heads
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    pos = np.broadcast_to(np.asarray(input_pos), (batch,))
-    q_len = np.full(batch, sq) if q_lengths is None else np.asarray(q_lengths)
-    k_len = np.full(batch, sk) if k_lengths is None else np.asarray(k_lengths)
-    i, j = np.arange(sq)[None, :, None], np.arange(sk)[None, None, :]
-    keep = (i < q_len[:, None, None]) & (j < k_len[:, None, None])
-    if causal:
-        keep &= j <= pos[:, None, None] + i
-    keep = keep[:, None]
-    k_rep, v_rep = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    s = np.einsum("bhid,bhjd->bhij", q, k_rep) * scale
-    valid = keep.any(axis=-1)
-    m = np.where(valid, np.max(s, axis=-1, initial=-np.inf, where=keep), -np.inf)
-    e = np.where(keep, np.exp(np.where(keep, s, 0.0) - np.where(valid, m, 0.0)[..., None]), 0.0)
-    l_sum = e.sum(axis=-1)
-    p = e / np.where(valid, l_sum, 1.0)[..., None]
-    o = p @ v_rep
-    ds = p * (do @ np.swapaxes(v_rep, -1, -2) - np.sum(do * o, axis=-1, keepdims=True))
-    dq = ds @ k_rep * scale
-    dk = (np.swapaxes(ds, -1, -2) @ q * scale).reshape(batch, kv_heads, group, sk, d).sum(axis=2)
-    dv = (np.swapaxes(p, -1, -2) @ do).reshape(batch, kv_heads, group, sk, -1).sum(axis=2)
-    return o, m, l_sum, dq, dk, dv
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    keep = ref.attention_keep(
+        q.shape[0], q.shape[2], k.shape[2], causal=causal, input_pos=input_pos,
+        q_lengths=q_lengths, k_lengths=k_lengths,
+    )
+    o, m, l_sum, _ = ref.attention(q, k, v, scale=scale, keep=keep)
+    return (o, m, l_sum, *ref.attention_backward(q, k, v, do, scale=scale, keep=keep))
 
 
 def _inputs(rng, batch, heads, kv_heads, sq, sk, d, dv=None, dtype=np.float64):

@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 
 import xpkernels
-from xpkernels import _cli_check, demo
-from xpkernels.__main__ import main
+from xpkernels.cli import check as cli_check
+from xpkernels.cli import demo, main
+from xpkernels.testing import harness
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
+HAS_TRITON = HAS_TORCH and importlib.util.find_spec("triton") is not None
 NAMESPACES = ["numpy", "array_api_strict"] + (["torch"] if HAS_TORCH else [])
 
 
@@ -79,66 +81,84 @@ def test_an_explicit_backend_that_cannot_serve_is_a_one_line_error():
 # --------------------------------------------------------------------------- check
 
 
+ROW = r"^{op}\s+(\S+)\s+(array_api|triton)\s+{ns} cpu\s+(\S+)\s+(\S+)\s+.*\b(PASS|FAIL)$"
+
+
 def test_check_passes_every_primitive_on_every_cpu_namespace():
     rc, out, err = run_cli("check")
     assert rc == 0, out + err
-    rows = re.findall(
-        r"^(\w+)\s+(array_api|triton)\s+(\w+) cpu\s+(\S+)\s+(\S+)\s+.*\b(PASS|FAIL)$",
-        out,
-        re.MULTILINE,
-    )
-    seen = {(op, ns) for op, _, ns, *_ in rows}
-    for op in _cli_check.CHECKS:
+    rows = re.findall(ROW.format(op=r"(\w+)", ns=r"(\w+)"), out, re.MULTILINE)
+    seen = {(op, ns) for op, _, _, ns, *_ in rows}
+    for spec in harness.load_specs():
         for ns in NAMESPACES:
-            assert (op, ns) in seen, f"no {op} row for {ns}:\n{out}"
+            assert (spec.name, ns) in seen, f"no {spec.name} row for {ns}:\n{out}"
     assert all(status == "PASS" for *_, status in rows)
-    assert all(float(fwd) < 1e-4 for _, _, _, fwd, _, _ in rows)
-    assert "triton on torch cpu: runs only through the Triton interpreter" in out
+    assert all(float(fwd) < 1e-4 for *_, fwd, _, _ in rows)
+    if HAS_TRITON:
+        assert "triton on torch cpu: runs only through the Triton interpreter" in out
+    else:
+        assert re.search(r"^  triton on torch cpu: (torch|triton) is not installed$", out, re.MULTILINE), out
     assert re.search(rf"^{len(rows)} PASS, 0 FAIL$", out, re.MULTILINE)
 
 
+def test_check_runs_the_declared_quick_cases():
+    """``check`` runs the conformance suite's own cases, not a copy of them."""
+    rc, out, err = run_cli("check", "--op", "layer_norm")
+    assert rc == 0, out + err
+    quick = [case.id for spec in harness.load_specs() if spec.name == "layer_norm" for case in spec.cases if case.quick]
+    cases = re.findall(ROW.format(op="layer_norm", ns="numpy"), out, re.MULTILINE)
+    assert [case for case, *_ in cases] == quick
+
+
 def _patched_check(monkeypatch, op, **changes):
-    monkeypatch.setitem(
-        _cli_check.CHECKS, op, dataclasses.replace(_cli_check.CHECKS[op], **changes)
-    )
+    """``check`` sees the spec of ``op`` with ``changes`` applied."""
+    specs = [dataclasses.replace(s, **changes) if s.name == op else s for s in harness.load_specs()]
+    monkeypatch.setattr(harness, "load_specs", lambda: specs)
 
 
 def test_check_fails_with_exit_1_on_a_wrong_result(monkeypatch, capsys):
-    good = _cli_check.CHECKS["softmax"].reference
-    _patched_check(monkeypatch, "softmax", reference=lambda a: {"y": good(a)["y"] * 1.001})
+    good = next(s for s in harness.load_specs() if s.name == "softmax").reference
+
+    def off_by_a_little(case, inputs):
+        outs, ck = good(case, inputs)
+        return {"y": outs["y"] * 1.001}, ck
+
+    _patched_check(monkeypatch, "softmax", reference=off_by_a_little)
     assert main(["check", "--op", "softmax"]) == 1
     out = capsys.readouterr().out
-    assert re.search(r"^softmax\s+array_api\s+numpy cpu\s+\S+\s+\S+\s+.*FAIL$", out, re.MULTILINE)
+    assert re.search(ROW.format(op="softmax", ns="numpy").replace("(PASS|FAIL)", "FAIL"), out, re.MULTILINE)
+    assert "beyond tolerance: forward y" in out
     assert re.search(r"^0 PASS, \d+ FAIL$", out, re.MULTILINE)
 
 
 def test_check_counts_an_unwritten_output_as_an_infinite_error(monkeypatch, capsys):
-    def forward_that_writes_nothing(t, a, backend):
-        return {"y": t.nan_like(a["x"])}, None
+    def forward_that_writes_nothing(case, arrays, outs, checkpoints, backend):
+        return None
 
-    _patched_check(monkeypatch, "softmax", forward=forward_that_writes_nothing)
+    _patched_check(monkeypatch, "softmax", forward_=forward_that_writes_nothing)
     assert main(["check", "--op", "softmax"]) == 1
     assert re.search(
-        r"^softmax\s+array_api\s+numpy cpu\s+inf\s", capsys.readouterr().out, re.MULTILINE
+        r"^softmax\s+\S+\s+array_api\s+numpy cpu\s+inf\s", capsys.readouterr().out, re.MULTILINE
     )
 
 
 def test_check_reports_an_exception_as_a_failure_and_keeps_going(monkeypatch, capsys):
-    def broken(t, a, backend):
+    def broken(case, arrays, outs, checkpoints, backend):
         raise RuntimeError("kernel exploded")
 
-    _patched_check(monkeypatch, "rms_norm", forward=broken)
+    _patched_check(monkeypatch, "rms_norm", forward_=broken)
     assert main(["check", "--op", "rms_norm", "--op", "softmax"]) == 1
     out = capsys.readouterr().out
     assert "rms_norm on array_api / numpy cpu raised RuntimeError: kernel exploded" in out
-    assert re.search(r"^softmax\s+array_api\s+numpy cpu\s+.*PASS$", out, re.MULTILINE)
+    assert re.search(ROW.format(op="softmax", ns="numpy").replace("(PASS|FAIL)", "PASS"), out, re.MULTILINE)
 
 
 def test_check_error_measure():
     ref = np.array([[1.0, -np.inf], [4.0, 0.0]])
-    assert _cli_check.max_error(ref + np.array([[0.0, 0.0], [0.4, 0.0]]), ref) == pytest.approx(0.1)
-    assert _cli_check.max_error(np.array([[1.0, np.nan], [4.0, 0.0]]), ref) == math.inf
-    assert _cli_check.max_error(np.zeros(3), np.zeros(4)) == math.inf
+    assert cli_check.max_error(ref + np.array([[0.0, 0.0], [0.4, 0.0]]), ref) == pytest.approx(0.1)
+    assert cli_check.max_error(np.array([[1.0, np.nan], [4.0, 0.0]]), ref) == math.inf
+    with pytest.raises(AssertionError, match="shape"):
+        cli_check.max_error(np.zeros(3), np.zeros(4))
 
 
 # --------------------------------------------------------------------------- bench

@@ -35,8 +35,12 @@ if DEVICE == "cpu":
 from xpkernels.backends.triton import attention as tri_attention
 from xpkernels.backends.triton import decode_attention as tri_decode
 
-TOL = {torch.float32: 5e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-BACKWARD_TOL = {torch.float32: 1e-4, torch.float16: 8e-3, torch.bfloat16: 6e-2}
+from xpkernels.testing import references as ref
+from xpkernels.testing.tolerances import floor
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+TOL = {t: floor("attention", "forward", name) for t, name in _DTYPE_NAMES.items()}
+BACKWARD_TOL = {t: floor("attention", "backward", name) for t, name in _DTYPE_NAMES.items()}
 
 
 def _err(actual, expected):
@@ -51,40 +55,15 @@ def _err(actual, expected):
     return float(np.max(diff, initial=0.0)) / scale
 
 
-def _masks(B, Sq, Sk, causal, input_pos, q_lengths, k_lengths):
-    pos = np.broadcast_to(np.asarray(input_pos, dtype=np.int64), (B,))
-    ql = np.full(B, Sq) if q_lengths is None else np.asarray(q_lengths)
-    kl = np.full(B, Sk) if k_lengths is None else np.asarray(k_lengths)
-    i = np.arange(Sq)[None, :, None]
-    j = np.arange(Sk)[None, None, :]
-    visible = (i < ql[:, None, None]) & (j < kl[:, None, None])
-    if causal:
-        visible = visible & (j <= pos[:, None, None] + i)
-    return visible[:, None]  # (B, 1, Sq, Sk)
-
-
 def reference_attention(q, k, v, do, *, scale, causal, input_pos, q_lengths, k_lengths):
-    """Float64 ``o, m, l`` and ``dq, dk, dv`` from the full score matrix."""
+    """Float64 ``o, m, l`` and ``dq, dk, dv`` from the full score matrix (xpkernels.testing.references)."""
     q, k, v, do = (np.asarray(t, dtype=np.float64) for t in (q, k, v, do))
-    B, H, Sq, _ = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    group = H // Hkv
-    kk, vv = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    visible = _masks(B, Sq, Sk, causal, input_pos, q_lengths, k_lengths)
-    s = np.einsum("bhid,bhjd->bhij", q, kk) * scale
-    s = np.where(visible, s, -np.inf)
-    m = np.max(s, axis=-1, initial=-np.inf)
-    e = np.where(visible, np.exp(s - np.where(np.isinf(m), 0.0, m)[..., None]), 0.0)
-    l = e.sum(-1)
-    p = e / np.where(l > 0, l, 1.0)[..., None]
-    o = p @ vv
-    delta = np.sum(do * o, axis=-1, keepdims=True)
-    ds = p * (do @ np.swapaxes(vv, -1, -2) - delta)
-    dq = scale * ds @ kk
-    dk = scale * np.swapaxes(ds, -1, -2) @ q
-    dv = np.swapaxes(p, -1, -2) @ do
-    dk = dk.reshape(B, Hkv, group, Sk, -1).sum(2)
-    dv = dv.reshape(B, Hkv, group, Sk, -1).sum(2)
+    keep = ref.attention_keep(
+        q.shape[0], q.shape[2], k.shape[2], causal=causal, input_pos=input_pos,
+        q_lengths=q_lengths, k_lengths=k_lengths,
+    )
+    o, m, l, _ = ref.attention(q, k, v, scale=scale, keep=keep)
+    dq, dk, dv = ref.attention_backward(q, k, v, do, scale=scale, keep=keep)
     return {"o": o, "m": m, "l": l}, {"q": dq, "k": dk, "v": dv}
 
 
@@ -225,19 +204,7 @@ def test_backward_is_deterministic():
 
 def reference_decode(q, k, v, lengths, scale):
     """Float64 decode attention: one query per (b, h) over keys ``< lengths[b]``."""
-    q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
-    B, H, _ = q.shape
-    Hkv = k.shape[1]
-    out = np.zeros((B, H, v.shape[-1]))
-    for b in range(B):
-        n = int(lengths[b])
-        if n == 0:
-            continue
-        for h in range(H):
-            s = k[b, h // (H // Hkv), :n] @ q[b, h] * scale
-            p = np.exp(s - s.max())
-            out[b, h] = p @ v[b, h // (H // Hkv), :n] / p.sum()
-    return out
+    return ref.decode_attention(q, k, v, np.asarray(lengths), scale=scale)
 
 
 DECODE_CASES = [

@@ -13,26 +13,30 @@ import math
 import numpy as np
 
 import xpkernels as xk
-from conformance.harness import Case, ErrorCase, OpSpec
-from conformance.specs.attention import _bshd, _other_namespace_array
 from xpkernels.decode_attention import DecodeAttentionScratch
+from xpkernels.testing import references as ref
+from xpkernels.testing.harness import Case, ErrorCase, OpSpec
+from xpkernels.testing.specs.attention import _aligned_scores, _bshd, _other_namespace_array
 
 
-def _case(ident, interpreter=False, **params):
+def _case(ident, interpreter=False, quick=False, **params):
     base = {"B": 2, "H": 2, "Hkv": 2, "Smax": 32, "D": 16, "Dv": None, "lengths": None,
-            "scale": None, "n_splits": None, "layout": "bhsd"}
+            "scale": None, "n_splits": None, "layout": "bhsd", "score": None}
     unknown = set(params) - set(base)
     if unknown:
         raise TypeError(f"decode_attention case {ident}: unknown parameters {sorted(unknown)}")
-    return Case(ident, {**base, **params}, interpreter=interpreter)
+    return Case(ident, {**base, **params}, interpreter=interpreter, quick=quick)
 
 
 CASES = [
     _case("full-cache-d16", True, lengths=[32, 32]),
-    _case("lengths-with-zero", True, B=3, Smax=70, lengths=[70, 0, 33]),
+    _case("lengths-with-zero", True, True, B=3, Smax=70, lengths=[70, 0, 33]),
     _case("gqa2-d40-odd-lengths", True, H=4, Hkv=2, Smax=80, D=40, lengths=[1, 65]),
     _case("mqa4-d64-splits3", True, H=4, Hkv=1, Smax=80, D=64, lengths=[80, 47], n_splits=3),
     _case("splits-beyond-length", True, Smax=20, lengths=[3, 20], n_splits=7),
+    # Every score near -400 and more splits than keys: the empty splits' (m = -inf, l = 0)
+    # must drop out of the combine (with m = 0 there, exp(-400) underflows and o = 0 / 0).
+    _case("empty-splits-scores-minus-400", True, Smax=16, lengths=[3, 16], n_splits=8, score=-400.0),
     _case("dv-ne-d-splits2", True, Smax=64, D=40, Dv=16, lengths=[64, 40], n_splits=2),
     _case("bshd-cache-gqa2", True, H=4, Hkv=2, Smax=72, D=64, lengths=[72, 9], layout="bshd"),
     _case("d128-scale", Smax=200, D=128, lengths=[200, 131], scale=0.05),
@@ -49,95 +53,77 @@ def _scale(p):
     return p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(p["D"])
 
 
-class DecodeAttentionSpec(OpSpec):
-    def cases(self):
-        return CASES
+def _inputs(case, rng):
+    p = case.params
+    batch, heads, kv_heads, smax, d, dv = _dims(p)
+    q = rng.standard_normal((batch, heads, d))
+    k = rng.standard_normal((batch, kv_heads, smax, d))
+    if p["score"] is not None:
+        q, k = _aligned_scores(rng, q.shape, k.shape, p["score"], _scale(p))
+    return {
+        "q": q,
+        "k_cache": k,
+        "v_cache": rng.standard_normal((batch, kv_heads, smax, dv)),
+        "lengths": np.asarray(p["lengths"], dtype=np.int64),
+    }
 
-    def inputs(self, case, rng):
-        batch, heads, kv_heads, smax, d, dv = _dims(case.params)
-        return {
-            "q": rng.standard_normal((batch, heads, d)),
-            "k_cache": rng.standard_normal((batch, kv_heads, smax, d)),
-            "v_cache": rng.standard_normal((batch, kv_heads, smax, dv)),
-            "lengths": np.asarray(case.params["lengths"], dtype=np.int64),
-        }
 
-    def arrange(self, case, arrays, target):
-        if case.params["layout"] != "bshd":
-            return arrays
-        return {**arrays, **{name: _bshd(target, arrays[name]) for name in ("k_cache", "v_cache")}}
+def _arrange(case, arrays, target):
+    if case.params["layout"] != "bshd":
+        return arrays
+    return {**arrays, **{name: _bshd(target, arrays[name]) for name in ("k_cache", "v_cache")}}
 
-    def cotangents(self, case, rng):
-        return {}
 
-    def reference(self, case, inputs):
-        p = case.params
-        batch, heads, kv_heads, _, _, dv = _dims(p)
-        group = heads // kv_heads
-        o = np.zeros((batch, heads, dv))
-        for b, n in enumerate(inputs["lengths"]):
-            if n == 0:
-                continue
-            k = np.repeat(inputs["k_cache"][b, :, :n], group, axis=0)
-            v = np.repeat(inputs["v_cache"][b, :, :n], group, axis=0)
-            s = np.einsum("hd,hjd->hj", inputs["q"][b], k) * _scale(p)
-            e = np.exp(s - s.max(axis=-1, keepdims=True))
-            o[b] = np.einsum("hj,hjd->hd", e / e.sum(axis=-1, keepdims=True), v)
-        return {"o": o}, {}
+def _reference(case, inputs):
+    o = ref.decode_attention(
+        inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["lengths"], scale=_scale(case.params)
+    )
+    return {"o": o}, {}
 
-    def reference_backward(self, case, inputs, cotangents):
-        """decode_attention is forward-only: it has no gradients (``grad_names`` is empty)."""
-        return {}
 
-    def torch_reference(self, case, inputs, cotangents):
-        import torch
-        import torch.nn.functional as F
+def _torch_reference(case, inputs, cotangents):
+    import torch
+    import torch.nn.functional as F
 
-        p = case.params
-        q = torch.tensor(inputs["q"])[:, :, None, :]
-        lengths = torch.tensor(inputs["lengths"])
-        keep = torch.arange(p["Smax"])[None, :] < lengths[:, None]
-        o = F.scaled_dot_product_attention(
-            q, torch.tensor(inputs["k_cache"]), torch.tensor(inputs["v_cache"]),
-            attn_mask=keep[:, None, None, :], scale=_scale(p), enable_gqa=True,
-        )[:, :, 0, :]
-        return {"o": torch.where((lengths > 0)[:, None, None], o, 0.0).numpy()}, {}
+    p = case.params
+    q = torch.tensor(inputs["q"])[:, :, None, :]
+    lengths = torch.tensor(inputs["lengths"])
+    keep = torch.arange(p["Smax"])[None, :] < lengths[:, None]
+    o = F.scaled_dot_product_attention(
+        q, torch.tensor(inputs["k_cache"]), torch.tensor(inputs["v_cache"]),
+        attn_mask=keep[:, None, None, :], scale=_scale(p), enable_gqa=True,
+    )[:, :, 0, :]
+    return {"o": torch.where((lengths > 0)[:, None, None], o, 0.0).numpy()}, {}
 
-    def allocate_outputs(self, case, arrays, target, dtype):
-        batch, heads, _, _, _, dv = _dims(case.params)
-        return {"o": target.full((batch, heads, dv), np.nan, dtype)}
 
-    def allocate_checkpoints(self, case, arrays):
-        """decode_attention saves no checkpoints (``checkpoint_names`` is empty): None."""
+def _allocate_outputs(case, arrays, target, dtype):
+    batch, heads, _, _, _, dv = _dims(case.params)
+    return {"o": target.full((batch, heads, dv), np.nan, dtype)}
 
-    def forward_(self, case, arrays, outs, checkpoints, backend):
-        p = case.params
-        scratch = xk.allocate_scratchspace(
-            xk.decode_attention_, outs["o"], arrays["q"], arrays["k_cache"], arrays["v_cache"],
-            arrays["lengths"], n_splits=p["n_splits"], backend=backend,
-        )
-        xk.decode_attention_(
-            outs["o"], arrays["q"], arrays["k_cache"], arrays["v_cache"], arrays["lengths"],
-            scale=p["scale"], scratch=scratch, backend=backend,
-        )
 
-    def forward(self, case, arrays, checkpoints, backend):
-        p = case.params
-        o = xk.decode_attention(
-            arrays["q"], arrays["k_cache"], arrays["v_cache"], arrays["lengths"],
-            scale=p["scale"], n_splits=p["n_splits"], backend=backend,
-        )
-        return {"o": o}
+def _forward_(case, arrays, outs, checkpoints, backend):
+    p = case.params
+    scratch = xk.allocate_scratchspace(
+        xk.decode_attention_, outs["o"], arrays["q"], arrays["k_cache"], arrays["v_cache"],
+        arrays["lengths"], n_splits=p["n_splits"], backend=backend,
+    )
+    xk.decode_attention_(
+        outs["o"], arrays["q"], arrays["k_cache"], arrays["v_cache"], arrays["lengths"],
+        scale=p["scale"], scratch=scratch, backend=backend,
+    )
 
-    def backward_(self, case, arrays, outs, cotangents, grads, checkpoints, backend):
-        """decode_attention is forward-only (``differentiable=False``): no backward to run."""
 
-    def backward(self, case, arrays, outs, cotangents, checkpoints, backend):
-        """decode_attention is forward-only (``differentiable=False``): no gradients."""
-        return {}
+def _forward(case, arrays, checkpoints, backend):
+    p = case.params
+    o = xk.decode_attention(
+        arrays["q"], arrays["k_cache"], arrays["v_cache"], arrays["lengths"],
+        scale=p["scale"], n_splits=p["n_splits"], backend=backend,
+    )
+    return {"o": o}
 
-    def errors(self):
-        return _error_cases()
+
+def _errors():
+    return _error_cases()
 
 
 def _error_cases():
@@ -203,10 +189,10 @@ def _error_cases():
                   call(k_cache=lambda t: _other_namespace_array(t, np.full(shape_cache, 0.5))),
                   TypeError, r"all arrays of a call must come from one namespace"),
         ErrorCase("lengths-above-Smax", call(lengths=ints([11, 3])), ValueError,
-                  r"lengths must lie in \[0, 10\] \(Smax\), got values in \[3, 11\]"),
-        ErrorCase("lengths-negative", call(lengths=ints([-1, 3])), ValueError, r"lengths must lie in \[0, 10\]"),
+                  r"lengths must lie in \[0, 10\] \(Smax\), got values in \[3, 11\]", values=True),
+        ErrorCase("lengths-negative", call(lengths=ints([-1, 3])), ValueError, r"lengths must lie in \[0, 10\]", values=True),
         ErrorCase("lengths-float", call(lengths=lambda t: t.full((2,), 3.0, "float32")), TypeError,
-                  r"lengths must have an integer dtype"),
+                  r"lengths must have dtype int32 or int64"),
         ErrorCase("lengths-shape", call(lengths=ints([3])), ValueError, r"lengths must have shape \(2,\)"),
         ErrorCase("scale-inf", call(scale=float("inf")), ValueError, r"scale must be finite and > 0"),
         ErrorCase("n-splits-zero", call(n_splits=0), ValueError, r"n_splits must be >= 1"),
@@ -229,6 +215,16 @@ def _error_cases():
     ]
 
 
-SPEC = DecodeAttentionSpec(
-    name="decode_attention", outputs=("o",), grad_names=(), differentiable=False,
+SPEC = OpSpec(
+    name="decode_attention",
+    outputs=("o",),
+    cases=tuple(CASES),
+    inputs=_inputs,
+    reference=_reference,
+    allocate_outputs=_allocate_outputs,
+    forward_=_forward_,
+    forward=_forward,
+    errors=_errors,
+    arrange=_arrange,
+    torch_reference=_torch_reference,
 )

@@ -35,12 +35,12 @@ from importlib import resources
 import array_api_compat
 import numpy as np
 
-from .attention import attention_, attention_backward_
-from .buffers import Duplicated, allocate_checkpoints, allocate_scratchspace
-from .decode_attention import decode_attention_
-from .registry import BACKENDS, resolve
-from .rms_norm import rms_norm_, rms_norm_backward_
-from .softmax import softmax_, softmax_backward_
+from ..attention import attention_, attention_backward_
+from ..buffers import Duplicated, allocate_checkpoints, allocate_scratchspace
+from ..decode_attention import decode_attention_
+from ..registry import BACKENDS, resolve
+from ..rms_norm import rms_norm_, rms_norm_backward_
+from ..softmax import softmax_, softmax_backward_
 
 __all__ = [
     "ArrayLibrary",

@@ -26,8 +26,6 @@ import warnings
 
 import numpy as np
 
-from conformance.harness import Case, ErrorCase, OpSpec
-from conformance.specs.attention import AttentionLayout, _bshd, _dims, _scale
 from xpkernels import mods as xm
 from xpkernels.attention import AttentionCheckpoints
 from xpkernels.buffers import Duplicated, allocate_checkpoints, allocate_scratchspace, grad_shadow
@@ -37,6 +35,9 @@ from xpkernels.flex_attention import (
     flex_attention_backward,
     flex_attention_backward_,
 )
+from xpkernels.testing import references as ref
+from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
+from xpkernels.testing.specs.attention import _bshd, _dims, _scale, arrange_qkv, cotangent_o
 
 _BASE = {
     "B": 1,
@@ -58,11 +59,11 @@ _BASE = {
 }
 
 
-def _case(ident, **params):
+def _case(ident, quick=False, **params):
     unknown = set(params) - set(_BASE)
     if unknown:
         raise TypeError(f"flex case {ident}: unknown parameters {sorted(unknown)}")
-    return Case(ident, {**_BASE, **params})
+    return Case(ident, {**_BASE, **params}, quick=quick)
 
 
 CASES = [
@@ -82,7 +83,13 @@ CASES = [
     _case("softcap", Sq=33, Sk=140, score="softcap"),
     _case("alibi-causal", H=4, Sq=150, Sk=150, mask="causal", score="alibi"),
     _case(
-        "alibi-then-softcap-sliding", Sq=150, Sk=150, mask="sliding", w=40, score="alibi>>softcap"
+        "alibi-then-softcap-sliding",
+        quick=True,
+        Sq=150,
+        Sk=150,
+        mask="sliding",
+        w=40,
+        score="alibi>>softcap",
     ),
     _case("bias-heads", H=3, Hkv=1, Sq=20, Sk=140, score="bias-h"),
     _case("bias-batch-pos60", B=2, Sq=20, Sk=140, score="bias-b", mask="causal", input_pos=60),
@@ -281,24 +288,21 @@ def _naive(p, inputs):
     """Full float64 matrices: raw scores, probabilities, repeated K/V, output, m, l, the mods."""
     score_mod, mask_mod = _mods(p, inputs)
     group = p["H"] // p["Hkv"]
-    k_rep, v_rep = np.repeat(inputs["k"], group, axis=1), np.repeat(inputs["v"], group, axis=1)
+    k_rep, v_rep = ref.repeat_kv(inputs["k"], group), ref.repeat_kv(inputs["v"], group)
     raw = np.einsum("bhid,bhjd->bhij", inputs["q"], k_rep) * _scale(p)
     b, h, row, q_idx, kv_idx = _grids(p)
     s = (
         raw
         if score_mod is None
-        else np.broadcast_to(score_mod(raw, b, h, q_idx, kv_idx, q_row=row), raw.shape)
+        # Integer positions promote the mods' arithmetic to float64: back to the scores' dtype.
+        else np.broadcast_to(score_mod(raw, b, h, q_idx, kv_idx, q_row=row), raw.shape).astype(raw.dtype)
     )
     keep = (
         np.ones(raw.shape, bool)
         if mask_mod is None
         else np.broadcast_to(mask_mod(b, h, q_idx, kv_idx, q_row=row), raw.shape)
     )
-    valid = keep.any(axis=-1)
-    m = np.where(valid, np.max(np.where(keep, s, -np.inf), axis=-1), -np.inf)
-    e = np.where(keep, np.exp(np.where(keep, s, 0.0) - np.where(valid, m, 0.0)[..., None]), 0.0)
-    l_sum = e.sum(axis=-1)
-    probs = e / np.where(valid, l_sum, 1.0)[..., None]
+    probs, m, l_sum = ref.masked_softmax(s, keep)
     return {
         "raw": raw,
         "probs": probs,
@@ -311,205 +315,280 @@ def _naive(p, inputs):
     }
 
 
-def _group_sum(p, a):
-    batch, _, kv_heads = _dims(p)[:3]
-    return a.reshape(batch, kv_heads, p["H"] // kv_heads, *a.shape[2:]).sum(axis=2)
+def _inputs(case, rng):
+    p = case.params
+    batch, heads, kv_heads, sq, sk, d, dv = _dims(p)
+    arrays = {
+        "q": rng.standard_normal((batch, heads, sq, d)),
+        "k": rng.standard_normal((batch, kv_heads, sk, d)),
+        "v": rng.standard_normal((batch, kv_heads, sk, dv)),
+    }
+    scales = {"slopes": 0.05, "table": 0.5}
+    pieces = [
+        rng.standard_normal(math.prod(shape)) * scales.get(name.split(".")[-1], 1.0)
+        for name, shape in _param_layout(p)
+    ]
+    arrays["params"] = np.concatenate(pieces) if pieces else np.zeros(0)
+    if p["score"] == "pair":
+        arrays["q_features"] = rng.standard_normal((batch, sq, 2))
+        arrays["k_features"] = rng.standard_normal((batch, sk, 2))
+    if p["mask"] in ("document", "sliding&document"):
+        arrays["doc"] = np.sort(rng.integers(0, 4, size=(batch, sk)), axis=1)
+    if p["mask"] == "document-rows":
+        arrays["doc_q"] = rng.integers(0, 4, size=sq)
+        arrays["doc_kv"] = rng.integers(0, 3, size=sk)
+    if not isinstance(p["input_pos"], int):
+        arrays["input_pos"] = np.asarray(p["input_pos"], dtype=np.int64)
+    return arrays
 
 
-class FlexAttentionSpec(AttentionLayout, OpSpec):
-    def cases(self):
-        return CASES
-
-    def inputs(self, case, rng):
-        p = case.params
-        batch, heads, kv_heads, sq, sk, d, dv = _dims(p)
-        arrays = {
-            "q": rng.standard_normal((batch, heads, sq, d)),
-            "k": rng.standard_normal((batch, kv_heads, sk, d)),
-            "v": rng.standard_normal((batch, kv_heads, sk, dv)),
-        }
-        scales = {"slopes": 0.05, "table": 0.5}
-        pieces = [
-            rng.standard_normal(math.prod(shape)) * scales.get(name.split(".")[-1], 1.0)
-            for name, shape in _param_layout(p)
-        ]
-        arrays["params"] = np.concatenate(pieces) if pieces else np.zeros(0)
-        if p["score"] == "pair":
-            arrays["q_features"] = rng.standard_normal((batch, sq, 2))
-            arrays["k_features"] = rng.standard_normal((batch, sk, 2))
-        if p["mask"] in ("document", "sliding&document"):
-            arrays["doc"] = np.sort(rng.integers(0, 4, size=(batch, sk)), axis=1)
-        if p["mask"] == "document-rows":
-            arrays["doc_q"] = rng.integers(0, 4, size=sq)
-            arrays["doc_kv"] = rng.integers(0, 3, size=sk)
-        if not isinstance(p["input_pos"], int):
-            arrays["input_pos"] = np.asarray(p["input_pos"], dtype=np.int64)
-        return arrays
+def _reference(case, inputs):
+    st = _naive(case.params, inputs)
+    return {"o": st["o"]}, {"m": st["m"], "l": st["l"]}
 
 
-    def reference(self, case, inputs):
-        st = _naive(case.params, inputs)
-        return {"o": st["o"]}, {"m": st["m"], "l": st["l"]}
-
-    def reference_backward(self, case, inputs, cotangents):
-        p = case.params
-        st = _naive(p, inputs)
-        do = cotangents["o"]
-        probs = st["probs"]
-        dv_rep = np.swapaxes(probs, -1, -2) @ do
-        delta = np.sum(do * st["o"], axis=-1, keepdims=True)
-        g = probs * (do @ np.swapaxes(st["v_rep"], -1, -2) - delta)
-        grads = {}
-        ds = g
-        if st["score_mod"] is not None:
-            b, h, _, q_idx, kv_idx = _grids(p)
-            ds, tree = xm.score_grad(
-                st["score_mod"],
-                st["raw"],
-                g,
-                q_idx,
-                kv_idx,
-                b,
-                h,
-                input_pos=_positions(p)[:, None, None, None],
-                feature_grads=p["score"] == "pair-grads",
-            )
-            grads = dict(tree.items())
-        flat = [grads[name].reshape(-1) for name, _ in _param_layout(p)]
-        return {
-            "q": ds @ st["k_rep"] * _scale(p),
-            "k": _group_sum(p, np.swapaxes(ds, -1, -2) @ inputs["q"] * _scale(p)),
-            "v": _group_sum(p, dv_rep),
-            "params": np.concatenate(flat) if flat else np.zeros(0),
-        }
-
-    def torch_reference(self, case, inputs, cotangents):
-        import torch
-        from torch.nn.attention.flex_attention import create_block_mask
-        from torch.nn.attention.flex_attention import flex_attention as torch_flex
-
-        p = case.params
-        batch, heads, _, sq, sk, _, _ = _dims(p)
-        t = {name: torch.tensor(a) for name, a in inputs.items()}
-        for name in ("q", "k", "v", "params"):
-            t[name].requires_grad_(True)
-        pos = torch.tensor(_positions(p))
-        constants = {name: a.detach() for name, a in t.items()}
-        oracle_score, oracle_mask = _mods(p, constants)
-
-        def torch_score(s, b, h, q_row, kv_idx):
-            return oracle_score(s, b, h, q_row + pos[b], kv_idx, q_row=q_row)
-
-        def torch_mask(b, h, q_row, kv_idx):
-            keep = oracle_mask(b, h, q_row + pos[b], kv_idx, q_row=q_row)
-            return keep if torch.is_tensor(keep) else torch.full_like(q_row, keep, dtype=torch.bool)
-
-        block_mask = (
-            None
-            if oracle_mask is None
-            else create_block_mask(torch_mask, batch, heads, sq, sk, device="cpu")
+def _reference_backward(case, inputs, cotangents):
+    p = case.params
+    st = _naive(p, inputs)
+    g, dv_rep = ref.score_gradient(st["probs"], st["o"], cotangents["o"], st["v_rep"])
+    grads = {}
+    ds = g
+    if st["score_mod"] is not None:
+        b, h, _, q_idx, kv_idx = _grids(p)
+        ds, tree = xm.score_grad(
+            st["score_mod"],
+            st["raw"],
+            g,
+            q_idx,
+            kv_idx,
+            b,
+            h,
+            input_pos=_positions(p)[:, None, None, None],
+            feature_grads=p["score"] == "pair-grads",
         )
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            oracle = torch_flex(
-                constants["q"],
-                constants["k"],
-                constants["v"],
-                score_mod=None if oracle_score is None else torch_score,
-                block_mask=block_mask,
-                scale=_scale(p),
-                enable_gqa=True,
-            )
-        score_mod, mask_mod = _mods(p, t)
-        group = heads // p["Hkv"]
-        k_rep, v_rep = (
-            t["k"].repeat_interleave(group, dim=1),
-            t["v"].repeat_interleave(group, dim=1),
+        grads = dict(tree.items())
+    flat = [grads[name].reshape(-1) for name, _ in _param_layout(p)]
+    return {
+        "q": ds @ st["k_rep"] * _scale(p),
+        "k": ref.group_sum(np.swapaxes(ds, -1, -2) @ inputs["q"] * _scale(p), p["Hkv"]),
+        "v": ref.group_sum(dv_rep, p["Hkv"]),
+        "params": np.concatenate(flat) if flat else np.zeros(0),
+    }
+
+
+def _torch_reference(case, inputs, cotangents):
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    p = case.params
+    batch, heads, _, sq, sk, _, _ = _dims(p)
+    t = {name: torch.tensor(a) for name, a in inputs.items()}
+    for name in ("q", "k", "v", "params"):
+        t[name].requires_grad_(True)
+    pos = torch.tensor(_positions(p))
+    constants = {name: a.detach() for name, a in t.items()}
+    oracle_score, oracle_mask = _mods(p, constants)
+
+    def torch_score(s, b, h, q_row, kv_idx):
+        return oracle_score(s, b, h, q_row + pos[b], kv_idx, q_row=q_row)
+
+    def torch_mask(b, h, q_row, kv_idx):
+        keep = oracle_mask(b, h, q_row + pos[b], kv_idx, q_row=q_row)
+        return keep if torch.is_tensor(keep) else torch.full_like(q_row, keep, dtype=torch.bool)
+
+    block_mask = (
+        None
+        if oracle_mask is None
+        else create_block_mask(torch_mask, batch, heads, sq, sk, device="cpu")
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        oracle = torch_flex(
+            constants["q"],
+            constants["k"],
+            constants["v"],
+            score_mod=None if oracle_score is None else torch_score,
+            block_mask=block_mask,
+            scale=_scale(p),
+            enable_gqa=True,
         )
-        s = t["q"] @ k_rep.transpose(-1, -2) * _scale(p)
-        b, h, row, q_idx, kv_idx = (torch.tensor(a) for a in _grids(p))
-        if score_mod is not None:
-            s = score_mod(s, b, h, q_idx, kv_idx, q_row=row)
-        if mask_mod is not None:
-            keep = torch.as_tensor(mask_mod(b, h, q_idx, kv_idx, q_row=row))
-            s = s.masked_fill(~torch.broadcast_to(keep, s.shape), -math.inf)
-        valid = torch.isfinite(s).any(dim=-1, keepdim=True)
-        probs = torch.softmax(torch.where(valid, s, 0.0), dim=-1) * valid
-        (probs @ v_rep).backward(torch.tensor(cotangents["o"]))
-        grads = {name: t[name].grad.numpy() for name in ("q", "k", "v")}
-        grads["params"] = t["params"].grad.numpy() if t["params"].grad is not None else np.zeros(0)
-        return {"o": oracle.numpy()}, grads
+    score_mod, mask_mod = _mods(p, t)
+    group = heads // p["Hkv"]
+    k_rep, v_rep = (
+        t["k"].repeat_interleave(group, dim=1),
+        t["v"].repeat_interleave(group, dim=1),
+    )
+    s = t["q"] @ k_rep.transpose(-1, -2) * _scale(p)
+    b, h, row, q_idx, kv_idx = (torch.tensor(a) for a in _grids(p))
+    if score_mod is not None:
+        s = score_mod(s, b, h, q_idx, kv_idx, q_row=row)
+    if mask_mod is not None:
+        keep = torch.as_tensor(mask_mod(b, h, q_idx, kv_idx, q_row=row))
+        s = s.masked_fill(~torch.broadcast_to(keep, s.shape), -math.inf)
+    valid = torch.isfinite(s).any(dim=-1, keepdim=True)
+    probs = torch.softmax(torch.where(valid, s, 0.0), dim=-1) * valid
+    (probs @ v_rep).backward(torch.tensor(cotangents["o"]))
+    grads = {name: t[name].grad.numpy() for name in ("q", "k", "v")}
+    grads["params"] = t["params"].grad.numpy() if t["params"].grad is not None else np.zeros(0)
+    return {"o": oracle.numpy()}, grads
 
-    def allocate_outputs(self, case, arrays, target, dtype):
-        batch, heads, _, sq, _, _, dv = _dims(case.params)
-        o = target.full((batch, heads, sq, dv), np.nan, dtype)
-        return {"o": _bshd(target, o) if case.params["layout"] == "bshd" else o}
 
-    def allocate_checkpoints(self, case, arrays):
-        return allocate_checkpoints(flex_attention_, arrays["q"], arrays["k"], arrays["v"])
+def _allocate_outputs(case, arrays, target, dtype):
+    batch, heads, _, sq, _, _, dv = _dims(case.params)
+    o = target.full((batch, heads, sq, dv), np.nan, dtype)
+    return {"o": _bshd(target, o) if case.params["layout"] == "bshd" else o}
 
-    def forward_(self, case, arrays, outs, checkpoints, backend):
-        flex_attention_(
-            outs["o"],
-            arrays["q"],
-            arrays["k"],
-            arrays["v"],
-            **_options(case, arrays),
-            checkpoints=checkpoints,
-            backend=backend,
-        )
 
-    def forward(self, case, arrays, checkpoints, backend):
-        o = flex_attention(
-            arrays["q"],
-            arrays["k"],
-            arrays["v"],
-            **_options(case, arrays),
-            checkpoints=checkpoints,
-            backend=backend,
-        )
-        return {"o": o}
+def _allocate_checkpoints(case, arrays):
+    return allocate_checkpoints(flex_attention_, arrays["q"], arrays["k"], arrays["v"])
 
-    def backward_(self, case, arrays, outs, cotangents, grads, checkpoints, backend):
-        options = _options(case, arrays)
-        O = Duplicated(outs["o"], cotangents["o"])
-        Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
-        scratch = allocate_scratchspace(flex_attention_backward_, O, Q, K, V, backend=backend)
-        mod_grad = _mod_grad(case, options)
+
+def _forward_(case, arrays, outs, checkpoints, backend):
+    flex_attention_(
+        outs["o"],
+        arrays["q"],
+        arrays["k"],
+        arrays["v"],
+        **_options(case, arrays),
+        checkpoints=checkpoints,
+        backend=backend,
+    )
+
+
+def _forward(case, arrays, checkpoints, backend):
+    o = flex_attention(
+        arrays["q"],
+        arrays["k"],
+        arrays["v"],
+        **_options(case, arrays),
+        checkpoints=checkpoints,
+        backend=backend,
+    )
+    return {"o": o}
+
+
+def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
+    options = _options(case, arrays)
+    O = Duplicated(outs["o"], cotangents["o"])
+    Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
+    scratch = allocate_scratchspace(flex_attention_backward_, O, Q, K, V, backend=backend)
+    mod_grad = _mod_grad(case, options)
+    flex_attention_backward_(
+        O,
+        Q,
+        K,
+        V,
+        checkpoints=checkpoints,
+        scratch=scratch,
+        score_mod_grad=mod_grad,
+        **options,
+        backend=backend,
+    )
+    _write_params(case, mod_grad, grads["params"])
+
+
+def _backward(case, arrays, outs, cotangents, checkpoints, backend):
+    options = _options(case, arrays)
+    mod_grad = _mod_grad(case, options)
+    dq, dk, dv = flex_attention_backward(
+        cotangents["o"],
+        arrays["q"],
+        arrays["k"],
+        arrays["v"],
+        outs["o"],
+        checkpoints=checkpoints,
+        score_mod_grad=mod_grad,
+        **options,
+        backend=backend,
+    )
+    xp = _namespace(arrays["params"])
+    params = xp.empty_like(arrays["params"])
+    _write_params(case, mod_grad, params)
+    return {"q": dq, "k": dk, "v": dv, "params": params}
+
+
+def _more_error_cases():
+    """Input positions, mod types, gradients of another mod, int64 index arithmetic."""
+    shape_q, shape_kv = (2, 4, 8, 16), (2, 2, 8, 16)
+
+    def forward(**options):
+        def call(t):
+            q, o = t.full(shape_q, 0.5, "float32"), t.full(shape_q, 0.0, "float32")
+            k, v = t.full(shape_kv, 0.25, "float32"), t.full(shape_kv, 0.5, "float32")
+            flex_attention_(o, q, k, v, **{n: f(t) if n == "score_mod" else f for n, f in options.items()})
+
+        return call
+
+    def slopes(t):
+        return xm.AliBiScore(t.full((4,), 0.1, "float32"))
+
+    def grad_of_other_arrays(t):
+        q, o = t.full(shape_q, 0.5, "float32"), t.full(shape_q, 0.0, "float32")
+        k, v = t.full(shape_kv, 0.25, "float32"), t.full(shape_kv, 0.5, "float32")
+        mod = slopes(t)
+        ck = allocate_checkpoints(flex_attention_, q, k, v)
+        flex_attention_(o, q, k, v, score_mod=mod, checkpoints=ck)
         flex_attention_backward_(
-            O,
-            Q,
-            K,
-            V,
-            checkpoints=checkpoints,
-            scratch=scratch,
-            score_mod_grad=mod_grad,
-            **options,
-            backend=backend,
+            Duplicated(o), Duplicated(q), Duplicated(k), Duplicated(v), checkpoints=ck,
+            score_mod=mod, score_mod_grad=grad_shadow(slopes(t)),
         )
-        _write_params(case, mod_grad, grads["params"])
 
-    def backward(self, case, arrays, outs, cotangents, checkpoints, backend):
-        options = _options(case, arrays)
-        mod_grad = _mod_grad(case, options)
-        dq, dk, dv = flex_attention_backward(
-            cotangents["o"],
-            arrays["q"],
-            arrays["k"],
-            arrays["v"],
-            outs["o"],
-            checkpoints=checkpoints,
-            score_mod_grad=mod_grad,
-            **options,
-            backend=backend,
+    def wrapping_index(t):
+        return xm.ScoreMod(
+            lambda s, b, h, q_idx, kv_idx, *, w: s + w[h, (kv_idx * 2**62) // 2**62],
+            w=t.full((4, 8), 0.0, "float32"),
         )
-        xp = _namespace(arrays["params"])
-        params = xp.empty_like(arrays["params"])
-        _write_params(case, mod_grad, params)
-        return {"q": dq, "k": dk, "v": dv, "params": params}
 
-    def errors(self):
-        return _error_cases() + _more_error_cases()
+    return [
+        ErrorCase(
+            "input-pos-list-too-long",
+            forward(input_pos=[0, 1, 2]),
+            ValueError,
+            r"flex_attention_: input_pos must have 2 entries \(one per batch\), got 3",
+        ),
+        ErrorCase(
+            "input-pos-list-too-short",
+            forward(input_pos=[4]),
+            ValueError,
+            r"flex_attention_: input_pos must have 2 entries \(one per batch\), got 1",
+        ),
+        ErrorCase(
+            "input-pos-past-index-range",
+            forward(input_pos=2**31),
+            ValueError,
+            r"flex_attention_: input_pos must lie in \[-2147483647, 2147483647\], got 2147483648",
+        ),
+        ErrorCase(
+            "mask-mod-an-int",
+            forward(mask_mod=3),
+            TypeError,
+            r"flex_attention_: mask_mod must be a MaskMod or a function .* got int",
+        ),
+        ErrorCase(
+            "mask-mod-a-score-mod",
+            forward(mask_mod=xm.SoftCapScore(2.0)),
+            TypeError,
+            r"flex_attention_: mask_mod must be a MaskMod .* got SoftCapScore\(2\), a score mod",
+        ),
+        ErrorCase(
+            "score-mod-grad-other-arrays",
+            grad_of_other_arrays,
+            TypeError,
+            r"score_mod_grad does not match score_mod AliBiScore: it was made by grad_shadow of "
+            r"another score mod",
+        ),
+        ErrorCase(
+            "index-wraps-in-int64",
+            forward(score_mod=wrapping_index),
+            ValueError,
+            r"indexed on axis 1 by values in \[-2, 1\] .*leaves int64",
+        ),
+    ]
+
+
+def _errors():
+    return _error_cases() + _more_error_cases()
 
 
 def _namespace(a):
@@ -812,88 +891,25 @@ def _error_cases():
     ]
 
 
-def _more_error_cases():
-    """Input positions, mod types, gradients of another mod, int64 index arithmetic."""
-    shape_q, shape_kv = (2, 4, 8, 16), (2, 2, 8, 16)
-
-    def forward(**options):
-        def call(t):
-            q, o = t.full(shape_q, 0.5, "float32"), t.full(shape_q, 0.0, "float32")
-            k, v = t.full(shape_kv, 0.25, "float32"), t.full(shape_kv, 0.5, "float32")
-            flex_attention_(o, q, k, v, **{n: f(t) if n == "score_mod" else f for n, f in options.items()})
-
-        return call
-
-    def slopes(t):
-        return xm.AliBiScore(t.full((4,), 0.1, "float32"))
-
-    def grad_of_other_arrays(t):
-        q, o = t.full(shape_q, 0.5, "float32"), t.full(shape_q, 0.0, "float32")
-        k, v = t.full(shape_kv, 0.25, "float32"), t.full(shape_kv, 0.5, "float32")
-        mod = slopes(t)
-        ck = allocate_checkpoints(flex_attention_, q, k, v)
-        flex_attention_(o, q, k, v, score_mod=mod, checkpoints=ck)
-        flex_attention_backward_(
-            Duplicated(o), Duplicated(q), Duplicated(k), Duplicated(v), checkpoints=ck,
-            score_mod=mod, score_mod_grad=grad_shadow(slopes(t)),
-        )
-
-    def wrapping_index(t):
-        return xm.ScoreMod(
-            lambda s, b, h, q_idx, kv_idx, *, w: s + w[h, (kv_idx * 2**62) // 2**62],
-            w=t.full((4, 8), 0.0, "float32"),
-        )
-
-    return [
-        ErrorCase(
-            "input-pos-list-too-long",
-            forward(input_pos=[0, 1, 2]),
-            ValueError,
-            r"flex_attention_: input_pos must have 2 entries \(one per batch\), got 3",
-        ),
-        ErrorCase(
-            "input-pos-list-too-short",
-            forward(input_pos=[4]),
-            ValueError,
-            r"flex_attention_: input_pos must have 2 entries \(one per batch\), got 1",
-        ),
-        ErrorCase(
-            "input-pos-past-index-range",
-            forward(input_pos=2**31),
-            ValueError,
-            r"flex_attention_: input_pos must lie in \[-2147483647, 2147483647\], got 2147483648",
-        ),
-        ErrorCase(
-            "mask-mod-an-int",
-            forward(mask_mod=3),
-            TypeError,
-            r"flex_attention_: mask_mod must be a MaskMod or a function .* got int",
-        ),
-        ErrorCase(
-            "mask-mod-a-score-mod",
-            forward(mask_mod=xm.SoftCapScore(2.0)),
-            TypeError,
-            r"flex_attention_: mask_mod must be a MaskMod .* got SoftCapScore\(2\), a score mod",
-        ),
-        ErrorCase(
-            "score-mod-grad-other-arrays",
-            grad_of_other_arrays,
-            TypeError,
-            r"score_mod_grad does not match score_mod AliBiScore: it was made by grad_shadow of "
-            r"another score mod",
-        ),
-        ErrorCase(
-            "index-wraps-in-int64",
-            forward(score_mod=wrapping_index),
-            ValueError,
-            r"indexed on axis 1 by values in \[-2, 1\] .*leaves int64",
-        ),
-    ]
-
-
-SPEC = FlexAttentionSpec(
+SPEC = OpSpec(
     name="flex_attention",
     outputs=("o",),
-    grad_names=("q", "k", "v", "params"),
+    cases=tuple(CASES),
+    inputs=_inputs,
+    reference=_reference,
+    allocate_outputs=_allocate_outputs,
+    forward_=_forward_,
+    forward=_forward,
+    errors=_errors,
     checkpoint_names=("m", "l"),
+    allocate_checkpoints=_allocate_checkpoints,
+    arrange=arrange_qkv,
+    backward=Backward(
+        grad_names=("q", "k", "v", "params"),
+        cotangents=cotangent_o,
+        reference=_reference_backward,
+        inplace=_backward_,
+        allocating=_backward,
+    ),
+    torch_reference=_torch_reference,
 )

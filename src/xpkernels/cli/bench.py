@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .buffers import Duplicated, allocate_checkpoints, allocate_scratchspace
-from .registry import OPS
+from ..buffers import Duplicated, allocate_checkpoints, allocate_scratchspace
+from ..registry import OPS
 
 #: Shapes of a full run and of ``--quick``.
 SHAPES = {
@@ -552,7 +552,7 @@ def _print_table(rows: list[Row], library: str) -> None:
 
 
 def _environment(library: str, quick: bool) -> dict:
-    from . import __version__
+    from .. import __version__
 
     env = {
         "xpkernels": __version__,

@@ -12,31 +12,35 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 
 import xpkernels as xk
-from conformance.harness import Case, ErrorCase, OpSpec
 from xpkernels.attention import AttentionBackwardScratch, AttentionCheckpoints
 from xpkernels.buffers import Duplicated
+from xpkernels.testing import references as ref
+from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
 
-def _case(ident, interpreter=False, **params):
+def _case(ident, interpreter=False, quick=False, **params):
     base = {"B": 1, "H": 2, "Hkv": 2, "Sq": 16, "Sk": 16, "D": 16, "Dv": None, "causal": False,
-            "scale": None, "input_pos": 0, "q_lengths": None, "k_lengths": None, "layout": "bhsd"}
+            "scale": None, "input_pos": 0, "q_lengths": None, "k_lengths": None, "layout": "bhsd",
+            "score": None}
     unknown = set(params) - set(base)
     if unknown:
         raise TypeError(f"attention case {ident}: unknown parameters {sorted(unknown)}")
-    return Case(ident, {**base, **params}, interpreter=interpreter)
+    return Case(ident, {**base, **params}, interpreter=interpreter, quick=quick)
 
 
 CASES = [
     _case("b2-mha-s40-d16", True, B=2, Sq=40, Sk=40),
     _case("causal-s70-d40", True, Sq=70, Sk=70, D=40, causal=True),
-    _case("gqa2-causal-b2-s80-d64", True, B=2, H=4, Hkv=2, Sq=80, Sk=80, D=64, causal=True),
+    _case("gqa2-causal-b2-s80-d64", True, True, B=2, H=4, Hkv=2, Sq=80, Sk=80, D=64, causal=True),
     _case("mqa4-sq-lt-sk-pos57", True, H=4, Hkv=1, Sq=20, Sk=77, causal=True, input_pos=57),
     _case("lengths-per-batch", True, B=2, Hkv=1, Sq=67, Sk=72, q_lengths=[67, 30], k_lengths=[72, 41]),
     _case("fully-masked-rows", True, B=3, Sq=9, Sk=66, causal=True, input_pos=[0, 5, 3],
           q_lengths=[9, 4, 9], k_lengths=[66, 66, 0]),
+    # Scores near 262: exponentiating them unshifted overflows float32 (exp(89) = inf),
+    # so the kernels' shift by the running max must engage (DESIGN section 7).
+    _case("scores-near-262", True, B=2, Sq=24, Sk=40, causal=True, input_pos=16, score=262.0),
     _case("pos-array-causal-gqa2-d40", True, B=2, Hkv=1, Sq=33, Sk=80, D=40, causal=True,
           input_pos=[47, 10]),
     _case("sq1-h4-d64", True, B=2, H=4, Hkv=4, Sq=1, Sk=50, D=64),
@@ -62,150 +66,141 @@ def _scale(p):
 def _keep(p) -> np.ndarray:
     """``(B, Sq, Sk)`` boolean: which keys each query sees."""
     batch, _, _, sq, sk, _, _ = _dims(p)
-    pos = np.broadcast_to(np.asarray(p["input_pos"]), (batch,))
-    q_len = np.asarray(p["q_lengths"] if p["q_lengths"] is not None else [sq] * batch)
-    k_len = np.asarray(p["k_lengths"] if p["k_lengths"] is not None else [sk] * batch)
-    i = np.arange(sq)[None, :, None]
-    j = np.arange(sk)[None, None, :]
-    keep = (i < q_len[:, None, None]) & (j < k_len[:, None, None])
-    if p["causal"]:
-        keep &= j <= pos[:, None, None] + i
-    return keep
+    return ref.attention_keep(
+        batch, sq, sk, causal=p["causal"], input_pos=p["input_pos"],
+        q_lengths=p["q_lengths"], k_lengths=p["k_lengths"],
+    )
 
 
-def _naive(p, q, k, v):
-    """Full float64 matrices: probabilities ``P``, repeated K/V, output, m, l."""
-    group = p["H"] // p["Hkv"]
-    k_rep, v_rep = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    keep = _keep(p)[:, None]
-    s = np.where(keep, np.einsum("bhid,bhjd->bhij", q, k_rep) * _scale(p), -np.inf)
-    valid = keep.any(axis=-1)
-    m = np.where(valid, np.max(s, axis=-1, initial=-np.inf, where=keep), -np.inf)
-    e = np.where(keep, np.exp(np.where(keep, s, 0.0) - np.where(valid, m, 0.0)[..., None]), 0.0)
-    l_sum = e.sum(axis=-1)
-    probs = e / np.where(valid, l_sum, 1.0)[..., None]
-    return probs, k_rep, v_rep, probs @ v_rep, m, l_sum
+def _aligned_scores(rng, q_shape, k_shape, score, scale):
+    """``(q, k)`` whose scaled scores all lie near ``score`` (within a few percent).
+
+    Every component of ``k`` is near 1 and every component of ``q`` near
+    ``score / (scale * D)``, so ``scale * q . k`` is near ``score`` for every pair.
+    """
+    d = q_shape[-1]
+    q = score / (scale * d) * (1 + 0.1 * rng.standard_normal(q_shape))
+    return q, 1 + 0.1 * rng.standard_normal(k_shape)
 
 
-class AttentionLayout:
-    """What attention-shaped specs share: BSHD views of q/k/v when asked, and the ``do`` cotangent."""
-
-    def arrange(self, case, arrays, target):
-        if case.params["layout"] != "bshd":
-            return arrays
-        return {**arrays, **{name: _bshd(target, arrays[name]) for name in ("q", "k", "v")}}
-
-    def cotangents(self, case, rng):
-        batch, heads, _, sq, _, _, dv = _dims(case.params)
-        return {"o": rng.standard_normal((batch, heads, sq, dv))}
-
-
-class AttentionSpec(AttentionLayout, OpSpec):
-    def cases(self):
-        return CASES
-
-    def inputs(self, case, rng):
-        p = case.params
-        batch, heads, kv_heads, sq, sk, d, dv = _dims(p)
-        arrays = {
-            "q": rng.standard_normal((batch, heads, sq, d)),
-            "k": rng.standard_normal((batch, kv_heads, sk, d)),
-            "v": rng.standard_normal((batch, kv_heads, sk, dv)),
-        }
-        for name in ("q_lengths", "k_lengths"):
-            if p[name] is not None:
-                arrays[name] = np.asarray(p[name], dtype=np.int64)
-        if not isinstance(p["input_pos"], int):
-            arrays["input_pos"] = np.asarray(p["input_pos"], dtype=np.int64)
+def arrange_qkv(case, arrays, target):
+    """Attention-shaped specs' ``arrange``: BSHD views of q/k/v when the case asks."""
+    if case.params["layout"] != "bshd":
         return arrays
+    return {**arrays, **{name: _bshd(target, arrays[name]) for name in ("q", "k", "v")}}
 
 
-    def reference(self, case, inputs):
-        _, _, _, o, m, l_sum = _naive(case.params, inputs["q"], inputs["k"], inputs["v"])
-        return {"o": o}, {"m": m, "l": l_sum}
+def cotangent_o(case, rng):
+    """Attention-shaped specs' cotangents: ``do`` of the output ``o``."""
+    batch, heads, _, sq, _, _, dv = _dims(case.params)
+    return {"o": rng.standard_normal((batch, heads, sq, dv))}
 
-    def reference_backward(self, case, inputs, cotangents):
-        p = case.params
-        q, k = inputs["q"], inputs["k"]
-        probs, k_rep, v_rep, o, _, _ = _naive(p, q, k, inputs["v"])
-        do = cotangents["o"]
-        dv_rep = np.swapaxes(probs, -1, -2) @ do
-        delta = np.sum(do * o, axis=-1, keepdims=True)
-        ds = probs * (do @ np.swapaxes(v_rep, -1, -2) - delta)
-        dq = ds @ k_rep * _scale(p)
-        dk_rep = np.swapaxes(ds, -1, -2) @ q * _scale(p)
-        batch, _, kv_heads = _dims(p)[:3]
-        group = p["H"] // kv_heads
 
-        def group_sum(a):
-            return a.reshape(batch, kv_heads, group, *a.shape[2:]).sum(axis=2)
-
-        return {"q": dq, "k": group_sum(dk_rep), "v": group_sum(dv_rep)}
-
-    def torch_reference(self, case, inputs, cotangents):
-        import torch
-        import torch.nn.functional as F
-
-        p = case.params
-        q, k, v = (torch.tensor(inputs[n], requires_grad=True) for n in ("q", "k", "v"))
-        keep = torch.tensor(_keep(p))[:, None]
-        valid = keep.any(dim=-1, keepdim=True)
-        plain_causal = (
-            p["causal"] and p["input_pos"] == 0 and p["q_lengths"] is None and p["k_lengths"] is None
+def _inputs(case, rng):
+    p = case.params
+    batch, heads, kv_heads, sq, sk, d, dv = _dims(p)
+    arrays = {
+        "q": rng.standard_normal((batch, heads, sq, d)),
+        "k": rng.standard_normal((batch, kv_heads, sk, d)),
+        "v": rng.standard_normal((batch, kv_heads, sk, dv)),
+    }
+    if p["score"] is not None:
+        arrays["q"], arrays["k"] = _aligned_scores(
+            rng, arrays["q"].shape, arrays["k"].shape, p["score"], _scale(p)
         )
-        with torch.no_grad():
-            if plain_causal:
-                sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=_scale(p), enable_gqa=True)
-            else:
-                sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=_scale(p), enable_gqa=True)
-            sdpa = torch.where(valid, sdpa, 0.0)
-        group = p["H"] // p["Hkv"]
-        k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        s = torch.where(keep & valid, q @ k_rep.transpose(-1, -2) * _scale(p), 0.0)
-        s = s.masked_fill(~keep & valid, -math.inf)
-        naive = (torch.softmax(s, dim=-1) * valid) @ v_rep
-        naive.backward(torch.tensor(cotangents["o"]))
-        grads = {"q": q.grad.numpy(), "k": k.grad.numpy(), "v": v.grad.numpy()}
-        return {"o": sdpa.numpy()}, grads
+    for name in ("q_lengths", "k_lengths"):
+        if p[name] is not None:
+            arrays[name] = np.asarray(p[name], dtype=np.int64)
+    if not isinstance(p["input_pos"], int):
+        arrays["input_pos"] = np.asarray(p["input_pos"], dtype=np.int64)
+    return arrays
 
-    def allocate_outputs(self, case, arrays, target, dtype):
-        batch, heads, _, sq, _, _, dv = _dims(case.params)
-        o = target.full((batch, heads, sq, dv), np.nan, dtype)
-        return {"o": _bshd(target, o) if case.params["layout"] == "bshd" else o}
 
-    def allocate_checkpoints(self, case, arrays):
-        return xk.allocate_checkpoints(xk.attention_, arrays["q"], arrays["k"], arrays["v"])
+def _reference(case, inputs):
+    p = case.params
+    o, m, l_sum, _ = ref.attention(inputs["q"], inputs["k"], inputs["v"], scale=_scale(p), keep=_keep(p))
+    return {"o": o}, {"m": m, "l": l_sum}
 
-    def forward_(self, case, arrays, outs, checkpoints, backend):
-        xk.attention_(
-            outs["o"], arrays["q"], arrays["k"], arrays["v"], **_options(case, arrays),
-            checkpoints=checkpoints, backend=backend,
-        )
 
-    def forward(self, case, arrays, checkpoints, backend):
-        o = xk.attention(
-            arrays["q"], arrays["k"], arrays["v"], **_options(case, arrays),
-            checkpoints=checkpoints, backend=backend,
-        )
-        return {"o": o}
+def _reference_backward(case, inputs, cotangents):
+    p = case.params
+    dq, dk, dv = ref.attention_backward(
+        inputs["q"], inputs["k"], inputs["v"], cotangents["o"], scale=_scale(p), keep=_keep(p)
+    )
+    return {"q": dq, "k": dk, "v": dv}
 
-    def backward_(self, case, arrays, outs, cotangents, grads, checkpoints, backend):
-        O = Duplicated(outs["o"], cotangents["o"])
-        Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
-        scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V, backend=backend)
-        xk.attention_backward_(
-            O, Q, K, V, checkpoints=checkpoints, scratch=scratch, **_options(case, arrays), backend=backend
-        )
 
-    def backward(self, case, arrays, outs, cotangents, checkpoints, backend):
-        dq, dk, dv = xk.attention_backward(
-            cotangents["o"], arrays["q"], arrays["k"], arrays["v"], outs["o"],
-            checkpoints=checkpoints, **_options(case, arrays), backend=backend,
-        )
-        return {"q": dq, "k": dk, "v": dv}
+def _torch_reference(case, inputs, cotangents):
+    import torch
+    import torch.nn.functional as F
 
-    def errors(self):
-        return _error_cases()
+    p = case.params
+    q, k, v = (torch.tensor(inputs[n], requires_grad=True) for n in ("q", "k", "v"))
+    keep = torch.tensor(_keep(p))[:, None]
+    valid = keep.any(dim=-1, keepdim=True)
+    plain_causal = (
+        p["causal"] and p["input_pos"] == 0 and p["q_lengths"] is None and p["k_lengths"] is None
+    )
+    with torch.no_grad():
+        if plain_causal:
+            sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=_scale(p), enable_gqa=True)
+        else:
+            sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=_scale(p), enable_gqa=True)
+        sdpa = torch.where(valid, sdpa, 0.0)
+    group = p["H"] // p["Hkv"]
+    k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = torch.where(keep & valid, q @ k_rep.transpose(-1, -2) * _scale(p), 0.0)
+    s = s.masked_fill(~keep & valid, -math.inf)
+    naive = (torch.softmax(s, dim=-1) * valid) @ v_rep
+    naive.backward(torch.tensor(cotangents["o"]))
+    grads = {"q": q.grad.numpy(), "k": k.grad.numpy(), "v": v.grad.numpy()}
+    return {"o": sdpa.numpy()}, grads
+
+
+def _allocate_outputs(case, arrays, target, dtype):
+    batch, heads, _, sq, _, _, dv = _dims(case.params)
+    o = target.full((batch, heads, sq, dv), np.nan, dtype)
+    return {"o": _bshd(target, o) if case.params["layout"] == "bshd" else o}
+
+
+def _allocate_checkpoints(case, arrays):
+    return xk.allocate_checkpoints(xk.attention_, arrays["q"], arrays["k"], arrays["v"])
+
+
+def _forward_(case, arrays, outs, checkpoints, backend):
+    xk.attention_(
+        outs["o"], arrays["q"], arrays["k"], arrays["v"], **_options(case, arrays),
+        checkpoints=checkpoints, backend=backend,
+    )
+
+
+def _forward(case, arrays, checkpoints, backend):
+    o = xk.attention(
+        arrays["q"], arrays["k"], arrays["v"], **_options(case, arrays),
+        checkpoints=checkpoints, backend=backend,
+    )
+    return {"o": o}
+
+
+def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
+    O = Duplicated(outs["o"], cotangents["o"])
+    Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
+    scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V, backend=backend)
+    xk.attention_backward_(
+        O, Q, K, V, checkpoints=checkpoints, scratch=scratch, **_options(case, arrays), backend=backend
+    )
+
+
+def _backward(case, arrays, outs, cotangents, checkpoints, backend):
+    dq, dk, dv = xk.attention_backward(
+        cotangents["o"], arrays["q"], arrays["k"], arrays["v"], outs["o"],
+        checkpoints=checkpoints, **_options(case, arrays), backend=backend,
+    )
+    return {"q": dq, "k": dk, "v": dv}
+
+
+def _errors():
+    return _error_cases()
 
 
 def _options(case, arrays):
@@ -228,6 +223,8 @@ def _bshd(target, a):
 
 def _other_namespace_array(target, a: np.ndarray):
     """``a`` in a namespace other than ``target``'s (for mixed-namespace errors)."""
+    import pytest
+
     if target.namespace != "numpy":
         return np.asarray(a, dtype=np.float32)
     strict = pytest.importorskip("array_api_strict", reason="array_api_strict provides the second namespace")
@@ -319,18 +316,18 @@ def _error_cases():
         ErrorCase("mixed-namespaces", mixed, TypeError, r"all arrays of a call must come from one namespace"),
         ErrorCase("scale-zero", forward(scale=0.0), ValueError, r"scale must be finite and > 0"),
         ErrorCase("scale-nan", forward(scale=float("nan")), ValueError, r"scale must be finite and > 0"),
-        ErrorCase("input-pos-negative", forward(input_pos=-1), ValueError, r"input_pos must be >= 0"),
-        ErrorCase("input-pos-array-negative", forward(input_pos=ints([0, -2])), ValueError,
-                  r"input_pos must be >= 0, got values in \[-2, 0\]"),
+        ErrorCase("input-pos-past-index-range", forward(input_pos=2**31), ValueError,
+                  r"input_pos must lie in \[-2147483647, 2147483647\], got 2147483648"),
         ErrorCase("input-pos-shape", forward(input_pos=ints([0, 1, 2])), ValueError,
                   r"input_pos must have shape \(2,\)"),
-        ErrorCase("input-pos-float", forward(input_pos=1.5), TypeError, r"input_pos must be an int >= 0"),
+        ErrorCase("input-pos-float", forward(input_pos=1.5), TypeError,
+                  r"input_pos must be an int or a \(2,\) integer array, got float"),
         ErrorCase("q-lengths-above-Sq", forward(q_lengths=ints([8, 9])), ValueError,
-                  r"q_lengths must lie in \[0, 8\] \(Sq\), got values in \[8, 9\]"),
+                  r"q_lengths must lie in \[0, 8\] \(Sq\), got values in \[8, 9\]", values=True),
         ErrorCase("k-lengths-negative", forward(k_lengths=ints([-1, 3])), ValueError,
-                  r"k_lengths must lie in \[0, 8\] \(Sk\)"),
+                  r"k_lengths must lie in \[0, 8\] \(Sk\)", values=True),
         ErrorCase("k-lengths-float", forward(k_lengths=lambda t: t.full((2,), 3.0, "float32")), TypeError,
-                  r"k_lengths must have an integer dtype"),
+                  r"k_lengths must have dtype int32 or int64"),
         ErrorCase("k-lengths-shape", forward(k_lengths=ints([3, 3, 3])), ValueError,
                   r"k_lengths must have shape \(2,\)"),
         ErrorCase("checkpoint-shape", forward(checkpoints=bad_checkpoints((2, 4, 9))), ValueError,
@@ -359,6 +356,25 @@ def _error_cases():
     ]
 
 
-SPEC = AttentionSpec(
-    name="attention", outputs=("o",), grad_names=("q", "k", "v"), checkpoint_names=("m", "l")
+SPEC = OpSpec(
+    name="attention",
+    outputs=("o",),
+    cases=tuple(CASES),
+    inputs=_inputs,
+    reference=_reference,
+    allocate_outputs=_allocate_outputs,
+    forward_=_forward_,
+    forward=_forward,
+    errors=_errors,
+    checkpoint_names=("m", "l"),
+    allocate_checkpoints=_allocate_checkpoints,
+    arrange=arrange_qkv,
+    backward=Backward(
+        grad_names=("q", "k", "v"),
+        cotangents=cotangent_o,
+        reference=_reference_backward,
+        inplace=_backward_,
+        allocating=_backward,
+    ),
+    torch_reference=_torch_reference,
 )

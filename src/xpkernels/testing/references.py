@@ -1,0 +1,204 @@
+"""The naive references of every primitive: whole matrices, no tiling, NumPy only.
+
+These are the one copy of each primitive's formula in the project (the
+conformance specs, ``tests/`` and ``python -m xpkernels check`` all call
+them). They share no code with ``backends/``. Every function keeps the dtype
+of its float inputs (Python scalars are weak under NumPy 2), so the same
+formula gives the float64 reference and, run on inputs cast to a lower
+precision, the "straightforward same-dtype implementation" whose error sets
+the tolerances (:mod:`xpkernels.testing.tolerances`).
+
+Shapes are the contract's (DESIGN section 3): rows ``(..., M)`` for the
+norms and softmax, ``(B, H, S, D)`` for attention. Row statistics come back
+with the leading shape (``(...,)``), not flattened.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "rms_norm_rstd",
+    "rms_norm",
+    "rms_norm_backward",
+    "layer_norm_stats",
+    "layer_norm",
+    "layer_norm_backward",
+    "softmax",
+    "softmax_backward",
+    "attention_keep",
+    "repeat_kv",
+    "group_sum",
+    "masked_softmax",
+    "attention",
+    "score_gradient",
+    "attention_backward",
+    "decode_attention",
+]
+
+
+def _sum_rows(a: np.ndarray) -> np.ndarray:
+    """Sum over every axis but the last: ``(..., M) -> (M,)``."""
+    return np.sum(a.reshape(-1, a.shape[-1]), axis=0)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def rms_norm_rstd(x: np.ndarray, eps: float) -> np.ndarray:
+    """``1 / sqrt(mean(x**2) + eps)`` per row, shape ``(...,)``."""
+    return 1 / np.sqrt(np.mean(x * x, axis=-1) + eps)
+
+
+def rms_norm(x, w, *, eps, offset=0.0, rstd=None):
+    """``(y, rstd)``: ``y = x * rstd * (w + offset)``; ``w=None`` means no scale.
+
+    ``rstd`` (``(...,)``) replaces the computed statistic when given.
+    """
+    rstd = rms_norm_rstd(x, eps) if rstd is None else rstd
+    y = x * rstd[..., None]
+    if w is not None:
+        y = y * (w + offset)
+    return y, rstd
+
+
+def rms_norm_backward(x, w, dy, *, eps, offset=0.0, rstd=None):
+    """``(dx, dw)`` of :func:`rms_norm` (``dw`` None when ``w`` is None)."""
+    rstd = (rms_norm_rstd(x, eps) if rstd is None else rstd)[..., None]
+    x_hat = x * rstd
+    g = dy if w is None else dy * (w + offset)
+    dx = rstd * (g - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True))
+    return dx, None if w is None else _sum_rows(dy * x_hat)
+
+
+def layer_norm_stats(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(mean, rstd)`` per row, shapes ``(...,)``: the centred (two-pass) variance."""
+    mean = np.mean(x, axis=-1)
+    rstd = 1 / np.sqrt(np.mean((x - mean[..., None]) ** 2, axis=-1) + eps)
+    return mean, rstd
+
+
+def layer_norm(x, w, b, *, eps, mean=None, rstd=None):
+    """``(y, mean, rstd)``: ``y = (x - mean) * rstd * w + b``; None ``w`` / ``b``: no scale / shift.
+
+    ``mean`` and ``rstd`` (``(...,)``) replace the computed statistics when given.
+    """
+    if mean is None or rstd is None:
+        mean, rstd = layer_norm_stats(x, eps)
+    y = (x - mean[..., None]) * rstd[..., None]
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y, mean, rstd
+
+
+def layer_norm_backward(x, w, dy, *, eps, mean=None, rstd=None):
+    """``(dx, dw, db)`` of :func:`layer_norm` (``dw`` None when ``w`` is None)."""
+    if mean is None or rstd is None:
+        mean, rstd = layer_norm_stats(x, eps)
+    rstd = rstd[..., None]
+    x_hat = (x - mean[..., None]) * rstd
+    g = dy if w is None else dy * w
+    dx = rstd * (
+        g - np.mean(g, axis=-1, keepdims=True) - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True)
+    )
+    return dx, None if w is None else _sum_rows(dy * x_hat), _sum_rows(dy)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis (shifted by the row max)."""
+    e = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def softmax_backward(y: np.ndarray, dy: np.ndarray) -> np.ndarray:
+    """``dx = y * (dy - sum(y * dy))`` per row."""
+    return y * (dy - np.sum(y * dy, axis=-1, keepdims=True))
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def attention_keep(batch, sq, sk, *, causal=False, input_pos=0, q_lengths=None, k_lengths=None):
+    """``(B, Sq, Sk)`` booleans: True where query ``i`` sees key ``j``.
+
+    Query ``i`` sits at position ``input_pos[b] + i``; causal keeps keys at or
+    before it; ``q_lengths`` / ``k_lengths`` (``(B,)`` or None) drop the rest.
+    """
+    i = np.arange(sq)[None, :, None]
+    j = np.arange(sk)[None, None, :]
+    keep = np.ones((batch, sq, sk), dtype=bool)
+    if q_lengths is not None:
+        keep &= i < np.asarray(q_lengths)[:, None, None]
+    if k_lengths is not None:
+        keep &= j < np.asarray(k_lengths)[:, None, None]
+    if causal:
+        pos = np.broadcast_to(np.asarray(input_pos), (batch,))
+        keep &= j <= pos[:, None, None] + i
+    return keep
+
+
+def repeat_kv(a: np.ndarray, group: int) -> np.ndarray:
+    """``(B, Hkv, S, D) -> (B, Hkv * group, S, D)``: each kv head serves ``group`` query heads."""
+    return np.repeat(a, group, axis=1)
+
+
+def group_sum(a: np.ndarray, kv_heads: int) -> np.ndarray:
+    """``(B, H, S, D) -> (B, Hkv, S, D)``: the sum over each kv head's query heads."""
+    batch, heads = a.shape[:2]
+    return a.reshape(batch, kv_heads, heads // kv_heads, *a.shape[2:]).sum(axis=2)
+
+
+def masked_softmax(s: np.ndarray, keep: np.ndarray):
+    """``(probs, m, l)`` of scores ``s`` where ``keep`` (broadcast to ``s``).
+
+    ``m`` is the row max of the kept scores, ``l = sum(exp(s - m))`` over them;
+    a row that keeps nothing has ``m = -inf``, ``l = 0`` and probabilities 0.
+    """
+    keep = np.broadcast_to(keep, s.shape)
+    valid = keep.any(axis=-1)
+    m = np.where(valid, np.max(np.where(keep, s, -np.inf), axis=-1), -np.inf)
+    shifted = np.where(keep, s, 0) - np.where(valid, m, 0)[..., None]
+    e = np.where(keep, np.exp(shifted), 0)
+    l_sum = e.sum(axis=-1)
+    probs = e / np.where(valid, l_sum, 1)[..., None]
+    return probs, m, l_sum
+
+
+def attention(q, k, v, *, scale, keep):
+    """``(o, m, l, probs)`` of ``softmax(scale q k^T, masked by keep) v`` (GQA by repetition).
+
+    ``keep`` is ``(B, Sq, Sk)`` or broadcastable to ``(B, H, Sq, Sk)``.
+    """
+    group = q.shape[1] // k.shape[1]
+    s = np.einsum("bhid,bhjd->bhij", q, repeat_kv(k, group)) * scale
+    keep = keep[:, None] if keep.ndim == 3 else keep
+    probs, m, l_sum = masked_softmax(s, keep)
+    return probs @ repeat_kv(v, group), m, l_sum, probs
+
+
+def score_gradient(probs, o, do, v_rep):
+    """``(ds, dv_rep)``: the gradient of the softmaxed scores and of the repeated values."""
+    delta = np.sum(do * o, axis=-1, keepdims=True)
+    ds = probs * (do @ np.swapaxes(v_rep, -1, -2) - delta)
+    return ds, np.swapaxes(probs, -1, -2) @ do
+
+
+def attention_backward(q, k, v, do, *, scale, keep):
+    """``(dq, dk, dv)`` of :func:`attention`."""
+    kv_heads = k.shape[1]
+    group = q.shape[1] // kv_heads
+    o, _, _, probs = attention(q, k, v, scale=scale, keep=keep)
+    ds, dv_rep = score_gradient(probs, o, do, repeat_kv(v, group))
+    dq = ds @ repeat_kv(k, group) * scale
+    dk = np.swapaxes(ds, -1, -2) @ q * scale
+    return dq, group_sum(dk, kv_heads), group_sum(dv_rep, kv_heads)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, *, scale):
+    """``o (B, H, Dv)``: one query per head over the first ``lengths[b]`` cache entries (0 when empty)."""
+    batch, smax = q.shape[0], k_cache.shape[2]
+    keep = attention_keep(batch, 1, smax, k_lengths=lengths)
+    o, _, _, _ = attention(q[:, :, None, :], k_cache, v_cache, scale=scale, keep=keep)
+    return o[:, :, 0, :]
