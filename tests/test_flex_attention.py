@@ -678,3 +678,18 @@ def test_backward_refuses_other_mods_or_options_than_its_forward():
     ):
         with pytest.raises(ValueError, match=f"flex_attention_backward_: {name}=.* differs from the forward"):
             flex_attention_backward(do, q, k, v, o, checkpoints=ck, **{**again, **change})
+
+
+def test_a_mod_rebuilt_over_fresh_views_of_the_same_parameter_matches_its_forward():
+    """Records and score_mod_grad compare captured arrays by memory, not by Python object."""
+    q, k, v, do = qkvo(n_q=16, n_kv=24)
+    params = np.full((2, q.shape[1]), 0.1, np.float32)
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    o = flex_attention(q, k, v, checkpoints=ck, score_mod=xm.AliBiScore(params[0]))
+    mod = xm.AliBiScore(params[0])
+    assert params[0] is not params[0]  # each index makes a new view object
+    flex_attention_backward(
+        do, q, k, v, o, checkpoints=ck, score_mod=mod, score_mod_grad=grad_shadow(xm.AliBiScore(params[0]))
+    )
+    with pytest.raises(ValueError, match="score_mod=.* differs"):
+        flex_attention_backward(do, q, k, v, o, checkpoints=ck, score_mod=xm.AliBiScore(params[1]))

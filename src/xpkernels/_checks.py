@@ -20,6 +20,7 @@ import array_api_compat
 import numpy as np
 
 from ._debug import debug_enabled
+from ._memory import identical, layout
 from .buffers import Duplicated
 from .registry import FLOAT_DTYPES, dtype_name, namespace_name
 
@@ -230,47 +231,6 @@ def _torch_grad_enabled() -> bool:
     return torch is not None and torch.is_grad_enabled()
 
 
-# A stand-in for the whole address space: NumPy views of it reproduce any array's byte layout
-# (address, shape, strides) without touching memory, so np.shares_memory can compare the
-# layouts of device arrays exactly. Nothing ever reads through it.
-_ADDRESS_SPACE = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), shape=(2**62,), strides=(1,))
-
-
-def _layout(a):
-    """A NumPy array with ``a``'s memory layout, or None when ``a`` has no inspectable memory."""
-    raw = getattr(a, "_array", a)
-    if isinstance(raw, np.ndarray):
-        return raw if raw.size else None
-    if array_api_compat.is_torch_array(a):
-        if a.device.type == "meta" or a.numel() == 0:
-            return None
-        try:
-            address = a.data_ptr()
-        except (RuntimeError, NotImplementedError):  # fake tensors under torch.compile
-            return None
-        itemsize = a.element_size()
-        byte_strides = tuple(st * itemsize for st in a.stride())
-    elif array_api_compat.is_cupy_array(a):
-        if a.size == 0:
-            return None
-        address, itemsize, byte_strides = a.data.ptr, a.itemsize, tuple(a.strides)
-    else:
-        return None
-    if address == 0:
-        return None
-    return np.lib.stride_tricks.as_strided(
-        _ADDRESS_SPACE[address:], shape=(*a.shape, itemsize), strides=(*byte_strides, 1)
-    )
-
-
-def _identical(u, v) -> bool:
-    return (
-        u.__array_interface__["data"][0] == v.__array_interface__["data"][0]
-        and u.shape == v.shape
-        and u.strides == v.strides
-    )
-
-
 def no_overlap(fn: str, outputs, inputs, may_alias=()) -> None:
     """ValueError when an output shares memory with an input or with another output.
 
@@ -285,14 +245,14 @@ def no_overlap(fn: str, outputs, inputs, may_alias=()) -> None:
         for the norms); any other sharing, partial overlap included, is refused.
     """
     allowed = set(may_alias)
-    outs = [(n, _layout(a)) for n, a in outputs.items() if a is not None]
+    outs = [(n, layout(a)) for n, a in outputs.items() if a is not None]
     outs = [(n, u) for n, u in outs if u is not None]
-    ins = [(n, _layout(a)) for n, a in inputs.items() if a is not None]
+    ins = [(n, layout(a)) for n, a in inputs.items() if a is not None]
     ins = [(n, v) for n, v in ins if v is not None]
     pairs = [(o, u, i, v) for o, u in outs for i, v in ins]
     pairs += [(o, u, p, w) for k, (o, u) in enumerate(outs) for p, w in outs[k + 1 :]]
     for out_name, u, in_name, v in pairs:
-        if (out_name, in_name) in allowed and _identical(u, v):
+        if (out_name, in_name) in allowed and identical(u, v):
             continue
         try:
             shared = np.shares_memory(u, v, max_work=100_000)

@@ -36,6 +36,7 @@ from typing import Any
 import array_api_compat
 
 from ._debug import debug_enabled
+from ._memory import same_memory
 
 __all__ = [
     "Duplicated",
@@ -228,8 +229,9 @@ def forget_forward(checkpoints) -> None:
 def record_forward(checkpoints, forward: str, options: Mapping[str, Any]) -> None:
     """Record that ``forward`` (a name such as ``"rms_norm_"``) wrote ``checkpoints`` with ``options``.
 
-    Arrays among the option values are kept by reference (compared by
-    identity, NumPy arrays by value); everything else by value.
+    Arrays among the option values are kept by reference and match views of
+    the same memory (NumPy arrays also match by value); everything else
+    compares by value.
     """
     checkpoints.__dict__["_xpkernels_forward"] = (forward, dict(options))
 
@@ -272,7 +274,7 @@ def _is_array(a) -> bool:
 
 def _same(recorded, value) -> bool:
     if _is_array(recorded) or _is_array(value):
-        if recorded is value:
+        if _is_array(recorded) and _is_array(value) and same_memory(recorded, value):
             return True
         if array_api_compat.is_numpy_array(recorded) and array_api_compat.is_numpy_array(value):
             return recorded.dtype == value.dtype and bool((recorded == value).all())

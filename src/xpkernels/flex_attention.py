@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from . import _checks as check
 from . import mods as _mods
 from ._debug import debug_enabled
+from ._memory import same_memory
 from .attention import (
     AttentionBackwardScratch,
     AttentionCheckpoints,
@@ -81,10 +82,10 @@ __all__ = [
 class _ModKey:
     """What a checkpoint records of a mod: its traced graph and the arrays it captures.
 
-    Two calls agree when they trace to the same graph over the same array
-    objects, so a mod rebuilt between forward and backward (a lambda, a new
-    ``CausalMask()``) matches, while a mod of another structure or over
-    other arrays does not.
+    Two calls agree when they trace to the same graph over the same arrays
+    (the same memory: a fresh view of a parameter buffer matches), so a mod
+    rebuilt between forward and backward (a lambda, a new ``CausalMask()``)
+    matches, while a mod of another structure or over other arrays does not.
     """
 
     kind: str  #: "score mod" or "mask mod"
@@ -106,7 +107,7 @@ class _ModKey:
             isinstance(other, _ModKey)
             and (self.nodes, self.output) == (other.nodes, other.output)
             and len(self.arrays) == len(other.arrays)
-            and all(a is b for a, b in zip(self.arrays, other.arrays))
+            and all(same_memory(a, b) for a, b in zip(self.arrays, other.arrays))
         )
 
     def __repr__(self) -> str:

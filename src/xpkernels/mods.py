@@ -52,6 +52,8 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
+from ._memory import same_memory
+
 __all__ = [
     "TraceError",
     "exp",
@@ -1881,15 +1883,18 @@ class ScoreModGrad:
     def made_for(self, mod) -> bool:
         """True when these accumulators are ``grad_shadow`` of ``mod``: same mods, same arrays.
 
-        A mod rebuilt over the same arrays matches; a mod with other arrays or
-        of another kind does not.
+        A mod rebuilt over the same arrays (or fresh views of the same memory)
+        matches; a mod with other arrays or of another kind does not.
         """
         if not isinstance(mod, ScoreMod) or self._label != mod.label:
             return False
         parts = mod.parts if isinstance(mod, ScoreChain) else ()
         if len(parts) != len(self._parts):
             return False
-        if any(mod.arrays.get(name) is not a for name, a in self._sources.items()):
+        if any(
+            mod.arrays.get(name) is None or not same_memory(mod.arrays[name], a)
+            for name, a in self._sources.items()
+        ):
             return False
         return all(g.made_for(p) for g, p in zip(self._parts, parts))
 
