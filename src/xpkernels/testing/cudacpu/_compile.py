@@ -185,9 +185,11 @@ def compile_module(source: str, path: str | None, options, expressions: list[str
     directory.mkdir(parents=True, exist_ok=True)
     inc = include_dir()
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        src = Path(path) if path else Path(tmp) / "source.cu"
-        if not path:
-            src.write_text(source)
+        src = Path(path) if path else directory / f"code_{_digest(source)}.cu"
+        if not path and not src.exists():
+            staged = Path(tmp) / src.name
+            staged.write_text(source)
+            os.replace(staged, src)
         pre = [cxx, "-E", "-x", "c++", std, "-D__CUDACC__", "-D__CUDACC_RTC__", "-I", str(inc),
                "-include", "cudacpu.h", *flags, str(src)]
         try:
