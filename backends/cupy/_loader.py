@@ -75,5 +75,7 @@ def loader_for(array):
 
 def address(array) -> int:
     """The device (or host) address of ``array``'s first element."""
-    data = array.data
-    return data.ptr if hasattr(data, "ptr") else array.ctypes.data
+    iface = getattr(array, "__cuda_array_interface__", None)
+    if iface is None:
+        iface = array.__array_interface__
+    return iface["data"][0]

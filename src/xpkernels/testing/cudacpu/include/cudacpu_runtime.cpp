@@ -430,21 +430,42 @@ bool run_block(Block& b, Stacks& stacks, const Launch& L, uint3 block_idx, unsig
         t.context.uc_link = &b.scheduler;
         makecontext(&t.context, fiber_main, 0);
     }
+    // Default: round-robin in thread order. Shuffled: warps in a random order, each
+    // driven as far as it can go (to a barrier) before the next, lanes in random order.
     std::mt19937_64 rng(shuffle_seed);
-    std::vector<int> runnable;
+    std::vector<int> runnable, warps;
     runnable.reserve(b.n);
+    const int n_warps = (b.n + 31) / 32;
+    for (int w = 0; w < n_warps; ++w) warps.push_back(w);
+    auto run = [&](int i) {
+        t_current = &b.threads[i];
+        swapcontext(&b.scheduler, &b.threads[i].context);
+        return !b.failed;
+    };
     for (;;) {
-        runnable.clear();
-        for (int i = 0; i < b.n; ++i)
-            if (b.threads[i].state == RUNNABLE) runnable.push_back(i);
-        if (runnable.empty()) break;
-        if (shuffle_seed != 0) std::shuffle(runnable.begin(), runnable.end(), rng);
-        for (int i : runnable) {
-            if (b.threads[i].state != RUNNABLE) continue;
-            t_current = &b.threads[i];
-            swapcontext(&b.scheduler, &b.threads[i].context);
-            if (b.failed) return false;
+        bool progressed = false;
+        if (shuffle_seed == 0) {
+            for (int i = 0; i < b.n; ++i) {
+                if (b.threads[i].state != RUNNABLE) continue;
+                progressed = true;
+                if (!run(i)) return false;
+            }
+        } else {
+            std::shuffle(warps.begin(), warps.end(), rng);
+            for (int w : warps) {
+                for (;;) {
+                    runnable.clear();
+                    for (int i = 32 * w; i < std::min(b.n, 32 * w + 32); ++i)
+                        if (b.threads[i].state == RUNNABLE) runnable.push_back(i);
+                    if (runnable.empty()) break;
+                    progressed = true;
+                    std::shuffle(runnable.begin(), runnable.end(), rng);
+                    for (int i : runnable)
+                        if (b.threads[i].state == RUNNABLE && !run(i)) return false;
+                }
+            }
         }
+        if (!progressed) break;
     }
     if (b.n_done != b.n) {
         b.failed = true;
