@@ -354,3 +354,35 @@ def test_out_of_bounds_write_is_caught_by_address_sanitizer(tmp_path):
 def test_sanitized_module_needs_its_runtime():
     with pytest.raises(RuntimeError, match="sanitizer_env"):
         cudacpu.RawModule(code=RACE, sanitize="thread")
+
+
+# ---------------------------------------------------------------- NVRTC (issue 13, item 5a)
+
+
+def _compile_report():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "cuda_compile_report.py"
+    spec = importlib.util.spec_from_file_location("cuda_compile_report", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_cupy_source_compiles_with_nvrtc_without_warnings_or_spills():
+    report = _compile_report()
+    try:
+        report._nvrtc()
+    except report.NvrtcUnavailable as exc:
+        pytest.skip(f"NVRTC check needs nvidia-cuda-nvrtc/-runtime/-crt, cuda-bindings: {exc}")
+    assert report.sources(), "backends/cupy has .cu sources"
+    for cu in report.sources():
+        expected = set(report.name_expressions(cu))
+        for arch in report.ARCHES:
+            entry = report.compile_source(cu, arch)
+            assert entry["ok"], f"{cu.name} {arch}:\n{entry['log']}"
+            assert not entry["warnings"], f"{cu.name} {arch}: NVRTC warnings:\n{entry['log']}"
+            assert expected <= set(entry["kernels"]), f"{cu.name} {arch}: kernels missing from ptxas -v"
+            for name, k in entry["kernels"].items():
+                assert k["spill_store_bytes"] == 0 and k["spill_load_bytes"] == 0, f"{arch} {name}: {k}"

@@ -7,8 +7,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from xpkernels.backends.cupy import rms_norm as R
+
 from xpkernels.testing import cudacpu
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 arrays on NumPy need ml_dtypes")

@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(256) rms_norm_forward_warp(
 // Forward, one block per row: C vectors per thread stay in registers, the rest
 // of a longer row is read again in the second pass.
 template <typename T, typename TW, int V, int C>
-__global__ void __launch_bounds__(1024) rms_norm_forward_block(
+__global__ void __launch_bounds__(1024, 1) rms_norm_forward_block(
     T* __restrict__ y,               // (rows, M) output, may alias x
     const T* x,                      // (rows, M) input
     const TW* __restrict__ w,        // (M,) weight, or null (w = 1)
@@ -224,9 +224,10 @@ __global__ void __launch_bounds__(256) rms_norm_backward_warp(
 // Backward, one block per row: block b handles rows b, b + gridDim.x, ...;
 // thread t owns the same columns in every row, so its dw sums need no
 // synchronisation. They live in dynamic shared memory (M floats) when
-// `smem_acc` is set, else directly in the block's dw_partial row.
+// `smem_acc` is set, else directly in the block's dw_partial row. At most 512
+// threads, so the x and dy vectors kept per thread fit in registers.
 template <typename T, typename TW, int V, int C>
-__global__ void __launch_bounds__(1024) rms_norm_backward_block(
+__global__ void __launch_bounds__(512, 1) rms_norm_backward_block(
     const T* dy,                     // (rows, M) output gradient
     const T* __restrict__ x,         // (rows, M) forward input
     const TW* __restrict__ w,        // (M,) weight, or null (w = 1)

@@ -29,13 +29,15 @@ import numpy as np
 
 from ._loader import OPTIONS, address, loader_for
 
-__all__ = ["backward", "forward", "partials", "reduce_partials", "supports"]
+__all__ = ["backward", "forward", "name_expressions", "partials", "reduce_partials", "supports"]
 
 SOURCE = Path(__file__).with_name("rms_norm.cu")
-CACHE_ELEMENTS = 16  #: elements of a row each thread keeps in registers between the two passes
-WARP_MAX_M = 32 * CACHE_ELEMENTS  #: longest row served by the warp-per-row kernels
+CACHE_ELEMENTS = 16  #: elements of a row each thread keeps in registers between the passes (vector path)
+SCALAR_CACHE = 4  #: the same for the scalar path (unaligned rows), whose loads need more registers
+WARP_MAX_M = 32 * CACHE_ELEMENTS  #: longest row served by the warp-per-row kernels (vector path)
 WARP_ROWS = 8  #: rows (warps) per block of the warp-per-row kernels
-MAX_THREADS = 1024  #: threads per block of the block-per-row kernels
+MAX_THREADS = 1024  #: threads per block of the block-per-row forward
+BACKWARD_MAX_THREADS = 512  #: threads per block of the block-per-row backward (it keeps x and dy)
 SMEM_ACC_MAX_BYTES = 160 * 1024  #: wide-row backward: dw sums in shared memory up to this, else in dw_partial
 DEFAULT_SHARED = 48 * 1024  #: dynamic shared memory usable without raising the kernel's limit
 PARTIALS_PER_SM = 2  #: dw_partial rows (backward blocks) per multiprocessor
@@ -85,26 +87,42 @@ def _vector(x, w, rows2d) -> int:
     return v if ok else 1
 
 
+def _cache(v: int) -> int:
+    """Vectors of ``v`` elements each thread keeps in registers."""
+    return CACHE_ELEMENTS // v if v > 1 else SCALAR_CACHE
+
+
+def _warp_max(v: int) -> int:
+    return WARP_MAX_M * v * _cache(v) // CACHE_ELEMENTS
+
+
 def _expressions(t: str, tw: str) -> list[str]:
     out = []
     for v in sorted({1, 16 // _ITEMSIZE[t]}):
-        c = CACHE_ELEMENTS // v
+        c = _cache(v)
         for kernel in ("forward_warp", "forward_block", "backward_warp", "backward_block"):
             out.append(f"rms_norm_{kernel}<{t},{tw},{v},{c}>")
     return out
+
+
+def name_expressions() -> list[str]:
+    """Every template instantiation the launchers may compile (for offline compile reports)."""
+    pairs = [(t, t) for t in _CTYPES.values()] + [(t, "float") for t in ("__half", "__nv_bfloat16")]
+    out = [e for t, tw in pairs for e in _expressions(t, tw)]
+    return out + [f"rms_norm_reduce_partials<{c}>" for c in _CTYPES.values()]
 
 
 def _kernel(loader, x, w, kernel: str, v: int):
     t = _CTYPES[str(x.dtype)]
     tw = t if w is None else _CTYPES[str(w.dtype)]
     module = loader.module(SOURCE, _expressions(t, tw), OPTIONS)
-    return module.get_function(f"rms_norm_{kernel}<{t},{tw},{v},{CACHE_ELEMENTS // v}>")
+    return module.get_function(f"rms_norm_{kernel}<{t},{tw},{v},{_cache(v)}>")
 
 
-def _block_threads(m: int) -> int:
-    """Threads of a block-per-row kernel: enough to hold the row in registers, within [32, MAX_THREADS]."""
-    threads = -(-m // CACHE_ELEMENTS)
-    return max(32, min(MAX_THREADS, -(-threads // 32) * 32))
+def _block_threads(m: int, v: int, limit: int) -> int:
+    """Threads of a block-per-row kernel: enough to hold the row in registers, within [32, limit]."""
+    threads = -(-m // (v * _cache(v)))
+    return max(32, min(limit, -(-threads // 32) * 32))
 
 
 def _ptr(a):
@@ -135,12 +153,12 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
         np.int64(_stride(x)), np.int64(0 if rstd is None else _stride(rstd)),
         np.float32(eps), np.float32(offset),
     )
-    if m <= WARP_MAX_M:
+    if m <= _warp_max(v):
         kernel = _kernel(loader, x, w, "forward_warp", v)
         kernel((-(-rows // WARP_ROWS),), (32, WARP_ROWS), args)
     else:
         kernel = _kernel(loader, x, w, "forward_block", v)
-        kernel((rows,), (_block_threads(m),), args)
+        kernel((rows,), (_block_threads(m, v, MAX_THREADS),), args)
 
 
 def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
@@ -169,7 +187,7 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     loader = loader_for(x)
     v = _vector(x, w, (dy, x, dx))
     if dw_partial is None:
-        tiles = -(-rows // WARP_ROWS) if m <= WARP_MAX_M else rows
+        tiles = -(-rows // WARP_ROWS) if m <= _warp_max(v) else rows
         grid, partial_strides = min(tiles, BLOCKS_PER_SM * loader.sm_count(x)), (0, 0)
     else:
         grid, partial_strides = dw_partial.shape[0], (_stride(dw_partial, 0), _stride(dw_partial, 1))
@@ -179,7 +197,7 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
         np.int64(partial_strides[0]), np.int64(partial_strides[1]), np.float32(offset),
         np.int32(1 if accumulate else 0),
     ]
-    if m <= WARP_MAX_M:
+    if m <= _warp_max(v):
         kernel = _kernel(loader, x, w, "backward_warp", v)
         shared = 0 if dw_partial is None else WARP_ROWS * m * 4
         kernel((grid,), (32, WARP_ROWS), tuple(args), shared_mem=shared)
@@ -190,7 +208,8 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     if shared > DEFAULT_SHARED and kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
     args.append(np.int32(1 if smem_acc else 0))
-    kernel((grid,), (_block_threads(m),), tuple(args), shared_mem=shared)
+    kernel((grid,), (_block_threads(m, v, min(MAX_THREADS, BACKWARD_MAX_THREADS)),), tuple(args),
+           shared_mem=shared)
 
 
 def partials(rows: int, m: int, like) -> int:
