@@ -4,7 +4,8 @@ For each source and architecture (sm_80, sm_90): NVRTC compiles all the
 launcher's template instantiations (its ``name_expressions()``) to a cubin
 with ``ptxas -v``; any warning in the log is a failure (NVRTC has no
 ``-Werror``). The ptxas figures per kernel -- registers, spill stores and
-loads, static shared memory, stack frame -- are parsed from the log.
+loads, static shared memory, stack frame -- are parsed from the log, the
+widest global load and store (bits) from the PTX.
 
 Run as a script to write ``bench/results/cuda_compile_report.json``::
 
@@ -31,6 +32,24 @@ _FUNCTION = re.compile(r"ptxas info\s*:\s*Compiling entry function '(\w+)' for '
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(")
+_ACCESS = re.compile(r"\b(ld|st)\.global(?:\.nc)?(?:\.L\w+::\w+)*(?:\.v(\d))?\.[a-z]+(\d+)\b")
+
+
+def _widths(ptx: str) -> dict:
+    """Per entry function: the widest global load and store, in bits (``ld/st.global[.vN].tBITS``)."""
+    out = {}
+    starts = [(m.start(), m.group(1)) for m in _ENTRY.finditer(ptx)] + [(len(ptx), None)]
+    for (begin, name), (end, _) in zip(starts, starts[1:]):
+        load = store = 0
+        for m in _ACCESS.finditer(ptx, begin, end):
+            bits = int(m.group(2) or 1) * int(m.group(3))
+            if m.group(1) == "ld":
+                load = max(load, bits)
+            else:
+                store = max(store, bits)
+        out[name] = {"global_load_bits": load, "global_store_bits": store}
+    return out
 
 
 class NvrtcUnavailable(RuntimeError):
@@ -82,8 +101,12 @@ def compile_source(cu: Path, arch: str, keep_log: bool = False) -> dict:
     _check(nvrtc, nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
     log = log.decode(errors="replace").rstrip("\0 \n")
     ok = result[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    lowered = {}
+    lowered, widths = {}, {}
     if ok:
+        size = _check(nvrtc, nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+        ptx = b" " * size
+        _check(nvrtc, nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+        widths = _widths(ptx.decode(errors="replace"))
         for expr in expressions:
             lowered[_check(nvrtc, nvrtc.nvrtcGetLoweredName(prog, expr.encode()),
                            f"nvrtcGetLoweredName {expr}").decode()] = expr
@@ -93,7 +116,7 @@ def compile_source(cu: Path, arch: str, keep_log: bool = False) -> dict:
         m = _FUNCTION.search(line)
         if m:
             current = lowered.get(m.group(1), m.group(1))
-            kernels[current] = {}
+            kernels[current] = dict(widths.get(m.group(1), {}))
             continue
         if current is None:
             continue
