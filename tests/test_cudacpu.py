@@ -167,10 +167,13 @@ def test_shuffles_and_votes_with_masks(module):
         ("divergent_barrier", "divergent __syncthreads"),
     ],
 )
-def test_collective_errors_are_reported_not_hung(module, kernel, message):
+@pytest.mark.parametrize("mode", ["fibers", "threads"])
+def test_collective_errors_are_reported_not_hung(module, kernel, message, mode):
+    m = module if mode == "fibers" else cudacpu.RawModule(code=SOURCE, name_expressions=EXPRESSIONS,
+                                                           mode=mode)
     out = np.zeros(32, np.float32)
     with pytest.raises(cudacpu.LaunchError, match=message) as info:
-        module.get_function(kernel)((1,), (32,), (out,))
+        m.get_function(kernel)((1,), (32,), (out,))
     assert re.search(r"code_\w+\.cu:\d+", str(info.value)), "the message names the source line"
 
 

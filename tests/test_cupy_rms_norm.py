@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -217,3 +218,49 @@ def test_block_kernel_with_many_rows_per_block(harness, dtype):
     dw = np.empty(m, dt)
     R.reduce_partials(dw_partial, dw)
     _close(dw, dw_ref, dt, rows * m, "dw")
+
+
+def test_thread_per_cuda_thread_mode_gives_the_same_results():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((5, 600)).astype(np.float32)
+    w = rng.standard_normal(600).astype(np.float32)
+    outs = []
+    for mode in ("fibers", "threads"):
+        with cudacpu.emulate(mode=mode):
+            y, rstd = np.empty_like(x), np.empty(5, np.float32)
+            R.forward(y, x, w, rstd, eps=EPS, offset=0.0)
+            dx, part = np.empty_like(x), np.empty((2, 600), np.float32)
+            R.backward(x, x, w, rstd, dx, part, offset=0.0, accumulate=False)
+            outs.append((y, rstd, dx, part))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+
+
+SANITIZED_RUN = """
+import numpy as np, ml_dtypes
+from xpkernels.backends.cupy import rms_norm as R
+from xpkernels.testing import cudacpu
+rng = np.random.default_rng(0)
+with cudacpu.emulate():
+    for rows, m, dt in ((9, 60, np.float32), (3, 600, ml_dtypes.bfloat16)):
+        x = cudacpu.empty((rows, m), dt); x[...] = rng.standard_normal((rows, m))
+        w = cudacpu.empty(m, dt); w[...] = 1.5
+        y, rstd = cudacpu.empty((rows, m), dt), cudacpu.empty(rows, np.float32)
+        R.forward(y, x, w, rstd, eps=1e-5, offset=0.0)
+        dx, part = cudacpu.empty((rows, m), dt), cudacpu.empty((2, m), np.float32)
+        R.backward(x, x, w, rstd, dx, part, offset=0.0, accumulate=False)
+        dw = cudacpu.empty(m, dt)
+        R.reduce_partials(part, dw)
+        ref = x.astype(np.float64) / np.sqrt((x.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5) * 1.5
+        assert np.abs(y.astype(np.float64) - ref).max() < 0.05
+print("clean")
+"""
+
+
+@pytest.mark.parametrize("kind", ["address", "thread"])
+def test_kernels_run_clean_under_sanitizers(kind):
+    env = {**os.environ, **cudacpu.sanitizer_env(kind)}
+    proc = subprocess.run([sys.executable, "-c", SANITIZED_RUN], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr[-4000:]
+    assert "Sanitizer" not in proc.stderr, proc.stderr[-4000:]
