@@ -50,6 +50,7 @@ from ._compile import CompileError, cache_dir, compile_module, include_dir, kern
 
 __all__ = [
     "CompileError",
+    "CpuLoader",
     "LaunchError",
     "RawKernel",
     "RawModule",
