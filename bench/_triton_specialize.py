@@ -463,12 +463,21 @@ def analyse(compiled) -> dict:
     by_line: dict = {}
     for a in ptx["accesses"]:
         by_line.setdefault((a["where"], a["kind"]), []).append(a)
+    claimed = {(op["where"], op["kind"]) for op in ttgir["memops"]}
     tile_ops = []
     for op in ttgir["memops"]:
         if _ELEM_BITS.get(op["elem"]) != 16:
             continue
-        ptx_here = by_line.get((op["where"], op["kind"]), [])
         where = op["where"]
+        ptx_here = by_line.get((where, op["kind"]), [])
+        if not ptx_here and where:
+            # LLVM may put a load's instructions on the next line (the conversion it fused with):
+            # take accesses of that kind from the next two lines that no TTGIR access claims.
+            for step in (1, 2):
+                key = ((where[0], where[1] + step), op["kind"])
+                if key in by_line and key not in claimed:
+                    ptx_here = by_line[key]
+                    break
         tile_ops.append({
             "where": f"{where[0]}:{where[1]}" if where else None,
             "kind": op["kind"], "rank": op["rank"], "in_loop": op["in_loop"],

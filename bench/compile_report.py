@@ -53,7 +53,9 @@ import types
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Appended, not prepended: the helper next to this file never shadows an installed module.
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
 import _triton_specialize as spec  # noqa: E402
 
