@@ -17,10 +17,17 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
 BASELINE = os.path.join(BENCH, "results", "compile-baseline-sm90.json")
-if BENCH not in sys.path:
-    sys.path.append(BENCH)
 
-import compile_report  # noqa: E402
+
+def _report():
+    """``bench/compile_report.py`` as a module, imported when a test runs, never at collection
+    (importing Triton before ``TRITON_INTERPRET`` is set would change how other tests run)."""
+    if BENCH not in sys.path:
+        sys.path.append(BENCH)
+    import compile_report
+
+    return compile_report
+
 
 #: Cases compiled in CI: one of each kernel family at the benchmark shapes
 #: (every attention kernel at D=128 causal, the forward at D=64, decode, the
@@ -43,12 +50,13 @@ CI_KERNELS = [
 
 
 def _row(row_id, spills=0, **targets):
-    full = dict.fromkeys(compile_report.TARGETS, "-")
+    full = dict.fromkeys(_report().TARGETS, "-")
     full.update(targets)
     return {"id": row_id, "targets": full, "spill_bytes": spills}
 
 
 def test_compare_flags_a_lost_target_and_new_spills_and_lists_known_failures():
+    compile_report = _report()
     baseline = {"kernels": {
         "a/k": {"targets": {"wgmma": "PASS", "no_spills": "PASS"}, "spill_bytes": 0},
         "b/k": {"targets": {"wgmma": "FAIL", "no_spills": "PASS"}, "spill_bytes": 0},
@@ -81,6 +89,7 @@ def _load(in_loop, async_, wide, kind="load"):
 
 
 def test_evaluate_reads_each_target_from_the_compiled_facts():
+    compile_report = _report()
     good = _facts(tile_ops=[_load(True, True, True), _load(False, False, True)])
     assert compile_report.evaluate("attention", good) == {
         "wgmma": "PASS", "no_spills": "PASS", "tile_loads_16B": "PASS", "row_128bit": "-"}
@@ -108,6 +117,7 @@ def test_baseline_covers_the_ci_kernels():
 def test_sm90_compile_report_holds_the_baseline(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler",
                         reason="this Triton has no NVIDIA backend")
+    _report()
     import _triton_specialize
 
     for tool in ("cuobjdump", "nvdisasm"):
