@@ -220,7 +220,7 @@ class Primitive:
     optional_scratch: tuple[str, ...] = ()
 
 
-_PARTIAL_HOOKS = {"partials": partials, "reduce_partials": reduce_partials}
+_PARTIAL_HOOKS: Mapping[str, Callable[..., Any]] = {"partials": partials, "reduce_partials": reduce_partials}
 
 PRIMITIVES: Mapping[str, Primitive] = {
     p.name: p

@@ -30,6 +30,7 @@ gradients, with no NaN and no floating-point warning.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import array_api_compat
 import numpy as np
@@ -230,7 +231,11 @@ def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm) -> N
     )
     q_scaled = xp.reshape(to(xp, q[b, heads, r0:r1, :], acc) * t.scale, (rows, t.d))
     bounded = k_norm is not None and k_norm * _max_row_norm(xp, q_scaled, acc) <= SAFE_EXPONENT
-    m_run = l_run = o_acc = shift = new_shift = None
+    m_run: Any = None
+    l_run: Any = None
+    o_acc: Any = None
+    shift: Any = None
+    new_shift: Any = None
     for j, state in visits:
         j0, j1 = t.kv_span(j)
         s = q_scaled @ to(xp, k[b, g, j0:j1, :], acc).mT

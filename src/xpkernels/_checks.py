@@ -255,7 +255,7 @@ def no_overlap(fn: str, outputs, inputs, may_alias=()) -> None:
         if (out_name, in_name) in allowed and identical(u, v):
             continue
         try:
-            shared = np.shares_memory(u, v, max_work=100_000)
+            shared = np.shares_memory(u, v, max_work=100_000)  # type: ignore[arg-type]  # stubs list only -1, 0
         except np.exceptions.TooHardError:
             shared = True
         if shared:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from . import _checks as check
 from .buffers import empty, empty_accumulator, primal, scratchspace_for
@@ -45,9 +45,9 @@ __all__ = ["decode_attention_", "decode_attention", "DecodeAttentionScratch"]
 class DecodeAttentionScratch(NamedTuple):
     """Transient workspace of ``decode_attention_`` (float32; float64 for float64 inputs)."""
 
-    o_partial: object  #: ``(B, H, n_splits, Dv)``, each split's unnormalised output
-    m_partial: object  #: ``(B, H, n_splits)``, each split's score max (-inf: empty split)
-    l_partial: object  #: ``(B, H, n_splits)``, each split's ``sum exp(s - m)`` (0: empty split)
+    o_partial: Any  #: ``(B, H, n_splits, Dv)``, each split's unnormalised output
+    m_partial: Any  #: ``(B, H, n_splits)``, each split's score max (-inf: empty split)
+    l_partial: Any  #: ``(B, H, n_splits)``, each split's ``sum exp(s - m)`` (0: empty split)
 
 
 def max_splits(smax: int) -> int:

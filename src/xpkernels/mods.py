@@ -46,6 +46,7 @@ import copy
 import inspect
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -508,7 +509,7 @@ def _prune(nodes, output, slots) -> Graph:
         if n.op == "gather":
             value = slot_id.setdefault(n.value, len(slot_id))
         new_nodes.append(Node(n.op, tuple(new_id[a] for a in n.args), value, n.kind))
-    used = sorted(slot_id, key=slot_id.get)
+    used = sorted(slot_id, key=slot_id.__getitem__)
     return Graph(new_nodes, new_id[output], [slots[s] for s in used])
 
 
@@ -743,8 +744,8 @@ _UNSUPPORTED = {
     "__floor__": "math.floor()",
     "__ceil__": "math.ceil()",
 }
-for _name, _what in _UNSUPPORTED.items():
-    setattr(Sym, _name, _unsupported(_what))
+for _name, _description in _UNSUPPORTED.items():
+    setattr(Sym, _name, _unsupported(_description))
 
 
 class CapturedArray:
@@ -842,8 +843,8 @@ def _concrete(op: str, python, *args):
     flex_attention traces score mods that way).
     """
     torch = sys.modules.get("torch")
-    tensor = next((a for a in args if torch is not None and isinstance(a, torch.Tensor)), None)
-    if tensor is not None:
+    tensor = None if torch is None else next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if torch is not None and tensor is not None:
         return getattr(torch, op)(
             *(
                 a if isinstance(a, torch.Tensor) else torch.as_tensor(a, device=tensor.device)
@@ -1011,7 +1012,7 @@ def tile_grid(xp, device, names, *, b, h0, n_h, q_pos0, q_row0, n_q, kv0, n_kv) 
     return Grid(values, ranges, 3)
 
 
-_EVAL = {
+_EVAL: dict[str, Callable[..., Any]] = {
     "add": lambda xp, a, b: xp.add(a, b),
     "sub": lambda xp, a, b: xp.subtract(a, b),
     "mul": lambda xp, a, b: xp.multiply(a, b),
@@ -2296,6 +2297,7 @@ def positions_of(fn: str, input_pos, n_q: int = 1) -> tuple[int, ...]:
     ``q_idx = input_pos + row`` for rows below ``n_q`` must fit int64.
     """
     kinds = "an int or a (B,) integer array"
+    values: tuple[int, ...]
     if isinstance(input_pos, bool):
         raise TypeError(f"{fn}: input_pos must be {kinds}, got a bool")
     single = _scalar(input_pos)

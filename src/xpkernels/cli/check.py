@@ -150,8 +150,8 @@ def run(ops=None, verbose=False) -> int:
                   + ", ".join(row.failures))
     if skipped:
         print("\nnot checked here:")
-        for line in skipped:
-            print(f"  {line}")
+        for reason in skipped:
+            print(f"  {reason}")
     failed = sum(not row.passed for row in rows)
     print(f"\n{len(rows) - failed} PASS, {failed} FAIL")
     return 1 if failed else 0

@@ -31,6 +31,7 @@ import math
 import time
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 import array_api_compat
 import numpy as np
@@ -114,7 +115,7 @@ class ArrayLibrary:
 def param_shapes(cfg: Config, vocab: int) -> dict[str, tuple[int, ...]]:
     """Every parameter's shape, by name."""
     c, f = cfg.dim, cfg.hidden
-    shapes = {"tok_emb": (vocab, c), "pos_emb": (cfg.context, c)}
+    shapes: dict[str, tuple[int, ...]] = {"tok_emb": (vocab, c), "pos_emb": (cfg.context, c)}
     for l in range(cfg.layers):
         shapes |= {
             f"{l}.norm1": (c,),
@@ -186,7 +187,7 @@ class TinyLM:
         d, n = c // h, cfg.batch * cfg.context
         vocab = params["tok_emb"].shape[0]
         self.shape = {"B": b, "T": t, "C": c, "H": h, "D": d, "N": n, "F": f, "V": vocab}
-        self.planned = []
+        self.planned: list = []
 
         def new(*shape):
             a = lib.empty(shape, dtype)
@@ -481,8 +482,8 @@ class Sampler:
     ) -> list[int]:
         """``prompt`` followed by ``count`` sampled characters."""
         tokens = list(prompt)
-        window = []
-        probs = None
+        window: list = []
+        probs: Any = None
         for token in tokens:
             probs, window = self._feed(token, window)
         for _ in range(count):

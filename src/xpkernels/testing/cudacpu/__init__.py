@@ -223,10 +223,10 @@ def _dims(value, what: str, name: str) -> tuple[int, int, int]:
     dims = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
     if not 1 <= len(dims) <= 3 or not all(isinstance(d, (int, np.integer)) for d in dims):
         raise TypeError(f"cudacpu: {name}: {what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
-    dims = tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
-    if any(d < 1 for d in dims):
-        raise LaunchError(f"cudacpu: {name}: {what} {dims} has a dimension < 1")
-    return dims
+    x, y, z = (*(int(d) for d in dims), 1, 1)[:3]
+    if min(x, y, z) < 1:
+        raise LaunchError(f"cudacpu: {name}: {what} {(x, y, z)} has a dimension < 1")
+    return x, y, z
 
 
 class RawKernel:
