@@ -288,11 +288,13 @@ def test_array_api_scratch_has_every_field_and_refuses_a_missing_one():
     q, k, v, do = _attention_args(np.asarray)
     o = xk.attention(q, k, v)
     O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
-    for backward in (xk.attention_backward_, xk.flex_attention_backward_):
+    for forward, backward in (
+        (xk.attention_, xk.attention_backward_), (xk.flex_attention_, xk.flex_attention_backward_)
+    ):
         scratch = xk.allocate_scratchspace(backward, O, Q, K, V)
         assert scratch.delta.shape == (1, 2, 6) and scratch.dq_accum.shape == (1, 2, 6, 4)
-        ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
-        xk.attention_(o, q, k, v, checkpoints=ck)
+        ck = xk.allocate_checkpoints(forward, q, k, v)
+        forward(o, q, k, v, checkpoints=ck)
         with pytest.raises(ValueError, match=r"scratch\.dq_accum is None but backend 'array_api' needs it"):
             backward(O, Q, K, V, checkpoints=ck, scratch=scratch._replace(dq_accum=None))
 
