@@ -213,3 +213,24 @@ def test_redirected_run_writes_no_carriage_return(monkeypatch, capsys, tmp_path,
         monkeypatch, capsys, tmp_path, pair(clock, ([], 1.0), ([], 1.0))
     )
     assert "\r" not in err and "\r" not in out
+
+
+def test_a_retiming_that_fails_is_reported_as_the_rows_error(monkeypatch, capsys, tmp_path, clock):
+    benches = pair(clock, ([1, 1, 1, 3], 1.0), ([], 2.0))
+    first_setup = benches[0].setup
+    setups = iter([first_setup])
+
+    def setup():
+        made = next(setups, None)
+        if made is None:
+            raise MemoryError("no room the second time")
+        return made()
+
+    benches[0].setup = setup
+    rc, out, err, rows, record = run_planted(monkeypatch, capsys, tmp_path, benches)
+    assert rc == 1
+    for impl in ("xpkernels", "torch"):
+        assert rows[("op", "forward", impl)]["error"] == (
+            "re-timing: MemoryError: no room the second time"
+        )
+    assert "op/forward/xpkernels: 200% -> - (failed)" in out

@@ -742,7 +742,7 @@ def _print_table(rows: list[Row], library: str, groups: list[list[Row]], skipped
                     verdict = "flag cleared"
                 else:
                     verdict = "was not flagged; re-timed as the other side of a ratio"
-                first = _percent(row.first_spread) if row.first_spread is not None else "?"
+                first = _percent(row.first_spread if row.retimed else row.spread)
                 now = _percent(row.spread) if not row.error else "-"
                 print(f"  {row.key}: {first} -> {now} ({verdict})")
     else:
