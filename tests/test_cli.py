@@ -183,9 +183,18 @@ def test_bench_quick_writes_every_row_as_json(tmp_path):
         "flex window 32",
         "flex no mods",
     }
+    assert "\r" not in err  # no progress bar when stderr is not a terminal
+    assert "min ms" in out and "median ms" in out and "max ms" in out and "spread" in out
     for row in rows:
         assert row["error"] is None, row
         assert len(row["times_s"]) == 2 and row["median_s"] > 0 and row["rate"] > 0
+        assert row["repeats"] == 2
+        assert row["min_s"] == min(row["times_s"]) and row["max_s"] == max(row["times_s"])
+        assert row["min_s"] <= row["median_s"] <= row["max_s"]
+        assert row["spread"] == pytest.approx((row["max_s"] - row["min_s"]) / row["median_s"])
+        assert row["flagged"] == (row["spread"] > record["spread_limit"])
+        assert isinstance(row["retimed"], bool)
+        assert (row["first_spread"] is not None) == row["retimed"]
         assert row["unit"] in ("GB/s", "TFLOP/s")
         assert row["formula"].startswith("bytes = " if row["unit"] == "GB/s" else "FLOPs = ")
         expected_rate = row["work"] / row["median_s"] / (1e9 if row["unit"] == "GB/s" else 1e12)
@@ -205,9 +214,7 @@ def test_bench_quick_writes_every_row_as_json(tmp_path):
                 assert ours["ratio"] == pytest.approx(ours["median_s"] / theirs["median_s"])
     assert "formulas:" in out and "bytes = (2*R*M + M)*s + 4*R" in out
     assert "FLOPs = 4*B*H*Sq*Sk*D / 2 (causal)" in out
-    assert (
-        f"{len(rows)}/{len(rows)}" in err
-    )  # the progress bar (tqdm or the built-in one) reached the end
+    assert f"{len(rows)}/{len(rows)}" not in err  # stderr is a pipe here: no progress bar
 
 
 # --------------------------------------------------------------------------- demo

@@ -4,11 +4,20 @@ Each row times one pass of one implementation: xpkernels' in-place
 function over buffers allocated once beforehand (the way a training step
 calls it), or PyTorch's own CPU op (``F.rms_norm``, ``F.layer_norm``,
 ``torch.softmax``, ``F.scaled_dot_product_attention``; backward rows time
-``torch.autograd.grad`` of that op). A row reports the median of its timed
-runs (after one warm-up run), the rate it implies -- GB/s for the
-memory-bound primitives, TFLOP/s for attention -- with the byte or FLOP
-formula printed under the table, and its time relative to a baseline row
-(PyTorch's op; for FlexAttention the dense path or xpkernels' attention).
+``torch.autograd.grad`` of that op). A row reports the min / median / max of
+its timed runs (after one warm-up run), the rate its median implies -- GB/s
+for the memory-bound primitives, TFLOP/s for attention -- with the byte or
+FLOP formula printed under the table, and the ratio of its median to that of
+a baseline row measured in the same run (PyTorch's op; for FlexAttention the
+dense path or xpkernels' attention).
+
+A row whose spread ``(max - min) / median`` exceeds :data:`SPREAD_LIMIT` is
+flagged and re-timed once together with the other side(s) of its ratio, the
+calls interleaved (ours, theirs, ours, theirs, ...) so that machine noise hits
+both sides; the output names the re-timed rows and whether the flag cleared.
+Comparison libraries that are missing are named in the output, with the rows
+skipped for want of them. The progress bar draws only when stderr is a
+terminal.
 
 Default shapes are those of the performance targets: norms and softmax
 ``(8192, 4096)`` float32, attention ``B=1, H=8, S=2048, D=64`` float32,
@@ -32,6 +41,12 @@ import numpy as np
 
 from ..buffers import Duplicated, allocate_checkpoints, allocate_scratchspace
 from ..registry import OPS
+
+#: Spread ``(max - min) / median`` of a row's timed runs above which it is flagged and re-timed.
+SPREAD_LIMIT = 0.25
+
+#: The clock rows are timed with (a module attribute so tests can plant a fake one).
+_now = time.perf_counter
 
 #: Shapes of a full run and of ``--quick``.
 SHAPES = {
@@ -57,6 +72,10 @@ class Row:
     ``work`` is the bytes moved (``unit`` GB/s) or the FLOPs done
     (``unit`` TFLOP/s) by one run, per ``formula``; ``baseline`` names the
     row ``ratio = median_s / baseline's median_s`` compares with.
+    ``times_s`` are the timed runs the statistics come from (those of the
+    re-timing when ``retimed``); ``spread = (max_s - min_s) / median_s``;
+    ``flagged`` says the final timing's spread exceeds :data:`SPREAD_LIMIT`;
+    ``first_spread`` is the spread of the first timing of a re-timed row.
     """
 
     op: str
@@ -69,7 +88,14 @@ class Row:
     baseline: str | None = None
     dtype: str = "float32"
     times_s: list = field(default_factory=list)
+    repeats: int = 0
+    min_s: float | None = None
     median_s: float | None = None
+    max_s: float | None = None
+    spread: float | None = None
+    flagged: bool = False
+    retimed: bool = False
+    first_spread: float | None = None
     rate: float | None = None
     ratio: float | None = None
     error: str | None = None
@@ -86,6 +112,47 @@ class Bench:
     row: Row
     setup: Callable[[], Callable[[], object]]
     repeats: int
+
+
+Setup = Callable[[], Callable[[], object]]
+
+
+def compare(
+    op: str,
+    pass_: str,
+    shape: str,
+    unit: str,
+    work: float,
+    formula: str,
+    repeats: int,
+    ours: tuple[str, Setup],
+    theirs: tuple[str, Setup] | None = None,
+) -> list[Bench]:
+    """The benches of one comparison: ``ours`` timed against ``theirs`` in the same run.
+
+    Parameters
+    ----------
+    op, pass_, shape, unit, work, formula
+        What both rows measure (see :class:`Row`).
+    repeats : int
+        Timed runs of each side.
+    ours, theirs : tuple of (str, callable)
+        ``(impl, setup)`` of each side; ``setup()`` allocates everything and
+        returns the callable to time. ``theirs=None`` (its library is missing):
+        ``ours`` alone, without a ratio.
+
+    Returns
+    -------
+    list of Bench
+        ``ours`` (its ratio is its median over that of ``theirs``), then ``theirs``.
+    """
+    baseline = None if theirs is None else f"{op}/{pass_}/{theirs[0]}"
+    benches = [Bench(Row(op, pass_, ours[0], shape, unit, work, formula, baseline), ours[1], repeats)]
+    if theirs is not None:
+        benches.append(
+            Bench(Row(op, pass_, theirs[0], shape, unit, work, formula), theirs[1], repeats)
+        )
+    return benches
 
 
 # --------------------------------------------------------------------------- arrays
@@ -155,13 +222,11 @@ def _row_benches(op: str, shape, arrays: _Arrays, repeats: int, with_torch: bool
         ("backward", bwd_bytes, terms[1], what[1]),
     ):
         formula = f"bytes = {formula} ({text}; {where})"
-        impls = [("xpkernels", _xpk_row_setup(op, pass_, arrays, x_np, dy_np, w_np, b_np))]
-        if with_torch:
-            impls.append(("torch", _torch_row_setup(op, pass_, x_np, dy_np, w_np, b_np)))
-        for impl, setup in impls:
-            baseline = f"{op}/{pass_}/torch" if with_torch and impl == "xpkernels" else None
-            row = Row(op, pass_, impl, shape_text, "GB/s", work, formula, baseline)
-            benches.append(Bench(row, setup, repeats))
+        ours = ("xpkernels", _xpk_row_setup(op, pass_, arrays, x_np, dy_np, w_np, b_np))
+        theirs = ("torch", _torch_row_setup(op, pass_, x_np, dy_np, w_np, b_np))
+        benches += compare(
+            op, pass_, shape_text, "GB/s", work, formula, repeats, ours, theirs if with_torch else None
+        )
     return benches
 
 
@@ -246,17 +311,19 @@ def _attention_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -
         for pass_ in ("forward", "backward"):
             work = _attention_flops(b, h, s, s, d, causal, pass_)
             formula = _attention_formula(pass_, causal, where)
-            impls = [
-                ("xpkernels", _xpk_attention_setup(arrays, q_np, k_np, v_np, do_np, causal, pass_))
-            ]
-            if with_torch:
-                impls.append(
-                    ("torch", _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_))
-                )
-            for impl, setup in impls:
-                baseline = f"{op}/{pass_}/torch" if with_torch and impl == "xpkernels" else None
-                row = Row(op, pass_, impl, f"{b}x{h}x{s}x{d}", "TFLOP/s", work, formula, baseline)
-                benches.append(Bench(row, setup, repeats))
+            ours = ("xpkernels", _xpk_attention_setup(arrays, q_np, k_np, v_np, do_np, causal, pass_))
+            theirs = ("torch", _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_))
+            benches += compare(
+                op,
+                pass_,
+                f"{b}x{h}x{s}x{d}",
+                "TFLOP/s",
+                work,
+                formula,
+                repeats,
+                ours,
+                theirs if with_torch else None,
+            )
     return benches
 
 
@@ -337,14 +404,18 @@ def _decode_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -> l
 
         return forward
 
-    benches = []
-    for impl, setup in [("xpkernels", xpk_setup)] + (
-        [("torch", torch_setup)] if with_torch else []
-    ):
-        baseline = "decode_attention/forward/torch" if with_torch and impl == "xpkernels" else None
-        row = Row("decode_attention", "forward", impl, shape_text, "GB/s", work, formula, baseline)
-        benches.append(Bench(row, setup, repeats))
-    return benches
+    theirs = ("torch", torch_setup) if with_torch else None
+    return compare(
+        "decode_attention",
+        "forward",
+        shape_text,
+        "GB/s",
+        work,
+        formula,
+        repeats,
+        ("xpkernels", xpk_setup),
+        theirs,
+    )
 
 
 # --------------------------------------------------------------------------- flex attention
@@ -374,12 +445,11 @@ def _flex_benches(shape, attention_shape, arrays: _Arrays, repeats: int) -> list
                 f"(query, key) pairs the mask keeps = {pairs:,} (B={b}, H={h}, Sq=Sk={s}, D={d}; "
                 "the same for both paths)"
             )
-            for sparse in (True, False):
-                impl = "xpkernels" if sparse else "xpkernels dense"
-                baseline = f"{label}/{pass_}/xpkernels dense" if sparse else None
-                row = Row(label, pass_, impl, shape_text, "TFLOP/s", work, formula, baseline)
-                setup = _xpk_flex_setup(arrays, inputs, pass_, mask=mask, block_sparse=sparse)
-                benches.append(Bench(row, setup, repeats))
+            sides = [
+                (impl, _xpk_flex_setup(arrays, inputs, pass_, mask=mask, block_sparse=sparse))
+                for impl, sparse in (("xpkernels", True), ("xpkernels dense", False))
+            ]
+            benches += compare(label, pass_, shape_text, "TFLOP/s", work, formula, repeats, *sides)
     b, h, s, d = (attention_shape[n] for n in ("B", "H", "S", "D"))
     shape_text = f"{b}x{h}x{s}x{d}"
     rng = np.random.default_rng(2)
@@ -422,13 +492,43 @@ def _xpk_flex_setup(arrays: _Arrays, inputs, pass_, mask=None, block_sparse=True
 # --------------------------------------------------------------------------- running
 
 
-def _benches(quick: bool, ops, library: str, repeats: int | None) -> list[Bench]:
+#: The PyTorch op each primitive's comparison rows time.
+_TORCH_OPS = {
+    "rms_norm": "F.rms_norm",
+    "layer_norm": "F.layer_norm",
+    "softmax": "torch.softmax",
+    "attention": "F.scaled_dot_product_attention",
+    "decode_attention": "F.scaled_dot_product_attention (enable_gqa)",
+}
+
+
+def _torch_missing() -> str | None:
+    """Why torch cannot be used here (``"torch is not installed"``, ...), or None when it can."""
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name == "torch":
+            return "torch is not installed"
+        return f"torch cannot be imported ({type(exc).__name__}: {exc})"
+    except ImportError as exc:
+        return f"torch cannot be imported ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[Bench], list[str]]:
+    """The benches to run and one line per comparison skipped for a missing library."""
     shapes = SHAPES[quick]
-    with_torch = importlib.util.find_spec("torch") is not None
+    torch_missing = _torch_missing()
+    with_torch = torch_missing is None
     arrays = _Arrays(library)
     row_repeats = repeats or (3 if quick else 5)
     attn_repeats = repeats or 3
     chosen = [op for op in OPS if not ops or op in ops]
+    skipped = []
+    compared = [_TORCH_OPS[op] for op in chosen if op in _TORCH_OPS]
+    if torch_missing and compared:
+        names = ", ".join(dict.fromkeys(compared))
+        skipped.append(f"{torch_missing}: the comparison rows against {names} are skipped")
     benches = []
     for op in chosen:
         if op in ("rms_norm", "layer_norm", "softmax"):
@@ -447,16 +547,18 @@ def _benches(quick: bool, ops, library: str, repeats: int | None) -> list[Bench]
                     if bench.row.op == "attention"
                 ]
             benches += _flex_benches(shapes["flex"], shapes["attention"], arrays, attn_repeats)
-    return benches
+    return benches, skipped
 
 
 class _Progress:
-    """tqdm when it is installed, else a one-line bar redrawn on stderr."""
+    """A progress bar on stderr, drawn only when stderr is a terminal: tqdm when installed,
+    else a one-line bar redrawn with ``\\r``. Redirected, it writes nothing."""
 
     def __init__(self, total: int):
         self.total, self.done = total, 0
         self.bar = None
-        if importlib.util.find_spec("tqdm") is not None:
+        self.draw = sys.stderr.isatty()
+        if self.draw and importlib.util.find_spec("tqdm") is not None:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, file=sys.stderr, unit="row", leave=False)
@@ -464,6 +566,8 @@ class _Progress:
     def start(self, label: str) -> None:
         if self.bar is not None:
             self.bar.set_description(label)
+            return
+        if not self.draw:
             return
         width = 30
         filled = width * self.done // max(self.total, 1)
@@ -480,28 +584,87 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        else:
+        elif self.draw:
             sys.stderr.write(f"\r[{'#' * 30}] {self.done}/{self.total} done{' ' * 44}\n")
             sys.stderr.flush()
+
+
+def _time(calls: list[Callable[[], object]], repeats: int) -> list[list[float]]:
+    """One warm-up run of each call, then ``repeats`` rounds timing each call in turn."""
+    for call in calls:
+        call()
+    times = [[] for _ in calls]
+    for _ in range(repeats):
+        for call, timed in zip(calls, times):
+            start = _now()
+            call()
+            timed.append(_now() - start)
+    return times
+
+
+def _set_times(row: Row, times: list[float]) -> None:
+    """The row's statistics and rate from its timed runs."""
+    row.times_s = list(times)
+    row.repeats = len(times)
+    row.min_s, row.median_s, row.max_s = min(times), statistics.median(times), max(times)
+    row.spread = (row.max_s - row.min_s) / row.median_s if row.median_s > 0 else 0.0
+    row.flagged = row.spread > SPREAD_LIMIT
+    scale = 1e9 if row.unit == "GB/s" else 1e12
+    row.rate = row.work / row.median_s / scale if row.median_s > 0 else float("inf")
 
 
 def measure(bench: Bench) -> Row:
     """Time ``bench``: one warm-up run, then ``repeats`` timed runs; fills the row's figures."""
     row = bench.row
     try:
-        call = bench.setup()
-        call()
-        for _ in range(bench.repeats):
-            start = time.perf_counter()
-            call()
-            row.times_s.append(time.perf_counter() - start)
+        (times,) = _time([bench.setup()], bench.repeats)
     except Exception as exc:  # noqa: BLE001 - a failing row is reported, the others still run
         row.error = f"{type(exc).__name__}: {exc}"
         return row
-    row.median_s = statistics.median(row.times_s)
-    scale = 1e9 if row.unit == "GB/s" else 1e12
-    row.rate = row.work / row.median_s / scale
+    _set_times(row, times)
     return row
+
+
+def _noisy_groups(benches: list[Bench]) -> list[list[Bench]]:
+    """Each flagged row with the other sides of its ratios (its baseline, the rows it is the
+    baseline of); groups that share a row are merged, so a row is re-timed at most once."""
+    timed = {b.row.key: b for b in benches if b.row.error is None}
+    groups: list[set] = []
+    for bench in timed.values():
+        if not bench.row.flagged:
+            continue
+        group = {bench.row.key}
+        if bench.row.baseline in timed:
+            group.add(bench.row.baseline)
+        group |= {key for key, b in timed.items() if b.row.baseline == bench.row.key}
+        for other in [g for g in groups if g & group]:
+            groups.remove(other)
+            group |= other
+        groups.append(group)
+    return [[b for key, b in timed.items() if key in group] for group in groups]
+
+
+def retime_noisy(benches: list[Bench]) -> list[list[Row]]:
+    """Re-time once every flagged row with the other sides of its ratios, interleaved.
+
+    Returns
+    -------
+    list of list of Row
+        The groups re-timed together (each row's ``first_spread`` keeps its first spread).
+    """
+    groups = _noisy_groups(benches)
+    for group in groups:
+        repeats = max(b.repeats for b in group)
+        try:
+            times = _time([b.setup() for b in group], repeats)
+        except Exception as exc:  # noqa: BLE001 - reported as the group's error
+            for b in group:
+                b.row.error = f"re-timing: {type(exc).__name__}: {exc}"
+            continue
+        for b, timed in zip(group, times):
+            b.row.first_spread, b.row.retimed = b.row.spread, True
+            _set_times(b.row, timed)
+    return [[b.row for b in group] for group in groups]
 
 
 def _link_baselines(rows: list[Row]) -> None:
@@ -512,34 +675,82 @@ def _link_baselines(rows: list[Row]) -> None:
             row.ratio = row.median_s / base.median_s
 
 
-def _print_table(rows: list[Row], library: str) -> None:
-    header = ("primitive", "pass", "impl", "shape", "median ms", "rate", "vs", "ratio")
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:.0f}%"
+
+
+def _print_table(rows: list[Row], library: str, groups: list[list[Row]], skipped: list[str]) -> None:
+    header = (
+        "primitive",
+        "pass",
+        "impl",
+        "shape",
+        "min ms",
+        "median ms",
+        "max ms",
+        "spread",
+        "rate",
+        "vs",
+        "ratio",
+    )
     table = [header]
     for row in rows:
         if row.error:
-            table.append((row.op, row.pass_, row.impl, row.shape, "error", "", "", ""))
+            table.append((row.op, row.pass_, row.impl, row.shape, "error") + ("",) * 6)
             continue
         base = ""
         if row.baseline is not None:
             base_op, _, base_impl = row.baseline.split("/")
             base = base_impl if base_op == row.op else f"{base_op} ({base_impl})"
+        mark = " NOISY" if row.flagged else " re-timed" if row.retimed else ""
         table.append(
             (
                 row.op,
                 row.pass_,
                 row.impl,
                 row.shape,
+                f"{row.min_s * 1e3:.2f}",
                 f"{row.median_s * 1e3:.2f}",
+                f"{row.max_s * 1e3:.2f}",
+                _percent(row.spread) + mark,
                 f"{row.rate:.3g} {row.unit}",
                 base,
                 "-" if row.ratio is None else f"{row.ratio:.2f}",
             )
         )
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    print(f"xpkernels on {library} CPU arrays, float32; median of timed runs after one warm-up")
+    print(
+        f"xpkernels on {library} CPU arrays, float32; min / median / max of the timed runs "
+        "after one warm-up"
+    )
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
     print("ratio = median time / median time of the 'vs' row (below 1: faster than it)")
+    print(
+        f"spread = (max - min) / median; above {_percent(SPREAD_LIMIT)} a row is flagged and "
+        "re-timed once with the other side of its ratio, the calls interleaved"
+    )
+    if groups:
+        print("\nre-timed (first spread -> spread of the re-timing):")
+        for group in groups:
+            for row in group:
+                if row.error:
+                    verdict = "failed"
+                elif row.flagged:
+                    verdict = "still flagged: treat its ratio with caution"
+                elif row.first_spread > SPREAD_LIMIT:
+                    verdict = "flag cleared"
+                else:
+                    verdict = "was not flagged; re-timed as the other side of a ratio"
+                first = _percent(row.first_spread if row.retimed else row.spread)
+                now = _percent(row.spread) if not row.error else "-"
+                print(f"  {row.key}: {first} -> {now} ({verdict})")
+    else:
+        print(f"\nno row's spread exceeded {_percent(SPREAD_LIMIT)}: none re-timed")
+    if skipped:
+        print("\nskipped:")
+        for line in skipped:
+            print(f"  {line}")
     print("\nformulas:")
     seen = set()
     for row in rows:
@@ -563,7 +774,7 @@ def _environment(library: str, quick: bool) -> dict:
         "array": library,
         "quick": quick,
     }
-    if importlib.util.find_spec("torch") is not None:
+    if _torch_missing() is None:
         import torch
 
         env["torch"] = torch.__version__
@@ -581,7 +792,7 @@ def run(quick=False, json_path=None, ops=None, array="numpy", repeats=None) -> i
     """Measure, print the table and formulas, optionally write JSON; 1 if any row failed."""
     if repeats is not None and repeats < 1:
         raise SystemExit("bench: --repeats must be >= 1")
-    benches = _benches(quick, ops, array, repeats)
+    benches, skipped = _benches(quick, ops, array, repeats)
     progress = _Progress(len(benches))
     rows = []
     for bench in benches:
@@ -589,11 +800,15 @@ def run(quick=False, json_path=None, ops=None, array="numpy", repeats=None) -> i
         rows.append(measure(bench))
         progress.advance()
     progress.close()
+    groups = retime_noisy(benches)
     _link_baselines(rows)
-    _print_table(rows, array)
+    _print_table(rows, array, groups, skipped)
     if json_path:
         record = {
             "environment": _environment(array, quick),
+            "spread_limit": SPREAD_LIMIT,
+            "skipped": skipped,
+            "retimed_together": [[row.key for row in group] for group in groups],
             "rows": [_row_record(row) for row in rows],
         }
         with open(json_path, "w", encoding="utf-8") as f:

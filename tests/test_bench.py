@@ -1,0 +1,236 @@
+"""``python -m xpkernels bench`` reports its own noise: min / median / max, flagged rows re-timed.
+
+Timings come from a planted clock (``bench._now``) advanced by planted
+callables, so every statistic is known exactly and the tests take no time;
+the real rows are built only at ``--quick`` shapes with one repeat.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from xpkernels.cli import bench
+
+
+class Clock:
+    """A fake ``perf_counter``; planted calls advance it and log their names."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.calls = []
+
+    def __call__(self):
+        return self.now
+
+    def planted(self, name, durations, then=1.0):
+        """A bench setup whose call takes ``durations`` in turn (warm-ups included), then ``then``."""
+        durations = iter(durations)
+
+        def setup():
+            def call():
+                self.calls.append(name)
+                self.now += next(durations, then)
+
+            return call
+
+        return setup
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(bench, "_now", clock)
+    return clock
+
+
+def pair(clock, ours, theirs, repeats=3):
+    """One comparison: ``ours`` and ``theirs`` are (durations, then) of the planted calls."""
+    return bench.compare(
+        "op",
+        "forward",
+        "4x4",
+        "GB/s",
+        1e9,
+        "bytes = 1e9",
+        repeats,
+        ("xpkernels", clock.planted("ours", *ours)),
+        ("torch", clock.planted("theirs", *theirs)),
+    )
+
+
+def run_planted(monkeypatch, capsys, tmp_path, benches, skipped=()):
+    monkeypatch.setattr(bench, "_benches", lambda *args: (benches, list(skipped)))
+    path = tmp_path / "bench.json"
+    rc = bench.run(json_path=str(path))
+    out, err = capsys.readouterr()
+    record = json.loads(path.read_text())
+    return rc, out, err, {(r["op"], r["pass"], r["impl"]): r for r in record["rows"]}, record
+
+
+def test_quiet_rows_report_min_median_max_and_are_not_retimed(monkeypatch, capsys, tmp_path, clock):
+    # Warm-up 1, then 1.0, 1.1, 1.25: spread (1.25 - 1.0) / 1.1 < 25%.
+    benches = pair(clock, ([1, 1.0, 1.1, 1.25], 1.0), ([], 2.0))
+    rc, out, err, rows, record = run_planted(monkeypatch, capsys, tmp_path, benches)
+    assert rc == 0
+    ours, theirs = rows[("op", "forward", "xpkernels")], rows[("op", "forward", "torch")]
+    assert (ours["min_s"], ours["median_s"], ours["max_s"]) == pytest.approx((1.0, 1.1, 1.25))
+    assert ours["repeats"] == 3 and ours["times_s"] == pytest.approx([1.0, 1.1, 1.25])
+    assert ours["spread"] == pytest.approx(0.25 / 1.1)
+    assert not ours["flagged"] and not ours["retimed"] and ours["first_spread"] is None
+    assert ours["ratio"] == pytest.approx(1.1 / 2.0)
+    assert theirs["spread"] == 0 and not theirs["flagged"]
+    assert clock.calls == ["ours"] * 4 + ["theirs"] * 4  # nothing re-timed
+    assert record["retimed_together"] == [] and record["skipped"] == []
+    line = next(x for x in out.splitlines() if x.startswith("op") and "xpkernels" in x)
+    assert "1000.00" in line and "1100.00" in line and "1250.00" in line and "23%" in line
+    assert "0.55" in line and "NOISY" not in line
+    assert "none re-timed" in out
+
+
+def test_spread_at_the_limit_is_not_flagged(clock):
+    # (1.25 - 1.0) / 1.0 = 25% exactly: not above the limit.
+    (row_bench, _) = pair(clock, ([1, 1.0, 1.0, 1.25], 1.0), ([], 1.0))
+    row = bench.measure(row_bench)
+    assert row.spread == pytest.approx(bench.SPREAD_LIMIT) and not row.flagged
+
+
+def test_noisy_row_is_flagged_and_retimed_interleaved(monkeypatch, capsys, tmp_path, clock):
+    # First timing 1, 1, 3 (spread 200%); the re-timing (warm-up, then 1.5 x 3) is quiet.
+    benches = pair(clock, ([1, 1, 1, 3, 1], 1.5), ([], 2.0))
+    rc, out, err, rows, record = run_planted(monkeypatch, capsys, tmp_path, benches)
+    assert rc == 0
+    ours, theirs = rows[("op", "forward", "xpkernels")], rows[("op", "forward", "torch")]
+    assert ours["retimed"] and theirs["retimed"]
+    assert ours["first_spread"] == pytest.approx(2.0) and theirs["first_spread"] == 0
+    assert not ours["flagged"] and ours["spread"] == 0 and ours["times_s"] == [1.5] * 3
+    assert ours["median_s"] == 1.5 and ours["ratio"] == pytest.approx(0.75)  # of the re-timing
+    # First timing each side alone, then warm-ups and the timed runs alternating.
+    assert clock.calls[8:] == ["ours", "theirs"] * 4
+    assert record["retimed_together"] == [["op/forward/xpkernels", "op/forward/torch"]]
+    assert "op/forward/xpkernels: 200% -> 0% (flag cleared)" in out
+    assert "op/forward/torch: 0% -> 0% (was not flagged" in out
+
+
+def test_row_still_noisy_after_retiming_stays_flagged(monkeypatch, capsys, tmp_path, clock):
+    benches = pair(clock, ([1, 1, 1, 3, 1, 1, 1, 4], 1.0), ([], 2.0))
+    rc, out, err, rows, record = run_planted(monkeypatch, capsys, tmp_path, benches)
+    ours = rows[("op", "forward", "xpkernels")]
+    assert ours["retimed"] and ours["flagged"] and ours["spread"] == pytest.approx(3.0)
+    assert ours["first_spread"] == pytest.approx(2.0)
+    line = next(x for x in out.splitlines() if x.startswith("op") and "xpkernels" in x)
+    assert "NOISY" in line
+    assert "op/forward/xpkernels: 200% -> 300% (still flagged" in out
+
+
+def test_noisy_baseline_is_retimed_with_every_row_compared_to_it(clock):
+    # "theirs" is the baseline of "ours" and of a third row: one group, each timed once.
+    benches = pair(clock, ([], 1.0), ([1, 1, 1, 3], 2.0))
+    other = bench.Bench(
+        bench.Row("other", "forward", "xpkernels", "4x4", "GB/s", 1e9, "f", "op/forward/torch"),
+        clock.planted("other", []),
+        3,
+    )
+    benches.append(other)
+    for b in benches:
+        bench.measure(b)
+    clock.calls.clear()
+    groups = bench.retime_noisy(benches)
+    assert [[row.key for row in group] for group in groups] == [
+        ["op/forward/xpkernels", "op/forward/torch", "other/forward/xpkernels"]
+    ]
+    assert clock.calls == ["ours", "theirs", "other"] * 4
+    assert all(b.row.retimed and not b.row.flagged for b in benches)
+
+
+def test_missing_torch_is_named_and_its_rows_skipped(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # ``import torch`` now fails
+    benches, skipped = bench._benches(True, ["rms_norm", "attention"], "numpy", 1)
+    assert benches and all(b.row.impl == "xpkernels" and b.row.baseline is None for b in benches)
+    assert skipped == [
+        "torch is not installed: the comparison rows against F.rms_norm, "
+        "F.scaled_dot_product_attention are skipped"
+    ]
+
+
+#: Runs ``bench`` in a fresh interpreter where ``import torch`` fails as if torch were not installed.
+NO_TORCH = """
+import importlib.abc, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "torch":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoTorch())
+from xpkernels.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_missing_torch_is_named_in_the_output(tmp_path):
+    path = tmp_path / "bench.json"
+    args = ["bench", "--quick", "--op", "rms_norm", "--repeats", "1", "--json", str(path)]
+    done = subprocess.run(
+        [sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = "torch is not installed: the comparison rows against F.rms_norm are skipped"
+    assert expected in done.stdout
+    record = json.loads(path.read_text())
+    assert record["skipped"] == [expected] and "torch" not in record["environment"]
+    assert {r["impl"] for r in record["rows"]} == {"xpkernels"}
+    assert all(r["error"] is None for r in record["rows"])
+
+
+def test_no_skipped_line_when_torch_imports(monkeypatch):
+    pytest.importorskip("torch", reason="needs torch to be importable")
+    benches, skipped = bench._benches(True, ["softmax"], "numpy", 1)
+    assert skipped == [] and {b.row.impl for b in benches} == {"xpkernels", "torch"}
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_draws_only_on_a_terminal(monkeypatch):
+    for stream, draws in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        progress = bench._Progress(1)
+        progress.start("a row")
+        progress.advance()
+        progress.close()
+        assert ("\r" in stream.getvalue()) is draws
+        assert ("1/1" in stream.getvalue()) is draws  # the bar reached the end
+        assert bool(stream.getvalue()) is draws
+
+
+def test_redirected_run_writes_no_carriage_return(monkeypatch, capsys, tmp_path, clock):
+    rc, out, err, rows, record = run_planted(
+        monkeypatch, capsys, tmp_path, pair(clock, ([], 1.0), ([], 1.0))
+    )
+    assert "\r" not in err and "\r" not in out
+
+
+def test_a_retiming_that_fails_is_reported_as_the_rows_error(monkeypatch, capsys, tmp_path, clock):
+    benches = pair(clock, ([1, 1, 1, 3], 1.0), ([], 2.0))
+    first_setup = benches[0].setup
+    setups = iter([first_setup])
+
+    def setup():
+        made = next(setups, None)
+        if made is None:
+            raise MemoryError("no room the second time")
+        return made()
+
+    benches[0].setup = setup
+    rc, out, err, rows, record = run_planted(monkeypatch, capsys, tmp_path, benches)
+    assert rc == 1
+    for impl in ("xpkernels", "torch"):
+        assert rows[("op", "forward", impl)]["error"] == (
+            "re-timing: MemoryError: no room the second time"
+        )
+    assert "op/forward/xpkernels: 200% -> - (failed)" in out
