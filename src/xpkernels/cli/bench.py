@@ -104,6 +104,12 @@ class Row:
     def key(self) -> str:
         return f"{self.op}/{self.pass_}/{self.impl}"
 
+    def measured(self) -> tuple[float, float, float, float]:
+        """``(min_s, median_s, max_s, spread)`` of a row that was timed (not an error row)."""
+        if self.min_s is None or self.median_s is None or self.max_s is None or self.spread is None:
+            raise ValueError(f"bench: {self.key} has no timings ({self.error or 'not run'})")
+        return self.min_s, self.median_s, self.max_s, self.spread
+
 
 @dataclass
 class Bench:
@@ -436,8 +442,10 @@ def _flex_benches(shape, attention_shape, arrays: _Arrays, repeats: int) -> list
     shape_text = f"{b}x{h}x{s}x{d}"
     rng = np.random.default_rng(4)
     inputs = [rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4)]
-    for label, mask in (("flex causal mask", "causal"), (f"flex window {w}", w)):
-        pairs = _kept_pairs(s, None if mask == "causal" else mask)
+    masks: tuple[tuple[str, int | None], ...] = (("flex causal mask", None), (f"flex window {w}", w))
+    for label, window in masks:
+        mask = "causal" if window is None else window
+        pairs = _kept_pairs(s, window)
         for pass_ in ("forward", "backward"):
             work = 4 * b * h * d * pairs * (2.5 if pass_ == "backward" else 1.0)
             formula = (
@@ -593,7 +601,7 @@ def _time(calls: list[Callable[[], object]], repeats: int) -> list[list[float]]:
     """One warm-up run of each call, then ``repeats`` rounds timing each call in turn."""
     for call in calls:
         call()
-    times = [[] for _ in calls]
+    times: list[list[float]] = [[] for _ in calls]
     for _ in range(repeats):
         for call, timed in zip(calls, times):
             start = _now()
@@ -693,11 +701,12 @@ def _print_table(rows: list[Row], library: str, groups: list[list[Row]], skipped
         "vs",
         "ratio",
     )
-    table = [header]
+    table: list[tuple[str, ...]] = [header]
     for row in rows:
         if row.error:
             table.append((row.op, row.pass_, row.impl, row.shape, "error") + ("",) * 6)
             continue
+        low, median, high, spread = row.measured()
         base = ""
         if row.baseline is not None:
             base_op, _, base_impl = row.baseline.split("/")
@@ -709,10 +718,10 @@ def _print_table(rows: list[Row], library: str, groups: list[list[Row]], skipped
                 row.pass_,
                 row.impl,
                 row.shape,
-                f"{row.min_s * 1e3:.2f}",
-                f"{row.median_s * 1e3:.2f}",
-                f"{row.max_s * 1e3:.2f}",
-                _percent(row.spread) + mark,
+                f"{low * 1e3:.2f}",
+                f"{median * 1e3:.2f}",
+                f"{high * 1e3:.2f}",
+                _percent(spread) + mark,
                 f"{row.rate:.3g} {row.unit}",
                 base,
                 "-" if row.ratio is None else f"{row.ratio:.2f}",
@@ -738,19 +747,20 @@ def _print_table(rows: list[Row], library: str, groups: list[list[Row]], skipped
                     verdict = "failed"
                 elif row.flagged:
                     verdict = "still flagged: treat its ratio with caution"
-                elif row.first_spread > SPREAD_LIMIT:
+                elif row.first_spread is not None and row.first_spread > SPREAD_LIMIT:
                     verdict = "flag cleared"
                 else:
                     verdict = "was not flagged; re-timed as the other side of a ratio"
-                first = _percent(row.first_spread if row.retimed else row.spread)
-                now = _percent(row.spread) if not row.error else "-"
+                first_spread = row.first_spread if row.retimed else row.spread
+                first = "-" if first_spread is None else _percent(first_spread)
+                now = "-" if row.error or row.spread is None else _percent(row.spread)
                 print(f"  {row.key}: {first} -> {now} ({verdict})")
     else:
         print(f"\nno row's spread exceeded {_percent(SPREAD_LIMIT)}: none re-timed")
     if skipped:
         print("\nskipped:")
-        for line in skipped:
-            print(f"  {line}")
+        for reason in skipped:
+            print(f"  {reason}")
     print("\nformulas:")
     seen = set()
     for row in rows:

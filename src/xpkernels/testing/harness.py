@@ -394,12 +394,14 @@ def setup(spec: OpSpec, case: Case, target: Target, dtype: str):
 
 def cotangents(spec: OpSpec, case: Case, rng, target: Target, dtype: str) -> tuple[dict, dict]:
     """``(target arrays, exact values)`` of the output shadows (call after :func:`setup`)."""
+    if spec.backward is None:
+        raise ValueError(f"{spec.name} has no backward: it takes no cotangents")
     return quantize(spec.backward.cotangents(case, rng), dtype, target)
 
 
 def nan_checkpoints(spec: OpSpec, case: Case, arrays: dict):
     """Freshly allocated checkpoints, every element NaN (None when the spec saves none)."""
-    if not spec.checkpoint_names:
+    if not spec.checkpoint_names or spec.allocate_checkpoints is None:
         return None
     ck = spec.allocate_checkpoints(case, arrays)
     for name in ck._fields:
