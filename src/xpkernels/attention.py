@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import array_api_compat
 
+from . import _autograd
 from . import _checks as check
 from .buffers import (
     Duplicated,
@@ -213,6 +214,7 @@ def attention_(
     fully masked rows).
     """
     fn = "attention_"
+    _autograd.check_inplace(fn, {"o": o, "q": q, "k": k, "v": v})
     q, k, v = primal(q), primal(k), primal(v)
     scale, input_pos, m, lse_sum = _validate_forward(
         fn, o, q, k, v, scale, input_pos, q_lengths, k_lengths, checkpoints
@@ -248,8 +250,16 @@ def attention(
     Returns
     -------
     o : array
+        On torch tensors that require grad (grad mode on), autograd records
+        xpkernels' backward (:mod:`xpkernels.torch`).
     """
     fn = "attention"
+    options = {
+        "causal": causal, "scale": scale, "input_pos": input_pos, "q_lengths": q_lengths,
+        "k_lengths": k_lengths, "checkpoints": checkpoints, "backend": backend,
+    }
+    if (o := _autograd.record(fn, {"q": q, "k": k, "v": v}, options)) is not _autograd.NOT_RECORDED:
+        return o
     q, v = primal(q), primal(v)
     xp = check.namespace(fn, "q", q)
     check.rank(fn, "q", q, 4, "(B, H, Sq, D)")
@@ -343,6 +353,7 @@ def attention_backward_(
     dq accumulated over key tiles. Float32 (float64 for float64 inputs).
     """
     fn = "attention_backward_"
+    _autograd.check_inplace(fn, {"O": O, "Q": Q, "K": K, "V": V})
     scale, input_pos, m, lse_sum, delta, dq_accum = _validate_backward(
         fn, O, Q, K, V, checkpoints, scratch, scale, input_pos, q_lengths, k_lengths
     )

@@ -19,6 +19,7 @@ Nothing is checkpointed: the backward's only saved state is the output
 
 from __future__ import annotations
 
+from . import _autograd
 from . import _checks as check
 from ._rows import row_groups
 from .buffers import Duplicated, primal
@@ -65,6 +66,7 @@ def softmax_(y, x, *, backend=None) -> None:
     other axes may have any stride.
     """
     fn = "softmax_"
+    _autograd.check_inplace(fn, {"y": y, "x": x})
     x = primal(x)
     xp = check.namespace(fn, "x", x)
     check.namespace(fn, "y", y)
@@ -80,8 +82,12 @@ def softmax(x, *, backend=None):
 
     Returns
     -------
-    y : array, shape and dtype of ``x``.
+    y : array, shape and dtype of ``x``. On torch tensors that require grad (grad mode on),
+    autograd records xpkernels' backward (:mod:`xpkernels.torch`).
     """
+    options = {"backend": backend}
+    if (y := _autograd.record("softmax", {"x": x}, options)) is not _autograd.NOT_RECORDED:
+        return y
     x = primal(x)
     xp = check.namespace("softmax", "x", x)
     y = xp.empty_like(x)
@@ -113,6 +119,7 @@ def softmax_backward_(Y, X, *, backend=None) -> None:
     primal and shadow of Y, shadow of X : ``(..., M)``.
     """
     fn = "softmax_backward_"
+    _autograd.check_inplace(fn, {"Y": Y, "X": X})
     Y = check.duplicated(fn, "Y", Y)
     X = check.duplicated(fn, "X", X)
     y, dy, dx = Y.primal, Y.shadow, X.shadow
