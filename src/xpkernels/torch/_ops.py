@@ -557,16 +557,40 @@ def _(q, k_cache, v_cache, lengths, scale, n_splits, backend):
     return q.new_empty((*q.shape[:2], v_cache.shape[3]))
 
 
+_DECODE_NO_BACKWARD = (
+    "xpkernels.decode_attention has no backward (it is the forward-only kernel for "
+    "generation): run it under torch.no_grad(), or train with xpkernels.attention(q, k, v, "
+    "causal=True, input_pos=...), whose backward xpkernels provides"
+)
+
+
+@torch.library.custom_op(_name("decode_attention_backward"), mutates_args=())
+def decode_attention_backward(
+    do: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Raises: decode attention is forward only.
+
+    An op rather than an exception in the autograd formula, so that
+    ``torch.compile`` can trace a graph holding ``decode_attention`` (with
+    its fake implementation) and the error comes when a backward really
+    runs through it.
+    """
+    raise RuntimeError(_DECODE_NO_BACKWARD)
+
+
+@decode_attention_backward.register_fake
+def _(do, q, k_cache, v_cache):
+    return torch.empty_like(q), torch.empty_like(k_cache), torch.empty_like(v_cache)
+
+
 def _decode_setup(ctx, inputs, output):
-    pass
+    ctx.save_for_backward(*inputs[:3])
 
 
 def _decode_grad(ctx, do):
-    raise RuntimeError(
-        "xpkernels.decode_attention has no backward (it is the forward-only kernel for "
-        "generation): run it under torch.no_grad(), or train with xpkernels.attention(q, k, v, "
-        "causal=True, input_pos=...), whose backward xpkernels provides"
-    )
+    q, k_cache, v_cache = ctx.saved_tensors
+    dq, dk, dv = torch.ops.xpkernels.decode_attention_backward(do, q, k_cache, v_cache)
+    return dq, dk, dv, None, None, None, None
 
 
 decode_attention.register_autograd(_decode_grad, setup_context=_decode_setup)
