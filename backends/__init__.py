@@ -1,8 +1,11 @@
 """Backend implementations, one subpackage per backend and one module per primitive.
 
 Backends receive validated arrays from the front files in ``xpkernels`` and
-never allocate what the caller can own. See ``xpkernels.registry`` for the
-declared table of backends and their capabilities.
+never allocate what the caller can own. ``protocol`` is the contract: what a
+backend declares (``BACKEND`` in its package: namespaces, devices,
+requirements, per-op capabilities, hooks and scratch, its device check) and
+what each of its op modules provides. ``xpkernels.registry`` lists the
+backend packages and routes calls by asking their declarations.
 
 The package is also callable: ``xpkernels.backends()`` lists every declared
 backend, whether it is available here and why not (``registry.backends``).

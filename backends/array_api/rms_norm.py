@@ -21,18 +21,20 @@ __all__ = ["backward", "forward", "partials", "reduce_partials"]
 
 
 def forward(y, x, w, rstd, *, eps, offset) -> None:
-    """``y = x * rstd * (w + offset)`` over 2-D ``(rows, M)`` views; writes ``rstd`` unless None."""
-    xp = array_api_compat.array_namespace(y, x, w)
+    """``y = x * rstd * (w + offset)`` (``x * rstd`` when ``w`` is None) over 2-D ``(rows, M)``
+    views; writes ``rstd`` unless None."""
+    xp = array_api_compat.array_namespace(y, x)
     acc = acc_dtype(xp, x.dtype)
     rows, m = x.shape
     m_div = max(m, 1)  # rows of length 0: every sum is 0
-    w_rows = tiled(xp, to(xp, w, acc) + offset, rows, m)
+    w_rows = None if w is None else tiled(xp, to(xp, w, acc) + offset, rows, m)
 
     def block(worker, r0, r1):
         xb = to(xp, x[r0:r1, :], acc)
         rstd_b = 1.0 / xp.sqrt(xp.vecdot(xb, xb) / m_div + eps)
         yb = xb * rstd_b[:, None]
-        yb *= w_rows[: r1 - r0, :]
+        if w_rows is not None:
+            yb *= w_rows[: r1 - r0, :]
         y[r0:r1, :] = to(xp, yb, y.dtype)
         if rstd is not None:
             rstd[r0:r1] = to(xp, rstd_b, rstd.dtype)
@@ -48,13 +50,13 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     ``dx = g - x * rstd**2 * sum(g * x) / M``. Worker ``k`` adds its blocks'
     ``sum(dy * rstd * x, axis=0)`` into ``dw_partial[k]``.
     ``accumulate=False`` overwrites all rows of ``dw_partial``; True adds to
-    them (later row groups).
+    them (later row groups). ``w`` None: no weight (``g = dy * rstd``).
     """
-    xp = array_api_compat.array_namespace(dy, x, w)
+    xp = array_api_compat.array_namespace(dy, x)
     acc = acc_dtype(xp, x.dtype)
     rows, m = x.shape
     m_div = max(m, 1)  # rows of length 0: every sum is 0
-    w_rows = tiled(xp, to(xp, w, acc) + offset, rows, m)
+    w_rows = None if w is None else tiled(xp, to(xp, w, acc) + offset, rows, m)
     ones_rows = ones(xp, block_rows(rows, m), acc, x)
     n_workers = workers(xp, rows, m)
     if dw_partial is not None:
@@ -67,7 +69,8 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
         g = to(xp, dy[r0:r1, :], acc) * rstd_b
         if dw_partial is not None:
             dw_sums.add(worker, column_dot(xp, g, xb, ones_rows))
-        g *= w_rows[: r1 - r0, :]
+        if w_rows is not None:
+            g *= w_rows[: r1 - r0, :]
         coef = (rstd_b * rstd_b) * (xp.vecdot(g, xb) / m_div)[:, None]
         g -= xb * coef
         dx[r0:r1, :] = to(xp, g, dx.dtype)

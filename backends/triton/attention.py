@@ -719,9 +719,9 @@ def backward(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *, scale, causal
         summed over each GQA group.
     delta : torch.Tensor
         ``(B, H, Sq)`` float32 scratch, receives ``rowsum(do * o)``.
-    dq_accum : torch.Tensor
-        ``(B, H, Sq, D)`` float32 scratch; not used (dQ is a separate,
-        deterministic pass).
+    dq_accum : None
+        Not used: dQ is a separate, deterministic pass, so the backend's
+        declaration leaves ``dq_accum`` out of its scratch and the front passes None.
     scale, causal, input_pos, q_lengths, k_lengths
         As in :func:`forward`.
 

@@ -26,10 +26,20 @@ __all__ = ["backward", "forward", "partials", "reduce_partials"]
 
 
 @triton.jit
+def _weight(w_ptr, cols, col_ok, offset):
+    """``w + offset`` at ``cols`` in float32, 0 past M; 1 on every column when ``w_ptr`` is None."""
+    if w_ptr is None:
+        w = tl.where(col_ok, 1.0, 0.0)
+    else:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    return w
+
+
+@triton.jit
 def _forward_fused(
     y_ptr,  # (rows, M) output
     x_ptr,  # (rows, M) input
-    w_ptr,  # (M,) weight
+    w_ptr,  # (M,) weight, or None (no weight)
     rstd_ptr,  # (rows,) float32 checkpoint, or None (inference)
     rows,  # number of rows
     m,  # row length M
@@ -49,7 +59,7 @@ def _forward_fused(
     r64 = r.to(tl.int64)
     x_ptrs = x_ptr + r64[:, None] * stride_x + cols[None, :]
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    w = _weight(w_ptr, cols, col_ok, offset)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / m + eps)
     y = x * rstd[:, None] * w[None, :]
     y_ptrs = y_ptr + r64[:, None] * stride_y + cols[None, :]
@@ -62,7 +72,7 @@ def _forward_fused(
 def _forward_streaming(
     y_ptr,  # (rows, M) output
     x_ptr,  # (rows, M) input
-    w_ptr,  # (M,) weight
+    w_ptr,  # (M,) weight, or None (no weight)
     rstd_ptr,  # (rows,) float32 checkpoint, or None (inference)
     rows,  # number of rows
     m,  # row length M
@@ -93,7 +103,7 @@ def _forward_streaming(
         col_ok = cols < m
         mask = row_ok[:, None] & col_ok[None, :]
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+        w = _weight(w_ptr, cols, col_ok, offset)
         y = x.to(tl.float32) * rstd[:, None] * w[None, :]
         tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     if rstd_ptr is not None:
@@ -107,8 +117,8 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
     ----------
     y, x : torch.Tensor
         ``(rows, M)``, last axis contiguous, any row stride; ``y`` may alias ``x``.
-    w : torch.Tensor
-        ``(M,)`` contiguous.
+    w : torch.Tensor or None
+        ``(M,)`` contiguous; None for no weight.
     rstd : torch.Tensor or None
         ``(rows,)`` float32, receives ``rstd``.
     eps, offset : float
@@ -131,7 +141,7 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
 def _backward_fused(
     dy_ptr,  # (rows, M) output gradient
     x_ptr,  # (rows, M) forward input
-    w_ptr,  # (M,) weight
+    w_ptr,  # (M,) weight, or None (no weight)
     rstd_ptr,  # (rows,) float32 checkpoint
     dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
     dw_partial_ptr,  # (P, M) float32 partial sums of dy * x_hat, one row per program, or None
@@ -151,7 +161,7 @@ def _backward_fused(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_M)
     col_ok = cols < m
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    w = _weight(w_ptr, cols, col_ok, offset)
     dw_sum = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
     n_tiles = tl.cdiv(rows, ROWS)
     tile = pid
@@ -186,7 +196,7 @@ def _backward_fused(
 def _backward_streaming(
     dy_ptr,  # (rows, M) output gradient
     x_ptr,  # (rows, M) forward input
-    w_ptr,  # (M,) weight
+    w_ptr,  # (M,) weight, or None (no weight)
     rstd_ptr,  # (rows,) float32 checkpoint
     dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
     dw_partial_ptr,  # (P, M) float32 partial sums of dy * x_hat, one row per program, or None
@@ -225,7 +235,7 @@ def _backward_streaming(
             dy = tl.load(
                 dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last"
             )
-            w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+            w = _weight(w_ptr, cols, col_ok, offset)
             gx += dy.to(tl.float32) * w[None, :] * x.to(tl.float32)
         proj = tl.sum(gx, axis=1) * rstd / m
         for k in range(N_CHUNKS):
@@ -236,7 +246,7 @@ def _backward_streaming(
             dy = tl.load(
                 dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
             )
-            w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+            w = _weight(w_ptr, cols, col_ok, offset)
             x_hat = x.to(tl.float32) * rstd[:, None]
             dy = dy.to(tl.float32)
             dx = (dy * w[None, :] - x_hat * proj[:, None]) * rstd[:, None]
@@ -264,8 +274,8 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     ----------
     dy, x, dx : torch.Tensor
         ``(rows, M)``, last axis contiguous, any row stride; ``dx`` may alias ``dy``.
-    w : torch.Tensor
-        ``(M,)`` contiguous.
+    w : torch.Tensor or None
+        ``(M,)`` contiguous; None for no weight.
     rstd : torch.Tensor
         ``(rows,)`` float32 checkpoint of the forward.
     dw_partial : torch.Tensor or None

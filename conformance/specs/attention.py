@@ -192,7 +192,7 @@ class AttentionSpec(AttentionLayout, OpSpec):
     def backward_(self, case, arrays, outs, cotangents, grads, checkpoints, backend):
         O = Duplicated(outs["o"], cotangents["o"])
         Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
-        scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
+        scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V, backend=backend)
         xk.attention_backward_(
             O, Q, K, V, checkpoints=checkpoints, scratch=scratch, **_options(case, arrays), backend=backend
         )

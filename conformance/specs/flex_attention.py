@@ -443,7 +443,7 @@ class FlexAttentionSpec(AttentionLayout, OpSpec):
         options = _options(case, arrays)
         O = Duplicated(outs["o"], cotangents["o"])
         Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
-        scratch = allocate_scratchspace(flex_attention_backward_, O, Q, K, V)
+        scratch = allocate_scratchspace(flex_attention_backward_, O, Q, K, V, backend=backend)
         mod_grad = _mod_grad(case, options)
         flex_attention_backward_(
             O,

@@ -24,6 +24,7 @@ _EXPORTS = {
         "grad_shadow",
     ),
     "registry": ("BackendError", "use_backend"),
+    "_debug": ("debug", "debug_enabled"),
     "rms_norm": ("rms_norm", "rms_norm_", "rms_norm_backward", "rms_norm_backward_"),
     "layer_norm": ("layer_norm", "layer_norm_", "layer_norm_backward", "layer_norm_backward_"),
     "softmax": ("softmax", "softmax_", "softmax_backward", "softmax_backward_"),

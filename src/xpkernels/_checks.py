@@ -3,16 +3,28 @@
 Every check raises ValueError or TypeError whose message names the function,
 the argument, what was expected and what it got. The front files run all
 their checks before dispatching, so nothing is written when one fails.
+
+Capture safety (DESIGN section 6): no check here reads a device value on the
+host. Values of integer arrays (lengths, positions) are checked only when
+the array lives on the host (NumPy, array_api_strict) or in debug mode
+(:func:`xpkernels.debug`); the kernels clamp and mask device values so that
+none reads out of bounds.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 
 import array_api_compat
+import numpy as np
 
+from ._debug import debug_enabled
 from .buffers import Duplicated
 from .registry import FLOAT_DTYPES, dtype_name, namespace_name
+
+#: Largest magnitude of a position or length: the kernels index sequences in int32.
+INDEX_MAX = 2**31 - 1
 
 
 def namespace(fn: str, name: str, a):
@@ -43,14 +55,25 @@ def floating(fn: str, name: str, xp, a, allowed=FLOAT_DTYPES) -> str:
     return dt
 
 
+def _in_namespace(fn: str, name: str, xp, a) -> None:
+    got = namespace_name(namespace(fn, name, a))
+    if got != namespace_name(xp):
+        raise TypeError(
+            f"{fn}: {name} is a {got} array but the call's arrays are {namespace_name(xp)} "
+            "arrays; all arrays of a call must come from one namespace"
+        )
+
+
 def float32(fn: str, name: str, xp, a) -> None:
-    """TypeError unless ``a`` is float32 (checkpoints and scratch)."""
+    """TypeError unless ``a`` is a float32 array of namespace ``xp`` (checkpoints and scratch)."""
+    _in_namespace(fn, name, xp, a)
     if a.dtype != xp.float32:
         raise TypeError(f"{fn}: {name} must be float32, got {a.dtype}")
 
 
 def accumulator(fn: str, name: str, xp, a, input_dtype) -> None:
     """TypeError unless ``a`` has the accumulation dtype for ``input_dtype`` (float64 or float32)."""
+    _in_namespace(fn, name, xp, a)
     expected = xp.float64 if input_dtype == xp.float64 else xp.float32
     if a.dtype != expected:
         raise TypeError(f"{fn}: {name} must be {expected} for {input_dtype} inputs, got {a.dtype}")
@@ -136,18 +159,152 @@ def same_namespace(fn, xp, arrays, reference=None) -> None:
             )
 
 
-def batch_integers(fn, name, xp, a, batch, low, high, layout) -> None:
-    """Check a ``(B,)`` integer array whose values must lie in ``[low, high]`` (``high`` None: no upper bound).
+def is_host_array(a) -> bool:
+    """True for arrays whose values can be read without a device sync (NumPy, array_api_strict)."""
+    return array_api_compat.is_numpy_array(a) or array_api_compat.is_array_api_strict_namespace(
+        array_api_compat.array_namespace(a)
+    )
 
-    Raises TypeError for a non-integer dtype and ValueError for a wrong shape
-    or an out-of-range value, naming ``name`` and ``layout`` (what ``high`` is).
+
+def index_int(fn: str, name: str, value, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an int; TypeError unless it is an integer (not a bool), ValueError unless it
+    lies in ``[low, high]`` (None: unbounded on that side) and within the kernels' ``INDEX_MAX``.
     """
-    if not xp.isdtype(a.dtype, "integral"):
-        raise TypeError(f"{fn}: {name} must have an integer dtype, got {a.dtype}")
+    if isinstance(value, bool) or hasattr(value, "shape") and not isinstance(value, np.generic):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
+    try:
+        v = int(value.__index__())
+    except (AttributeError, TypeError):
+        raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}") from None
+    _in_range(fn, name, v, v, low, high, "")
+    return v
+
+
+def _in_range(fn, name, lo, hi, low, high, layout) -> None:
+    low_ = -INDEX_MAX if low is None else max(low, -INDEX_MAX)
+    high_ = INDEX_MAX if high is None else min(high, INDEX_MAX)
+    if lo < low_ or hi > high_:
+        where = f" ({layout})" if layout and high is not None else ""
+        got = f"{lo}" if lo == hi else f"values in [{lo}, {hi}]"
+        raise ValueError(f"{fn}: {name} must lie in [{low_}, {high_}]{where}, got {got}")
+
+
+def batch_integers(fn, name, xp, a, batch, low, high, layout) -> None:
+    """Check a ``(B,)`` integer array whose values must lie in ``[low, high]`` (None: unbounded).
+
+    Raises TypeError for a dtype other than int32/int64 and ValueError for a
+    wrong shape or an out-of-range value, naming ``name`` and ``layout``
+    (what ``high`` is). Values are checked only on host arrays or in debug
+    mode: reading a device array's values would sync it.
+    """
+    if a.dtype not in (xp.int32, xp.int64):
+        raise TypeError(f"{fn}: {name} must have dtype int32 or int64, got {a.dtype}")
     shape(fn, name, a, (batch,))
-    if batch == 0:
+    if batch == 0 or not (is_host_array(a) or debug_enabled()):
         return
-    lo, hi = int(xp.min(a)), int(xp.max(a))
-    if lo < low or (high is not None and hi > high):
-        bound = f"lie in [{low}, {high}] ({layout})" if high is not None else f"be >= {low}"
-        raise ValueError(f"{fn}: {name} must {bound}, got values in [{lo}, {hi}]")
+    _in_range(fn, name, int(xp.min(a)), int(xp.max(a)), low, high, layout)
+
+
+def writable(fn: str, arrays) -> None:
+    """Refuse outputs the call could not write in full: read-only NumPy arrays, and torch tensors
+    that require grad while grad mode is on (autograd cannot record xpkernels' in-place writes).
+
+    ``arrays`` maps argument names to arrays or None.
+    """
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        raw = getattr(a, "_array", a)  # array_api_strict wraps a NumPy array
+        if isinstance(raw, np.ndarray) and not raw.flags.writeable:
+            raise ValueError(f"{fn}: {name} is read-only (flags.writeable is False); pass a writable array")
+        if getattr(a, "requires_grad", False) and _torch_grad_enabled():
+            raise ValueError(
+                f"{fn}: {name} requires grad, and autograd cannot record xpkernels' in-place "
+                "writes into it; pass a buffer that does not require grad, call under "
+                "torch.no_grad(), or use the allocating form"
+            )
+
+
+def _torch_grad_enabled() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.is_grad_enabled()
+
+
+# A stand-in for the whole address space: NumPy views of it reproduce any array's byte layout
+# (address, shape, strides) without touching memory, so np.shares_memory can compare the
+# layouts of device arrays exactly. Nothing ever reads through it.
+_ADDRESS_SPACE = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), shape=(2**62,), strides=(1,))
+
+
+def _layout(a):
+    """A NumPy array with ``a``'s memory layout, or None when ``a`` has no inspectable memory."""
+    raw = getattr(a, "_array", a)
+    if isinstance(raw, np.ndarray):
+        return raw if raw.size else None
+    if array_api_compat.is_torch_array(a):
+        if a.device.type == "meta" or a.numel() == 0:
+            return None
+        try:
+            address = a.data_ptr()
+        except (RuntimeError, NotImplementedError):  # fake tensors under torch.compile
+            return None
+        itemsize = a.element_size()
+        byte_strides = tuple(st * itemsize for st in a.stride())
+    elif array_api_compat.is_cupy_array(a):
+        if a.size == 0:
+            return None
+        address, itemsize, byte_strides = a.data.ptr, a.itemsize, tuple(a.strides)
+    else:
+        return None
+    if address == 0:
+        return None
+    return np.lib.stride_tricks.as_strided(
+        _ADDRESS_SPACE[address:], shape=(*a.shape, itemsize), strides=(*byte_strides, 1)
+    )
+
+
+def _identical(u, v) -> bool:
+    return (
+        u.__array_interface__["data"][0] == v.__array_interface__["data"][0]
+        and u.shape == v.shape
+        and u.strides == v.strides
+    )
+
+
+def no_overlap(fn: str, outputs, inputs, may_alias=()) -> None:
+    """ValueError when an output shares memory with an input or with another output.
+
+    Parameters
+    ----------
+    fn : str
+        The function, for the message.
+    outputs, inputs : mapping of str to array or None
+        What the call writes and what it reads, by argument name.
+    may_alias : iterable of (str, str)
+        (output, input) pairs allowed to be the very same array (``y is x``
+        for the norms); any other sharing, partial overlap included, is refused.
+    """
+    allowed = set(may_alias)
+    outs = [(n, _layout(a)) for n, a in outputs.items() if a is not None]
+    outs = [(n, u) for n, u in outs if u is not None]
+    ins = [(n, _layout(a)) for n, a in inputs.items() if a is not None]
+    ins = [(n, v) for n, v in ins if v is not None]
+    pairs = [(o, u, i, v) for o, u in outs for i, v in ins]
+    pairs += [(o, u, p, w) for k, (o, u) in enumerate(outs) for p, w in outs[k + 1 :]]
+    for out_name, u, in_name, v in pairs:
+        if (out_name, in_name) in allowed and _identical(u, v):
+            continue
+        try:
+            shared = np.shares_memory(u, v, max_work=100_000)
+        except np.exceptions.TooHardError:
+            shared = True
+        if shared:
+            hint = (
+                f" (it may be the very same array as {in_name}, but not overlap it partly)"
+                if (out_name, in_name) in allowed
+                else ""
+            )
+            raise ValueError(
+                f"{fn}: {out_name} shares memory with {in_name}; xpkernels writes {out_name} "
+                f"while it reads {in_name}, so they must not overlap{hint}"
+            )

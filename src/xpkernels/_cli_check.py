@@ -399,7 +399,7 @@ def _attention_backward(t, a, outs, ck, ct, backend):
 
     O = Duplicated(outs["o"], ct["o"])
     Q, K, V = (Duplicated(a[n], t.nan_like(a[n])) for n in ("q", "k", "v"))
-    scratch = allocate_scratchspace(attention_backward_, O, Q, K, V)
+    scratch = allocate_scratchspace(attention_backward_, O, Q, K, V, backend=backend)
     attention_backward_(
         O, Q, K, V, checkpoints=ck, scratch=scratch, backend=backend, **_attention_options(a)
     )

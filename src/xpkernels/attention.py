@@ -69,10 +69,14 @@ class AttentionCheckpoints(NamedTuple):
 
 
 class AttentionBackwardScratch(NamedTuple):
-    """Transient workspace of ``attention_backward_`` (float32; float64 for float64 inputs)."""
+    """Transient workspace of ``attention_backward_`` (float32; float64 for float64 inputs).
+
+    A field the routed backend does not use is None (Triton computes dQ in its
+    own pass and has no ``dq_accum``); see ``xpkernels.backends.protocol``.
+    """
 
     delta: object  #: ``(B, H, Sq)``, ``rowsum(do * o)``
-    dq_accum: object  #: ``(B, H, Sq, D)``, ``dq / scale`` summed over key tiles
+    dq_accum: object  #: ``(B, H, Sq, D)``, ``dq / scale`` summed over key tiles, or None
 
 
 def _input_pos(fn, xp, input_pos, batch):
@@ -283,6 +287,8 @@ def _scratch_arrays(fn, xp, scratch, q):
     check.same_namespace(fn, xp, {f"scratch.{n}": a for n, a in scratch._asdict().items()}, reference="Q.primal")
     for name, shape in (("delta", tuple(q.shape[:3])), ("dq_accum", tuple(q.shape))):
         a = getattr(scratch, name)
+        if a is None:  # a field the backend does not use; the route checks those it needs
+            continue
         check.shape(fn, f"scratch.{name}", a, shape)
         check.accumulator(fn, f"scratch.{name}", xp, a, q.dtype)
     return scratch.delta, scratch.dq_accum
@@ -336,8 +342,9 @@ def attention_backward_(
         Filled by the forward ``attention_`` with the same options (or by any
         backend following the contract).
     scratch : AttentionBackwardScratch, optional
-        From ``allocate_scratchspace(attention_backward_, O, Q, K, V)``; None
-        allocates it for this call.
+        From ``allocate_scratchspace(attention_backward_, O, Q, K, V)`` (with
+        the same ``backend``); None allocates it for this call. Every field
+        the routed backend uses must be present; the others may be None.
     causal, scale, input_pos, q_lengths, k_lengths, backend
         As in the forward :func:`attention_`.
 
@@ -350,7 +357,8 @@ def attention_backward_(
     Scratch
     -------
     delta : ``(B, H, Sq)``, ``rowsum(do * o)``; dq_accum : ``(B, H, Sq, D)``,
-    dq accumulated over key tiles. Float32 (float64 for float64 inputs).
+    dq accumulated over key tiles (array_api only; None for triton). Float32
+    (float64 for float64 inputs).
     """
     fn = "attention_backward_"
     _autograd.check_inplace(fn, {"O": O, "Q": Q, "K": K, "V": V})
@@ -365,8 +373,10 @@ def attention_backward_(
         "scratch.dq_accum": dq_accum, "q_lengths": q_lengths, "k_lengths": k_lengths,
     }
     route = resolve("attention", arrays, backend=backend, head_dim=max(q.shape[3], v.shape[3]))
-    if delta is None:
-        delta, dq_accum = _allocate_scratch(q)
+    if scratch is None:
+        delta, dq_accum = _allocate_scratch(route, q)
+    else:
+        route.require_scratch(fn, scratch)
     route.impl.backward(
         O.shadow, q, k, v, o, m, lse_sum, Q.shadow, K.shadow, V.shadow, delta, dq_accum,
         scale=scale, causal=bool(causal), input_pos=input_pos, q_lengths=q_lengths,
@@ -374,25 +384,39 @@ def attention_backward_(
     )
 
 
-def _allocate_scratch(q) -> AttentionBackwardScratch:
+def _allocate_scratch(route, q) -> AttentionBackwardScratch:
+    """The scratch fields ``route``'s backend uses, allocated for ``q``; None for the others."""
     return AttentionBackwardScratch(
-        delta=empty_accumulator(q, q.shape[:3]), dq_accum=empty_accumulator(q, q.shape)
+        delta=empty_accumulator(q, q.shape[:3]) if route.needs("delta") else None,
+        dq_accum=empty_accumulator(q, q.shape) if route.needs("dq_accum") else None,
     )
 
 
-@scratchspace_for(attention_backward_)
-def allocate_attention_backward_scratch(O, Q, K=None, V=None, **options) -> AttentionBackwardScratch:
-    """Allocate ``attention_backward_``'s scratch from ``Q`` ``(B, H, Sq, D)``.
-
-    Returns ``delta (B, H, Sq)`` and ``dq_accum (B, H, Sq, D)``, float32
-    (float64 when ``Q`` is float64).
-    """
-    fn = "allocate_scratchspace(attention_backward_)"
+def _scratch_route(op, fn, O, Q, K, V, backend):
+    """The route a backward of ``op`` over these arguments takes (validates ``Q``'s rank and dtype)."""
     q = primal(Q)
     xp = check.namespace(fn, "Q", q)
     check.rank(fn, "Q", q, 4, "(B, H, Sq, D)")
     check.floating(fn, "Q", xp, q)
-    return _allocate_scratch(q)
+    arrays = {"Q": q, "O": primal(O), "K": primal(K), "V": primal(V)}
+    head_dim = max(a.shape[-1] for a in arrays.values() if a is not None)
+    return resolve(op, arrays, backend=backend, head_dim=head_dim), q
+
+
+@scratchspace_for(attention_backward_)
+def allocate_attention_backward_scratch(
+    O, Q, K=None, V=None, *, backend=None, **options
+) -> AttentionBackwardScratch:
+    """Allocate ``attention_backward_``'s scratch from ``Q`` ``(B, H, Sq, D)``.
+
+    Returns ``delta (B, H, Sq)`` and ``dq_accum (B, H, Sq, D)``, float32
+    (float64 when ``Q`` is float64), for the backend the call routes to
+    (``backend`` as in the backward); a field that backend does not use is
+    None (triton: ``dq_accum``).
+    """
+    fn = "allocate_scratchspace(attention_backward_)"
+    route, q = _scratch_route("attention", fn, O, Q, K, V, backend)
+    return _allocate_scratch(route, q)
 
 
 def attention_backward(

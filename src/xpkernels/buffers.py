@@ -15,15 +15,27 @@ graphs) without hidden allocations.
   keyed on the in-place function that uses it (``rms_norm_backward_``).
 - ``grad_shadow(x)`` is the zeroed ACCUMULATE counterpart, used for score-mod
   parameter gradients.
+
+Checkpoints remember their forward: every checkpoints NamedTuple derives
+from :class:`Checkpoints`, on which the forward that writes it records
+(host-side, no device work) the options that shaped it. A backward given
+other options, or checkpoints no forward wrote, raises a ValueError naming
+the option instead of returning silently wrong gradients.
+
+In debug mode (:func:`xpkernels.debug`) every buffer allocated here is filled
+with NaN, so a kernel that leaves part of one unwritten shows it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat
+
+from ._debug import debug_enabled
 
 __all__ = [
     "Duplicated",
@@ -32,8 +44,13 @@ __all__ = [
     "allocate_checkpoints",
     "allocate_scratchspace",
     "grad_shadow",
+    "Checkpoints",
+    "empty",
     "empty_float32",
     "empty_accumulator",
+    "record_forward",
+    "forget_forward",
+    "check_forward",
     "checkpoints_for",
     "scratchspace_for",
 ]
@@ -65,8 +82,8 @@ class Duplicated:
         if isinstance(self.primal, Duplicated):
             raise TypeError("Duplicated: primal is already a Duplicated; pass its .primal")
         if self.shadow is None:
-            xp = array_api_compat.array_namespace(self.primal)
-            object.__setattr__(self, "shadow", xp.empty_like(self.primal))
+            p = self.primal
+            object.__setattr__(self, "shadow", empty(p, tuple(p.shape), p.dtype))
         elif tuple(self.shadow.shape) != tuple(self.primal.shape):
             raise ValueError(
                 f"Duplicated: shadow must have the primal's shape {tuple(self.primal.shape)}, "
@@ -167,17 +184,110 @@ def allocate_scratchspace(f: Callable, *args, **kwargs):
     return allocator(*args, **kwargs)
 
 
-def empty_float32(like, shape):
-    """An uninitialised float32 array of ``shape`` in ``like``'s namespace and on its device."""
+def empty(like, shape, dtype):
+    """A new C-contiguous array of ``shape`` and ``dtype`` in ``like``'s namespace and on its device.
+
+    Uninitialised, except in debug mode, where it is filled with NaN (float
+    dtypes). Its strides never copy ``like``'s (a broadcast view's zero
+    strides included).
+    """
     xp = array_api_compat.array_namespace(like)
-    return xp.empty(tuple(shape), dtype=xp.float32, device=array_api_compat.device(like))
+    device = array_api_compat.device(like)
+    if debug_enabled() and xp.isdtype(dtype, "real floating"):
+        return xp.full(tuple(shape), math.nan, dtype=dtype, device=device)
+    return xp.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def empty_float32(like, shape):
+    """A new float32 array of ``shape`` in ``like``'s namespace and on its device (see :func:`empty`)."""
+    return empty(like, shape, array_api_compat.array_namespace(like).float32)
 
 
 def empty_accumulator(like, shape):
-    """An uninitialised accumulation array: float64 when ``like`` is float64, else float32."""
+    """A new accumulation array: float64 when ``like`` is float64, else float32 (see :func:`empty`)."""
     xp = array_api_compat.array_namespace(like)
-    dtype = xp.float64 if like.dtype == xp.float64 else xp.float32
-    return xp.empty(tuple(shape), dtype=dtype, device=array_api_compat.device(like))
+    return empty(like, shape, xp.float64 if like.dtype == xp.float64 else xp.float32)
+
+
+class Checkpoints:
+    """Base of every checkpoints NamedTuple: remembers the forward that last wrote it.
+
+    The record is host-side state (the forward's name and its options), kept
+    on the tuple object; it is not part of the tuple's fields, so
+    ``_replace``, unpacking and pickling see the arrays only. A tuple built
+    by hand, or returned by ``_replace``, carries no record: a backward
+    refuses it until a forward has written it.
+    """
+
+
+def forget_forward(checkpoints) -> None:
+    """Drop the record of ``checkpoints`` (a forward is about to overwrite them)."""
+    checkpoints.__dict__.pop("_xpkernels_forward", None)
+
+
+def record_forward(checkpoints, forward: str, options: Mapping[str, Any]) -> None:
+    """Record that ``forward`` (a name such as ``"rms_norm_"``) wrote ``checkpoints`` with ``options``.
+
+    Arrays among the option values are kept by reference (compared by
+    identity, NumPy arrays by value); everything else by value.
+    """
+    checkpoints.__dict__["_xpkernels_forward"] = (forward, dict(options))
+
+
+def check_forward(fn: str, checkpoints, forward: str, options: Mapping[str, Any]) -> None:
+    """ValueError unless ``checkpoints`` were written by ``forward`` with these ``options``.
+
+    Parameters
+    ----------
+    fn : str
+        The backward being called, for the message.
+    checkpoints : Checkpoints
+        The checkpoints given to it.
+    forward : str
+        The forward that must have written them.
+    options : mapping
+        The backward's values of the options ``forward`` recorded.
+    """
+    record = checkpoints.__dict__.get("_xpkernels_forward")
+    if record is None:
+        raise ValueError(
+            f"{fn}: checkpoints were never written by a forward: run {forward}(..., "
+            "checkpoints=checkpoints) first (a forward with checkpoints=None saves nothing)"
+        )
+    written_by, recorded = record
+    if written_by != forward:
+        raise ValueError(f"{fn}: checkpoints were written by {written_by}, not by {forward}")
+    for name, value in options.items():
+        if name in recorded and not _same(recorded[name], value):
+            raise ValueError(
+                f"{fn}: {name}={_show(value)} differs from the forward that wrote these "
+                f"checkpoints ({forward} had {name}={_show(recorded[name])}); pass the "
+                f"forward's {name}"
+            )
+
+
+def _is_array(a) -> bool:
+    return hasattr(a, "shape") and hasattr(a, "dtype")
+
+
+def _same(recorded, value) -> bool:
+    if _is_array(recorded) or _is_array(value):
+        if recorded is value:
+            return True
+        if array_api_compat.is_numpy_array(recorded) and array_api_compat.is_numpy_array(value):
+            return recorded.dtype == value.dtype and bool((recorded == value).all())
+        return False
+    if isinstance(recorded, tuple) and isinstance(value, tuple):
+        return len(recorded) == len(value) and all(map(_same, recorded, value))
+    if isinstance(recorded, (bool, int, float, str)) and isinstance(value, (bool, int, float, str)):
+        return recorded == value
+    return recorded is value  # None, mods, block masks: the same object
+
+
+def _show(value) -> str:
+    if _is_array(value):
+        return f"<{type(value).__name__} of shape {tuple(value.shape)} at {id(value):#x}>"
+    return repr(value)
 
 
 def grad_shadow(x, **kwargs):

@@ -175,7 +175,7 @@ def decode_attention_(
     )
     if scratch is None:
         if n_splits is None:
-            n_splits = route.impl.default_splits(q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache)
+            n_splits = route.hook("default_splits")(q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache)
         scratch = _allocate(q, v_cache.shape[3], n_splits)
     route.impl.forward(o, q, k_cache, v_cache, lengths, *scratch, scale=scale)
 
@@ -217,7 +217,7 @@ def allocate_decode_attention_scratch(
         check.namespace(fn, "k_cache", k_cache)
         check.rank(fn, "k_cache", k_cache, 4, "(B, Hkv, Smax, D)")
         route = resolve("decode_attention", {"q": q, "k_cache": k_cache}, backend=backend)
-        n_splits = route.impl.default_splits(q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache)
+        n_splits = route.hook("default_splits")(q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache)
     return _allocate(q, o.shape[2], n_splits)
 
 

@@ -53,12 +53,13 @@ from . import mods as _mods
 from .attention import (
     AttentionBackwardScratch,
     AttentionCheckpoints,
+    _allocate_scratch,
+    _scratch_route,
     _validate_qkv,
 )
 from .buffers import (
     Duplicated,
     checkpoints_for,
-    empty_accumulator,
     empty_float32,
     primal,
     scratchspace_for,
@@ -116,7 +117,7 @@ class _Call:
     def plan(self, route, n_q, n_kv):
         """The tile plan: the BlockMask's tiles, else the backend's default tiles."""
         masked = self.mask_graph is not None
-        tile_m, tile_n = route.impl.default_tiles(n_q, n_kv, self.group, masked)
+        tile_m, tile_n = route.hook("default_tiles")(n_q, n_kv, self.group, masked)
         return _mods.plan_tiles(
             self.mask if masked else None, self.block_mask if masked else None,
             block_sparse=self.block_sparse, n_q=n_q, n_kv=n_kv, positions=self.positions,
@@ -370,6 +371,8 @@ def _scratch(fn, xp, scratch, q):
         )
     for name, shape in (("delta", tuple(q.shape[:3])), ("dq_accum", tuple(q.shape))):
         a = getattr(scratch, name)
+        if a is None:  # a field the backend does not use; the route checks those it needs
+            continue
         check.namespace(fn, f"scratch.{name}", a)
         check.shape(fn, f"scratch.{name}", a, shape)
         check.accumulator(fn, f"scratch.{name}", xp, a, q.dtype)
@@ -423,8 +426,9 @@ def flex_attention_backward_(
         Filled by the forward with the same mods and options (or by any
         backend following the contract).
     scratch : AttentionBackwardScratch, optional
-        From ``allocate_scratchspace(flex_attention_backward_, O, Q, K, V)``;
-        None allocates it for this call.
+        From ``allocate_scratchspace(flex_attention_backward_, O, Q, K, V)``
+        (with the same ``backend``); None allocates it for this call. Every
+        field the routed backend uses must be present; the others may be None.
     score_mod_grad : ScoreModGrad, optional
         From ``grad_shadow(score_mod)`` (``feature_grads=True`` for
         PairFeatureScore features): the gradients of the score mod's captured
@@ -493,8 +497,10 @@ def flex_attention_backward_(
         **{f"score_mod_grad {i}": g for i, g in enumerate(grads)},
     }
     route = resolve("flex_attention", arrays, backend=backend, head_dim=max(q.shape[3], v.shape[3]))
-    if delta is None:
-        delta, dq_accum = empty_accumulator(q, q.shape[:3]), empty_accumulator(q, q.shape)
+    if scratch is None:
+        delta, dq_accum = _allocate_scratch(route, q)
+    else:
+        route.require_scratch(fn, scratch)
     route.impl.backward(
         O.shadow,
         q,
@@ -515,21 +521,17 @@ def flex_attention_backward_(
 
 @scratchspace_for(flex_attention_backward_)
 def allocate_flex_attention_backward_scratch(
-    O, Q, K=None, V=None, **options
+    O, Q, K=None, V=None, *, backend=None, **options
 ) -> AttentionBackwardScratch:
     """Allocate ``flex_attention_backward_``'s scratch from ``Q`` ``(B, H, Sq, D)``.
 
     Returns ``delta (B, H, Sq)`` and ``dq_accum (B, H, Sq, D)``, float32
-    (float64 when ``Q`` is float64).
+    (float64 when ``Q`` is float64), for the backend the call routes to; a
+    field that backend does not use is None.
     """
     fn = "allocate_scratchspace(flex_attention_backward_)"
-    q = primal(Q)
-    xp = check.namespace(fn, "Q", q)
-    check.rank(fn, "Q", q, 4, "(B, H, Sq, D)")
-    check.floating(fn, "Q", xp, q)
-    return AttentionBackwardScratch(
-        delta=empty_accumulator(q, q.shape[:3]), dq_accum=empty_accumulator(q, q.shape)
-    )
+    route, q = _scratch_route("flex_attention", fn, O, Q, K, V, backend)
+    return _allocate_scratch(route, q)
 
 
 def flex_attention_backward(

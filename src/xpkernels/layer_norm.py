@@ -30,11 +30,16 @@ from . import _autograd
 from . import _checks as check
 from ._rows import n_rows, row_groups
 from .buffers import (
+    Checkpoints,
     Duplicated,
+    check_forward,
     checkpoints_for,
+    empty,
     empty_accumulator,
     empty_float32,
+    forget_forward,
     primal,
+    record_forward,
     scratchspace_for,
 )
 from .registry import resolve
@@ -49,11 +54,14 @@ __all__ = [
 ]
 
 
-class LayerNormCheckpoints(NamedTuple):
-    """What ``layer_norm_`` saves for its backward."""
-
+class _LayerNormCheckpointArrays(NamedTuple):
     mean: object  #: ``(rows,)`` float32, the mean of each row
     rstd: object  #: ``(rows,)`` float32, the reciprocal standard deviation of each row
+
+
+class LayerNormCheckpoints(_LayerNormCheckpointArrays, Checkpoints):
+    """What ``layer_norm_`` saves for its backward: ``mean`` and ``rstd``; it records whether
+    the forward had a scale ``w``."""
 
 
 class LayerNormBackwardScratch(NamedTuple):
@@ -80,10 +88,14 @@ def _checkpoint_arrays(fn, xp, checkpoints, x):
     rows = n_rows(x.shape)
     for name in ("mean", "rstd"):
         a = getattr(checkpoints, name)
-        check.namespace(fn, f"checkpoints.{name}", a)
-        check.shape(fn, f"checkpoints.{name}", a, (rows,))
         check.float32(fn, f"checkpoints.{name}", xp, a)
+        check.shape(fn, f"checkpoints.{name}", a, (rows,))
     return checkpoints.mean, checkpoints.rstd
+
+
+def _recorded(w) -> dict:
+    """The options of the forward that its backward must repeat."""
+    return {"weight": "none" if w is None else "given"}
 
 
 def _validate_forward(fn, y, x, w, b, eps, checkpoints):
@@ -105,6 +117,9 @@ def _validate_forward(fn, y, x, w, b, eps, checkpoints):
     mean = rstd = None
     if checkpoints is not None:
         mean, rstd = _checkpoint_arrays(fn, xp, checkpoints, x)
+    outputs = {"y": y, "checkpoints.mean": mean, "checkpoints.rstd": rstd}
+    check.writable(fn, outputs)
+    check.no_overlap(fn, outputs, {"x": x, "w": w, "b": b}, may_alias=[("y", "x")])
     return eps, mean, rstd
 
 
@@ -136,7 +151,8 @@ def layer_norm_(y, x, w=None, b=None, *, eps=1e-5, checkpoints=None, backend=Non
         devices, checkpoints of the wrong type or dtype.
     ValueError
         Wrong ranks or shapes, a last axis that is not contiguous, eps not
-        finite and > 0. Nothing is written when validation fails.
+        finite and > 0, a read-only output, an output sharing memory with an
+        input (other than ``y is x``). Nothing is written when validation fails.
 
     Shapes
     ------
@@ -153,12 +169,16 @@ def layer_norm_(y, x, w=None, b=None, *, eps=1e-5, checkpoints=None, backend=Non
     eps, mean, rstd = _validate_forward(fn, y, x, w, b, eps, checkpoints)
     arrays = {"x": x, "y": y, "w": w, "b": b, "checkpoints.mean": mean, "checkpoints.rstd": rstd}
     route = resolve("layer_norm", arrays, backend=backend)
+    if checkpoints is not None:
+        forget_forward(checkpoints)
     m = x.shape[-1]
     for first, (yv, xv) in row_groups([y, x], m):
         stop = first + xv.shape[0]
         mv = None if mean is None else mean[first:stop]
         rv = None if rstd is None else rstd[first:stop]
         route.impl.forward(yv, xv, w, b, mv, rv, eps=eps)
+    if checkpoints is not None:
+        record_forward(checkpoints, fn, _recorded(w))
 
 
 @checkpoints_for(layer_norm_)
@@ -185,8 +205,8 @@ def layer_norm(x, w=None, b=None, *, eps=1e-5, checkpoints=None, backend=None):
     if (y := _autograd.record("layer_norm", arrays, options)) is not _autograd.NOT_RECORDED:
         return y
     x = primal(x)
-    xp = check.namespace("layer_norm", "x", x)
-    y = xp.empty_like(x)
+    check.namespace("layer_norm", "x", x)
+    y = empty(x, x.shape, x.dtype)
     layer_norm_(y, x, w, b, eps=eps, checkpoints=checkpoints, backend=backend)
     return y
 
@@ -249,6 +269,14 @@ def _validate_backward(fn, Y, X, W, B, checkpoints, scratch):
                 f"{fn}: scratch.db_partial must have the shape of scratch.dw_partial "
                 f"{tuple(dw_partial.shape)}, got {tuple(db_partial.shape)}"
             )
+    outputs = {
+        "X.shadow": dx, "W.shadow": dw, "B.shadow": db,
+        "scratch.dw_partial": dw_partial, "scratch.db_partial": db_partial,
+    }
+    check.writable(fn, outputs)
+    inputs = {"X.primal": x, "W": w, "Y.shadow": dy, "checkpoints.mean": mean, "checkpoints.rstd": rstd}
+    check.no_overlap(fn, outputs, inputs, may_alias=[("X.shadow", "Y.shadow")])
+    check_forward(fn, checkpoints, "layer_norm_", _recorded(w))
     return x, w, b, dy, dx, dw, db, mean, rstd, dw_partial, db_partial
 
 
@@ -315,14 +343,14 @@ def layer_norm_backward_(Y, X, W=None, B=None, *, checkpoints, scratch=None, bac
             accumulate=k > 0,
         )
     if dw is not None:
-        route.impl.reduce_partials(dw_partial, dw)
+        route.hook("reduce_partials")(dw_partial, dw)
     if db is not None:
-        route.impl.reduce_partials(db_partial, db)
+        route.hook("reduce_partials")(db_partial, db)
 
 
 def _alloc_partial(route, x):
     m = x.shape[-1]
-    return empty_accumulator(x, (route.impl.partials(n_rows(x.shape), m, x), m))
+    return empty_accumulator(x, (route.hook("partials")(n_rows(x.shape), m, x), m))
 
 
 @scratchspace_for(layer_norm_backward_)
@@ -354,14 +382,14 @@ def layer_norm_backward(dy, x, w=None, b=None, *, checkpoints, backend=None):
     """
     fn = "layer_norm_backward"
     x, w, b = primal(x), primal(w), primal(b)
-    xp = check.namespace(fn, "x", x)
+    check.namespace(fn, "x", x)
     check.namespace(fn, "dy", dy)
     for name, a in (("w", w), ("b", b)):
         if a is not None:
             check.namespace(fn, name, a)
-    X = Duplicated(x, xp.empty_like(x))
-    W = None if w is None else Duplicated(w, xp.empty_like(w))
-    B = None if b is None else Duplicated(b, xp.empty_like(b))
+    X = Duplicated(x, empty(x, x.shape, x.dtype))
+    W = None if w is None else Duplicated(w, empty(w, w.shape, w.dtype))
+    B = None if b is None else Duplicated(b, empty(b, b.shape, b.dtype))
     Y = Duplicated(dy, dy)  # the backward reads only Y's shadow
     layer_norm_backward_(Y, X, W, B, checkpoints=checkpoints, backend=backend)
     return X.shadow, None if W is None else W.shadow, None if B is None else B.shadow

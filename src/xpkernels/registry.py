@@ -15,9 +15,13 @@ An explicit choice -- the ``backend=`` keyword > ``with use_backend(name):`` >
 the environment variable ``XPKERNELS_BACKEND`` -- never falls back: when that
 backend cannot serve the arrays, :class:`BackendError` says why.
 
-Backends are declared in :data:`BACKENDS` (name, namespaces, devices, module,
-requirements, per-op capabilities). Routing never imports a library the caller
-did not use, and nothing is swapped at import time.
+Each backend package declares itself (``BACKEND``, a
+``xpkernels.backends.protocol.Backend``: name, namespaces, devices, module,
+requirements, per-op capabilities, hooks and scratch, its device check);
+:data:`BACKEND_PACKAGES` lists the packages and :data:`BACKENDS` their
+declarations. Routing only asks a declaration ``supports(op, call)``; it never
+names a backend in its logic, never imports a library the caller did not use,
+and nothing is swapped at import time.
 """
 
 from __future__ import annotations
@@ -25,16 +29,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
-import importlib.util
 import os
-import sys
 import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import array_api_compat
+
+from xpkernels.backends.protocol import FLOAT_DTYPES, OPS, Backend, Call, Capability, Support
 
 __all__ = [
     "BackendError",
@@ -42,7 +46,11 @@ __all__ = [
     "Backend",
     "BackendInfo",
     "Route",
+    "Support",
     "BACKENDS",
+    "BACKEND_PACKAGES",
+    "FLOAT_DTYPES",
+    "OPS",
     "backends",
     "use_backend",
     "resolve",
@@ -52,94 +60,19 @@ __all__ = [
 ]
 
 ENV_VAR = "XPKERNELS_BACKEND"
-FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
-OPS = (
-    "rms_norm",
-    "layer_norm",
-    "softmax",
-    "attention",
-    "decode_attention",
-    "flex_attention",
-)
 
 
 class BackendError(RuntimeError):
     """An explicitly chosen backend cannot serve the call; the message says why."""
 
 
-@dataclass(frozen=True)
-class Capability:
-    """What one backend's implementation of one op accepts.
+#: The backend packages, in listing order; each declares ``BACKEND`` (a
+#: ``protocol.Backend``) in its ``__init__`` and imports nothing heavy there.
+BACKEND_PACKAGES = ("xpkernels.backends.array_api", "xpkernels.backends.triton")
+#: The backend every automatic route ends at when no preferred one can serve it.
+FALLBACK = "array_api"
 
-    Attributes
-    ----------
-    dtypes : tuple of str
-        Input dtypes it computes in (names from ``FLOAT_DTYPES``).
-    max_head_dim : int or None
-        Largest attention head dim (D and Dv) it supports; None for no limit.
-    """
-
-    dtypes: tuple[str, ...]
-    max_head_dim: int | None = None
-
-
-@dataclass(frozen=True)
-class Backend:
-    """A declared backend.
-
-    Attributes
-    ----------
-    name : str
-        Routing name (``backend="..."``).
-    namespaces : tuple of str
-        Array namespaces it serves (``namespace_name``); ``("*",)`` for any.
-    devices : tuple of str
-        Device kinds it serves (``device_kind``); ``("*",)`` for any.
-    module : str
-        Package holding one module per op (``<module>.<op>``).
-    requires : tuple of str
-        Importable modules it needs; checked with ``find_spec``, not imported.
-    ops : mapping of str to Capability
-        The ops it implements and what each accepts.
-    """
-
-    name: str
-    namespaces: tuple[str, ...]
-    devices: tuple[str, ...]
-    module: str
-    requires: tuple[str, ...]
-    ops: Mapping[str, Capability] = field(default_factory=dict)
-
-
-_ALL = ("*",)
-_ARRAY_API_ALL = Capability(dtypes=FLOAT_DTYPES)
-_TRITON_NORM = Capability(dtypes=("float32", "float16", "bfloat16"))
-_TRITON_ATTN = Capability(dtypes=("float32", "float16", "bfloat16"), max_head_dim=256)
-
-BACKENDS: tuple[Backend, ...] = (
-    Backend(
-        name="array_api",
-        namespaces=_ALL,
-        devices=_ALL,
-        module="xpkernels.backends.array_api",
-        requires=(),
-        ops={op: _ARRAY_API_ALL for op in OPS},
-    ),
-    Backend(
-        name="triton",
-        namespaces=("torch",),
-        devices=("cuda", "cpu"),
-        module="xpkernels.backends.triton",
-        requires=("torch", "triton"),
-        ops={
-            "rms_norm": _TRITON_NORM,
-            "layer_norm": _TRITON_NORM,
-            "softmax": _TRITON_NORM,
-            "attention": _TRITON_ATTN,
-            "decode_attention": _TRITON_ATTN,
-        },
-    ),
-)
+BACKENDS: tuple[Backend, ...] = tuple(importlib.import_module(p).BACKEND for p in BACKEND_PACKAGES)
 
 # (namespace, device kind) -> the backend the automatic route prefers there.
 PREFERRED: dict[tuple[str, str], str] = {("torch", "cuda"): "triton"}
@@ -163,11 +96,35 @@ class BackendInfo:
 
 @dataclass(frozen=True)
 class Route:
-    """Where a call goes: the backend's name, its op module and the array namespace."""
+    """Where a call goes: the backend's name, its op module, the array namespace and the declaration.
+
+    The fronts call ``impl.forward`` / ``impl.backward`` and reach the optional
+    hooks and the scratch declaration through the route, never by probing
+    the module.
+    """
 
     backend: str
     impl: ModuleType
     xp: Any
+    op: str
+    capability: Capability
+
+    def hook(self, name: str) -> Callable[..., Any]:
+        """The backend's hook ``name`` (``partials``...), or the protocol's default when undeclared."""
+        return self.capability.hook(self.impl, self.op, name)
+
+    def needs(self, field_name: str) -> bool:
+        """Whether the backend's passes use scratch field ``field_name``."""
+        return field_name in self.capability.scratch_fields(self.op)
+
+    def require_scratch(self, fn: str, scratch) -> None:
+        """ValueError naming the first field the backend needs that ``scratch`` holds as None."""
+        for name in self.capability.scratch_fields(self.op):
+            if getattr(scratch, name) is None:
+                raise ValueError(
+                    f"{fn}: scratch.{name} is None but backend {self.backend!r} needs it; allocate "
+                    f"the scratch with allocate_scratchspace(..., backend={self.backend!r})"
+                )
 
 
 def namespace_name(xp) -> str:
@@ -205,49 +162,6 @@ def dtype_name(xp, dtype) -> str:
     return str(dtype)
 
 
-def _missing_requirement(backend: Backend) -> str | None:
-    for module in backend.requires:
-        if module not in sys.modules and importlib.util.find_spec(module) is None:
-            return f"{module} is not installed"
-    return None
-
-
-def _triton_device_problem(device: str) -> str | None:
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return (
-            "torch CPU tensors run Triton kernels only through the Triton interpreter: "
-            "set TRITON_INTERPRET=1 before importing xpkernels' triton kernels"
-        )
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            return "torch reports no CUDA device"
-    return None
-
-
-def _why_not(backend: Backend, op: str, ns: str, device: str, dtypes, head_dim) -> str | None:
-    """The reason ``backend`` cannot serve this call, or None when it can."""
-    missing = _missing_requirement(backend)
-    if missing:
-        return missing
-    if backend.namespaces != _ALL and ns not in backend.namespaces:
-        return f"it serves {', '.join(backend.namespaces)} arrays, not {ns}"
-    if backend.devices != _ALL and device not in backend.devices:
-        return f"it serves {', '.join(backend.devices)} devices, not {device}"
-    capability = backend.ops.get(op)
-    if capability is None:
-        return f"it has no {op} kernel"
-    for dt in dtypes:
-        if dt not in capability.dtypes:
-            return f"its {op} supports {', '.join(capability.dtypes)}, not {dt}"
-    if head_dim is not None and capability.max_head_dim is not None and head_dim > capability.max_head_dim:
-        return f"its {op} supports head dims up to {capability.max_head_dim}, not {head_dim}"
-    if backend.name == "triton":
-        return _triton_device_problem(device)
-    return None
-
-
 def backends() -> list[BackendInfo]:
     """Every declared backend, whether it is available on this machine, and why not.
 
@@ -257,15 +171,8 @@ def backends() -> list[BackendInfo]:
     """
     rows = []
     for b in BACKENDS:
-        reason = _missing_requirement(b) or ""
-        if not reason and b.name == "triton":
-            cpu = _triton_device_problem("cpu")
-            cuda = _triton_device_problem("cuda")
-            if cpu and cuda:
-                reason = f"{cuda}; {cpu}"
-        rows.append(
-            BackendInfo(b.name, not reason, reason, b.namespaces, b.devices, tuple(b.ops))
-        )
+        support = b.availability()
+        rows.append(BackendInfo(b.name, support.ok, support.reason, b.namespaces, b.devices, tuple(b.ops)))
     return rows
 
 
@@ -348,36 +255,39 @@ def resolve(
                 f"{op}: {name} is on device {array_api_compat.device(a)} but {first_name} is on "
                 f"{dev}; all arrays of a call must be on one device"
             )
-    kind = device_kind(first)
     dtypes = {dtype_name(xp, a.dtype) for _, a in named if xp.isdtype(a.dtype, "real floating")}
+    kind = device_kind(first)
+    call = Call(ns, kind, tuple(sorted(dtypes)), head_dim)
 
     chosen, source = _explicit_choice(backend)
     if chosen is not None:
         spec = _BY_NAME.get(chosen)
         if spec is None:
             raise BackendError(f"{op}: unknown backend {chosen!r} (from {source}); known: {', '.join(_BY_NAME)}")
-        reason = _why_not(spec, op, ns, kind, sorted(dtypes), head_dim)
-        if reason:
-            raise BackendError(f"{op}: backend {chosen!r} (from {source}) cannot serve {ns} arrays on {kind}: {reason}")
+        support = spec.supports(op, call)
+        if not support:
+            raise BackendError(
+                f"{op}: backend {chosen!r} (from {source}) cannot serve {ns} arrays on {kind}: {support.reason}"
+            )
         return _route(spec, op, xp)
 
     preferred = PREFERRED.get((ns, kind))
     if preferred is not None:
         spec = _BY_NAME[preferred]
-        reason = _why_not(spec, op, ns, kind, sorted(dtypes), head_dim)
-        if reason is None:
+        support = spec.supports(op, call)
+        if support:
             return _route(spec, op, xp)
-        key = (preferred, op, reason)
+        key = (preferred, op, support.reason)
         if key not in _WARNED:
             _WARNED.add(key)
             warnings.warn(
                 f"xpkernels: {op} on {ns} {kind} arrays falls back to the array_api backend "
-                f"because backend {preferred!r} cannot serve it: {reason}",
+                f"because backend {preferred!r} cannot serve it: {support.reason}",
                 RuntimeWarning,
                 stacklevel=3,
             )
-    return _route(_BY_NAME["array_api"], op, xp)
+    return _route(_BY_NAME[FALLBACK], op, xp)
 
 
 def _route(spec: Backend, op: str, xp) -> Route:
-    return Route(spec.name, importlib.import_module(f"{spec.module}.{op}"), xp)
+    return Route(spec.name, importlib.import_module(f"{spec.module}.{op}"), xp, op, spec.ops[op])

@@ -22,7 +22,7 @@ from __future__ import annotations
 from . import _autograd
 from . import _checks as check
 from ._rows import row_groups
-from .buffers import Duplicated, primal
+from .buffers import Duplicated, empty, primal
 from .registry import resolve
 
 __all__ = ["softmax", "softmax_", "softmax_backward", "softmax_backward_"]
@@ -57,8 +57,9 @@ def softmax_(y, x, *, backend=None) -> None:
         Non-arrays, non-float dtypes, arrays from different namespaces or
         devices.
     ValueError
-        Wrong rank or shape, a last axis that is not contiguous. Nothing is
-        written when validation fails.
+        Wrong rank or shape, a last axis that is not contiguous, a read-only
+        ``y``, ``y`` overlapping ``x`` other than being ``x`` itself. Nothing
+        is written when validation fails.
 
     Shapes
     ------
@@ -72,6 +73,8 @@ def softmax_(y, x, *, backend=None) -> None:
     check.namespace(fn, "y", y)
     check.same_namespace(fn, xp, {"x": x, "y": y})
     _rows_like(fn, xp, "x", x, [("y", y)])
+    check.writable(fn, {"y": y})
+    check.no_overlap(fn, {"y": y}, {"x": x}, may_alias=[("y", "x")])
     route = resolve("softmax", {"x": x, "y": y}, backend=backend)
     for _, (yv, xv) in row_groups([y, x], x.shape[-1]):
         route.impl.forward(yv, xv)
@@ -89,8 +92,8 @@ def softmax(x, *, backend=None):
     if (y := _autograd.record("softmax", {"x": x}, options)) is not _autograd.NOT_RECORDED:
         return y
     x = primal(x)
-    xp = check.namespace("softmax", "x", x)
-    y = xp.empty_like(x)
+    check.namespace("softmax", "x", x)
+    y = empty(x, x.shape, x.dtype)
     softmax_(y, x, backend=backend)
     return y
 
@@ -127,6 +130,10 @@ def softmax_backward_(Y, X, *, backend=None) -> None:
     xp = check.namespace(fn, "Y.primal", y)
     check.same_namespace(fn, xp, arrays)
     _rows_like(fn, xp, "Y.primal", y, [("Y.shadow", dy), ("X.shadow", dx)])
+    check.writable(fn, {"X.shadow": dx})
+    check.no_overlap(
+        fn, {"X.shadow": dx}, {"Y.primal": y, "Y.shadow": dy}, may_alias=[("X.shadow", "Y.shadow")]
+    )
     route = resolve("softmax", arrays, backend=backend)
     for _, (yv, dyv, dxv) in row_groups([y, dy, dx], y.shape[-1]):
         route.impl.backward(yv, dyv, dxv)
@@ -150,10 +157,10 @@ def softmax_backward(dy, y, *, backend=None):
     """
     fn = "softmax_backward"
     y = primal(y)
-    xp = check.namespace(fn, "y", y)
+    check.namespace(fn, "y", y)
     check.namespace(fn, "dy", dy)
     check.shape(fn, "dy", dy, tuple(y.shape))
-    dx = xp.empty_like(y)
+    dx = empty(y, y.shape, y.dtype)
     # X's primal is never read by the backward; y stands in for it.
     softmax_backward_(Duplicated(y, dy), Duplicated(y, dx), backend=backend)
     return dx

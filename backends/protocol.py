@@ -1,0 +1,353 @@
+"""The backend contract: what a backend declares, and what each of its op modules provides.
+
+A backend is a package ``xpkernels.backends.<name>`` whose ``__init__``
+defines ``BACKEND``, a :class:`Backend` declaration, and imports nothing
+heavy (routing reads it without importing torch, triton or cupy). Beside it,
+one module ``<name>/<op>.py`` per op it declares, providing:
+
+- the functions of that op's protocol class (:class:`RMSNormModule`...):
+  ``forward`` and, where the primitive has one, ``backward``, with the
+  parameters written there;
+- any of the op's optional hooks (:data:`PRIMITIVES`), each declared in the
+  backend's :class:`Capability` ``hooks``; an undeclared hook is replaced by
+  the default defined here, whose signature is the hook's contract;
+- nothing else is called by the fronts. Which optional scratch fields its
+  passes use is declared in ``Capability.scratch`` (attention's ``dq_accum``
+  is one: Triton computes dQ in its own pass); the fronts allocate only the
+  fields used, a scratch NamedTuple holds None for the others, and a
+  caller's scratch is accepted when every field the backend uses is present.
+
+Routing asks the declaration, never names a backend: :meth:`Backend.supports`
+answers a :class:`Call` (namespace, device, dtypes, head dim) with a
+:class:`Support` and its reason, from the declared namespaces, devices,
+requirements and capabilities, then the backend's own ``device_problem``
+(for example "set TRITON_INTERPRET=1" for triton on CPU tensors).
+``tests/test_protocol.py`` walks every declared backend and op against this
+contract.
+
+A new backend (cupy, say) writes ``backends/cupy/__init__.py`` with
+``BACKEND = Backend(name="cupy", namespaces=("cupy",), devices=("cuda",),
+module="xpkernels.backends.cupy", requires=("cupy",), ops={...},
+device_problem=...)``, one module per op with ``forward``/``backward`` and
+the hooks it declares, and adds its package to ``registry.BACKEND_PACKAGES``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+__all__ = [
+    "ANY",
+    "FLOAT_DTYPES",
+    "OPS",
+    "PRIMITIVES",
+    "Backend",
+    "Call",
+    "Capability",
+    "Primitive",
+    "Support",
+    "AttentionModule",
+    "DecodeAttentionModule",
+    "FlexAttentionModule",
+    "LayerNormModule",
+    "RMSNormModule",
+    "SoftmaxModule",
+    "default_splits",
+    "default_tiles",
+    "partials",
+    "reduce_partials",
+]
+
+#: Floating dtype names a capability may list.
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+#: ``namespaces`` / ``devices`` value of a backend that serves any.
+ANY = ("*",)
+
+
+@dataclass(frozen=True)
+class Support:
+    """A backend's answer to "can you serve this call?": truthy when it can, else the reason."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a backend is told about a call when asked whether it supports it.
+
+    Attributes
+    ----------
+    namespace : str
+        The arrays' namespace (``registry.namespace_name``: numpy, torch, cupy...).
+    device : str
+        The arrays' device kind (``registry.device_kind``: cpu, cuda...).
+    dtypes : tuple of str
+        The floating dtypes among the call's arrays.
+    head_dim : int or None
+        Largest attention head dim (D or Dv) of the call; None for other ops.
+    """
+
+    namespace: str
+    device: str
+    dtypes: tuple[str, ...] = ()
+    head_dim: int | None = None
+
+
+# -- What each primitive's backend module provides -------------------------------------------
+# Array arguments arrive validated (shapes, dtypes, a contiguous last axis);
+# outputs and shadows are overwritten in full. Row primitives get 2-D
+# ``(rows, M)`` views. Checkpoint arguments are None for inference.
+
+
+class RMSNormModule(Protocol):
+    """``y = x * rstd * (w + offset)`` over ``(rows, M)`` views."""
+
+    def forward(self, y, x, w, rstd, *, eps, offset) -> None: ...
+
+    def backward(self, dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
+        """``dw_partial`` is ``(P, M)`` for any ``P >= 1`` (None: no dw); ``accumulate`` adds to it."""
+
+
+class LayerNormModule(Protocol):
+    """``y = (x - mean) * rstd * w + b`` over ``(rows, M)`` views (``w``, ``b`` may be None)."""
+
+    def forward(self, y, x, w, b, mean, rstd, *, eps) -> None: ...
+
+    def backward(self, dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) -> None:
+        """Partials are ``(P, M)`` for any ``P >= 1``, or None when that gradient is not wanted."""
+
+
+class SoftmaxModule(Protocol):
+    """Row softmax over ``(rows, M)`` views."""
+
+    def forward(self, y, x) -> None: ...
+
+    def backward(self, y, dy, dx) -> None: ...
+
+
+class AttentionModule(Protocol):
+    """Fused attention; ``m``, ``l`` are the backend-neutral checkpoints of DESIGN section 3."""
+
+    def forward(self, o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths) -> None: ...
+
+    def backward(
+        self, do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *,
+        scale, causal, input_pos, q_lengths, k_lengths,
+    ) -> None:
+        """``delta``, ``dq_accum``: the scratch, None for a field the backend does not declare."""
+
+
+class DecodeAttentionModule(Protocol):
+    """Split-KV decode attention (forward only)."""
+
+    def forward(self, o, q, k, v, lengths, o_partial, m_partial, l_partial, *, scale) -> None: ...
+
+
+class FlexAttentionModule(Protocol):
+    """Attention with score and mask mod graphs over a tile ``plan``."""
+
+    def forward(self, o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) -> None: ...
+
+    def backward(
+        self, do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *,
+        scale, input_pos, score_mod, mask_mod, plan, score_mod_grads,
+    ) -> None:
+        """``score_mod_grads``: one accumulator or None per captured array; gradients are ADDED."""
+
+
+# -- Optional hooks: each default below is also the hook's signature -------------------------
+
+
+def partials(rows: int, m: int, like) -> int:
+    """Rows ``P`` of a norm backward's ``(P, M)`` partial sums of dw / db. Default: 1."""
+    return 1
+
+
+def reduce_partials(partial, out) -> None:
+    """``out[...] = sum(partial, axis=0)`` in ``out``'s dtype. Default: the Array API sum."""
+    import array_api_compat
+
+    xp = array_api_compat.array_namespace(partial, out)
+    out[...] = xp.astype(xp.sum(partial, axis=0), out.dtype)
+
+
+def default_splits(batch: int, kv_heads: int, max_len: int, like) -> int:
+    """Decode splits for a cache of ``max_len`` keys when the caller gives none. Default: 1."""
+    return 1
+
+
+#: Queries and keys per tile of :func:`default_tiles`.
+DEFAULT_TILE = 128
+
+
+def default_tiles(n_q: int, n_kv: int, group: int, masked: bool) -> tuple[int, int]:
+    """``(tile_m, tile_n)`` of a flex plan when no BlockMask fixes them. Default: 128 x 128 (clipped)."""
+    return max(1, min(n_q, DEFAULT_TILE)), max(1, min(n_kv, DEFAULT_TILE))
+
+
+@dataclass(frozen=True)
+class Primitive:
+    """What the protocol declares for one op.
+
+    Attributes
+    ----------
+    name : str
+        The op (``"rms_norm"``...), also the backend module's name.
+    module : type
+        The Protocol class its backend modules satisfy.
+    hooks : mapping of str to callable
+        Optional hooks, each with its default (used when a backend does not declare it).
+    scratch : tuple of str
+        The fields of the op's scratch (the front's Scratch NamedTuple).
+    optional_scratch : tuple of str
+        The scratch fields a backend may do without (its ``Capability.scratch``
+        says which it uses). The others carry results between passes (the
+        norms' partial sums, decode's split results) and every backend uses them.
+    """
+
+    name: str
+    module: type
+    hooks: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
+    scratch: tuple[str, ...] = ()
+    optional_scratch: tuple[str, ...] = ()
+
+
+_PARTIAL_HOOKS = {"partials": partials, "reduce_partials": reduce_partials}
+
+PRIMITIVES: Mapping[str, Primitive] = {
+    p.name: p
+    for p in (
+        Primitive("rms_norm", RMSNormModule, _PARTIAL_HOOKS, ("dw_partial",)),
+        Primitive("layer_norm", LayerNormModule, _PARTIAL_HOOKS, ("dw_partial", "db_partial")),
+        Primitive("softmax", SoftmaxModule),
+        Primitive("attention", AttentionModule, {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
+        Primitive(
+            "decode_attention", DecodeAttentionModule, {"default_splits": default_splits},
+            ("o_partial", "m_partial", "l_partial"),
+        ),
+        Primitive(
+            "flex_attention", FlexAttentionModule, {"default_tiles": default_tiles},
+            ("delta", "dq_accum"), ("delta", "dq_accum"),
+        ),
+    )
+}
+OPS = tuple(PRIMITIVES)
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What one backend's module for one op accepts and provides.
+
+    Attributes
+    ----------
+    dtypes : tuple of str
+        Input dtypes it computes in (names from ``FLOAT_DTYPES``).
+    max_head_dim : int or None
+        Largest attention head dim (D and Dv) it supports; None for no limit.
+    hooks : tuple of str
+        The op's optional hooks its module provides (the rest take the protocol's defaults).
+    scratch : tuple of str or None
+        Which of the op's optional scratch fields (``Primitive.optional_scratch``)
+        its passes use; None for all of them. The fronts allocate only the
+        fields used and pass None for the others.
+    """
+
+    dtypes: tuple[str, ...]
+    max_head_dim: int | None = None
+    hooks: tuple[str, ...] = ()
+    scratch: tuple[str, ...] | None = None
+
+    def hook(self, module, op: str, name: str) -> Callable[..., Any]:
+        """``module``'s hook ``name`` when declared, else the protocol's default for ``op``."""
+        default = PRIMITIVES[op].hooks[name]
+        return getattr(module, name) if name in self.hooks else default
+
+    def scratch_fields(self, op: str) -> tuple[str, ...]:
+        """The scratch fields of ``op`` this backend uses, in the scratch's field order."""
+        primitive = PRIMITIVES[op]
+        return tuple(
+            name for name in primitive.scratch
+            if name not in primitive.optional_scratch or self.scratch is None or name in self.scratch
+        )
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A backend's declaration (``BACKEND`` in its package's ``__init__``).
+
+    Attributes
+    ----------
+    name : str
+        Routing name (``backend="..."``).
+    namespaces : tuple of str
+        Array namespaces it serves (``registry.namespace_name``); ``ANY`` for any.
+    devices : tuple of str
+        Device kinds it serves (``registry.device_kind``); ``ANY`` for any.
+    module : str
+        Package holding one module per op (``<module>.<op>``).
+    requires : tuple of str
+        Importable modules it needs; checked with ``find_spec``, not imported.
+    ops : mapping of str to Capability
+        The ops it implements and what each accepts and provides.
+    device_problem : callable or None
+        ``device_problem(device_kind) -> str | None``: why the backend cannot
+        run on that kind of device here (None: it can). Called only once the
+        requirements are found and the call's namespace is served, so it may
+        import them.
+    """
+
+    name: str
+    namespaces: tuple[str, ...]
+    devices: tuple[str, ...]
+    module: str
+    requires: tuple[str, ...] = ()
+    ops: Mapping[str, Capability] = field(default_factory=dict)
+    device_problem: Callable[[str], str | None] | None = None
+
+    def missing_requirement(self) -> str | None:
+        """Why a required module cannot be imported here, or None."""
+        for module in self.requires:
+            if module not in sys.modules and importlib.util.find_spec(module) is None:
+                return f"{module} is not installed"
+        return None
+
+    def supports(self, op: str, call: Call) -> Support:
+        """Whether this backend can serve ``op`` for ``call``, and if not, why."""
+        missing = self.missing_requirement()
+        if missing:
+            return Support(False, missing)
+        if self.namespaces != ANY and call.namespace not in self.namespaces:
+            return Support(False, f"it serves {', '.join(self.namespaces)} arrays, not {call.namespace}")
+        if self.devices != ANY and call.device not in self.devices:
+            return Support(False, f"it serves {', '.join(self.devices)} devices, not {call.device}")
+        capability = self.ops.get(op)
+        if capability is None:
+            return Support(False, f"it has no {op} kernel")
+        for dt in call.dtypes:
+            if dt not in capability.dtypes:
+                return Support(False, f"its {op} supports {', '.join(capability.dtypes)}, not {dt}")
+        limit = capability.max_head_dim
+        if call.head_dim is not None and limit is not None and call.head_dim > limit:
+            return Support(False, f"its {op} supports head dims up to {limit}, not {call.head_dim}")
+        problem = None if self.device_problem is None else self.device_problem(call.device)
+        return Support(False, problem) if problem else Support(True)
+
+    def availability(self) -> Support:
+        """Whether the backend can run anything here: requirements found and some device usable."""
+        missing = self.missing_requirement()
+        if missing:
+            return Support(False, missing)
+        if self.device_problem is None or self.devices == ANY:
+            return Support(True)
+        problems = [self.device_problem(device) for device in self.devices]
+        if all(problems):
+            return Support(False, "; ".join(p for p in problems if p))
+        return Support(True)
