@@ -159,6 +159,7 @@ def test_gradcheck_norms_and_softmax():
     g = torch.Generator().manual_seed(1)
     x, w, b = _f64(3, 2, 7, generator=g), _f64(7, generator=g), _f64(7, generator=g)
     _gradcheck(lambda x, w: xk.rms_norm(x, w, offset=1.0), x, w)
+    _gradcheck(lambda x: xk.rms_norm(x, None), x)
     _gradcheck(lambda x, w, b: xk.layer_norm(x, w, b), x, w, b)
     _gradcheck(lambda x, b: xk.layer_norm(x, None, b), x, b)
     _gradcheck(xk.softmax, x)

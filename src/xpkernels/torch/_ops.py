@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from ..attention import AttentionCheckpoints, attention_, attention_backward_
-from ..buffers import Duplicated, allocate_checkpoints, grad_shadow
+from ..buffers import Checkpoints, Duplicated, allocate_checkpoints, grad_shadow, record_forward
 from ..decode_attention import DecodeAttentionScratch, decode_attention_
 from ..flex_attention import flex_attention_, flex_attention_backward_
 from ..layer_norm import LayerNormCheckpoints, layer_norm_, layer_norm_backward_
@@ -87,6 +87,20 @@ def _no_double_backward(op: str, inputs, grads):
 def _last_axis_contiguous(t: Tensor) -> Tensor:
     """Autograd may hand a broadcast cotangent (stride 0): give the kernels a stride-1 last axis."""
     return t if t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _written(checkpoints, forward: str):
+    """Checkpoints rebuilt from an op's tensors, recorded as written by ``forward``.
+
+    A checkpoint tensor carries no record of its forward's options; an op
+    backward receives them as its own arguments instead -- for the
+    functional ops from autograd, which saved the forward's options with
+    its checkpoints -- so no option is recorded here for the front to
+    compare.
+    """
+    if isinstance(checkpoints, Checkpoints):
+        record_forward(checkpoints, forward, {})
+    return checkpoints
 
 
 def _input_pos(input_pos: int, input_pos_array: Tensor | None):
@@ -139,7 +153,8 @@ def rms_norm_backward_out(
         W = w if dw is None else Duplicated(w, dw)
         scratch = None if dw_partial is None else RMSNormBackwardScratch(dw_partial=dw_partial)
         rms_norm_backward_(
-            Duplicated(dy, dy), Duplicated(x, dx), W, checkpoints=RMSNormCheckpoints(rstd=rstd),
+            Duplicated(dy, dy), Duplicated(x, dx), W,
+            checkpoints=_written(RMSNormCheckpoints(rstd=rstd), "rms_norm_"),
             scratch=scratch, offset=offset, backend=backend,
         )
 
@@ -161,7 +176,8 @@ def rms_norm_backward(
         dw = torch.empty_like(w) if want else x.new_empty((0,))
         W = Duplicated(w, dw) if want else w
         rms_norm_backward_(
-            Duplicated(dy, dy), Duplicated(x, dx), W, checkpoints=RMSNormCheckpoints(rstd=rstd),
+            Duplicated(dy, dy), Duplicated(x, dx), W,
+            checkpoints=_written(RMSNormCheckpoints(rstd=rstd), "rms_norm_"),
             offset=offset, backend=backend,
         )
     return dx, dw
@@ -252,7 +268,8 @@ def layer_norm_backward_out(
             scratch = LayerNormBackwardScratch(dw_partial=dw_partial, db_partial=db_partial)
         layer_norm_backward_(
             Duplicated(dy, dy), Duplicated(x, dx), W, B,
-            checkpoints=LayerNormCheckpoints(mean=mean, rstd=rstd), scratch=scratch,
+            checkpoints=_written(LayerNormCheckpoints(mean=mean, rstd=rstd), "layer_norm_"),
+            scratch=scratch,
             backend=backend,
         )
 
@@ -276,7 +293,8 @@ def layer_norm_backward(
         layer_norm_backward_(
             Duplicated(dy, dy), Duplicated(x, dx), Duplicated(w, dw) if want_w else w,
             Duplicated(b, db) if want_b else b,
-            checkpoints=LayerNormCheckpoints(mean=mean, rstd=rstd), backend=backend,
+            checkpoints=_written(LayerNormCheckpoints(mean=mean, rstd=rstd), "layer_norm_"),
+            backend=backend,
         )
     return dx, dw, db
 
@@ -454,7 +472,8 @@ def attention_backward_out(
             scratch = AttentionBackwardScratch(delta=delta, dq_accum=dq_accum)
         attention_backward_(
             Duplicated(o, do), Duplicated(q, dq), Duplicated(k, dk), Duplicated(v, dv),
-            checkpoints=AttentionCheckpoints(m=m, l=l), scratch=scratch, causal=causal,
+            checkpoints=_written(AttentionCheckpoints(m=m, l=l), "attention_"), scratch=scratch,
+            causal=causal,
             scale=scale, input_pos=_input_pos(input_pos, input_pos_array),
             q_lengths=q_lengths, k_lengths=k_lengths, backend=backend,
         )
@@ -477,7 +496,8 @@ def attention_backward(
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         attention_backward_(
             Duplicated(o, do), Duplicated(q, dq), Duplicated(k, dk), Duplicated(v, dv),
-            checkpoints=AttentionCheckpoints(m=m, l=l), causal=causal, scale=scale,
+            checkpoints=_written(AttentionCheckpoints(m=m, l=l), "attention_"), causal=causal,
+            scale=scale,
             input_pos=_input_pos(input_pos, input_pos_array), q_lengths=q_lengths,
             k_lengths=k_lengths, backend=backend,
         )
@@ -770,7 +790,8 @@ def _flex_backward(do, q, k, v, o, m, l, dq, dk, dv, score_arrays, mods, scale, 
         tree, accumulators = _score_grads(options["score_mod"], score_arrays)
     flex_attention_backward_(
         Duplicated(o, do), Duplicated(q, dq), Duplicated(k, dk), Duplicated(v, dv),
-        checkpoints=AttentionCheckpoints(m=m, l=l), score_mod_grad=tree, **options,
+        checkpoints=_written(AttentionCheckpoints(m=m, l=l), "flex_attention_"),
+        score_mod_grad=tree, **options,
         scale=scale, input_pos=_input_pos(input_pos, input_pos_array), backend=backend,
     )
     return accumulators or []
