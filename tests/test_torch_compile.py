@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: no torch.compile")
 
 import xpkernels as xk
+from xpkernels.mods import AliBiScore, SlidingWindowMask
 from xpkernels.torch import nn as xnn
 
 SOURCE = os.path.dirname(os.path.dirname(os.path.abspath(xk.__file__)))
@@ -73,3 +74,32 @@ def test_compiled_graph_calls_the_xpkernels_ops():
     torch.compile(lambda x: norm(x).sum(), fullgraph=True, backend=backend)(inputs[0]).backward()
     assert any("xpkernels.rms_norm" in s for s in seen), seen
     assert inputs[0].grad is not None and norm.weight.grad is not None
+
+
+def test_compile_fullgraph_flex_attention_with_a_learnable_score_mod():
+    """The mods are filed once at trace time; the captured Parameter is a graph input and learns."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    slopes = torch.nn.Parameter(torch.tensor([0.5, 0.25]))
+    mod, mask = AliBiScore(slopes), SlidingWindowMask(2)
+    q = torch.randn(1, 2, 5, 4, requires_grad=True)
+
+    def f(q):
+        return xk.flex_attention(q, q, q, score_mod=mod, mask_mod=mask).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    compiled(q).backward()
+    got = (q.grad.clone(), slopes.grad.clone())
+    assert any("xpkernels.flex_attention" in s for s in seen), seen
+    q.grad = slopes.grad = None
+    f(q).backward()
+    torch.testing.assert_close(got[0], q.grad)
+    torch.testing.assert_close(got[1], slopes.grad)
+    with torch.no_grad():
+        slopes.mul_(2.0)  # a new value, same Parameter: the compiled graph reads it
+    want = f(q)
+    torch.testing.assert_close(compiled(q), want)

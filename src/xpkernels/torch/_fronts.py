@@ -113,19 +113,30 @@ def _decode_attention(fn, arrays, options):
     )
 
 
+@torch._dynamo.assume_constant_result
+def _traced_flex_key(score_mod, mask_mod, block_mask, block_sparse) -> int:
+    mods = _ops.FlexMods(score_mod, mask_mod, block_mask, block_sparse)
+    return _ops.register_flex(mods, keep=True)
+
+
 def _flex_attention(fn, arrays, options):
     _no_checkpoints(fn, options)
     q, k, v = (primal(arrays[n]) for n in ("q", "k", "v"))
     block_sparse = options["block_sparse"]
     if not isinstance(block_sparse, bool):
         raise TypeError(f"{fn}: block_sparse must be a bool, got {block_sparse!r}")
-    mods = _ops.FlexMods(
-        options["score_mod"], options["mask_mod"], options["block_mask"], block_sparse
-    )
-    key = _ops.register_flex(mods, keep=torch.compiler.is_compiling())
+    score_mod, mask_mod, block_mask = (options[n] for n in ("score_mod", "mask_mod", "block_mask"))
+    if torch.compiler.is_compiling():
+        # Filed once, when the graph is traced; the graph holds the key as a constant.
+        key = _traced_flex_key(score_mod, mask_mod, block_mask, block_sparse)
+        score_arrays = _ops.score_arrays(score_mod)
+    else:
+        mods = _ops.FlexMods(score_mod, mask_mod, block_mask, block_sparse)
+        key = _ops.register_flex(mods)
+        score_arrays = mods.arrays()
     input_pos, input_pos_array = _positions(fn, options["input_pos"])
     o, _, _ = ops.flex_attention(
-        q, k, v, mods.arrays(), key, _scale(fn, options["scale"]), input_pos, input_pos_array,
+        q, k, v, score_arrays, key, _scale(fn, options["scale"]), input_pos, input_pos_array,
         _backend(options),
     )
     return o

@@ -47,7 +47,7 @@ from ..mods import FLOAT, Graph, as_mask_mod, as_score_mod
 from ..rms_norm import RMSNormBackwardScratch, RMSNormCheckpoints, rms_norm_, rms_norm_backward_
 from ..softmax import softmax_, softmax_backward_
 
-__all__ = ["OPS", "FlexMods", "register_flex", "flex_mods"]
+__all__ = ["OPS", "FlexMods", "register_flex", "flex_mods", "score_arrays"]
 
 _NAMESPACE = "xpkernels"
 
@@ -619,6 +619,13 @@ decode_attention.register_autograd(_decode_grad, setup_context=_decode_setup)
 # --------------------------------------------------------------------------- flex_attention
 
 
+def score_arrays(score_mod) -> list:
+    """The float arrays a score mod (or None) captures, in slot order: the flex ops' ``score_arrays``."""
+    if score_mod is None:
+        return []
+    return [s.array for s in as_score_mod(score_mod).graph.slots if s.kind == FLOAT]
+
+
 class FlexMods:
     """The Python half of a flex call: mods, block mask and which captured arrays are op inputs.
 
@@ -647,8 +654,7 @@ class FlexMods:
 
     def arrays(self) -> list:
         """The captured float arrays of the score mod, in slot order."""
-        slots = self.score_mod.graph.slots if self.score_mod is not None else ()
-        return [slots[i].array for i in self.float_slots]
+        return score_arrays(self.score_mod)
 
     def bound(self, arrays):
         """The score mod reading ``arrays`` in place of its captured float arrays."""
