@@ -108,7 +108,7 @@ class Call:
 
 
 class RMSNormModule(Protocol):
-    """``y = x * rstd * (w + offset)`` over ``(rows, M)`` views."""
+    """``y = x * rstd * (w + offset)`` over ``(rows, M)`` views (``w`` may be None: no weight)."""
 
     def forward(self, y, x, w, rstd, *, eps, offset) -> None: ...
 
