@@ -251,3 +251,26 @@ def test_decode_attention_is_forward_only():
         o.sum().backward()
     with pytest.raises(RuntimeError, match="decode_attention has no backward"):
         ops.decode_attention_backward(o.detach(), q.detach(), kc, vc)
+
+
+def test_xpkernels_torch_imports_torch_and_xpkernels_alone_does_not():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np, xpkernels as xk\n"
+        "x = np.ones((2, 4), np.float32)\n"
+        "xk.rms_norm(x, np.ones(4, np.float32)); xk.rms_norm_(np.empty_like(x), x, None)\n"
+        "assert 'torch' not in sys.modules, 'numpy calls imported torch'\n"
+        "import xpkernels.torch as xt\n"
+        "assert 'torch' in sys.modules and xt.ops.rms_norm is not None\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
+def test_the_package_list_ships_xpkernels_torch():
+    import pathlib
+
+    pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+    assert '"xpkernels.torch",' in pyproject.read_text()  # [tool.setuptools] packages
