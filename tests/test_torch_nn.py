@@ -129,3 +129,14 @@ def test_torch_demo_follows_the_numpy_demo_and_learns():
     # Same parameters, batches and Adam: float32 runs of one trajectory.
     assert losses == pytest.approx(numpy_losses, rel=1e-3)
     assert sum(losses[-3:]) / 3 < losses[0] - 0.3
+
+
+def test_demo_torch_flag_runs_the_torch_demo(monkeypatch):
+    """``demo --torch`` reaches demo_torch.run with the command's options (the run itself is above)."""
+    from xpkernels import demo_torch
+    from xpkernels.__main__ import main
+
+    calls = []
+    monkeypatch.setattr(demo_torch, "run", lambda *args: calls.append(args) or 0)
+    assert main(["demo", "--torch", "--steps", "7", "--seed", "3", "--sample", "0"]) == 0
+    assert calls == [(7, "cpu", None, 3, 0)]
