@@ -13,11 +13,12 @@ import pytest
 
 from xpkernels import mods as xm
 from xpkernels.attention import attention, attention_, attention_backward
-from xpkernels.buffers import allocate_checkpoints, grad_shadow
+from xpkernels.buffers import Duplicated, allocate_checkpoints, grad_shadow
 from xpkernels.flex_attention import (
     flex_attention,
     flex_attention_,
     flex_attention_backward,
+    flex_attention_backward_,
 )
 
 backend = importlib.import_module("xpkernels.backends.array_api.flex_attention")
@@ -272,3 +273,303 @@ def test_the_user_guide_runs():
     for block in blocks:
         exec(compile(block, str(DOCS), "exec"), namespace)
     assert namespace["losses"][-1] < 0.01 * namespace["losses"][0]
+
+
+NONLINEAR_SCORES = {
+    "silu": lambda s, b, h, q_idx, kv_idx: s / (1.0 + xm.exp(-s)),
+    "tanh": lambda s, b, h, q_idx, kv_idx: xm.tanh(s),
+    "exp": lambda s, b, h, q_idx, kv_idx: xm.exp(0.5 * s),
+    "sqrt": lambda s, b, h, q_idx, kv_idx: xm.sqrt(s * s + 1.0),
+}
+
+
+def naive_grads(q, k, v, do, score_mod, causal):
+    """Float64 dq, dk, dv from full matrices, the mod applied by calling it on NumPy arrays."""
+    group = q.shape[1] // k.shape[1]
+    k_rep, v_rep = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    raw = q @ np.swapaxes(k_rep, -1, -2) / math.sqrt(q.shape[-1])
+    q_idx, kv_idx = np.arange(q.shape[2])[:, None], np.arange(k.shape[2])[None, :]
+    s = np.where(kv_idx <= q_idx, score_mod(raw, 0, 0, q_idx, kv_idx), -np.inf) if causal else (
+        score_mod(raw, 0, 0, q_idx, kv_idx)
+    )
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    o = p @ v_rep
+    g = p * (do @ np.swapaxes(v_rep, -1, -2) - np.sum(do * o, axis=-1, keepdims=True))
+    ds, _ = xm.score_grad(score_mod, raw, g, q_idx, kv_idx)
+    ds = ds / math.sqrt(q.shape[-1])
+    b, kv_heads = k.shape[:2]
+    dk = (np.swapaxes(ds, -1, -2) @ q).reshape(b, kv_heads, group, *k.shape[2:]).sum(axis=2)
+    dv = (np.swapaxes(p, -1, -2) @ do).reshape(b, kv_heads, group, *v.shape[2:]).sum(axis=2)
+    return ds @ k_rep, dk, dv
+
+
+@pytest.mark.parametrize("name", sorted(NONLINEAR_SCORES))
+@pytest.mark.parametrize("mask", [None, "causal-full-tiles"])
+def test_backward_of_score_mods_ending_in_a_nonlinear_operation(name, mask):
+    """The mod's reverse mode reads the mod's own output: it must survive ``s - lse``."""
+    q, k, v, do = qkvo(batch=1, heads=2, kv_heads=1, n_q=64, n_kv=64, dtype=np.float64)
+    score = xm.ScoreMod(NONLINEAR_SCORES[name])
+    options = {"score_mod": score}
+    if mask is not None:
+        options["block_mask"] = xm.build_block_mask(xm.CausalMask(), 64, 64, tile_m=16, tile_n=16)
+    _, _, got = forward_and_backward(q, k, v, do, **options)
+    expected = naive_grads(q, k, v, do, score, causal=mask is not None)
+    tol = 100 * np.finfo(np.float32).eps  # the checkpoints (m, l) are float32 even for float64
+    for axis, a, b in zip("qkv", got, expected):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol, err_msg=axis)
+
+
+def test_negative_input_pos_aligns_causal_masks_bottom_right():
+    """``input_pos = Sk - Sq`` (Sq > Sk): the first Sq - Sk queries see nothing, the rest as flash-attn."""
+    q, k, v, do = qkvo(n_q=50, n_kv=30, dtype=np.float64)
+    o, ck, (dq, dk, dv) = forward_and_backward(q, k, v, do, mask_mod=xm.CausalMask(), input_pos=-20)
+    assert np.all(o[:, :, :20] == 0) and np.all(dq[:, :, :20] == 0)
+    assert np.all(np.isneginf(ck.m[:, :, :20])) and np.all(ck.l[:, :, :20] == 0)
+    tail_o, tail_ck, tail_grads = forward_and_backward(
+        q[:, :, 20:], k, v, do[:, :, 20:], mask_mod=xm.CausalMask()
+    )
+    np.testing.assert_allclose(o[:, :, 20:], tail_o, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(ck.m[:, :, 20:], tail_ck.m, rtol=1e-6)
+    for a, b in zip((dq[:, :, 20:], dk, dv), tail_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    per_batch, _, _ = forward_and_backward(
+        q, k, v, do, mask_mod=xm.CausalMask(), input_pos=np.array([-20, -20])
+    )
+    np.testing.assert_array_equal(per_batch, o)
+
+
+@pytest.mark.parametrize("input_pos", [[0], [0, 1, 2]])
+def test_a_wrong_length_input_pos_list_is_refused_before_any_write(input_pos):
+    q, k, v, _ = qkvo(n_q=8, n_kv=8)
+    o = np.full((2, 4, 8, 16), 7.0, np.float32)
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    ck.m[...] = 7.0
+    ck.l[...] = 7.0
+    with pytest.raises(ValueError, match=r"flex_attention_: input_pos must have 2 entries \(one per batch\), got"):
+        flex_attention_(o, q, k, v, mask_mod=xm.CausalMask(), input_pos=input_pos, checkpoints=ck)
+    assert np.all(o == 7.0) and np.all(ck.m == 7.0) and np.all(ck.l == 7.0)
+
+
+@pytest.mark.parametrize(
+    "other", [lambda: xm.AliBiScore(np.ones(4)), lambda: xm.BiasScore(np.ones((1, 1, 8, 8)))]
+)
+def test_score_mod_grad_of_another_mod_is_refused(other):
+    q, k, v, do = qkvo(n_q=8, n_kv=8, dtype=np.float64)
+    mod = xm.AliBiScore(np.linspace(0.1, 0.4, 4))
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    o = flex_attention(q, k, v, score_mod=mod, checkpoints=ck)
+    with pytest.raises(
+        TypeError, match=r"flex_attention_backward_: score_mod_grad does not match score_mod .*made by grad_shadow of another"
+    ):
+        flex_attention_backward(
+            do, q, k, v, o, checkpoints=ck, score_mod=mod, score_mod_grad=grad_shadow(other())
+        )
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"mask_mod": 3}, r"flex_attention_: mask_mod must be a MaskMod or a function .*got int"),
+        (
+            {"mask_mod": xm.SoftCapScore(2.0)},
+            r"flex_attention_: mask_mod must be a MaskMod .*got SoftCapScore\(2\), a score mod",
+        ),
+        ({"score_mod": "x"}, r"flex_attention_: score_mod must be a ScoreMod or a function .*got str"),
+        (
+            {"score_mod": xm.CausalMask()},
+            r"flex_attention_: score_mod must be a ScoreMod .*got CausalMask, a mask mod",
+        ),
+    ],
+)
+def test_bad_mod_types_name_the_function_and_argument(options, message):
+    q, k, v, _ = qkvo(n_q=8, n_kv=8)
+    with pytest.raises(TypeError, match=message):
+        flex_attention_(np.empty((2, 4, 8, 16), np.float32), q, k, v, **options)
+
+
+def test_allocating_backward_with_broadcast_keys_and_values():
+    """Batch-1 K/V shared across the batch with ``np.broadcast_to``: gradients come back contiguous."""
+    q, k, v, do = qkvo(batch=2, n_q=8, n_kv=8)
+    k_b, v_b = np.broadcast_to(k[:1], k.shape), np.broadcast_to(v[:1], v.shape)
+    ck = allocate_checkpoints(flex_attention_, q, k_b, v_b)
+    o = flex_attention(q, k_b, v_b, checkpoints=ck, mask_mod=xm.CausalMask())
+    dq, dk, dv = flex_attention_backward(do, q, k_b, v_b, o, checkpoints=ck, mask_mod=xm.CausalMask())
+    expected = flex_attention_backward(
+        do, q, np.ascontiguousarray(k_b), np.ascontiguousarray(v_b), o, checkpoints=ck,
+        mask_mod=xm.CausalMask(),
+    )
+    for a, b in zip((dq, dk, dv), expected):
+        assert a.flags.c_contiguous
+        np.testing.assert_array_equal(a, b)
+
+
+def _no_host_reads():
+    """A torch tensor subclass raising on every host read; integer and bool results stay in it."""
+    torch = pytest.importorskip("torch", reason="the host-read guard is a torch tensor subclass")
+    forbidden = (
+        "item", "__bool__", "__int__", "__index__", "__float__", "tolist", "cpu", "numpy",
+        "__array__",
+    )
+
+    class HostRead(AssertionError):
+        pass
+
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise HostRead(f"host read of a device value: Tensor.{name}")
+
+        return method
+
+    class NoHostReads(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in forbidden:
+                raise HostRead(f"host read of a device value: {func.__name__}")
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {}))
+
+            def wrap(x):
+                if isinstance(x, torch.Tensor) and not x.is_floating_point():
+                    return x.as_subclass(cls)
+                return x
+
+            return tuple(wrap(x) for x in out) if isinstance(out, tuple) else wrap(out)
+
+    for name in forbidden:
+        setattr(NoHostReads, name, refuse(name))
+    return torch, HostRead, lambda t: t.as_subclass(NoHostReads)
+
+
+def test_in_place_calls_read_no_device_value_on_the_host():
+    """input_pos and captured integer arrays on the device are never read on the host."""
+    torch, HostRead, guard = _no_host_reads()
+    q, k, v, do = (torch.from_numpy(a) for a in qkvo(n_q=24, n_kv=40, dtype=np.float64))
+    pos = guard(torch.tensor([16, 3]))
+    with pytest.raises(HostRead):
+        bool(pos[0])
+    doc = guard(torch.from_numpy(np.repeat(np.arange(4), 10)).reshape(1, 40).repeat(2, 1))
+    bucket = guard(torch.tensor([0, 1, 2, 3, 3, 4, 4, 4]))
+    table = torch.linspace(-1.0, 1.0, 20, dtype=torch.float64).reshape(4, 5)
+
+    def bucketed(score, b, h, q_idx, kv_idx, *, bucket, table):
+        return score + table[h, bucket[xm.minimum(xm.abs(q_idx - kv_idx), 7)]]
+
+    score = xm.ScoreMod(bucketed, bucket=bucket, table=table)
+    mask = xm.CausalMask() & xm.DocumentMask(doc)
+    o = torch.empty_like(q)
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    flex_attention_(o, q, k, v, score_mod=score, mask_mod=mask, input_pos=pos, checkpoints=ck)
+    grads = [torch.empty_like(a) for a in (q, k, v)]
+    g = grad_shadow(score)
+    flex_attention_backward_(
+        Duplicated(o, do), *(Duplicated(a, d) for a, d in zip((q, k, v), grads)),
+        checkpoints=ck, score_mod=score, score_mod_grad=g, mask_mod=mask, input_pos=pos,
+    )
+    host = {"bucket": bucket.as_subclass(torch.Tensor).numpy(), "doc": doc.as_subclass(torch.Tensor).numpy()}
+    host_score = xm.ScoreMod(bucketed, bucket=host["bucket"], table=table.numpy())
+    host_mask = xm.CausalMask() & xm.DocumentMask(host["doc"])
+    ck_h = allocate_checkpoints(flex_attention_, q.numpy(), k.numpy(), v.numpy())
+    o_h = flex_attention(
+        q.numpy(), k.numpy(), v.numpy(), score_mod=host_score, mask_mod=host_mask,
+        input_pos=np.array([16, 3]), checkpoints=ck_h,
+    )
+    g_h = grad_shadow(host_score)
+    expected = flex_attention_backward(
+        do.numpy(), q.numpy(), k.numpy(), v.numpy(), o_h, checkpoints=ck_h, score_mod=host_score,
+        score_mod_grad=g_h, mask_mod=host_mask, input_pos=np.array([16, 3]),
+    )
+    np.testing.assert_allclose(o.numpy(), o_h, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(ck.m.numpy(), ck_h.m, rtol=1e-6)
+    for a, b in zip(grads, expected):
+        np.testing.assert_allclose(a.numpy(), b, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(g.table.numpy(), g_h.table, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("namespace", ["numpy", "torch"])
+def test_score_mods_ignoring_the_score_give_uniform_rows(namespace):
+    """A mod's result that does not span the tile (no score in it) is shifted like any other."""
+    q, k, v, do = qkvo(n_q=8, n_kv=8)
+    if namespace == "torch":
+        torch = pytest.importorskip("torch", reason="torch is the second namespace")
+        q, k, v, do = (torch.from_numpy(a) for a in (q, k, v, do))
+    mod = xm.ScoreMod(lambda s, b, h, q_idx, kv_idx: xm.where(kv_idx >= 0, 100.0, 0.0))
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    o = flex_attention(q, k, v, score_mod=mod, checkpoints=ck)
+    dq, _, dv = flex_attention_backward(do, q, k, v, o, score_mod=mod, checkpoints=ck)
+    mean_v = np.repeat(np.asarray(v).mean(axis=2, keepdims=True), 2, axis=1)
+    np.testing.assert_allclose(np.asarray(o), np.broadcast_to(mean_v, o.shape), rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(dq) == 0) and np.isfinite(np.asarray(dv)).all()
+
+
+def test_device_input_pos_evaluates_band_masks_densely_and_refuses_block_masks():
+    """Device positions are not read: band skipping needs host positions, as a BlockMask does."""
+    torch = pytest.importorskip("torch", reason="torch provides device arrays here")
+    q, k, v, _ = (torch.from_numpy(a) for a in qkvo(n_q=40, n_kv=300))
+    pos = torch.tensor([250, 7])
+    expected = flex_attention(q, k, v, mask_mod=xm.CausalMask(), input_pos=[250, 7])
+    got = flex_attention(q, k, v, mask_mod=xm.CausalMask(), input_pos=pos)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6, atol=1e-6)
+    block = xm.build_block_mask(xm.CausalMask(), 40, 300, tile_m=8, tile_n=32, input_pos=[250, 7])
+    np.testing.assert_allclose(
+        flex_attention(q, k, v, block_mask=block, input_pos=[250, 7]).numpy(), expected.numpy(),
+        rtol=1e-6, atol=1e-6,
+    )
+    with pytest.raises(TypeError, match=r"with a block_mask, input_pos must be an int, a list"):
+        flex_attention(q, k, v, block_mask=block, input_pos=pos)
+
+
+def test_numpy_integer_scalar_input_pos_is_a_host_int_for_any_namespace():
+    torch = pytest.importorskip("torch", reason="torch provides the second namespace")
+    q, k, v, _ = (torch.from_numpy(a) for a in qkvo(n_q=8, n_kv=16))
+    expected = flex_attention(q, k, v, mask_mod=xm.CausalMask(), input_pos=3)
+    got = flex_attention(q, k, v, mask_mod=xm.CausalMask(), input_pos=np.int64(3))
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+
+
+def test_read_only_and_overlapping_outputs_are_refused_before_any_write():
+    q, k, v, do = qkvo(n_q=8, n_kv=8)
+    o = np.full((2, 4, 8, 16), 7.0, np.float32)
+    o.flags.writeable = False
+    with pytest.raises(ValueError, match="flex_attention_: o is read-only"):
+        flex_attention_(o, q, k, v)
+    packed = np.concatenate([k, k], axis=1)  # (2, 4, 8, 16): o would be written over k
+    before = packed.copy()
+    with pytest.raises(ValueError, match="flex_attention_: o shares memory with k"):
+        flex_attention_(packed, q, packed[:, :2], v)
+    np.testing.assert_array_equal(packed, before)
+    slopes = np.linspace(0.1, 0.4, 4)
+    mod = xm.AliBiScore(slopes)
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    o = flex_attention(q, k, v, score_mod=mod, checkpoints=ck)
+    g = grad_shadow(mod)
+    dq = np.full_like(q, 7.0)
+    with pytest.raises(
+        ValueError, match="flex_attention_backward_: Q.shadow shares memory with O.shadow"
+    ):
+        flex_attention_backward_(
+            Duplicated(o, dq[:, :, :, :16]), Duplicated(q, dq), Duplicated(k), Duplicated(v),
+            checkpoints=ck, score_mod=mod, score_mod_grad=g,
+        )
+    assert np.all(dq == 7.0)
+
+
+def test_debug_mode_reads_and_checks_device_values():
+    """Outside debug mode device values are clamped, never read; debug mode reads and checks them."""
+    import xpkernels
+
+    torch, HostRead, guard = _no_host_reads()
+    q, k, v, _ = (torch.from_numpy(a) for a in qkvo(n_q=8, n_kv=8))
+    bucket = torch.tensor([0, 1, 2, 30])
+    mod = xm.ScoreMod(
+        lambda s, b, h, q_idx, kv_idx, *, bucket, w: s + w[bucket[kv_idx % 4]],
+        bucket=bucket, w=torch.zeros(4),
+    )
+    o = torch.empty(2, 4, 8, 16)
+    flex_attention_(o, q, k, v, score_mod=mod, input_pos=guard(torch.tensor([0, 2**40])))
+    with xpkernels.debug(), pytest.raises(HostRead):
+        flex_attention_(o, q, k, v, input_pos=guard(torch.tensor([0, 1])))
+    with xpkernels.debug(), pytest.raises(ValueError, match=r"flex_attention_: input_pos must lie in"):
+        flex_attention_(o, q, k, v, input_pos=torch.tensor([0, 2**40]))
+    with xpkernels.debug(), pytest.raises(ValueError, match=r"w \(shape \(4,\)\) is indexed on axis 0 by values in \[0, 30\]"):
+        flex_attention_(o, q, k, v, score_mod=mod)

@@ -88,7 +88,10 @@ class _Tiles:
         self.kv_heads, self.n_kv, self.dv = k.shape[1], k.shape[2], v.shape[3]
         self.group = self.heads // self.kv_heads
         self.scale = scale
-        self.positions = input_pos if len(input_pos) > 1 else input_pos * self.batch
+        if isinstance(input_pos, tuple):
+            self.positions = input_pos if len(input_pos) > 1 else input_pos * self.batch
+        else:  # a (B,) device array: never read on the host, only added to row indices
+            self.positions = xp.astype(input_pos, xp.int64)
         self.plan = plan
         self.rows_per_chunk = max(1, TILE_ELEMENTS // (self.group * plan.tile_n))
         self.score = None if score_mod is None else score_mod.bind(xp, self.acc, self.device)
@@ -97,6 +100,23 @@ class _Tiles:
             mask_mod.inputs if mask_mod else frozenset()
         )
         self.ones = xp.ones((plan.tile_n,), dtype=self.acc, device=self.device)
+        self._shifted = None
+
+    def shifted(self, s, lse):
+        """``s - lse[:, None]`` in a buffer of this call, leaving ``s`` (the mod's values) intact.
+
+        The score mod's reverse mode reads its node values, the modified
+        scores among them, so they are not shifted in place; the buffer is
+        allocated once per call at the largest chunk's size and reused.
+        """
+        xp = self.xp
+        if self._shifted is None:
+            rows = self.group * min(self.rows_per_chunk, self.plan.tile_m, self.n_q)
+            self._shifted = xp.empty((rows, self.plan.tile_n), dtype=self.acc, device=self.device)
+        out = self._shifted[: s.shape[0], : s.shape[1]]
+        out[...] = s
+        out -= lse[:, None]
+        return out
 
     def q_chunks(self, i):
         """Row chunks of query tile ``i``."""
@@ -131,7 +151,10 @@ class _Tiles:
             keep = self.mask.run(grid)[self.mask.graph.output]
             s3 = xp.where(keep, s3, -math.inf)
         if tuple(s3.shape) != shape:
-            s3 = xp.broadcast_to(s3, shape)
+            # a result that does not span the tile (it ignores the score): written into the raw
+            # scores, which it no longer reads, so that callers may shift it in place
+            s[...] = xp.reshape(xp.broadcast_to(s3, shape), tuple(s.shape))
+            return s, values, grid
         return xp.reshape(s3, tuple(s.shape)), values, grid
 
 
@@ -144,8 +167,9 @@ def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) ->
     q, k, v : (B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv).
     m, l : (B, H, Sq) float32 checkpoints, or None (inference).
     scale : float
-    input_pos : tuple of int
-        Position of query row 0, per batch (one entry when shared).
+    input_pos : tuple of int or (B,) integer array
+        Position of query row 0, per batch (one entry when shared), or the
+        caller's device array of them (values never read on the host).
     score_mod, mask_mod : xpkernels.mods.Graph or None
     plan : xpkernels.mods.TilePlan
     """
@@ -321,7 +345,7 @@ def _backward_key_tile(
             else:
                 q_op = to(xp, q_rows, acc) * t.scale
                 s, values, grid = t.scores(q_op @ k_aug[:, :d].mT, b, g, r0, r1, j0, j1, state)
-                s -= lse[:, None]
+                s = t.shifted(s, lse)
             p = xp.exp(s)
             dv_tile += p.mT @ do_aug[:, : t.dv]
             ds = do_aug @ v_aug.mT

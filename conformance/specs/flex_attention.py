@@ -139,6 +139,36 @@ CASES = [
 ]
 
 
+# --------------------------------------------------------------------------- nonlinear mods, negative input_pos
+# Score mods whose last operation is not linear in the score: their reverse mode reads the
+# mod's own output (the backward must not shift it in place). Each runs on unmasked tiles,
+# on tiles a block mask proves full, and on masked (PARTIAL) tiles. Negative input_pos is
+# flash-attn's bottom-right causal alignment for Sq > Sk (input_pos = Sk - Sq): queries
+# before the first key keep nothing.
+_NONLINEAR_SCORES = {
+    "silu": lambda s, b, h, q_idx, kv_idx: s / (1.0 + xm.exp(-s)),
+    "tanh-cap1": lambda s, b, h, q_idx, kv_idx: xm.tanh(s),
+    "exp": lambda s, b, h, q_idx, kv_idx: xm.exp(0.5 * s),
+    "sqrt": lambda s, b, h, q_idx, kv_idx: xm.sqrt(s * s + 1.0),
+}
+CASES += [
+    _case("silu-unmasked", Sq=40, Sk=150, score="silu"),
+    _case("tanh-cap1-unmasked-gqa", H=4, Hkv=2, Sq=24, Sk=140, score="tanh-cap1"),
+    _case("exp-unmasked", Sq=30, Sk=140, score="exp"),
+    _case("sqrt-unmasked", Sq=30, Sk=140, score="sqrt"),
+    _case("silu-block-causal-full-tiles", Sq=64, Sk=64, mask="causal", score="silu", block=(16, 16)),
+    _case("tanh-cap1-block-sliding", Sq=64, Sk=64, mask="sliding", w=20, score="tanh-cap1", block=(16, 16)),
+    _case("exp-causal-masked", Sq=48, Sk=48, mask="causal", score="exp"),
+    _case("sqrt-document-b2", B=2, Sq=60, Sk=60, mask="document", score="sqrt"),
+    _case("causal-bottom-right-sq-gt-sk", Sq=48, Sk=20, mask="causal", input_pos=-28),
+    _case(
+        "causal-bottom-right-per-batch-silu", B=2, Sq=40, Sk=24, mask="causal", score="silu",
+        input_pos=[-16, -3],
+    ),
+    _case("causal-before-every-key", Sq=8, Sk=16, mask="causal", input_pos=-8),
+]
+
+
 
 
 def _positions(p):
@@ -213,6 +243,7 @@ def _mods(p, arrays):
         "pair-grads": lambda: xm.PairFeatureScore(
             _pair_op, pieces["q_features"], pieces["k_features"], pieces["pair_proj"]
         ),
+        **{name: (lambda f=f: xm.ScoreMod(f)) for name, f in _NONLINEAR_SCORES.items()},
     }[p["score"]]()
     mask = {
         None: lambda: None,
@@ -478,7 +509,7 @@ class FlexAttentionSpec(AttentionLayout, OpSpec):
         return {"q": dq, "k": dk, "v": dv, "params": params}
 
     def errors(self):
-        return _error_cases()
+        return _error_cases() + _more_error_cases()
 
 
 def _namespace(a):
@@ -767,9 +798,6 @@ def _error_cases():
             r"H=4 query heads of q must be a multiple",
         ),
         ErrorCase(
-            "input-pos-negative", forward(input_pos=-2), ValueError, r"input_pos must be >= 0"
-        ),
-        ErrorCase(
             "input-pos-shape",
             forward(input_pos=lambda t: ints(t, [0, 1, 2])),
             ValueError,
@@ -780,6 +808,85 @@ def _error_cases():
             forward(block_sparse="yes"),
             TypeError,
             r"block_sparse must be a bool",
+        ),
+    ]
+
+
+def _more_error_cases():
+    """Input positions, mod types, gradients of another mod, int64 index arithmetic."""
+    shape_q, shape_kv = (2, 4, 8, 16), (2, 2, 8, 16)
+
+    def forward(**options):
+        def call(t):
+            q, o = t.full(shape_q, 0.5, "float32"), t.full(shape_q, 0.0, "float32")
+            k, v = t.full(shape_kv, 0.25, "float32"), t.full(shape_kv, 0.5, "float32")
+            flex_attention_(o, q, k, v, **{n: f(t) if n == "score_mod" else f for n, f in options.items()})
+
+        return call
+
+    def slopes(t):
+        return xm.AliBiScore(t.full((4,), 0.1, "float32"))
+
+    def grad_of_other_arrays(t):
+        q, o = t.full(shape_q, 0.5, "float32"), t.full(shape_q, 0.0, "float32")
+        k, v = t.full(shape_kv, 0.25, "float32"), t.full(shape_kv, 0.5, "float32")
+        mod = slopes(t)
+        ck = allocate_checkpoints(flex_attention_, q, k, v)
+        flex_attention_(o, q, k, v, score_mod=mod, checkpoints=ck)
+        flex_attention_backward_(
+            Duplicated(o), Duplicated(q), Duplicated(k), Duplicated(v), checkpoints=ck,
+            score_mod=mod, score_mod_grad=grad_shadow(slopes(t)),
+        )
+
+    def wrapping_index(t):
+        return xm.ScoreMod(
+            lambda s, b, h, q_idx, kv_idx, *, w: s + w[h, (kv_idx * 2**62) // 2**62],
+            w=t.full((4, 8), 0.0, "float32"),
+        )
+
+    return [
+        ErrorCase(
+            "input-pos-list-too-long",
+            forward(input_pos=[0, 1, 2]),
+            ValueError,
+            r"flex_attention_: input_pos must have 2 entries \(one per batch\), got 3",
+        ),
+        ErrorCase(
+            "input-pos-list-too-short",
+            forward(input_pos=[4]),
+            ValueError,
+            r"flex_attention_: input_pos must have 2 entries \(one per batch\), got 1",
+        ),
+        ErrorCase(
+            "input-pos-past-index-range",
+            forward(input_pos=2**31),
+            ValueError,
+            r"flex_attention_: input_pos must lie in \[-2147483647, 2147483647\], got 2147483648",
+        ),
+        ErrorCase(
+            "mask-mod-an-int",
+            forward(mask_mod=3),
+            TypeError,
+            r"flex_attention_: mask_mod must be a MaskMod or a function .* got int",
+        ),
+        ErrorCase(
+            "mask-mod-a-score-mod",
+            forward(mask_mod=xm.SoftCapScore(2.0)),
+            TypeError,
+            r"flex_attention_: mask_mod must be a MaskMod .* got SoftCapScore\(2\), a score mod",
+        ),
+        ErrorCase(
+            "score-mod-grad-other-arrays",
+            grad_of_other_arrays,
+            TypeError,
+            r"score_mod_grad does not match score_mod AliBiScore: it was made by grad_shadow of "
+            r"another score mod",
+        ),
+        ErrorCase(
+            "index-wraps-in-int64",
+            forward(score_mod=wrapping_index),
+            ValueError,
+            r"indexed on axis 1 by values in \[-2, 1\] .*leaves int64",
         ),
     ]
 

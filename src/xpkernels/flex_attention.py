@@ -45,11 +45,10 @@ from __future__ import annotations
 
 import math
 
-import array_api_compat
-
 from . import _autograd
 from . import _checks as check
 from . import mods as _mods
+from ._debug import debug_enabled
 from .attention import (
     AttentionBackwardScratch,
     AttentionCheckpoints,
@@ -60,6 +59,7 @@ from .attention import (
 from .buffers import (
     Duplicated,
     checkpoints_for,
+    empty,
     empty_float32,
     primal,
     scratchspace_for,
@@ -88,21 +88,36 @@ class _Call:
         if not isinstance(block_sparse, bool):
             raise TypeError(f"{fn}: block_sparse must be a bool, got {block_sparse!r}")
         self.block_sparse = block_sparse
-        self.positions = _positions(fn, xp, input_pos, batch)
-        call = _mods.CallShape(batch, heads, n_q, n_kv, self.positions)
-        self.score = None if score_mod is None else _mods.as_score_mod(score_mod)
+        self.positions = _positions(fn, xp, input_pos, batch, n_q)
+        host = self.positions if isinstance(self.positions, tuple) else None
+        self.host_positions = host
+        call = _mods.CallShape(batch, heads, n_q, n_kv, host)
+        self.score = (
+            None if score_mod is None else _mods.as_score_mod(score_mod, f"{fn}: score_mod")
+        )
         self.mask = _mask(fn, mask_mod, block_mask)
         self.block_mask = block_mask
+        clamps = {}
         for mod in (self.score, self.mask):
             if mod is not None:
-                mod.validate(fn, call)
+                clamps[id(mod)] = mod.validate(fn, call, debug_enabled())
         if block_mask is not None:
+            if host is None:
+                raise TypeError(
+                    f"{fn}: with a block_mask, input_pos must be an int, a list of ints or a "
+                    "host (NumPy, array_api_strict) array, checked against the positions the "
+                    f"block mask was built for; got a {type(input_pos).__name__} device array"
+                )
             _check_block_mask(fn, block_mask, call)
         self.score_graph = (
-            None if self.score is None or _is_input(self.score.graph, "score") else self.score.graph
+            None
+            if self.score is None or _is_input(self.score.graph, "score")
+            else self.score.graph.clamping(clamps[id(self.score)])
         )
         self.mask_graph = (
-            None if self.mask is None or _is_true(self.mask.graph) else self.mask.graph
+            None
+            if self.mask is None or _is_true(self.mask.graph)
+            else self.mask.graph.clamping(clamps[id(self.mask)])
         )
         self.group = heads // k.shape[1]
 
@@ -114,13 +129,28 @@ class _Call:
                 out.update({f"captured {s.label}": s.array for s in graph.slots})
         return out
 
+    def read(self) -> dict:
+        """Every array of the call's options that kernels read: captured arrays, input_pos."""
+        out = self.captured()
+        if self.host_positions is None:
+            out["input_pos"] = self.positions
+        return out
+
     def plan(self, route, n_q, n_kv):
-        """The tile plan: the BlockMask's tiles, else the backend's default tiles."""
+        """The tile plan: the BlockMask's tiles, else the backend's default tiles.
+
+        Device positions are not read: a mask reading ``q_idx`` is then
+        evaluated on every tile (no band skipping).
+        """
         masked = self.mask_graph is not None
         tile_m, tile_n = route.hook("default_tiles")(n_q, n_kv, self.group, masked)
+        positions, sparse = self.host_positions, self.block_sparse
+        if positions is None:
+            positions = (0,)
+            sparse = sparse and not (masked and self.mask_graph.uses("q_idx"))
         return _mods.plan_tiles(
             self.mask if masked else None, self.block_mask if masked else None,
-            block_sparse=self.block_sparse, n_q=n_q, n_kv=n_kv, positions=self.positions,
+            block_sparse=sparse, n_q=n_q, n_kv=n_kv, positions=positions,
             tile_m=tile_m, tile_n=tile_n,
         )
 
@@ -145,17 +175,33 @@ def _is_true(graph) -> bool:
     return node.op == "const" and node.value is True
 
 
-def _positions(fn, xp, input_pos, batch) -> tuple[int, ...]:
-    """``input_pos`` (an int or a ``(B,)`` integer array of q's namespace) as Python ints."""
-    if hasattr(input_pos, "shape"):
+def _positions(fn, xp, input_pos, batch, n_q):
+    """``input_pos`` as Python ints (an int, a list, a host array) or the ``(B,)`` device array.
+
+    Host values are checked here (any sign, within the kernels' index range);
+    a device array is checked for dtype and shape only, its values never
+    read on the host outside debug mode (:func:`xpkernels.debug`).
+    """
+    if hasattr(input_pos, "shape") and _mods._scalar(input_pos) is None:
         check.same_namespace(fn, xp, {"q": None, "input_pos": input_pos})
-        check.batch_integers(fn, "input_pos", xp, input_pos, batch, 0, None, "")
-    return _mods.positions_of(fn, input_pos)
+        check.batch_integers(fn, "input_pos", xp, input_pos, batch, None, None, "")
+        if not (check.is_host_array(input_pos) or debug_enabled()):
+            return input_pos
+        return _mods.positions_of(fn, input_pos, n_q)
+    if isinstance(input_pos, (list, tuple)):
+        if len(input_pos) != batch:
+            raise ValueError(
+                f"{fn}: input_pos must have {batch} entries (one per batch), got {len(input_pos)}"
+            )
+        values = tuple(check.index_int(fn, f"input_pos[{i}]", p) for i, p in enumerate(input_pos))
+    else:
+        values = (check.index_int(fn, "input_pos", input_pos),)
+    return _mods.positions_of(fn, values, n_q)
 
 
 def _mask(fn, mask_mod, block_mask):
     if block_mask is None:
-        return None if mask_mod is None else _mods.as_mask_mod(mask_mod)
+        return None if mask_mod is None else _mods.as_mask_mod(mask_mod, f"{fn}: mask_mod")
     if not isinstance(block_mask, _mods.BlockMask):
         raise TypeError(
             f"{fn}: block_mask must be a BlockMask from build_block_mask, "
@@ -249,13 +295,27 @@ def flex_attention_(
         same results).
     scale : float, optional
         Score scale, finite and > 0; None gives ``1/sqrt(D)``.
-    input_pos : int or (B,) integer array
+    input_pos : int, list of B ints or (B,) integer array
         Position of query row 0 (per batch); mods see ``q_idx = input_pos + row``.
+        May be negative: queries before the first key keep nothing under a
+        causal mask (``input_pos = Sk - Sq`` is flash-attn's bottom-right
+        alignment); ``|input_pos| < 2**31``. Host values (ints, lists,
+        NumPy or array_api_strict arrays) are checked and drive band
+        skipping; a device array is never read on the host outside debug
+        mode (the call stays capture-safe; masks reading ``q_idx`` are then
+        evaluated on every tile, and ``block_mask`` needs host positions).
     checkpoints : AttentionCheckpoints, optional
         From ``allocate_checkpoints(flex_attention_, q, k, v)``; receives
         ``(m, l)``. None saves nothing (inference).
     backend : str, optional
         Explicit backend; see :mod:`xpkernels.registry`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad arrays, mods or options (named in the message), a read-only
+        output, an output sharing memory with an input or another output.
+        Nothing is written when a check fails.
 
     Shapes
     ------
@@ -295,6 +355,9 @@ def flex_attention_(
     m = lse_sum = None
     if checkpoints is not None:
         m, lse_sum = _checkpoints(fn, xp, checkpoints, q)
+    outputs = {"o": o, "checkpoints.m": m, "checkpoints.l": lse_sum}
+    check.writable(fn, outputs)
+    check.no_overlap(fn, outputs, {"q": q, "k": k, "v": v, **call.read()})
     arrays = {
         "o": o,
         "q": q,
@@ -340,11 +403,11 @@ def flex_attention(
     if (o := _autograd.record(fn, {"q": q, "k": k, "v": v}, options)) is not _autograd.NOT_RECORDED:
         return o
     q, v = primal(q), primal(v)
-    xp = check.namespace(fn, "q", q)
+    check.namespace(fn, "q", q)
     check.namespace(fn, "v", v)
     check.rank(fn, "q", q, 4, "(B, H, Sq, D)")
     check.rank(fn, "v", v, 4, "(B, Hkv, Sk, Dv)")
-    o = xp.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype, device=array_api_compat.device(q))
+    o = empty(q, (*q.shape[:3], v.shape[3]), q.dtype)
     flex_attention_(
         o,
         q,
@@ -379,9 +442,14 @@ def _scratch(fn, xp, scratch, q):
     return scratch.delta, scratch.dq_accum
 
 
+def _slots(call) -> tuple:
+    """The captured-array slots of the call's score graph."""
+    return call.score_graph.slots if call.score_graph is not None else ()
+
+
 def _mod_grads(fn, xp, call, score_mod_grad) -> tuple:
     """One accumulator (or None) per captured array of the score graph, checked against it."""
-    slots = call.score_graph.slots if call.score_graph is not None else ()
+    slots = _slots(call)
     if score_mod_grad is None:
         return (None,) * len(slots)
     if not isinstance(score_mod_grad, _mods.ScoreModGrad) or call.score is None:
@@ -390,15 +458,15 @@ def _mod_grads(fn, xp, call, score_mod_grad) -> tuple:
             f"call's score mod, got {type(score_mod_grad).__name__}"
             + ("" if call.score is not None else " (and the call has no score_mod)")
         )
+    if not score_mod_grad.made_for(call.score):
+        raise TypeError(
+            f"{fn}: score_mod_grad does not match score_mod {call.score.label}: it was made by "
+            f"grad_shadow of another score mod ({score_mod_grad._label}, or one capturing other "
+            "arrays); make it with grad_shadow(score_mod)"
+        )
     grads = []
     for slot in slots:
-        try:
-            acc = score_mod_grad.lookup(slot.path, slot.field)
-        except IndexError:
-            raise TypeError(
-                f"{fn}: score_mod_grad does not match score_mod {call.score.label}; make it with "
-                "grad_shadow(score_mod)"
-            ) from None
+        acc = score_mod_grad.lookup(slot.path, slot.field)
         if acc is not None:
             name = f"score_mod_grad for {slot.label}"
             check.namespace(fn, name, acc)
@@ -487,6 +555,26 @@ def flex_attention_backward_(
     if scratch is not None:
         delta, dq_accum = _scratch(fn, xp, scratch, q)
     grads = _mod_grads(fn, xp, call, score_mod_grad)
+    outputs = {
+        "Q.shadow": Q.shadow,
+        "K.shadow": K.shadow,
+        "V.shadow": V.shadow,
+        "scratch.delta": delta,
+        "scratch.dq_accum": dq_accum,
+        **{f"score_mod_grad for {s.label}": g for s, g in zip(_slots(call), grads)},
+    }
+    check.writable(fn, outputs)
+    inputs = {
+        "Q.primal": q,
+        "K.primal": k,
+        "V.primal": v,
+        "O.primal": o,
+        "O.shadow": O.shadow,
+        "checkpoints.m": m,
+        "checkpoints.l": lse_sum,
+        **call.read(),
+    }
+    check.no_overlap(fn, outputs, inputs)
     arrays = {
         **named,
         "checkpoints.m": m,
@@ -557,7 +645,9 @@ def flex_attention_backward(
     q, k, v, o = primal(q), primal(k), primal(v), primal(o)
     shadows = {}
     for name, a in (("q", q), ("k", k), ("v", v)):
-        shadows[name] = Duplicated(a, check.namespace(fn, name, a).empty_like(a))
+        check.namespace(fn, name, a)
+        # contiguous, whatever a's strides (a broadcast k has zero strides that empty_like keeps)
+        shadows[name] = Duplicated(a, empty(a, tuple(a.shape), a.dtype))
     flex_attention_backward_(
         Duplicated(o, do),
         shadows["q"],

@@ -42,6 +42,7 @@ the same benefit from a :class:`BlockMask` (:func:`build_block_mask`).
 from __future__ import annotations
 
 import builtins
+import copy
 import inspect
 import math
 import sys
@@ -96,6 +97,9 @@ _EVAL_ELEMENTS = 1 << 20
 #: Tile states of a :class:`BlockMask` / tile plan.
 SKIP, PARTIAL, FULL = 0, 1, 2
 
+#: Integers in graphs are computed in int64 by every kernel; results outside wrap around.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 class TraceError(TypeError):
     """A mod used an operation that cannot be traced into a graph; the message names it."""
@@ -128,6 +132,10 @@ class Slot:
     label: str  #: ``Owner.field``, for messages
     array: Any
     kind: str
+    #: ``(min, max)`` of an integer NumPy array's values, read when the mod was built; None
+    #: for other arrays (device integer arrays are never read on the host: indices they
+    #: produce are clamped by the evaluation instead)
+    bounds: tuple[int, int] | None = None
 
 
 _SYMBOLS = {
@@ -172,6 +180,8 @@ class Graph:
         self.output = output
         self.slots = tuple(slots)
         self.inputs = frozenset(n.value for n in self.nodes if n.op == "input")
+        #: ``(gather node, axis)`` pairs whose index the evaluation clamps into the array
+        self.clamped: frozenset[tuple[int, int]] = frozenset()
         self.forms = {
             i: tuple(self._form(a) for a in node.args)
             for i, node in enumerate(self.nodes)
@@ -197,6 +207,15 @@ class Graph:
         """True when the graph reads input ``name``."""
         return name in self.inputs
 
+    def clamping(self, clamped) -> Graph:
+        """This graph with the indices ``clamped`` (from :meth:`check_indices`) clamped when run."""
+        clamped = frozenset(clamped)
+        if clamped == self.clamped:
+            return self
+        out = copy.copy(self)
+        out.clamped = clamped
+        return out
+
     def __str__(self):
         lines = []
         for i, n in enumerate(self.nodes):
@@ -219,63 +238,117 @@ class Graph:
         """
         return BoundGraph(self, xp, float_dtype, device, arrays)
 
-    def check_indices(self, fn: str, ranges: dict, context: str) -> None:
+    def check_indices(
+        self, fn: str, ranges: dict, context: str, read_device: bool = False
+    ) -> frozenset:
         """ValueError unless every captured-array index stays inside its array.
 
         ``ranges`` maps each index input to its inclusive ``(low, high)``
-        over the call; intervals are propagated through the graph (integer
-        captured arrays used inside indices contribute their min and max).
+        over the call, or to None when it comes from device values (an
+        ``input_pos`` array on the device). Intervals are propagated through
+        the graph in int64, as kernels compute: a result that leaves int64
+        wraps, so its interval becomes int64's. Integer NumPy arrays used
+        inside indices contribute the min and max of their values (read when
+        the mod was built); integer arrays of other namespaces are device
+        values, never read on the host unless ``read_device`` (debug mode:
+        their indices are then checked like host ones, not clamped).
+
+        Returns
+        -------
+        frozenset of (int, int)
+            ``(gather node, axis)`` whose index depends on device values and
+            is not proven inside the array: the evaluation clamps it there
+            (pass it to :meth:`clamping`).
         """
-        if any(lo > hi for lo, hi in ranges.values()):
-            return
-        memo: dict[int, tuple[float, float]] = {}
+        if any(r is not None and r[0] > r[1] for r in ranges.values()):
+            return frozenset()
+        memo: dict[int, tuple] = {}
+        clamped = set()
         for i, node in enumerate(self.nodes):
             if node.op != "gather":
                 continue
             slot = self.slots[node.value]
             shape = tuple(slot.array.shape)
             for axis, arg in enumerate(node.args):
-                lo, hi = _interval(self, arg, ranges, memo)
+                lo, hi, device, wrapped = _interval(self, arg, ranges, memo, read_device)
+                if 0 <= lo and hi <= shape[axis] - 1:
+                    continue
+                if device:
+                    clamped.add((i, axis))
+                    continue
                 if not (math.isfinite(lo) and math.isfinite(hi)):
                     raise ValueError(
                         f"{fn}: {slot.label} is indexed on axis {axis} by an expression "
                         f"whose range cannot be bounded for this call ({context}); clamp it "
                         "with minimum/maximum"
                     )
-                if lo < 0 or hi > shape[axis] - 1:
-                    raise ValueError(
-                        f"{fn}: {slot.label} (shape {shape}) is indexed on axis {axis} by "
-                        f"values in [{int(lo)}, {int(hi)}] for this call ({context}), outside "
-                        f"[0, {shape[axis] - 1}]; "
-                        "every index must stay inside the array (clamp it with minimum/maximum)"
-                    )
+                note = (
+                    " (an intermediate result leaves int64, in which kernels compute, and wraps "
+                    "around)"
+                    if wrapped
+                    else ""
+                )
+                raise ValueError(
+                    f"{fn}: {slot.label} (shape {shape}) is indexed on axis {axis} by "
+                    f"values in [{int(lo)}, {int(hi)}] for this call ({context}){note}, outside "
+                    f"[0, {shape[axis] - 1}]; "
+                    "every index must stay inside the array (clamp it with minimum/maximum)"
+                )
+        return frozenset(clamped)
 
 
-def _interval(graph, i, ranges, memo):
-    """Inclusive ``(low, high)`` of integer node ``i`` over the call (floats: unbounded)."""
+def _interval(graph, i, ranges, memo, read_device=False):
+    """``(low, high, device, wrapped)`` of integer node ``i`` over the call, in int64.
+
+    ``device``: the value depends on device values (bounded by their dtype
+    only); ``wrapped``: some int64 result on the way may wrap around. Floats
+    are unbounded.
+    """
     if i in memo:
         return memo[i]
     node = graph.nodes[i]
     op = node.op
     inf = math.inf
+    device = wrapped = False
     if node.kind == BOOL:
-        out = (0, 1)
+        lo, hi = 0, 1
     elif op == "const":
-        out = (node.value, node.value)
+        lo, hi = node.value, node.value
     elif op == "input":
-        out = ranges.get(node.value, (-inf, inf))
+        bound = ranges.get(node.value, (-inf, inf))
+        device = bound is None
+        lo, hi = (INT64_MIN, INT64_MAX) if device else bound
     elif op == "gather":
-        out = (-inf, inf)
+        lo, hi = -inf, inf
         if node.kind == INT:
-            host = _to_host(graph.slots[node.value].array)
-            out = (int(host.min()), int(host.max())) if host.size else (0, 0)
+            slot = graph.slots[node.value]
+            bounds = slot.bounds
+            if bounds is None and read_device:
+                bounds = _host_bounds(_to_host(slot.array))
+            device = bounds is None
+            lo, hi = bounds if not device else _dtype_range(slot.array)
     elif node.kind == FLOAT:
-        out = (-inf, inf)
+        lo, hi = -inf, inf
     else:
-        bounds = [_interval(graph, a, ranges, memo) for a in node.args]
-        out = _interval_rule(op, bounds, graph, node)
-    memo[i] = out
-    return out
+        args = [_interval(graph, a, ranges, memo, read_device) for a in node.args]
+        if op == "where":
+            args = args[1:]
+        device = builtins.any(a[2] for a in args)
+        wrapped = builtins.any(a[3] for a in args)
+        bounds = [a[:2] for a in args]
+        if op == "where":
+            bounds = [(0, 1)] + bounds
+        lo, hi = _interval_rule(op, bounds, graph, node)
+        if (math.isfinite(lo) and lo < INT64_MIN) or (math.isfinite(hi) and hi > INT64_MAX):
+            lo, hi, wrapped = INT64_MIN, INT64_MAX, True
+    memo[i] = (lo, hi, device, wrapped)
+    return memo[i]
+
+
+def _dtype_range(a) -> tuple[int, int]:
+    """Smallest and largest value of an integer array's dtype."""
+    info = array_api_compat.array_namespace(a).iinfo(a.dtype)
+    return int(info.min), int(info.max)
 
 
 def _mul_bound(x, y):
@@ -316,7 +389,12 @@ def _interval_rule(op, bounds, graph, node):
             return 0, c - 1
         return (a0 // c if math.isfinite(a0) else a0), (a1 // c if math.isfinite(a1) else a1)
     if op == "pow" and divisor.op == "const" and a0 >= 0:
-        return a0**divisor.value, a1**divisor.value
+        c = divisor.value
+
+        def power(x):  # past 2**64 the result wraps anyway; don't compute huge powers
+            return x**c if x <= 1 or c <= 64 else INT64_MAX + 1
+
+        return power(a0), power(a1)
     return -inf, inf
 
 
@@ -374,6 +452,10 @@ class _Tracer:
                 "to the mod by keyword (ScoreMod(fn, name=array)) and indexed there, other "
                 "values must be Python numbers"
             )
+        if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+            raise TraceError(
+                f"{what}: integer constant {value} does not fit int64, in which kernels compute"
+            )
         return self.node(
             "const",
             (),
@@ -381,11 +463,11 @@ class _Tracer:
             BOOL if isinstance(value, bool) else INT if isinstance(value, int) else FLOAT,
         )
 
-    def slot(self, path, field, label, array, kind) -> int:
+    def slot(self, path, field, label, array, kind, bounds=None) -> int:
         key = (path, field)
         if key not in self._slot_index:
             self._slot_index[key] = len(self.slots)
-            self.slots.append(Slot(path, field, label, array, kind))
+            self.slots.append(Slot(path, field, label, array, kind, bounds))
         return self._slot_index[key]
 
     def graph(self, out, returns: str) -> Graph:
@@ -673,14 +755,15 @@ class CapturedArray:
         "_label",
         "_array",
         "_kind",
+        "_bounds",
         "shape",
         "ndim",
         "dtype",
     )
 
-    def __init__(self, tracer, path, field, label, array, kind):
+    def __init__(self, tracer, path, field, label, array, kind, bounds=None):
         self._tracer, self._path, self._field, self._label = tracer, path, field, label
-        self._array, self._kind = array, kind
+        self._array, self._kind, self._bounds = array, kind, bounds
         self.shape = tuple(array.shape)
         self.ndim = len(self.shape)
         self.dtype = array.dtype
@@ -708,7 +791,7 @@ class CapturedArray:
                     f"got {node.kind}"
                 )
             args.append(node._id)
-        slot = t.slot(self._path, self._field, self._label, self._array, self._kind)
+        slot = t.slot(self._path, self._field, self._label, self._array, self._kind, self._bounds)
         return t.node("gather", tuple(args), slot, self._kind)
 
 
@@ -892,8 +975,10 @@ def tile_grid(xp, device, names, *, b, h0, n_h, q_pos0, q_row0, n_q, kv0, n_kv) 
         Index inputs the graphs read.
     b : int
         Batch index. ``h0``, ``n_h``: first query head and count.
-    q_pos0, q_row0, n_q : int
-        Position and row of the tile's first query, and its query count.
+    q_pos0 : int or 0-d int64 array
+        Position of the tile's first query (an array: a device value, not read on the host).
+    q_row0, n_q : int
+        Row of the tile's first query, and its query count.
     kv0, n_kv : int
         First key position and key count.
     """
@@ -909,15 +994,18 @@ def tile_grid(xp, device, names, *, b, h0, n_h, q_pos0, q_row0, n_q, kv0, n_kv) 
         if name == "score":
             continue
         axis, start, length = spans[name]
-        ranges[name] = spans[name]
         if axis is None:
             values[name] = xp.asarray(start, dtype=xp.int64, device=device)
+            ranges[name] = spans[name]
+            continue
+        shape = [1, 1, 1]
+        shape[axis] = length
+        if isinstance(start, int):
+            ranges[name] = spans[name]
+            row = xp.arange(start, start + length, dtype=xp.int64, device=device)
         else:
-            shape = [1, 1, 1]
-            shape[axis] = length
-            values[name] = xp.reshape(
-                xp.arange(start, start + length, dtype=xp.int64, device=device), tuple(shape)
-            )
+            row = start + xp.arange(length, dtype=xp.int64, device=device)
+        values[name] = xp.reshape(row, tuple(shape))
     return Grid(values, ranges, 3)
 
 
@@ -978,14 +1066,19 @@ def scatter_add(xp, target, index, values) -> None:
 
     Sorts the indices once, takes differences of a float64 running sum at
     each index's first and last occurrence, and adds the resulting dense run
-    to the contiguous slice of ``target`` the indices span. ``target`` must
-    be C-contiguous (its reshape to 1-D is a view).
+    to the contiguous slice of ``target`` the indices span (host indices:
+    read on the host) or to all of ``target`` (device indices are never read
+    on the host; they lie inside ``target``). ``target`` must be
+    C-contiguous (its reshape to 1-D is a view).
     """
     index = xp.reshape(index, (-1,))
     values = xp.reshape(values, (-1,))
     if index.shape[0] == 0:
         return
-    lo, hi = int(xp.min(index)), int(xp.max(index))
+    if is_host_array(index):
+        lo, hi = int(xp.min(index)), int(xp.max(index))
+    else:
+        lo, hi = 0, math.prod(target.shape) - 1
     order = xp.argsort(index)
     sorted_index = xp.take(index, order)
     sums = xp.cumulative_sum(xp.astype(xp.take(values, order), xp.float64), include_initial=True)
@@ -1088,7 +1181,7 @@ class BoundGraph:
                 block = xp.permute_dims(block, tuple(order))
             out = xp.reshape(block, self._grid_shape(axes, lengths, grid.rank))
         else:
-            flat_index = self._flat_index(node, values)
+            flat_index = self._flat_index(i, node, values)
             out = xp.reshape(
                 xp.take(self._flat_array(node.value), xp.reshape(flat_index, (-1,))),
                 tuple(flat_index.shape),
@@ -1100,11 +1193,14 @@ class BoundGraph:
             self._flat[slot] = self.xp.reshape(self.arrays[slot], (-1,))
         return self._flat[slot]
 
-    def _flat_index(self, node, values):
-        strides = _contiguous_strides(tuple(self.arrays[node.value].shape))
+    def _flat_index(self, i, node, values):
+        shape = tuple(self.arrays[node.value].shape)
         flat = None
-        for a, stride in zip(node.args, strides):
-            term = values[a] * stride
+        for axis, (a, stride) in enumerate(zip(node.args, _contiguous_strides(shape))):
+            index = values[a]
+            if (i, axis) in self.graph.clamped:
+                index = self.xp.clip(index, 0, shape[axis] - 1)
+            term = index * stride
             flat = term if flat is None else flat + term
         return flat
 
@@ -1228,7 +1324,7 @@ class BoundGraph:
         xp = self.xp
         plan = self._slices(i, grid)
         if plan is None:
-            scatter_add(xp, acc, self._flat_index(node, values), g)
+            scatter_add(xp, acc, self._flat_index(i, node, values), g)
             return
         slices, axes = plan
         lengths = [s.stop - s.start for s in slices]
@@ -1269,6 +1365,21 @@ def _array_kind(owner: str, name: str, a) -> str:
     raise TypeError(f"{owner}: {name} must have a bool, integer or real float dtype, got {a.dtype}")
 
 
+def is_host_array(a) -> bool:
+    """True for arrays whose values are read without a device sync: NumPy and array_api_strict."""
+    return isinstance(a, np.ndarray) or array_api_compat.is_array_api_strict_namespace(
+        array_api_compat.array_namespace(a)
+    )
+
+
+def _host_bounds(a) -> tuple[int, int] | None:
+    """``(min, max)`` of a host integer array (``(0, 0)`` when empty); None for device arrays."""
+    if not is_host_array(a):
+        return None
+    a = _to_host(a)
+    return (int(a.min()), int(a.max())) if a.size else (0, 0)
+
+
 def _takes_q_row(fn) -> bool:
     try:
         return "q_row" in inspect.signature(fn).parameters
@@ -1284,23 +1395,28 @@ class CallShape:
     heads: int
     n_q: int
     n_kv: int
-    positions: tuple[int, ...]  #: ``input_pos`` per batch (length 1 when shared)
+    #: ``input_pos`` per batch (length 1 when shared); None when it is a device array,
+    #: whose values are not read on the host
+    positions: tuple[int, ...] | None
 
     def ranges(self) -> dict:
-        """Inclusive range of every index input over the call."""
-        first = builtins.min(self.positions)
-        last = builtins.max(self.positions) + self.n_q - 1
+        """Inclusive range of every index input over the call (None: device values)."""
+        q_idx = None
+        if self.positions is not None:
+            first = builtins.min(self.positions)
+            q_idx = (first, builtins.max(self.positions) + self.n_q - 1)
         return {
             "b": (0, self.batch - 1),
             "h": (0, self.heads - 1),
-            "q_idx": (first, last),
+            "q_idx": q_idx,
             "q_row": (0, self.n_q - 1),
             "kv_idx": (0, self.n_kv - 1),
         }
 
     def describe(self) -> str:
-        lo, hi = self.ranges()["q_idx"]
-        return f"b < {self.batch}, h < {self.heads}, q_idx in [{lo}, {hi}], kv_idx < {self.n_kv}"
+        q_idx = self.ranges()["q_idx"]
+        where = "from input_pos on the device" if q_idx is None else f"in [{q_idx[0]}, {q_idx[1]}]"
+        return f"b < {self.batch}, h < {self.heads}, q_idx {where}, kv_idx < {self.n_kv}"
 
 
 class _Mod:
@@ -1315,6 +1431,9 @@ class _Mod:
         label = self.label
         self._kinds = {name: _array_kind(label, name, a) for name, a in arrays.items()}
         self.arrays = dict(arrays)
+        self._bounds = {
+            name: _host_bounds(a) for name, a in arrays.items() if self._kinds[name] == INT
+        }
         self._q_row = _takes_q_row(fn)
         self.graph = self._trace()
 
@@ -1336,7 +1455,10 @@ class _Mod:
     def _emit(self, tracer, inputs, path):
         """Trace this mod's function with the symbolic ``inputs``; returns its result."""
         captured = {
-            name: CapturedArray(tracer, path, name, f"{self.label}.{name}", a, self._kinds[name])
+            name: CapturedArray(
+                tracer, path, name, f"{self.label}.{name}", a, self._kinds[name],
+                self._bounds.get(name),
+            )
             for name, a in self.arrays.items()
         }
         if self._q_row:
@@ -1356,10 +1478,14 @@ class _Mod:
     def _check(self, fn: str, call: CallShape) -> None:
         """Raise ValueError when this mod's arrays do not fit ``call`` (built-ins override)."""
 
-    def validate(self, fn: str, call: CallShape) -> None:
-        """ValueError unless the mod fits the call: its own checks, then every index in bounds."""
+    def validate(self, fn: str, call: CallShape, read_device: bool = False) -> frozenset:
+        """ValueError unless the mod fits the call: its own checks, then every index in bounds.
+
+        Returns the indices to clamp (see :meth:`Graph.check_indices`, which
+        ``read_device`` is passed to).
+        """
         self._check(fn, call)
-        self.graph.check_indices(fn, call.ranges(), call.describe())
+        return self.graph.check_indices(fn, call.ranges(), call.describe(), read_device)
 
     def __repr__(self):
         return self.label
@@ -1390,16 +1516,16 @@ class MaskMod(_Mod):
         return self._apply((), b, h, q_idx, kv_idx, q_row)
 
     def __and__(self, other):
-        return AndMask(self, as_mask_mod(other))
+        return AndMask(self, as_mask_mod(other, "MaskMod &: the other operand"))
 
     def __rand__(self, other):
-        return AndMask(as_mask_mod(other), self)
+        return AndMask(as_mask_mod(other, "MaskMod &: the other operand"), self)
 
     def __or__(self, other):
-        return OrMask(self, as_mask_mod(other))
+        return OrMask(self, as_mask_mod(other, "MaskMod |: the other operand"))
 
     def __ror__(self, other):
-        return OrMask(as_mask_mod(other), self)
+        return OrMask(as_mask_mod(other, "MaskMod |: the other operand"), self)
 
     def _band(self, positions, n_kv):
         """``(lo, hi, full_lo, full_hi)`` per query position.
@@ -1422,6 +1548,7 @@ class _CompositeMask(MaskMod):
         self.parts = tuple(flat)
         self.fn = None
         self.arrays = {}
+        self._bounds = {}
         self._q_row = False
         self.graph = self._trace()
 
@@ -1621,11 +1748,11 @@ class DocumentMask(MaskMod):
                 raise ValueError(
                     f"{fn}: DocumentMask.{name} must have shape {layout}, {role}; got {shape}"
                 )
-        last = call.ranges()["q_idx"][1]
-        if own and last >= call.n_kv:
+        q_idx = call.ranges()["q_idx"]
+        if own and q_idx is not None and q_idx[1] >= call.n_kv:
             raise ValueError(
                 f"{fn}: DocumentMask.doc_q holds ids for positions < {call.n_kv} but query "
-                f"positions reach {last}; pass doc_kv (and per-row doc_q) for queries past "
+                f"positions reach {q_idx[1]}; pass doc_kv (and per-row doc_q) for queries past "
                 "the keys"
             )
 
@@ -1656,19 +1783,21 @@ class ScoreMod(_Mod):
         return self._apply((score,), b, h, q_idx, kv_idx, q_row)
 
     def __rshift__(self, other):
-        return ScoreChain(self, as_score_mod(other))
+        return ScoreChain(self, as_score_mod(other, "ScoreMod >>: the other operand"))
 
     def __rrshift__(self, other):
-        return ScoreChain(as_score_mod(other), self)
+        return ScoreChain(as_score_mod(other, "ScoreMod >>: the other operand"), self)
 
     def _grad_fields(self, feature_grads: bool) -> tuple[str, ...]:
         """Fields that receive gradients."""
         return tuple(name for name, kind in self._kinds.items() if kind == FLOAT)
 
     def _grad_tree(self, zeros, feature_grads) -> ScoreModGrad:
+        names = self._grad_fields(feature_grads)
         return ScoreModGrad(
             self.label,
-            {name: zeros(self.arrays[name]) for name in self._grad_fields(feature_grads)},
+            {name: zeros(self.arrays[name]) for name in names},
+            sources={name: self.arrays[name] for name in names},
         )
 
     def __grad_shadow__(self, *, feature_grads: bool = False) -> ScoreModGrad:
@@ -1700,6 +1829,7 @@ class ScoreChain(ScoreMod):
         self.fn = None
         self.arrays = {}
         self._kinds = {}
+        self._bounds = {}
         self._q_row = False
         self.graph = self._trace()
 
@@ -1740,10 +1870,28 @@ class ScoreModGrad:
     for reuse.
     """
 
-    def __init__(self, label: str, fields: dict | None = None, parts: tuple = ()):
+    def __init__(
+        self, label: str, fields: dict | None = None, parts: tuple = (), sources: dict | None = None
+    ):
         self._label = label
         self._fields = dict(fields or {})
         self._parts = tuple(parts)
+        self._sources = dict(sources or {})
+
+    def made_for(self, mod) -> bool:
+        """True when these accumulators are ``grad_shadow`` of ``mod``: same mods, same arrays.
+
+        A mod rebuilt over the same arrays matches; a mod with other arrays or
+        of another kind does not.
+        """
+        if not isinstance(mod, ScoreMod) or self._label != mod.label:
+            return False
+        parts = mod.parts if isinstance(mod, ScoreChain) else ()
+        if len(parts) != len(self._parts):
+            return False
+        if any(mod.arrays.get(name) is not a for name, a in self._sources.items()):
+            return False
+        return all(g.made_for(p) for g, p in zip(self._parts, parts))
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -1964,29 +2112,43 @@ class PairFeatureScore(ScoreMod):
                 )
 
 
-def as_mask_mod(mask) -> MaskMod:
+def _what(x) -> str:
+    """``x`` described for a type error: a mod by its label and role, anything else by its type."""
+    if isinstance(x, ScoreMod):
+        return f"{x.label}, a score mod"
+    if isinstance(x, MaskMod):
+        return f"{x.label}, a mask mod"
+    return type(x).__name__
+
+
+def as_mask_mod(mask, where: str = "as_mask_mod: mask") -> MaskMod:
     """``mask`` itself, or a plain function ``(b, h, q_idx, kv_idx)`` traced into a MaskMod.
 
     A plain function is traced on every call that receives it; build the
-    MaskMod once to trace once.
+    MaskMod once to trace once. ``where`` (``"function: argument"``) starts
+    the TypeError raised for anything else.
     """
     if isinstance(mask, MaskMod):
         return mask
     if isinstance(mask, ScoreMod) or not callable(mask):
         raise TypeError(
-            f"expected a mask mod or a function (b, h, q_idx, kv_idx), got {type(mask).__name__}"
+            f"{where} must be a MaskMod or a function (b, h, q_idx, kv_idx) -> condition, "
+            f"got {_what(mask)}"
         )
     return MaskMod(mask)
 
 
-def as_score_mod(score) -> ScoreMod:
-    """``score`` itself, or a function ``(score, b, h, q_idx, kv_idx)`` traced into a ScoreMod."""
+def as_score_mod(score, where: str = "as_score_mod: score") -> ScoreMod:
+    """``score`` itself, or a function ``(score, b, h, q_idx, kv_idx)`` traced into a ScoreMod.
+
+    ``where`` (``"function: argument"``) starts the TypeError raised for anything else.
+    """
     if isinstance(score, ScoreMod):
         return score
     if isinstance(score, MaskMod) or not callable(score):
         raise TypeError(
-            "expected a score mod or a function (score, b, h, q_idx, kv_idx), "
-            f"got {type(score).__name__}"
+            f"{where} must be a ScoreMod or a function (score, b, h, q_idx, kv_idx) -> number, "
+            f"got {_what(score)}"
         )
     return ScoreMod(score)
 
@@ -2120,31 +2282,41 @@ class BlockMask:
         )
 
 
-def positions_of(fn: str, input_pos) -> tuple[int, ...]:
-    """``input_pos`` (an int >= 0, or a 1-D integer array / sequence) as a tuple of Python ints."""
+def positions_of(fn: str, input_pos, n_q: int = 1) -> tuple[int, ...]:
+    """``input_pos`` (an int, or a 1-D integer array / sequence) as a tuple of Python ints.
+
+    Arrays of any namespace are copied to the host (a planning step, such as
+    :func:`build_block_mask`; flex attention itself never reads device
+    positions). Positions may be negative (queries before the first key);
+    ``q_idx = input_pos + row`` for rows below ``n_q`` must fit int64.
+    """
+    kinds = "an int or a (B,) integer array"
     if isinstance(input_pos, bool):
-        raise TypeError(f"{fn}: input_pos must be an int >= 0 or a (B,) integer array, got a bool")
+        raise TypeError(f"{fn}: input_pos must be {kinds}, got a bool")
     single = _scalar(input_pos)
     if isinstance(single, int):
         values = (single,)
     elif single is not None:
-        raise TypeError(
-            f"{fn}: input_pos must be an int >= 0 or a (B,) integer array, got {input_pos!r}"
-        )
+        raise TypeError(f"{fn}: input_pos must be {kinds}, got {input_pos!r}")
+    elif isinstance(input_pos, (list, tuple)):
+        if not all(isinstance(_scalar(x), int) and not isinstance(x, bool) for x in input_pos):
+            raise TypeError(f"{fn}: input_pos must be {kinds}, got a {type(input_pos).__name__} "
+                            "holding other values than ints")
+        values = tuple(int(x) for x in input_pos)
     else:
-        host = (
-            _to_host(input_pos)
-            if array_api_compat.is_array_api_obj(input_pos)
-            else np.asarray(input_pos)
-        )
+        if not array_api_compat.is_array_api_obj(input_pos):
+            raise TypeError(f"{fn}: input_pos must be {kinds}, got {type(input_pos).__name__}")
+        host = _to_host(input_pos)
         if host.ndim != 1 or not np.issubdtype(host.dtype, np.integer):
-            raise TypeError(
-                f"{fn}: input_pos must be an int >= 0 or a (B,) integer array, "
-                f"got {host.dtype} {host.shape}"
-            )
+            raise TypeError(f"{fn}: input_pos must be {kinds}, got {host.dtype} {host.shape}")
         values = tuple(int(x) for x in host)
-    if values and builtins.min(values) < 0:
-        raise ValueError(f"{fn}: input_pos must be >= 0, got {builtins.min(values)}")
+    last = builtins.max(values) + builtins.max(n_q, 1) - 1 if values else 0
+    if values and (builtins.min(values) < INT64_MIN or last > INT64_MAX):
+        raise ValueError(
+            f"{fn}: input_pos must keep every query position input_pos + row within int64 "
+            f"[{INT64_MIN}, {INT64_MAX}], got values in [{builtins.min(values)}, "
+            f"{builtins.max(values)}] for {n_q} query rows"
+        )
     return values
 
 
@@ -2177,12 +2349,12 @@ def build_block_mask(
     BlockMask
     """
     fn = "build_block_mask"
-    mask = as_mask_mod(keep)
+    mask = as_mask_mod(keep, f"{fn}: keep")
     n_q, n_kv = _non_negative_int(fn, "n_q", n_q), _non_negative_int(fn, "n_kv", n_kv)
     for name, tile in (("tile_m", tile_m), ("tile_n", tile_n)):
         if _non_negative_int(fn, name, tile) < 1:
             raise ValueError(f"{fn}: {name} must be >= 1, got {tile}")
-    positions = positions_of(fn, input_pos)
+    positions = positions_of(fn, input_pos, n_q)
     batch = _extent(
         fn, "n_batch", n_batch, "b", mask, len(positions) if len(positions) > 1 else None
     )
@@ -2280,7 +2452,7 @@ def mask_value(mask_mod, q_idx, kv_idx, b=0, h=0, *, input_pos=0) -> np.ndarray:
     Arguments broadcast against each other; ``q_idx`` is the query position
     (its row is ``q_idx - input_pos``). Returns a bool NumPy array.
     """
-    mod = as_mask_mod(mask_mod)
+    mod = as_mask_mod(mask_mod, "mask_value: mask_mod")
     grid = _host_grid(b, h, q_idx, kv_idx, input_pos)
     out = _host_bound(mod).run(grid)[mod.graph.output]
     return np.broadcast_to(
@@ -2290,7 +2462,7 @@ def mask_value(mask_mod, q_idx, kv_idx, b=0, h=0, *, input_pos=0) -> np.ndarray:
 
 def score_value(score_mod, score, q_idx, kv_idx, b=0, h=0, *, input_pos=0) -> np.ndarray:
     """Evaluate a score mod's traced graph on the host, in float64, for the given scores."""
-    mod = as_score_mod(score_mod)
+    mod = as_score_mod(score_mod, "score_value: score_mod")
     grid = _host_grid(b, h, q_idx, kv_idx, input_pos)
     score = np.asarray(score, dtype=np.float64)
     out = _host_bound(mod).run(grid, score)[mod.graph.output]
@@ -2311,7 +2483,7 @@ def score_grad(
         Float64 NumPy gradients of the mod's captured arrays, summed over all
         given pairs.
     """
-    mod = as_score_mod(score_mod)
+    mod = as_score_mod(score_mod, "score_grad: score_mod")
     grid = _host_grid(b, h, q_idx, kv_idx, input_pos)
     score = np.asarray(score, dtype=np.float64)
     shape = np.broadcast_shapes(*([v.shape for v in grid.values.values()] + [score.shape]))
