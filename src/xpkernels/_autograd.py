@@ -44,11 +44,15 @@ def _torch_tensors(arrays):
 
 
 def _check_meta(fn, tensors) -> None:
+    real = [(name, t) for name, t in tensors if not t.is_meta]
     for name, t in tensors:
         if t.is_meta:
+            where = f"is on device meta but {real[0][0]} is on {real[0][1].device}" if real else (
+                "is a meta tensor"
+            )
             raise TypeError(
-                f"{fn}: {name} is a meta tensor, which holds no data for a kernel to read; "
-                "pass a tensor on a real device (cpu or cuda)"
+                f"{fn}: {name} {where}: a meta tensor holds no data for a kernel to read; "
+                "pass tensors on one real device (cpu or cuda)"
             )
 
 
@@ -58,7 +62,11 @@ def _mod_arrays(score_mod):
         return {}
     from .mods import as_score_mod
 
-    return {f"score_mod {s.label}": s.array for s in as_score_mod(score_mod).graph.slots}
+    try:
+        mod = as_score_mod(score_mod)
+    except TypeError:  # not a score mod: the front's own validation says so
+        return {}
+    return {f"score_mod {s.label}": s.array for s in mod.graph.slots}
 
 
 def requires_grad_error(fn: str, name: str) -> ValueError:

@@ -218,7 +218,7 @@ def attention_(
     fully masked rows).
     """
     fn = "attention_"
-    _autograd.check_inplace(fn, {"o": o, "q": q, "k": k, "v": v})
+    _autograd.check_inplace(fn, {"q": q, "k": k, "v": v, "o": o})
     q, k, v = primal(q), primal(k), primal(v)
     scale, input_pos, m, lse_sum = _validate_forward(
         fn, o, q, k, v, scale, input_pos, q_lengths, k_lengths, checkpoints

@@ -164,7 +164,7 @@ def decode_attention_(
     ``(B, H, n_splits)``. Float32 (float64 for float64 inputs).
     """
     fn = "decode_attention_"
-    _autograd.check_inplace(fn, {"o": o, "q": q, "k_cache": k_cache, "v_cache": v_cache})
+    _autograd.check_inplace(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "o": o})
     q, k_cache, v_cache = primal(q), primal(k_cache), primal(v_cache)
     scale, n_splits = _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits)
     arrays = {"o": o, "q": q, "k_cache": k_cache, "v_cache": v_cache, "lengths": lengths}

@@ -330,7 +330,7 @@ def flex_attention_(
     ``sum_j exp(s_ij - m_i)`` (0 for such a row).
     """
     fn = "flex_attention_"
-    _autograd.check_inplace(fn, {"o": o, "q": q, "k": k, "v": v}, score_mod)
+    _autograd.check_inplace(fn, {"q": q, "k": k, "v": v, "o": o}, score_mod)
     q, k, v = primal(q), primal(k), primal(v)
     xp = check.namespace(fn, "q", q)
     check.same_namespace(fn, xp, {"q": q, "k": k, "v": v, "o": o})

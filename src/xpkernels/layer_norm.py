@@ -164,7 +164,7 @@ def layer_norm_(y, x, w=None, b=None, *, eps=1e-5, checkpoints=None, backend=Non
     mean, rstd : ``(rows,)`` float32 each, ``rows = prod(x.shape[:-1])``.
     """
     fn = "layer_norm_"
-    _autograd.check_inplace(fn, {"y": y, "x": x, "w": w, "b": b})
+    _autograd.check_inplace(fn, {"x": x, "w": w, "b": b, "y": y})
     x, w, b = primal(x), primal(w), primal(b)
     eps, mean, rstd = _validate_forward(fn, y, x, w, b, eps, checkpoints)
     arrays = {"x": x, "y": y, "w": w, "b": b, "checkpoints.mean": mean, "checkpoints.rstd": rstd}

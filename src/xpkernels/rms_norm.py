@@ -151,7 +151,7 @@ def rms_norm_(y, x, w=None, *, eps=1e-6, offset=0.0, checkpoints=None, backend=N
     rstd : ``(rows,)`` float32, ``rows = prod(x.shape[:-1])``.
     """
     fn = "rms_norm_"
-    _autograd.check_inplace(fn, {"y": y, "x": x, "w": w})
+    _autograd.check_inplace(fn, {"x": x, "w": w, "y": y})
     x, w = primal(x), primal(w)
     _, eps, offset, rstd = _validate_forward(fn, y, x, w, eps, offset, checkpoints)
     route = resolve("rms_norm", {"y": y, "x": x, "w": w, "checkpoints.rstd": rstd}, backend=backend)

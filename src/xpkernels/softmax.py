@@ -67,7 +67,7 @@ def softmax_(y, x, *, backend=None) -> None:
     other axes may have any stride.
     """
     fn = "softmax_"
-    _autograd.check_inplace(fn, {"y": y, "x": x})
+    _autograd.check_inplace(fn, {"x": x, "y": y})
     x = primal(x)
     xp = check.namespace(fn, "x", x)
     check.namespace(fn, "y", y)
