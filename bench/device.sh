@@ -118,6 +118,7 @@ PY
         status=1
     fi
 
+    step "torch: CUDA-graph capture and replay of a training step"; timeout 150 "$PYTHON" bench/torch_cuda_graph.py --out "$OUT" $([[ $DRY_RUN -eq 1 ]] && echo --dry-run) || status=1
     step "done: conformance $conformance_rc, benchmarks $bench_rc"
     ls -l "$OUT"
     return $status

@@ -57,6 +57,7 @@ import math
 import numbers
 from typing import NamedTuple
 
+from . import _autograd
 from . import _checks as check
 from .buffers import (
     Checkpoints,
@@ -285,6 +286,7 @@ def attention_(
     fully masked rows).
     """
     fn = "attention_"
+    _autograd.check_inplace(fn, {"q": q, "k": k, "v": v, "o": o})
     q, k, v = primal(q), primal(k), primal(v)
     scale, input_pos, m, lse_sum = _validate_forward(
         fn, o, q, k, v, causal, scale, input_pos, q_lengths, k_lengths, checkpoints
@@ -324,8 +326,16 @@ def attention(
     Returns
     -------
     o : array
+        On torch tensors that require grad (grad mode on), autograd records
+        xpkernels' backward (:mod:`xpkernels.torch`).
     """
     fn = "attention"
+    options = {
+        "causal": causal, "scale": scale, "input_pos": input_pos, "q_lengths": q_lengths,
+        "k_lengths": k_lengths, "checkpoints": checkpoints, "backend": backend,
+    }
+    if (o := _autograd.record(fn, {"q": q, "k": k, "v": v}, options)) is not _autograd.NOT_RECORDED:
+        return o
     q, v = primal(q), primal(v)
     check.namespace(fn, "q", q)
     check.rank(fn, "q", q, 4, "(B, H, Sq, D)")
@@ -441,6 +451,7 @@ def attention_backward_(
     (float64 for float64 inputs).
     """
     fn = "attention_backward_"
+    _autograd.check_inplace(fn, {"O": O, "Q": Q, "K": K, "V": V})
     scale, input_pos, m, lse_sum, delta, dq_accum = _validate_backward(
         fn, O, Q, K, V, checkpoints, scratch, causal, scale, input_pos, q_lengths, k_lengths
     )

@@ -35,6 +35,7 @@ import math
 import operator
 from typing import Any, NamedTuple
 
+from . import _autograd
 from . import _checks as check
 from .buffers import empty, empty_accumulator, primal, scratchspace_for
 from .registry import resolve
@@ -198,6 +199,7 @@ def decode_attention_(
     ``(B, H, n_splits)``. Float32 (float64 for float64 inputs).
     """
     fn = "decode_attention_"
+    _autograd.check_inplace(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "o": o})
     q, k_cache, v_cache = primal(q), primal(k_cache), primal(v_cache)
     scale, n_splits = _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits)
     arrays = {"o": o, "q": q, "k_cache": k_cache, "v_cache": v_cache, "lengths": lengths}
@@ -266,8 +268,14 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, scratch=None, 
     Returns
     -------
     o : array
+        On torch tensors that require grad (grad mode on), the call goes through the
+        ``xpkernels::decode_attention`` op, whose backward raises: it is forward only.
     """
     fn = "decode_attention"
+    arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "lengths": lengths}
+    options = {"scale": scale, "scratch": scratch, "n_splits": n_splits, "backend": backend}
+    if (o := _autograd.record(fn, arrays, options)) is not _autograd.NOT_RECORDED:
+        return o
     q, v_cache = primal(q), primal(v_cache)
     check.namespace(fn, "q", q)
     check.rank(fn, "q", q, 3, "(B, H, D)")

@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import _autograd
 from . import _checks as check
 from . import mods as _mods
 from ._debug import debug_enabled
@@ -381,6 +382,7 @@ def flex_attention_(
     ``sum_j exp(s_ij - m_i)`` (0 for such a row).
     """
     fn = "flex_attention_"
+    _autograd.check_inplace(fn, {"q": q, "k": k, "v": v, "o": o}, score_mod)
     q, k, v = primal(q), primal(k), primal(v)
     xp = check.namespace(fn, "q", q)
     check.same_namespace(fn, xp, {"q": q, "k": k, "v": v, "o": o})
@@ -444,9 +446,18 @@ def flex_attention(
 
     Returns
     -------
-    o : array ``(B, H, Sq, Dv)`` with q's dtype.
+    o : array ``(B, H, Sq, Dv)`` with q's dtype. On torch tensors, when q, k, v or an array
+    the score mod captures requires grad (grad mode on), autograd records xpkernels'
+    backward, score-mod gradients included (:mod:`xpkernels.torch`).
     """
     fn = "flex_attention"
+    options = {
+        "score_mod": score_mod, "mask_mod": mask_mod, "block_mask": block_mask,
+        "block_sparse": block_sparse, "scale": scale, "input_pos": input_pos,
+        "checkpoints": checkpoints, "backend": backend,
+    }
+    if (o := _autograd.record(fn, {"q": q, "k": k, "v": v}, options)) is not _autograd.NOT_RECORDED:
+        return o
     q, v = primal(q), primal(v)
     check.namespace(fn, "q", q)
     check.namespace(fn, "v", v)
@@ -561,6 +572,7 @@ def flex_attention_backward_(
     dq accumulated over key tiles. Float32 (float64 for float64 inputs).
     """
     fn = "flex_attention_backward_"
+    _autograd.check_inplace(fn, {"O": O, "Q": Q, "K": K, "V": V}, score_mod)
     Ds = {
         name: check.duplicated(fn, name, d) for name, d in (("O", O), ("Q", Q), ("K", K), ("V", V))
     }

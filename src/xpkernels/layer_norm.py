@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from . import _autograd
 from . import _checks as check
 from ._rows import n_rows, row_groups
 from .buffers import (
@@ -163,6 +164,7 @@ def layer_norm_(y, x, w=None, b=None, *, eps=1e-5, checkpoints=None, backend=Non
     mean, rstd : ``(rows,)`` float32 each, ``rows = prod(x.shape[:-1])``.
     """
     fn = "layer_norm_"
+    _autograd.check_inplace(fn, {"x": x, "w": w, "b": b, "y": y})
     x, w, b = primal(x), primal(w), primal(b)
     eps, mean, rstd = _validate_forward(fn, y, x, w, b, eps, checkpoints)
     arrays = {"x": x, "y": y, "w": w, "b": b, "checkpoints.mean": mean, "checkpoints.rstd": rstd}
@@ -195,8 +197,13 @@ def layer_norm(x, w=None, b=None, *, eps=1e-5, checkpoints=None, backend=None):
 
     Returns
     -------
-    y : array, shape and dtype of ``x``.
+    y : array, shape and dtype of ``x``. On torch tensors that require grad (grad mode on),
+    autograd records xpkernels' backward (:mod:`xpkernels.torch`).
     """
+    options = {"eps": eps, "checkpoints": checkpoints, "backend": backend}
+    arrays = {"x": x, "w": w, "b": b}
+    if (y := _autograd.record("layer_norm", arrays, options)) is not _autograd.NOT_RECORDED:
+        return y
     x = primal(x)
     check.namespace("layer_norm", "x", x)
     y = empty(x, x.shape, x.dtype)
@@ -315,6 +322,7 @@ def layer_norm_backward_(Y, X, W=None, B=None, *, checkpoints, scratch=None, bac
     into dw and db; float32 (float64 for float64 inputs).
     """
     fn = "layer_norm_backward_"
+    _autograd.check_inplace(fn, {"Y": Y, "X": X, "W": W, "B": B})
     x, w, b, dy, dx, dw, db, mean, rstd, dw_partial, db_partial = _validate_backward(
         fn, Y, X, W, B, checkpoints, scratch
     )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from . import _autograd
 from . import _checks as check
 from ._rows import n_rows, row_groups
 from .buffers import (
@@ -150,6 +151,7 @@ def rms_norm_(y, x, w=None, *, eps=1e-6, offset=0.0, checkpoints=None, backend=N
     rstd : ``(rows,)`` float32, ``rows = prod(x.shape[:-1])``.
     """
     fn = "rms_norm_"
+    _autograd.check_inplace(fn, {"x": x, "w": w, "y": y})
     x, w = primal(x), primal(w)
     _, eps, offset, rstd = _validate_forward(fn, y, x, w, eps, offset, checkpoints)
     route = resolve("rms_norm", {"y": y, "x": x, "w": w, "checkpoints.rstd": rstd}, backend=backend)
@@ -182,8 +184,12 @@ def rms_norm(x, w=None, *, eps=1e-6, offset=0.0, checkpoints=None, backend=None)
 
     Returns
     -------
-    y : array, shape and dtype of ``x``.
+    y : array, shape and dtype of ``x``. On torch tensors that require grad (grad mode on),
+    autograd records xpkernels' backward (:mod:`xpkernels.torch`).
     """
+    options = {"eps": eps, "offset": offset, "checkpoints": checkpoints, "backend": backend}
+    if (y := _autograd.record("rms_norm", {"x": x, "w": w}, options)) is not _autograd.NOT_RECORDED:
+        return y
     x = primal(x)
     check.namespace("rms_norm", "x", x)
     y = empty(x, x.shape, x.dtype)
@@ -275,6 +281,7 @@ def rms_norm_backward_(Y, X, W=None, *, checkpoints, scratch=None, offset=0.0, b
     (float64 for float64 inputs).
     """
     fn = "rms_norm_backward_"
+    _autograd.check_inplace(fn, {"Y": Y, "X": X, "W": W})
     x, w, dy, dx, dw, rstd, dw_partial, offset = _validate_backward(
         fn, Y, X, W, checkpoints, scratch, offset
     )

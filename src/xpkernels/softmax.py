@@ -19,6 +19,7 @@ Nothing is checkpointed: the backward's only saved state is the output
 
 from __future__ import annotations
 
+from . import _autograd
 from . import _checks as check
 from ._rows import row_groups
 from .buffers import Duplicated, empty, primal
@@ -66,6 +67,7 @@ def softmax_(y, x, *, backend=None) -> None:
     other axes may have any stride.
     """
     fn = "softmax_"
+    _autograd.check_inplace(fn, {"x": x, "y": y})
     x = primal(x)
     xp = check.namespace(fn, "x", x)
     check.namespace(fn, "y", y)
@@ -83,8 +85,12 @@ def softmax(x, *, backend=None):
 
     Returns
     -------
-    y : array, shape and dtype of ``x``.
+    y : array, shape and dtype of ``x``. On torch tensors that require grad (grad mode on),
+    autograd records xpkernels' backward (:mod:`xpkernels.torch`).
     """
+    options = {"backend": backend}
+    if (y := _autograd.record("softmax", {"x": x}, options)) is not _autograd.NOT_RECORDED:
+        return y
     x = primal(x)
     check.namespace("softmax", "x", x)
     y = empty(x, x.shape, x.dtype)
@@ -116,6 +122,7 @@ def softmax_backward_(Y, X, *, backend=None) -> None:
     primal and shadow of Y, shadow of X : ``(..., M)``.
     """
     fn = "softmax_backward_"
+    _autograd.check_inplace(fn, {"Y": Y, "X": X})
     Y = check.duplicated(fn, "Y", Y)
     X = check.duplicated(fn, "X", X)
     y, dy, dx = Y.primal, Y.shadow, X.shadow

@@ -93,6 +93,10 @@ def _demo(args) -> int:
     # slower (measured). Unless the caller chose, one thread; NumPy is not imported yet.
     for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(variable, "1")
+    if args.torch:
+        from .demo_torch import run as run_torch
+
+        return run_torch(args.steps, args.device, args.backend, args.seed, args.sample)
     from .demo import run
 
     return run(
@@ -167,6 +171,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=("numpy", "torch", "array_api_strict"),
         help="array library the model runs on (default numpy)",
     )
+    demo.add_argument(
+        "--torch",
+        action="store_true",
+        help="the same model as torch.nn modules over xpkernels, trained with loss.backward() "
+        "and torch.optim",
+    )
     demo.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
     demo.add_argument(
         "--backend", default=None, help="explicit xpkernels backend (default: automatic routing)"
@@ -188,7 +198,7 @@ def main(argv=None) -> int:
 
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "demo" and args.device != "cpu" and args.array != "torch":
+    if args.command == "demo" and args.device != "cpu" and args.array != "torch" and not args.torch:
         parser.error(
             f"demo: --device {args.device} needs --array torch ({args.array} runs on the CPU)"
         )

@@ -555,6 +555,10 @@ def _benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[
                     if bench.row.op == "attention"
                 ]
             benches += _flex_benches(shapes["flex"], shapes["attention"], arrays, attn_repeats)
+    if with_torch and library == "torch":  # the autograd path: xpkernels.torch.bench
+        from ..torch.bench import autograd_benches
+
+        benches += autograd_benches(shapes, chosen, attn_repeats, Row, Bench)
     return benches, skipped
 
 

@@ -1,0 +1,143 @@
+"""Where the fronts meet PyTorch's autograd (imports no torch).
+
+Two hooks, each a couple of lines in every front file:
+
+- :func:`record`: the allocating fronts (``rms_norm(x, w)``, ``attention(q, k, v)``...)
+  call it first. On torch tensors, when grad mode is on and an input (or an
+  array a score mod captures) requires grad, or while ``torch.compile``
+  traces, it runs the call through the ``xpkernels`` ``torch.library`` op
+  instead (:mod:`xpkernels.torch`), which records xpkernels' own backward
+  for ``loss.backward()``, and returns that op's result. Otherwise it
+  returns :data:`NOT_RECORDED` and the front carries on as for any array.
+- :func:`check_inplace`: the in-place fronts (``rms_norm_``...) call it
+  before anything is written. An in-place call records no autograd, so a
+  torch tensor that requires grad in grad mode is refused, naming it,
+  instead of dropping its gradient silently (as torch's ``out=`` ops do).
+
+Both refuse meta tensors (they hold no data for a kernel to read), naming
+the argument. Torch is detected through ``sys.modules``: when the caller
+never imported torch, nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .buffers import Duplicated
+
+__all__ = ["NOT_RECORDED", "record", "check_inplace", "requires_grad_error"]
+
+#: What :func:`record` returns when the call is not for autograd; the front proceeds as usual.
+NOT_RECORDED = object()
+
+
+def _torch_tensors(arrays):
+    """``(name, tensor)`` for each torch tensor of ``arrays`` (name -> array, Duplicated or None)."""
+    torch = sys.modules["torch"]
+    found = []
+    for name, a in arrays.items():
+        if isinstance(a, Duplicated):
+            found.extend((f"{name}.{part}", getattr(a, part)) for part in ("primal", "shadow"))
+        else:
+            found.append((name, a))
+    return [(name, a) for name, a in found if isinstance(a, torch.Tensor)]
+
+
+def _check_meta(fn, tensors) -> None:
+    real = [(name, t) for name, t in tensors if not t.is_meta]
+    for name, t in tensors:
+        if t.is_meta:
+            where = f"is on device meta but {real[0][0]} is on {real[0][1].device}" if real else (
+                "is a meta tensor"
+            )
+            raise TypeError(
+                f"{fn}: {name} {where}: a meta tensor holds no data for a kernel to read; "
+                "pass tensors on one real device (cpu or cuda)"
+            )
+
+
+def _mod_arrays(score_mod):
+    """The arrays a score mod (a ScoreMod or a plain function) captures, by label."""
+    if score_mod is None:
+        return {}
+    from .mods import as_score_mod
+
+    try:
+        mod = as_score_mod(score_mod)
+    except TypeError:  # not a score mod: the front's own validation says so
+        return {}
+    return {f"score_mod {s.label}": s.array for s in mod.graph.slots}
+
+
+def requires_grad_error(fn: str, name: str) -> ValueError:
+    """The error of an in-place call given a tensor that requires grad in grad mode."""
+    front = fn.rstrip("_").replace("_backward", "")
+    return ValueError(
+        f"{fn}: {name} requires grad, but the in-place {fn} records no autograd, so its "
+        f"gradient would be lost; call the allocating xpkernels.{front}(...) (which records "
+        f"xpkernels' backward for loss.backward()), or run {fn} under torch.no_grad()"
+    )
+
+
+def check_inplace(fn: str, arrays: dict, score_mod=None) -> None:
+    """Refuse an in-place call that would drop a gradient or read a meta tensor.
+
+    Parameters
+    ----------
+    fn : str
+        The front's name, for messages.
+    arrays : dict
+        Argument name -> array, Duplicated or None: every array the call
+        reads or writes.
+    score_mod : ScoreMod or callable, optional
+        Its captured arrays are checked too.
+
+    Raises
+    ------
+    ValueError
+        A torch tensor requires grad while grad mode is on (names it).
+    TypeError
+        A torch tensor is a meta tensor (names it).
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    tensors = _torch_tensors({**arrays, **_mod_arrays(score_mod)})
+    _check_meta(fn, tensors)
+    if torch.is_grad_enabled():
+        for name, t in tensors:
+            if t.requires_grad:
+                raise requires_grad_error(fn, name)
+
+
+def record(op: str, arrays: dict, options: dict):
+    """Run an allocating front through its autograd-recording torch op when that applies.
+
+    Parameters
+    ----------
+    op : str
+        The primitive (``"rms_norm"``...).
+    arrays : dict
+        Argument name -> array, Duplicated or None, in the front's order.
+    options : dict
+        The front's keyword options.
+
+    Returns
+    -------
+    The op's result (what the front returns), or :data:`NOT_RECORDED` when
+    the arrays are not torch tensors or nothing needs a gradient.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return NOT_RECORDED
+    primals = {name: a.primal if isinstance(a, Duplicated) else a for name, a in arrays.items()}
+    tensors = _torch_tensors({**primals, **_mod_arrays(options.get("score_mod"))})
+    if not tensors:
+        return NOT_RECORDED
+    _check_meta(op, tensors)
+    wanted = torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors)
+    if not wanted and not torch.compiler.is_compiling():
+        return NOT_RECORDED
+    from .torch import _fronts  # registers the ops on first use
+
+    return _fronts.FRONTS[op](op, arrays, options)

@@ -1,0 +1,32 @@
+"""PyTorch integration: autograd, ``torch.compile`` and ``nn`` modules over xpkernels' kernels.
+
+Importing this package imports torch (importing :mod:`xpkernels` does not)
+and registers every primitive as ``torch.library`` custom ops in the
+``xpkernels`` namespace (``torch.ops.xpkernels.rms_norm``...; see
+:mod:`xpkernels.torch._ops`). Nothing else is needed to train: the
+allocating fronts (``xpkernels.rms_norm(x, w)``, ``xpkernels.attention(q,
+k, v)``...) given torch tensors that require grad import it themselves and
+record xpkernels' own backward, so ``loss.backward()`` runs xpkernels'
+backward kernels and ``torch.compile(fullgraph=True)`` traces the calls as
+single ops.
+
+- :mod:`xpkernels.torch.nn`: ``RMSNorm``, ``LayerNorm`` (drop-in for
+  ``torch.nn.RMSNorm`` / ``torch.nn.LayerNorm``, same arguments and
+  ``state_dict`` keys) and ``Attention`` (q/k/v/o projections, grouped-query
+  heads, causal, optional score and mask mods).
+- :data:`ops`: ``torch.ops.xpkernels``, the op namespace.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _ops, nn
+
+__all__ = ["nn", "ops", "OPS"]
+
+#: The op namespace ``torch.ops.xpkernels``.
+ops = torch.ops.xpkernels
+
+#: Every op this package registers, by its name in the namespace (``"rms_norm"``, ``"rms_norm_"``...).
+OPS = _ops.OPS

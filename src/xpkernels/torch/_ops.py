@@ -1,0 +1,860 @@
+"""The ``xpkernels`` namespace of ``torch.library`` custom ops.
+
+Per primitive ``p``, and mirroring the Python fronts:
+
+- ``xpkernels::p_`` -- the out variant: writes caller buffers (exactly the
+  ones named in ``mutates_args``), returns nothing;
+- ``xpkernels::p`` -- the functional forward: returns the output AND the
+  checkpoints (``rstd``; ``mean, rstd``; ``m, l``) as tensors, so autograd
+  saves them for the backward instead of recomputing anything;
+- ``xpkernels::p_backward_`` / ``xpkernels::p_backward`` -- the backward,
+  out variant and functional.
+
+Every op has a ``register_fake`` (shapes and dtypes only), so
+``torch.compile`` and ``torch.export`` see through it without running a
+kernel; every functional forward has a ``register_autograd`` whose backward
+calls the functional backward op (xpkernels' own backward kernels, on
+whichever backend the forward used). Implementations call the in-place
+fronts under ``torch.no_grad()``, so all validation of the fronts applies and
+no backend records autograd through its own arithmetic. A backward run with
+``create_graph=True`` returns gradients whose own backward raises "double
+backward is not supported".
+
+Flex attention's mods are Python objects, which an op schema cannot carry:
+:func:`register_flex` files them under an integer key, and the ops receive
+that key plus the score mod's captured float arrays as a tensor list (so
+those arrays -- ``nn.Parameter`` tables, slopes, projections -- get
+gradients through autograd).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import threading
+import weakref
+
+import torch
+from torch import Tensor
+
+from ..attention import AttentionCheckpoints, attention_, attention_backward_
+from ..buffers import Checkpoints, Duplicated, allocate_checkpoints, grad_shadow, record_forward
+from ..decode_attention import DecodeAttentionScratch, decode_attention_
+from ..flex_attention import flex_attention_, flex_attention_backward_
+from ..layer_norm import LayerNormCheckpoints, layer_norm_, layer_norm_backward_
+from ..mods import FLOAT, Graph, as_mask_mod, as_score_mod
+from ..rms_norm import RMSNormBackwardScratch, RMSNormCheckpoints, rms_norm_, rms_norm_backward_
+from ..softmax import softmax_, softmax_backward_
+
+__all__ = ["OPS", "FlexMods", "register_flex", "flex_mods", "score_arrays"]
+
+_NAMESPACE = "xpkernels"
+
+
+def _name(op: str) -> str:
+    return f"{_NAMESPACE}::{op}"
+
+
+def _rows(x: Tensor) -> int:
+    rows = 1
+    for n in x.shape[:-1]:
+        rows *= n
+    return rows
+
+
+def _no_double_backward(op: str, inputs, grads):
+    """``grads`` as they are, or -- under ``create_graph=True`` -- aliases whose backward raises."""
+    if not torch.is_grad_enabled():
+        return grads
+    if not any(isinstance(t, Tensor) and t.requires_grad for t in inputs):
+        return grads
+    present = [i for i, g in enumerate(grads) if isinstance(g, Tensor)]
+    error = torch._C._functions.DelayedError(
+        f"xpkernels.{op}: double backward (a backward through create_graph=True gradients) is "
+        "not supported: xpkernels' backward kernels are not themselves differentiable".encode(),
+        len(present),
+    )
+    aliased = error(*[grads[i].detach().requires_grad_() for i in present])
+    if isinstance(aliased, Tensor):
+        aliased = (aliased,)
+    out = list(grads)
+    for i, g in zip(present, aliased):
+        out[i] = g
+    return tuple(out)
+
+
+def _last_axis_contiguous(t: Tensor) -> Tensor:
+    """Autograd may hand a broadcast cotangent (stride 0): give the kernels a stride-1 last axis."""
+    return t if t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _written(checkpoints, forward: str):
+    """Checkpoints rebuilt from an op's tensors, recorded as written by ``forward``.
+
+    A checkpoint tensor carries no record of its forward's options; an op
+    backward receives them as its own arguments instead -- for the
+    functional ops from autograd, which saved the forward's options with
+    its checkpoints -- so no option is recorded here for the front to
+    compare.
+    """
+    if isinstance(checkpoints, Checkpoints):
+        record_forward(checkpoints, forward, {})
+    return checkpoints
+
+
+def _input_pos(input_pos: int, input_pos_array: Tensor | None):
+    return input_pos if input_pos_array is None else input_pos_array
+
+
+# --------------------------------------------------------------------------- rms_norm
+
+
+@torch.library.custom_op(_name("rms_norm_"), mutates_args=("y", "rstd"))
+def rms_norm_out(
+    y: Tensor, x: Tensor, w: Tensor | None, rstd: Tensor | None, eps: float, offset: float,
+    backend: str | None,
+) -> None:
+    """``rms_norm_`` into ``y`` (and ``rstd`` when given)."""
+    with torch.no_grad():
+        checkpoints = None if rstd is None else RMSNormCheckpoints(rstd=rstd)
+        rms_norm_(y, x, w, eps=eps, offset=offset, checkpoints=checkpoints, backend=backend)
+
+
+@rms_norm_out.register_fake
+def _(y, x, w, rstd, eps, offset, backend):
+    return None
+
+
+@torch.library.custom_op(_name("rms_norm"), mutates_args=())
+def rms_norm(
+    x: Tensor, w: Tensor | None, eps: float, offset: float, backend: str | None
+) -> tuple[Tensor, Tensor]:
+    """RMSNorm forward: ``(y, rstd)``."""
+    with torch.no_grad():
+        y = torch.empty_like(x)
+        checkpoints = allocate_checkpoints(rms_norm_, x, w)
+        rms_norm_(y, x, w, eps=eps, offset=offset, checkpoints=checkpoints, backend=backend)
+    return y, checkpoints.rstd
+
+
+@rms_norm.register_fake
+def _(x, w, eps, offset, backend):
+    return torch.empty_like(x), x.new_empty((_rows(x),), dtype=torch.float32)
+
+
+@torch.library.custom_op(_name("rms_norm_backward_"), mutates_args=("dx", "dw", "dw_partial"))
+def rms_norm_backward_out(
+    dy: Tensor, x: Tensor, w: Tensor | None, rstd: Tensor, dx: Tensor, dw: Tensor | None,
+    dw_partial: Tensor | None, offset: float, backend: str | None,
+) -> None:
+    """``rms_norm_backward_``: ``dx`` (and ``dw`` when given, reduced through ``dw_partial``)."""
+    with torch.no_grad():
+        W = w if dw is None else Duplicated(w, dw)
+        scratch = None if dw_partial is None else RMSNormBackwardScratch(dw_partial=dw_partial)
+        rms_norm_backward_(
+            Duplicated(dy, dy), Duplicated(x, dx), W,
+            checkpoints=_written(RMSNormCheckpoints(rstd=rstd), "rms_norm_"),
+            scratch=scratch, offset=offset, backend=backend,
+        )
+
+
+@rms_norm_backward_out.register_fake
+def _(dy, x, w, rstd, dx, dw, dw_partial, offset, backend):
+    return None
+
+
+@torch.library.custom_op(_name("rms_norm_backward"), mutates_args=())
+def rms_norm_backward(
+    dy: Tensor, x: Tensor, w: Tensor | None, rstd: Tensor, offset: float, need_dw: bool,
+    backend: str | None,
+) -> tuple[Tensor, Tensor]:
+    """RMSNorm backward: ``(dx, dw)``; ``dw`` is empty unless ``need_dw`` and ``w`` is given."""
+    with torch.no_grad():
+        dx = torch.empty_like(x)
+        want = need_dw and w is not None
+        dw = torch.empty_like(w) if want and w is not None else x.new_empty((0,))
+        W = Duplicated(w, dw) if want else w
+        rms_norm_backward_(
+            Duplicated(dy, dy), Duplicated(x, dx), W,
+            checkpoints=_written(RMSNormCheckpoints(rstd=rstd), "rms_norm_"),
+            offset=offset, backend=backend,
+        )
+    return dx, dw
+
+
+@rms_norm_backward.register_fake
+def _(dy, x, w, rstd, offset, need_dw, backend):
+    want = need_dw and w is not None
+    return torch.empty_like(x), torch.empty_like(w) if want else x.new_empty((0,))
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, w, _, offset, backend = inputs
+    ctx.save_for_backward(x, w, output[1])
+    ctx.offset, ctx.backend = offset, backend
+
+
+def _rms_norm_grad(ctx, dy, _drstd):
+    x, w, rstd = ctx.saved_tensors
+    need_dw = w is not None and ctx.needs_input_grad[1]
+    dx, dw = torch.ops.xpkernels.rms_norm_backward(
+        _last_axis_contiguous(dy), x, w, rstd, ctx.offset, need_dw, ctx.backend
+    )
+    dx, dw = _no_double_backward("rms_norm", (dy, x, w), (dx, dw if need_dw else None))
+    return dx, dw, None, None, None
+
+
+rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+
+
+# --------------------------------------------------------------------------- layer_norm
+
+
+@torch.library.custom_op(_name("layer_norm_"), mutates_args=("y", "mean", "rstd"))
+def layer_norm_out(
+    y: Tensor, x: Tensor, w: Tensor | None, b: Tensor | None, mean: Tensor | None,
+    rstd: Tensor | None, eps: float, backend: str | None,
+) -> None:
+    """``layer_norm_`` into ``y`` (and ``mean``, ``rstd`` when given, both or neither)."""
+    with torch.no_grad():
+        checkpoints = None if mean is None else LayerNormCheckpoints(mean=mean, rstd=rstd)
+        layer_norm_(y, x, w, b, eps=eps, checkpoints=checkpoints, backend=backend)
+
+
+@layer_norm_out.register_fake
+def _(y, x, w, b, mean, rstd, eps, backend):
+    return None
+
+
+@torch.library.custom_op(_name("layer_norm"), mutates_args=())
+def layer_norm(
+    x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, backend: str | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """LayerNorm forward: ``(y, mean, rstd)``."""
+    with torch.no_grad():
+        y = torch.empty_like(x)
+        checkpoints = allocate_checkpoints(layer_norm_, x, w, b)
+        layer_norm_(y, x, w, b, eps=eps, checkpoints=checkpoints, backend=backend)
+    return y, checkpoints.mean, checkpoints.rstd
+
+
+@layer_norm.register_fake
+def _(x, w, b, eps, backend):
+    rows = (_rows(x),)
+    return (
+        torch.empty_like(x),
+        x.new_empty(rows, dtype=torch.float32),
+        x.new_empty(rows, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op(
+    _name("layer_norm_backward_"), mutates_args=("dx", "dw", "db", "dw_partial", "db_partial")
+)
+def layer_norm_backward_out(
+    dy: Tensor, x: Tensor, w: Tensor | None, b: Tensor | None, mean: Tensor, rstd: Tensor,
+    dx: Tensor, dw: Tensor | None, db: Tensor | None, dw_partial: Tensor | None,
+    db_partial: Tensor | None, backend: str | None,
+) -> None:
+    """``layer_norm_backward_``: ``dx`` and, when given, ``dw`` / ``db`` (through the partials)."""
+    from ..layer_norm import LayerNormBackwardScratch
+
+    with torch.no_grad():
+        W = w if dw is None else Duplicated(w, dw)
+        B = b if db is None else Duplicated(b, db)
+        scratch = None
+        if dw_partial is not None or db_partial is not None:
+            scratch = LayerNormBackwardScratch(dw_partial=dw_partial, db_partial=db_partial)
+        layer_norm_backward_(
+            Duplicated(dy, dy), Duplicated(x, dx), W, B,
+            checkpoints=_written(LayerNormCheckpoints(mean=mean, rstd=rstd), "layer_norm_"),
+            scratch=scratch,
+            backend=backend,
+        )
+
+
+@layer_norm_backward_out.register_fake
+def _(dy, x, w, b, mean, rstd, dx, dw, db, dw_partial, db_partial, backend):
+    return None
+
+
+@torch.library.custom_op(_name("layer_norm_backward"), mutates_args=())
+def layer_norm_backward(
+    dy: Tensor, x: Tensor, w: Tensor | None, b: Tensor | None, mean: Tensor, rstd: Tensor,
+    need_dw: bool, need_db: bool, backend: str | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """LayerNorm backward: ``(dx, dw, db)``; ``dw`` / ``db`` are empty unless asked for."""
+    with torch.no_grad():
+        dx = torch.empty_like(x)
+        want_w, want_b = need_dw and w is not None, need_db and b is not None
+        dw = torch.empty_like(w) if want_w and w is not None else x.new_empty((0,))
+        db = torch.empty_like(b) if want_b and b is not None else x.new_empty((0,))
+        layer_norm_backward_(
+            Duplicated(dy, dy), Duplicated(x, dx), Duplicated(w, dw) if want_w else w,
+            Duplicated(b, db) if want_b else b,
+            checkpoints=_written(LayerNormCheckpoints(mean=mean, rstd=rstd), "layer_norm_"),
+            backend=backend,
+        )
+    return dx, dw, db
+
+
+@layer_norm_backward.register_fake
+def _(dy, x, w, b, mean, rstd, need_dw, need_db, backend):
+    empty = x.new_empty((0,))
+    return (
+        torch.empty_like(x),
+        torch.empty_like(w) if need_dw and w is not None else empty,
+        torch.empty_like(b) if need_db and b is not None else x.new_empty((0,)),
+    )
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, w, b, _, backend = inputs
+    ctx.save_for_backward(x, w, b, output[1], output[2])
+    ctx.backend = backend
+
+
+def _layer_norm_grad(ctx, dy, _dmean, _drstd):
+    x, w, b, mean, rstd = ctx.saved_tensors
+    need_dw = w is not None and ctx.needs_input_grad[1]
+    need_db = b is not None and ctx.needs_input_grad[2]
+    dx, dw, db = torch.ops.xpkernels.layer_norm_backward(
+        _last_axis_contiguous(dy), x, w, b, mean, rstd, need_dw, need_db, ctx.backend
+    )
+    dx, dw, db = _no_double_backward(
+        "layer_norm", (dy, x, w, b), (dx, dw if need_dw else None, db if need_db else None)
+    )
+    return dx, dw, db, None, None
+
+
+layer_norm.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
+
+
+# --------------------------------------------------------------------------- softmax
+
+
+@torch.library.custom_op(_name("softmax_"), mutates_args=("y",))
+def softmax_out(y: Tensor, x: Tensor, backend: str | None) -> None:
+    """``softmax_`` into ``y``."""
+    with torch.no_grad():
+        softmax_(y, x, backend=backend)
+
+
+@softmax_out.register_fake
+def _(y, x, backend):
+    return None
+
+
+@torch.library.custom_op(_name("softmax"), mutates_args=())
+def softmax(x: Tensor, backend: str | None) -> Tensor:
+    """Softmax forward over the last axis."""
+    with torch.no_grad():
+        y = torch.empty_like(x)
+        softmax_(y, x, backend=backend)
+    return y
+
+
+@softmax.register_fake
+def _(x, backend):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(_name("softmax_backward_"), mutates_args=("dx",))
+def softmax_backward_out(dy: Tensor, y: Tensor, dx: Tensor, backend: str | None) -> None:
+    """``softmax_backward_``: ``dx = y * (dy - sum(y * dy))``."""
+    with torch.no_grad():
+        softmax_backward_(Duplicated(y, dy), Duplicated(y, dx), backend=backend)
+
+
+@softmax_backward_out.register_fake
+def _(dy, y, dx, backend):
+    return None
+
+
+@torch.library.custom_op(_name("softmax_backward"), mutates_args=())
+def softmax_backward(dy: Tensor, y: Tensor, backend: str | None) -> Tensor:
+    """Softmax backward: ``dx``."""
+    with torch.no_grad():
+        dx = torch.empty_like(y)
+        softmax_backward_(Duplicated(y, dy), Duplicated(y, dx), backend=backend)
+    return dx
+
+
+@softmax_backward.register_fake
+def _(dy, y, backend):
+    return torch.empty_like(y)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.backend = inputs[1]
+
+
+def _softmax_grad(ctx, dy):
+    (y,) = ctx.saved_tensors
+    dx = torch.ops.xpkernels.softmax_backward(_last_axis_contiguous(dy), y, ctx.backend)
+    (dx,) = _no_double_backward("softmax", (dy, y), (dx,))
+    return dx, None
+
+
+softmax.register_autograd(_softmax_grad, setup_context=_softmax_setup)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _attention_rows(q: Tensor, v: Tensor):
+    o = q.new_empty((*q.shape[:3], v.shape[3]))
+    return o, q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op(_name("attention_"), mutates_args=("o", "m", "l"))
+def attention_out(
+    o: Tensor, q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, l: Tensor | None,
+    causal: bool, scale: float | None, input_pos: int, input_pos_array: Tensor | None,
+    q_lengths: Tensor | None, k_lengths: Tensor | None, backend: str | None,
+) -> None:
+    """``attention_`` into ``o`` (and the checkpoints ``m``, ``l`` when given, both or neither)."""
+    with torch.no_grad():
+        checkpoints = None if m is None else AttentionCheckpoints(m=m, l=l)
+        attention_(
+            o, q, k, v, causal=causal, scale=scale,
+            input_pos=_input_pos(input_pos, input_pos_array), q_lengths=q_lengths,
+            k_lengths=k_lengths, checkpoints=checkpoints, backend=backend,
+        )
+
+
+@attention_out.register_fake
+def _(o, q, k, v, m, l, causal, scale, input_pos, input_pos_array, q_lengths, k_lengths, backend):
+    return None
+
+
+@torch.library.custom_op(_name("attention"), mutates_args=())
+def attention(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, input_pos: int,
+    input_pos_array: Tensor | None, q_lengths: Tensor | None, k_lengths: Tensor | None,
+    backend: str | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention forward: ``(o, m, l)``."""
+    with torch.no_grad():
+        o, _ = _attention_rows(q, v)
+        checkpoints = allocate_checkpoints(attention_, q, k, v)
+        attention_(
+            o, q, k, v, causal=causal, scale=scale,
+            input_pos=_input_pos(input_pos, input_pos_array), q_lengths=q_lengths,
+            k_lengths=k_lengths, checkpoints=checkpoints, backend=backend,
+        )
+    return o, checkpoints.m, checkpoints.l
+
+
+@attention.register_fake
+def _(q, k, v, causal, scale, input_pos, input_pos_array, q_lengths, k_lengths, backend):
+    o, m = _attention_rows(q, v)
+    return o, m, torch.empty_like(m)
+
+
+@torch.library.custom_op(
+    _name("attention_backward_"), mutates_args=("dq", "dk", "dv", "delta", "dq_accum")
+)
+def attention_backward_out(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, m: Tensor, l: Tensor,
+    dq: Tensor, dk: Tensor, dv: Tensor, delta: Tensor | None, dq_accum: Tensor | None,
+    causal: bool, scale: float | None, input_pos: int, input_pos_array: Tensor | None,
+    q_lengths: Tensor | None, k_lengths: Tensor | None, backend: str | None,
+) -> None:
+    """``attention_backward_`` into ``dq``, ``dk``, ``dv`` (scratch ``delta``, ``dq_accum`` optional)."""
+    from ..attention import AttentionBackwardScratch
+
+    with torch.no_grad():
+        scratch = None
+        if delta is not None:
+            scratch = AttentionBackwardScratch(delta=delta, dq_accum=dq_accum)
+        attention_backward_(
+            Duplicated(o, do), Duplicated(q, dq), Duplicated(k, dk), Duplicated(v, dv),
+            checkpoints=_written(AttentionCheckpoints(m=m, l=l), "attention_"), scratch=scratch,
+            causal=causal,
+            scale=scale, input_pos=_input_pos(input_pos, input_pos_array),
+            q_lengths=q_lengths, k_lengths=k_lengths, backend=backend,
+        )
+
+
+@attention_backward_out.register_fake
+def _(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, causal, scale, input_pos,
+      input_pos_array, q_lengths, k_lengths, backend):
+    return None
+
+
+@torch.library.custom_op(_name("attention_backward"), mutates_args=())
+def attention_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, m: Tensor, l: Tensor,
+    causal: bool, scale: float | None, input_pos: int, input_pos_array: Tensor | None,
+    q_lengths: Tensor | None, k_lengths: Tensor | None, backend: str | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention backward: ``(dq, dk, dv)``."""
+    with torch.no_grad():
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        attention_backward_(
+            Duplicated(o, do), Duplicated(q, dq), Duplicated(k, dk), Duplicated(v, dv),
+            checkpoints=_written(AttentionCheckpoints(m=m, l=l), "attention_"), causal=causal,
+            scale=scale,
+            input_pos=_input_pos(input_pos, input_pos_array), q_lengths=q_lengths,
+            k_lengths=k_lengths, backend=backend,
+        )
+    return dq, dk, dv
+
+
+@attention_backward.register_fake
+def _(do, q, k, v, o, m, l, causal, scale, input_pos, input_pos_array, q_lengths, k_lengths,
+      backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, causal, scale, input_pos, input_pos_array, q_lengths, k_lengths, backend = inputs
+    o, m, l = output
+    ctx.save_for_backward(q, k, v, o, m, l, input_pos_array, q_lengths, k_lengths)
+    ctx.options = (causal, scale, input_pos, backend)
+
+
+def _attention_grad(ctx, do, _dm, _dl):
+    q, k, v, o, m, l, input_pos_array, q_lengths, k_lengths = ctx.saved_tensors
+    causal, scale, input_pos, backend = ctx.options
+    dq, dk, dv = torch.ops.xpkernels.attention_backward(
+        _last_axis_contiguous(do), q, k, v, o, m, l, causal, scale, input_pos, input_pos_array,
+        q_lengths, k_lengths, backend,
+    )
+    dq, dk, dv = _no_double_backward("attention", (do, q, k, v), (dq, dk, dv))
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+attention.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+# --------------------------------------------------------------------------- decode_attention
+
+
+@torch.library.custom_op(
+    _name("decode_attention_"), mutates_args=("o", "o_partial", "m_partial", "l_partial")
+)
+def decode_attention_out(
+    o: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor,
+    o_partial: Tensor | None, m_partial: Tensor | None, l_partial: Tensor | None,
+    scale: float | None, n_splits: int | None, backend: str | None,
+) -> None:
+    """``decode_attention_`` into ``o`` (through the caller's scratch when given, all three or none)."""
+    with torch.no_grad():
+        scratch = None
+        if o_partial is not None:
+            scratch = DecodeAttentionScratch(o_partial, m_partial, l_partial)
+        decode_attention_(
+            o, q, k_cache, v_cache, lengths, scale=scale, scratch=scratch, n_splits=n_splits,
+            backend=backend,
+        )
+
+
+@decode_attention_out.register_fake
+def _(o, q, k_cache, v_cache, lengths, o_partial, m_partial, l_partial, scale, n_splits, backend):
+    return None
+
+
+@torch.library.custom_op(_name("decode_attention"), mutates_args=())
+def decode_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float | None,
+    n_splits: int | None, backend: str | None,
+) -> Tensor:
+    """Decode attention (forward only): ``o (B, H, Dv)``."""
+    with torch.no_grad():
+        o = q.new_empty((*q.shape[:2], v_cache.shape[3]))
+        decode_attention_(
+            o, q, k_cache, v_cache, lengths, scale=scale, n_splits=n_splits, backend=backend
+        )
+    return o
+
+
+@decode_attention.register_fake
+def _(q, k_cache, v_cache, lengths, scale, n_splits, backend):
+    return q.new_empty((*q.shape[:2], v_cache.shape[3]))
+
+
+_DECODE_NO_BACKWARD = (
+    "xpkernels.decode_attention has no backward (it is the forward-only kernel for "
+    "generation): run it under torch.no_grad(), or train with xpkernels.attention(q, k, v, "
+    "causal=True, input_pos=...), whose backward xpkernels provides"
+)
+
+
+@torch.library.custom_op(_name("decode_attention_backward"), mutates_args=())
+def decode_attention_backward(
+    do: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Raises: decode attention is forward only.
+
+    An op rather than an exception in the autograd formula, so that
+    ``torch.compile`` can trace a graph holding ``decode_attention`` (with
+    its fake implementation) and the error comes when a backward really
+    runs through it.
+    """
+    raise RuntimeError(_DECODE_NO_BACKWARD)
+
+
+@decode_attention_backward.register_fake
+def _(do, q, k_cache, v_cache):
+    return torch.empty_like(q), torch.empty_like(k_cache), torch.empty_like(v_cache)
+
+
+def _decode_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3])
+
+
+def _decode_grad(ctx, do):
+    q, k_cache, v_cache = ctx.saved_tensors
+    dq, dk, dv = torch.ops.xpkernels.decode_attention_backward(do, q, k_cache, v_cache)
+    return dq, dk, dv, None, None, None, None
+
+
+decode_attention.register_autograd(_decode_grad, setup_context=_decode_setup)
+
+
+# --------------------------------------------------------------------------- flex_attention
+
+
+def score_arrays(score_mod) -> list:
+    """The float arrays a score mod (or None) captures, in slot order: the flex ops' ``score_arrays``."""
+    if score_mod is None:
+        return []
+    return [s.array for s in as_score_mod(score_mod).graph.slots if s.kind == FLOAT]
+
+
+class FlexMods:
+    """The Python half of a flex call: mods, block mask and which captured arrays are op inputs.
+
+    Parameters
+    ----------
+    score_mod : ScoreMod or callable, optional
+    mask_mod : MaskMod or callable, optional
+    block_mask : BlockMask, optional
+    block_sparse : bool
+
+    Attributes
+    ----------
+    float_slots : tuple of int
+        Indices of the score graph's captured FLOAT arrays: they travel as
+        the ops' ``score_arrays`` (and receive gradients); other captured
+        arrays stay with the mod.
+    """
+
+    def __init__(self, score_mod, mask_mod, block_mask, block_sparse):
+        self.score_mod = None if score_mod is None else as_score_mod(score_mod)
+        self.mask_mod = None if mask_mod is None else as_mask_mod(mask_mod)
+        self.block_mask = block_mask
+        self.block_sparse = block_sparse
+        slots = () if self.score_mod is None else self.score_mod.graph.slots
+        self.float_slots = tuple(i for i, s in enumerate(slots) if s.kind == FLOAT)
+
+    def arrays(self) -> list:
+        """The captured float arrays of the score mod, in slot order."""
+        return score_arrays(self.score_mod)
+
+    def bound(self, arrays):
+        """The score mod reading ``arrays`` in place of its captured float arrays."""
+        if self.score_mod is None:
+            return None
+        graph = self.score_mod.graph
+        slots = list(graph.slots)
+        for i, a in zip(self.float_slots, arrays):
+            slots[i] = dataclasses.replace(slots[i], array=a)
+        mod = copy.copy(self.score_mod)
+        mod.graph = Graph(graph.nodes, graph.output, slots)
+        return mod
+
+    def options(self, arrays) -> dict:
+        """Keyword arguments of the flex fronts, the score mod bound to ``arrays``."""
+        return {
+            "score_mod": self.bound(arrays),
+            "mask_mod": self.mask_mod,
+            "block_mask": self.block_mask,
+            "block_sparse": self.block_sparse,
+        }
+
+
+_FLEX: weakref.WeakValueDictionary[int, FlexMods] = weakref.WeakValueDictionary()
+_FLEX_KEEP: dict[int, FlexMods] = {}
+_FLEX_KEYS = itertools.count()
+_FLEX_LOCK = threading.Lock()
+
+
+def register_flex(mods: FlexMods, *, keep: bool = False) -> int:
+    """File ``mods`` under a new integer key for the flex ops.
+
+    The entry lives as long as ``mods`` does (the autograd graph of a call
+    holds it), or for the life of the process with ``keep=True`` (a
+    compiled graph bakes the key in).
+    """
+    with _FLEX_LOCK:
+        key = next(_FLEX_KEYS)
+        _FLEX[key] = mods
+        if keep:
+            _FLEX_KEEP[key] = mods
+    return key
+
+
+def flex_mods(key: int) -> FlexMods:
+    """The mods filed under ``key``; RuntimeError once they are gone."""
+    mods = _FLEX.get(key)
+    if mods is None:
+        raise RuntimeError(
+            f"xpkernels::flex_attention: no mods are filed under key {key} (the call that "
+            "registered them has been released); call xpkernels.flex_attention again"
+        )
+    return mods
+
+
+@torch.library.custom_op(_name("flex_attention_"), mutates_args=("o", "m", "l"))
+def flex_attention_out(
+    o: Tensor, q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, l: Tensor | None,
+    score_arrays: list[Tensor], mods: int, scale: float | None, input_pos: int,
+    input_pos_array: Tensor | None, backend: str | None,
+) -> None:
+    """``flex_attention_`` into ``o`` (and ``m``, ``l`` when given), mods filed under ``mods``."""
+    with torch.no_grad():
+        checkpoints = None if m is None else AttentionCheckpoints(m=m, l=l)
+        flex_attention_(
+            o, q, k, v, **flex_mods(mods).options(score_arrays), scale=scale,
+            input_pos=_input_pos(input_pos, input_pos_array), checkpoints=checkpoints,
+            backend=backend,
+        )
+
+
+@flex_attention_out.register_fake
+def _(o, q, k, v, m, l, score_arrays, mods, scale, input_pos, input_pos_array, backend):
+    return None
+
+
+@torch.library.custom_op(_name("flex_attention"), mutates_args=())
+def flex_attention(
+    q: Tensor, k: Tensor, v: Tensor, score_arrays: list[Tensor], mods: int, scale: float | None,
+    input_pos: int, input_pos_array: Tensor | None, backend: str | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """FlexAttention forward: ``(o, m, l)``; ``score_arrays`` replace the score mod's float arrays."""
+    with torch.no_grad():
+        o, _ = _attention_rows(q, v)
+        checkpoints = allocate_checkpoints(flex_attention_, q, k, v)
+        flex_attention_(
+            o, q, k, v, **flex_mods(mods).options(score_arrays), scale=scale,
+            input_pos=_input_pos(input_pos, input_pos_array), checkpoints=checkpoints,
+            backend=backend,
+        )
+    return o, checkpoints.m, checkpoints.l
+
+
+@flex_attention.register_fake
+def _(q, k, v, score_arrays, mods, scale, input_pos, input_pos_array, backend):
+    o, m = _attention_rows(q, v)
+    return o, m, torch.empty_like(m)
+
+
+def _score_grads(mod, arrays):
+    """Zeroed accumulators for ``arrays`` (the bound mod's float slots) and the ScoreModGrad tree."""
+    tree = grad_shadow(mod, feature_grads=True)
+    slots = [s for s in mod.graph.slots if s.kind == FLOAT]
+    return tree, [tree.lookup(s.path, s.field) for s in slots]
+
+
+@torch.library.custom_op(
+    _name("flex_attention_backward_"), mutates_args=("dq", "dk", "dv", "score_grads")
+)
+def flex_attention_backward_out(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, m: Tensor, l: Tensor,
+    dq: Tensor, dk: Tensor, dv: Tensor, score_arrays: list[Tensor], score_grads: list[Tensor],
+    mods: int, scale: float | None, input_pos: int, input_pos_array: Tensor | None,
+    backend: str | None,
+) -> None:
+    """``flex_attention_backward_``: ``dq``, ``dk``, ``dv``, and the score arrays' gradients.
+
+    ``score_grads`` (one per ``score_arrays`` entry, its shape, any float
+    dtype) are OVERWRITTEN with the gradients, like the other shadows.
+    """
+    with torch.no_grad():
+        grads = _flex_backward(do, q, k, v, o, m, l, dq, dk, dv, score_arrays, mods, scale,
+                               input_pos, input_pos_array, backend)
+        for out, g in zip(score_grads, grads):
+            out.copy_(g)
+
+
+@flex_attention_backward_out.register_fake
+def _(do, q, k, v, o, m, l, dq, dk, dv, score_arrays, score_grads, mods, scale, input_pos,
+      input_pos_array, backend):
+    return None
+
+
+def _flex_backward(do, q, k, v, o, m, l, dq, dk, dv, score_arrays, mods, scale, input_pos,
+                   input_pos_array, backend):
+    options = flex_mods(mods).options(score_arrays)
+    tree = accumulators = None
+    if score_arrays:
+        tree, accumulators = _score_grads(options["score_mod"], score_arrays)
+    flex_attention_backward_(
+        Duplicated(o, do), Duplicated(q, dq), Duplicated(k, dk), Duplicated(v, dv),
+        checkpoints=_written(AttentionCheckpoints(m=m, l=l), "flex_attention_"),
+        score_mod_grad=tree, **options,
+        scale=scale, input_pos=_input_pos(input_pos, input_pos_array), backend=backend,
+    )
+    return accumulators or []
+
+
+@torch.library.custom_op(_name("flex_attention_backward"), mutates_args=())
+def flex_attention_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, m: Tensor, l: Tensor,
+    score_arrays: list[Tensor], mods: int, scale: float | None, input_pos: int,
+    input_pos_array: Tensor | None, backend: str | None,
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """FlexAttention backward: ``(dq, dk, dv, score_grads)``, one score grad per score array."""
+    with torch.no_grad():
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        grads = _flex_backward(do, q, k, v, o, m, l, dq, dk, dv, score_arrays, mods, scale,
+                               input_pos, input_pos_array, backend)
+        score_grads = [g.to(a.dtype) for g, a in zip(grads, score_arrays)]
+    return dq, dk, dv, score_grads
+
+
+@flex_attention_backward.register_fake
+def _(do, q, k, v, o, m, l, score_arrays, mods, scale, input_pos, input_pos_array, backend):
+    return (
+        torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+        [torch.empty_like(a) for a in score_arrays],
+    )
+
+
+def _flex_setup(ctx, inputs, output):
+    q, k, v, score_arrays, mods, scale, input_pos, input_pos_array, backend = inputs
+    o, m, l = output
+    ctx.save_for_backward(q, k, v, o, m, l, input_pos_array, *score_arrays)
+    ctx.mods = flex_mods(mods)  # keeps the filed mods alive as long as this graph
+    ctx.options = (mods, scale, input_pos, backend)
+
+
+def _flex_grad(ctx, do, _dm, _dl):
+    q, k, v, o, m, l, input_pos_array, *score_arrays = ctx.saved_tensors
+    mods, scale, input_pos, backend = ctx.options
+    dq, dk, dv, score_grads = torch.ops.xpkernels.flex_attention_backward(
+        _last_axis_contiguous(do), q, k, v, o, m, l, score_arrays, mods, scale, input_pos,
+        input_pos_array, backend,
+    )
+    grads = _no_double_backward(
+        "flex_attention", (do, q, k, v, *score_arrays), (dq, dk, dv, *score_grads)
+    )
+    return (*grads[:3], list(grads[3:]), None, None, None, None, None)
+
+
+flex_attention.register_autograd(_flex_grad, setup_context=_flex_setup)
+
+
+#: Every op registered here, by its name in the ``xpkernels`` namespace.
+OPS = tuple(
+    sorted(
+        op._qualname.split("::", 1)[1]
+        for op in list(globals().values())
+        if isinstance(op, torch._library.custom_ops.CustomOpDef)
+    )
+)

@@ -1,0 +1,276 @@
+"""The ``xpkernels`` torch.library ops: opcheck for every op and dtype, gradcheck for every functional op.
+
+``torch.library.opcheck`` checks each op's schema (mutations declared exactly
+in ``mutates_args``, no aliasing of outputs), its fake implementation against
+the real one, its autograd registration and its behaviour under AOT dispatch;
+``torch.autograd.gradcheck`` (float64, CPU) checks the registered backward --
+xpkernels' own backward kernels -- against finite differences, for the
+inputs and for the arrays a flex score mod captures.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: no xpkernels.torch")
+
+import xpkernels as xk
+import xpkernels.torch as xt
+from xpkernels.mods import (
+    AliBiScore,
+    BiasScore,
+    CausalMask,
+    PairFeatureScore,
+    ScoreMod,
+    SlidingWindowMask,
+    minimum,
+)
+from xpkernels.torch._ops import FlexMods, register_flex
+
+ops = torch.ops.xpkernels
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _t(*shape, dtype, grad=False, generator):
+    return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype).requires_grad_(grad)
+
+
+def _cases(dtype):
+    """``(name, op, args)`` for every op in ``xt.OPS``, on small CPU tensors of ``dtype``."""
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape, grad=False):
+        return _t(*shape, dtype=dtype, grad=grad, generator=g)
+
+    def f32(*shape):
+        return torch.empty(*shape, dtype=torch.float32)
+
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    x, w, b = t(3, 8, grad=True), t(8, grad=True), t(8, grad=True)
+    dy = t(3, 8)
+    _, rstd = ops.rms_norm(x.detach(), w.detach(), 1e-6, 0.0, None)
+    _, mean, lrstd = ops.layer_norm(x.detach(), w.detach(), b.detach(), 1e-5, None)
+    y = ops.softmax(x.detach(), None)
+    q, k, v = t(1, 4, 5, 8, grad=True), t(1, 2, 6, 8, grad=True), t(1, 2, 6, 4, grad=True)
+    att = (True, None, 1, None, None, None, None)
+    o, m, l = ops.attention(q.detach(), k.detach(), v.detach(), *att)
+    do = t(1, 4, 5, 4)
+    lengths = torch.tensor([5, 2])
+    qd, kc, vc = t(2, 4, 8), t(2, 2, 7, 8), t(2, 2, 7, 4)
+    slopes = torch.rand(4, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    mods = FlexMods(AliBiScore(slopes), CausalMask(), None, True)
+    key = register_flex(mods)
+    flex = (key, None, 0, None, None)
+    fo, fm, fl = ops.flex_attention(q.detach(), k.detach(), v.detach(), [slopes.detach()], *flex)
+    d = {"x": x.detach(), "w": w.detach(), "b": b.detach()}
+    qkv = (q.detach(), k.detach(), v.detach())
+    cases = [
+        ("rms_norm", ops.rms_norm, (x, w, 1e-6, 0.5, None)),
+        ("rms_norm_", ops.rms_norm_, (t(3, 8), d["x"], d["w"], f32(3), 1e-6, 0.0, None)),
+        ("rms_norm_backward", ops.rms_norm_backward, (dy, d["x"], d["w"], rstd, 0.0, True, None)),
+        (
+            "rms_norm_backward_",
+            ops.rms_norm_backward_,
+            (dy, d["x"], d["w"], rstd, t(3, 8), t(8), torch.empty(2, 8, dtype=acc), 0.0, None),
+        ),
+        ("layer_norm", ops.layer_norm, (x, w, b, 1e-5, None)),
+        ("layer_norm_", ops.layer_norm_, (t(3, 8), d["x"], d["w"], d["b"], f32(3), f32(3), 1e-5, None)),
+        (
+            "layer_norm_backward",
+            ops.layer_norm_backward,
+            (dy, d["x"], d["w"], d["b"], mean, lrstd, True, True, None),
+        ),
+        (
+            "layer_norm_backward_",
+            ops.layer_norm_backward_,
+            (dy, d["x"], d["w"], d["b"], mean, lrstd, t(3, 8), t(8), t(8), None, None, None),
+        ),
+        ("softmax", ops.softmax, (x, None)),
+        ("softmax_", ops.softmax_, (t(3, 8), d["x"], None)),
+        ("softmax_backward", ops.softmax_backward, (dy, y, None)),
+        ("softmax_backward_", ops.softmax_backward_, (dy, y, t(3, 8), None)),
+        ("attention", ops.attention, (q, k, v, *att)),
+        ("attention_", ops.attention_, (t(1, 4, 5, 4), *qkv, f32(1, 4, 5), f32(1, 4, 5), *att)),
+        ("attention_backward", ops.attention_backward, (do, *qkv, o, m, l, *att)),
+        (
+            "attention_backward_",
+            ops.attention_backward_,
+            (do, *qkv, o, m, l, t(1, 4, 5, 8), t(1, 2, 6, 8), t(1, 2, 6, 4), None, None, *att),
+        ),
+        # No input requires grad: opcheck's AOT test runs a backward, which raises (forward only).
+        ("decode_attention", ops.decode_attention, (qd, kc, vc, lengths, None, 3, None)),
+        (
+            "decode_attention_",
+            ops.decode_attention_,
+            (t(2, 4, 4), qd, kc, vc, lengths, None, None, None, None, 2, None),
+        ),
+        ("flex_attention", ops.flex_attention, (q, k, v, [slopes], *flex)),
+        (
+            "flex_attention_",
+            ops.flex_attention_,
+            (t(1, 4, 5, 4), *qkv, f32(1, 4, 5), f32(1, 4, 5), [slopes.detach()], *flex),
+        ),
+        (
+            "flex_attention_backward",
+            ops.flex_attention_backward,
+            (do, *qkv, fo, fm, fl, [slopes.detach()], *flex),
+        ),
+        (
+            "flex_attention_backward_",
+            ops.flex_attention_backward_,
+            (
+                do, *qkv, fo, fm, fl, t(1, 4, 5, 8), t(1, 2, 6, 8), t(1, 2, 6, 4),
+                [slopes.detach()], [t(4)], *flex,
+            ),
+        ),
+    ]
+    return cases, mods
+
+
+#: Ops whose real implementation only raises (decode attention is forward only): tested below.
+RAISING = ("decode_attention_backward",)
+
+
+def test_every_op_has_a_case():
+    cases, _ = _cases(torch.float32)
+    assert sorted(name for name, _, _ in cases) == sorted(set(xt.OPS) - set(RAISING))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_opcheck(dtype):
+    cases, mods = _cases(dtype)  # mods: keeps the filed flex mods alive
+    for name, op, args in cases:
+        try:
+            torch.library.opcheck(op, args)
+        except Exception as exc:
+            raise AssertionError(f"opcheck failed for xpkernels::{name} ({dtype})") from exc
+    assert mods.score_mod is not None
+
+
+def _gradcheck(fn, *inputs):
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+def _f64(*shape, generator, grad=True):
+    return torch.randn(*shape, generator=generator, dtype=torch.float64, requires_grad=grad)
+
+
+def test_gradcheck_norms_and_softmax():
+    g = torch.Generator().manual_seed(1)
+    x, w, b = _f64(3, 2, 7, generator=g), _f64(7, generator=g), _f64(7, generator=g)
+    _gradcheck(lambda x, w: xk.rms_norm(x, w, offset=1.0), x, w)
+    _gradcheck(lambda x: xk.rms_norm(x, None), x)
+    _gradcheck(lambda x, w, b: xk.layer_norm(x, w, b), x, w, b)
+    _gradcheck(lambda x, b: xk.layer_norm(x, None, b), x, b)
+    _gradcheck(xk.softmax, x)
+
+
+def test_gradcheck_attention():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = _f64(2, 4, 3, 5, generator=g), _f64(2, 2, 6, 5, generator=g), _f64(2, 2, 6, 3, generator=g)
+    _gradcheck(lambda q, k, v: xk.attention(q, k, v), q, k, v)
+    lengths = torch.tensor([6, 2])
+    _gradcheck(
+        lambda q, k, v: xk.attention(q, k, v, causal=True, input_pos=3, k_lengths=lengths, scale=0.7),
+        q, k, v,
+    )
+
+
+def _relative(score, b, h, q_idx, kv_idx, *, table):
+    return score + table[h, minimum(q_idx - kv_idx + 7, 14)]
+
+
+@pytest.mark.parametrize(
+    "kind", ["alibi", "bias", "relative_table", "pair_feature"],
+)
+def test_gradcheck_flex_learnable_score_mods(kind):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = _f64(1, 2, 4, 3, generator=g), _f64(1, 1, 5, 3, generator=g), _f64(1, 1, 5, 2, generator=g)
+    if kind == "alibi":
+        params = (torch.rand(2, generator=g, dtype=torch.float64, requires_grad=True),)
+
+        def make(p):
+            return AliBiScore(p)
+    elif kind == "bias":
+        params = (_f64(1, 2, 4, 5, generator=g),)
+
+        def make(p):
+            return BiasScore(p)
+    elif kind == "relative_table":
+        params = (_f64(2, 15, generator=g),)
+
+        def make(p):
+            return ScoreMod(_relative, table=p)
+    else:
+        params = (_f64(1, 4, 2, generator=g), _f64(1, 5, 2, generator=g), _f64(2, 2, generator=g))
+
+        def pairs(qv, kv):
+            return [qv[0] * kv[0], abs(qv[1] - kv[1])]
+
+        def make(qf, kf, proj):
+            return PairFeatureScore(pairs, qf, kf, proj)
+
+    mask = SlidingWindowMask(2)
+    _gradcheck(
+        lambda q, k, v, *p: xk.flex_attention(q, k, v, score_mod=make(*p), mask_mod=mask),
+        q, k, v, *params,
+    )
+
+
+def test_flex_parameter_gets_its_grad_and_matches_the_materialised_reference():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = _f64(1, 2, 4, 3, generator=g), _f64(1, 2, 4, 3, generator=g), _f64(1, 2, 4, 3, generator=g)
+    table = torch.nn.Parameter(torch.randn(2, 15, generator=g, dtype=torch.float64))
+    out = xk.flex_attention(q, k, v, score_mod=ScoreMod(_relative, table=table), mask_mod=CausalMask())
+    cot = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    (out * cot).sum().backward()
+    got = table.grad.clone()
+
+    ref_table = table.detach().clone().requires_grad_()
+    i = torch.arange(4)[:, None]
+    j = torch.arange(4)[None, :]
+    s = q.detach() @ k.detach().transpose(-1, -2) / 3**0.5
+    s = s + ref_table[torch.arange(2)[:, None, None], torch.clamp(i - j + 7, max=14)][None]
+    s = s.masked_fill(j > i, float("-inf"))
+    ref = torch.softmax(s, dim=-1) @ v.detach()
+    (ref * cot).sum().backward()
+    torch.testing.assert_close(got, ref_table.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_decode_attention_is_forward_only():
+    g = torch.Generator().manual_seed(5)
+    q = _f64(2, 2, 4, generator=g)
+    kc, vc = _f64(2, 1, 6, 4, generator=g, grad=False), _f64(2, 1, 6, 3, generator=g, grad=False)
+    lengths = torch.tensor([6, 3])
+    o = xk.decode_attention(q, kc, vc, lengths)
+    with torch.no_grad():
+        want = xk.decode_attention(q, kc, vc, lengths)
+    torch.testing.assert_close(o.detach(), want)
+    assert o.requires_grad
+    with pytest.raises(RuntimeError, match="decode_attention has no backward"):
+        o.sum().backward()
+    with pytest.raises(RuntimeError, match="decode_attention has no backward"):
+        ops.decode_attention_backward(o.detach(), q.detach(), kc, vc)
+
+
+def test_xpkernels_torch_imports_torch_and_xpkernels_alone_does_not():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np, xpkernels as xk\n"
+        "x = np.ones((2, 4), np.float32)\n"
+        "xk.rms_norm(x, np.ones(4, np.float32)); xk.rms_norm_(np.empty_like(x), x, None)\n"
+        "assert 'torch' not in sys.modules, 'numpy calls imported torch'\n"
+        "import xpkernels.torch as xt\n"
+        "assert 'torch' in sys.modules and xt.ops.rms_norm is not None\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
+def test_the_package_list_ships_xpkernels_torch():
+    import pathlib
+
+    pyproject = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
+    assert '"xpkernels.torch",' in pyproject.read_text()  # [tool.setuptools] packages
