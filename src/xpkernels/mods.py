@@ -655,10 +655,10 @@ class Sym:
         return _binary("ge", self, o)
 
     def __eq__(self, o):
-        return _binary("eq", self, o)  # type: ignore[override]
+        return _binary("eq", self, o)
 
     def __ne__(self, o):
-        return _binary("ne", self, o)  # type: ignore[override]
+        return _binary("ne", self, o)
 
     def __and__(self, o):
         return _binary("and", self, o)
