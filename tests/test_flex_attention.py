@@ -693,3 +693,16 @@ def test_a_mod_rebuilt_over_fresh_views_of_the_same_parameter_matches_its_forwar
     )
     with pytest.raises(ValueError, match="score_mod=.* differs"):
         flex_attention_backward(do, q, k, v, o, checkpoints=ck, score_mod=xm.AliBiScore(params[1]))
+
+
+def test_backward_matches_a_rebuilt_block_mask_and_refuses_another():
+    q, k, v, do = qkvo(n_q=24, n_kv=40)
+
+    def blocks(tile_n):
+        return xm.build_block_mask(xm.CausalMask(), 24, 40, tile_m=8, tile_n=tile_n, input_pos=16)
+
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    o = flex_attention(q, k, v, checkpoints=ck, block_mask=blocks(8), input_pos=16)
+    flex_attention_backward(do, q, k, v, o, checkpoints=ck, block_mask=blocks(8), input_pos=16)
+    with pytest.raises(ValueError, match="block_mask=BlockMask.* differs from the forward"):
+        flex_attention_backward(do, q, k, v, o, checkpoints=ck, block_mask=blocks(16), input_pos=16)

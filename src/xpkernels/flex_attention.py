@@ -116,6 +116,32 @@ class _ModKey:
         return f"<a {self.kind} of {len(self.nodes)} graph nodes{reading}>"
 
 
+@dataclass(frozen=True, eq=False)
+class _BlockMaskKey:
+    """What a checkpoint records of a BlockMask: its tiles, positions and tile states (by value),
+    so a block mask rebuilt the same way between forward and backward matches."""
+
+    block_mask: object
+
+    @classmethod
+    def of(cls, block_mask):
+        return None if block_mask is None else cls(block_mask)
+
+    def same_as(self, other) -> bool:
+        if not isinstance(other, _BlockMaskKey):
+            return False
+        a, b = self.block_mask, other.block_mask
+        if a is b:
+            return True
+        fields = ("n_q", "n_kv", "tile_m", "tile_n", "input_pos")
+        return all(getattr(a, f) == getattr(b, f) for f in fields) and (
+            a.states.shape == b.states.shape and bool((a.states == b.states).all())
+        )
+
+    def __repr__(self) -> str:
+        return repr(self.block_mask)
+
+
 class _Call:
     """A validated flex call: mods as graphs, the tile plan and everything the backend receives."""
 
@@ -170,7 +196,7 @@ class _Call:
             "input_pos": self.positions,
             "score_mod": _ModKey.of("score mod", self.score_graph),
             "mask_mod": _ModKey.of("mask mod", self.mask_graph),
-            "block_mask": self.block_mask,
+            "block_mask": _BlockMaskKey.of(self.block_mask),
         }
 
     def captured(self) -> dict:
