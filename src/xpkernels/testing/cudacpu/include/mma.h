@@ -1,0 +1,3 @@
+// mma.h for xpkernels.testing.cudacpu: everything lives in cudacpu.h.
+#pragma once
+#include "cudacpu.h"
