@@ -20,6 +20,7 @@ its backward checks skipped with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -36,13 +37,26 @@ _BY_NAME = {spec.name: spec for spec in SPECS}
 
 # The Triton interpreter evaluates masked-out lanes with NumPy too (e.g. -inf - -inf in a
 # fully masked tile), whose RuntimeWarnings are artefacts of interpretation, not kernel
-# results: they are silenced for interpreted targets only; the outputs are still checked.
+# results: they are silenced for Triton-interpreted targets only; the outputs are still checked.
+# Emulated targets (CUDA C on the CPU harness) run inside ``cudacpu.emulate()`` -- their
+# ``Target.context()`` -- entered by the autouse fixture below, once per schedule.
 _INTERPRETER_MARKS = [pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
 
 def _marks(target, reason):
     marks = [pytest.mark.skip(reason=f"{target.id}: {reason}")] if reason else []
-    return marks + (_INTERPRETER_MARKS if target.interpreted else [])
+    return marks + (_INTERPRETER_MARKS if target.triton_interpreter else [])
+
+
+@pytest.fixture(autouse=True)
+def _target_contexts(request):
+    """Run each test inside its targets' contexts (``cudacpu.emulate()`` for emulated targets)."""
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    with contextlib.ExitStack() as stack:
+        for value in params.values():
+            if isinstance(value, harness.Target):
+                stack.enter_context(value.context())
+        yield
 
 
 def _forward_only(spec, what):
@@ -189,7 +203,7 @@ def _interchange_params():
             continue
         for a in TARGETS:
             for b in TARGETS:
-                if a == b or (a.namespace, a.device) != (b.namespace, b.device):
+                if a.backend == b.backend or (a.namespace, a.device) != (b.namespace, b.device):
                     continue
                 if "float32" not in a.dtypes(spec.name) or "float32" not in b.dtypes(spec.name):
                     continue
@@ -200,8 +214,9 @@ def _interchange_params():
                     if not case.runs_in("float32"):
                         continue
                     marks = _marks(a if a.interpreted else b, reason)
+                    to = b.backend if b.schedule is None else f"{b.backend}-{b.schedule}"
                     params.append(
-                        pytest.param(spec, case, a, b, marks=marks, id=f"{spec.name}-{case.id}-{a.id}-to-{b.backend}")
+                        pytest.param(spec, case, a, b, marks=marks, id=f"{spec.name}-{case.id}-{a.id}-to-{to}")
                     )
     return params
 

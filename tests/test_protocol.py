@@ -105,7 +105,7 @@ def test_every_op_of_the_registry_has_a_protocol():
     for b in registry.BACKENDS:
         assert set(b.ops) <= set(PRIMITIVES), b.name
         assert b.module == f"xpkernels.backends.{b.name}"
-    assert {b.name for b in registry.BACKENDS} >= {"array_api", "triton"}
+    assert {b.name for b in registry.BACKENDS} >= {"array_api", "triton", "cupy"}
     assert registry.FALLBACK in {b.name for b in registry.BACKENDS}
 
 
@@ -289,7 +289,7 @@ def test_array_api_scratch_has_every_field_and_refuses_a_missing_one():
     o = xk.attention(q, k, v)
     O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
     for forward, backward in (
-        (xk.attention_, xk.attention_backward_), (xk.flex_attention_, xk.flex_attention_backward_)
+        (xk.attention_, xk.attention_backward_), (xk.flex_attention_, xk.flex_attention_backward_),
     ):
         scratch = xk.allocate_scratchspace(backward, O, Q, K, V)
         assert scratch.delta.shape == (1, 2, 6) and scratch.dq_accum.shape == (1, 2, 6, 4)
@@ -333,6 +333,83 @@ def test_triton_attention_scratch_has_no_dq_accum(monkeypatch):
     assert shapes == [(1, 2, 6), (1, 2, 6, 4)]
 
 
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """A stand-in ``cupy`` module in ``sys.modules`` whose device count the test sets."""
+    state = {"count": 1}
+
+    def device_count():
+        if isinstance(state["count"], Exception):
+            raise state["count"]
+        return state["count"]
+
+    runtime = types.SimpleNamespace(getDeviceCount=device_count)
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(runtime=runtime)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    return state
+
+
+def test_cupy_declaration_serves_cupy_arrays_on_cuda(fake_cupy):
+    cupy = _by_name("cupy")
+    call = Call("cupy", "cuda", ("bfloat16", "float32"))
+    assert cupy.supports("rms_norm", call)
+    cases = [
+        ("softmax", call, "has no softmax kernel"),
+        ("rms_norm", Call("cupy", "cuda", ("float64",)), "not float64"),
+        ("rms_norm", Call("torch", "cuda", ("float32",)), "serves cupy, numpy arrays, not torch"),
+        ("rms_norm", Call("numpy", "cpu", ("float32",)), "only inside xpkernels.testing.cudacpu.emulate()"),
+    ]
+    for op, c, reason in cases:
+        answer = cupy.supports(op, c)
+        assert not answer and reason in answer.reason, (op, answer)
+    fake_cupy["count"] = 0
+    answer = cupy.supports("rms_norm", call)
+    assert not answer and answer.reason == "cupy sees no CUDA device"
+    fake_cupy["count"] = RuntimeError("cudaErrorNoDevice")
+    answer = cupy.supports("rms_norm", call)
+    assert not answer and "cupy sees no CUDA device (RuntimeError: cudaErrorNoDevice)" in answer.reason
+
+
+def test_cupy_device_check_without_cupy_imported(monkeypatch, tmp_path):
+    """Not imported: installation by find_spec, a GPU by the driver's /proc entry -- CuPy stays unimported."""
+    cupy_pkg = importlib.import_module("xpkernels.backends.cupy")
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    real_find_spec = importlib.util.find_spec
+    installed = {"cupy": None}
+
+    def find_spec(name, *args):
+        return installed[name] if name in installed else real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert cupy_pkg.device_problem("cuda") == "cupy is not installed"
+    installed["cupy"] = object()
+    monkeypatch.setattr(cupy_pkg, "_NVIDIA_GPUS", str(tmp_path / "gpus"))
+    assert "no NVIDIA GPU found" in cupy_pkg.device_problem("cuda")
+    (tmp_path / "gpus" / "0000:00:01.0").mkdir(parents=True)
+    assert cupy_pkg.device_problem("cuda") is None
+    assert "cupy" not in sys.modules
+    listed = next(row for row in xk.backends() if row.name == "cupy")
+    assert listed.available and "cupy" not in sys.modules
+
+
+def test_cupy_serves_numpy_only_inside_emulate(monkeypatch):
+    from xpkernels.testing import cudacpu
+
+    cupy = _by_name("cupy")
+    call = Call("numpy", "cpu", ("float16",))
+    assert not cupy.supports("rms_norm", call)
+    with cudacpu.emulate():
+        assert cupy.supports("rms_norm", call)
+        answer = cupy.supports("rms_norm", Call("cupy", "cuda", ("float32",)))
+        assert not answer and "serves NumPy arrays only" in answer.reason
+        assert next(row for row in xk.backends() if row.name == "cupy").available
+        monkeypatch.setenv("XPKERNELS_CUDACPU_CXX", "no-such-compiler-xk")
+        answer = cupy.supports("rms_norm", call)
+        assert not answer and "'no-such-compiler-xk', which is not found" in answer.reason
+    assert not cupy.supports("rms_norm", call)
+
+
 # -- routing imports only what the caller uses -------------------------------------------------
 
 
@@ -349,6 +426,12 @@ def test_routing_numpy_imports_no_other_array_library():
         "        resolve(op, {'q': x}, backend='triton')\n"
         "    except BackendError as e:\n"
         "        assert 'not numpy' in str(e) or 'no ' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError(op)\n"
+        "    try:\n"
+        "        resolve(op, {'q': x}, backend='cupy')\n"
+        "    except BackendError as e:\n"
+        "        assert 'emulate()' in str(e) or 'no ' in str(e), e\n"
         "    else:\n"
         "        raise AssertionError(op)\n"
         "o = xk.attention(x, x, x)\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import warnings
@@ -160,6 +161,99 @@ def test_routing_numpy_calls_imports_no_other_array_library():
         "x = np.ones((3, 8), np.float32); w = np.ones(8, np.float32)\n"
         "xk.rms_norm(x, w)\n"
         "bad = [m for m in ('torch', 'cupy', 'triton') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- the cupy row ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cupy_arrays_on_cuda(monkeypatch):
+    """NumPy arrays that routing sees as CuPy arrays on CUDA, with a stand-in ``cupy`` seeing devices."""
+    import types
+
+    state = {"count": 1}
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: state["count"]))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    monkeypatch.setattr(registry, "namespace_name", lambda xp: "cupy")
+    monkeypatch.setattr(registry, "device_kind", lambda x: "cuda")
+    monkeypatch.setattr(registry, "_WARNED", set())
+    return state
+
+
+def test_cupy_arrays_on_cuda_route_to_cupy(cupy_arrays_on_cuda):
+    route = resolve("rms_norm", _arrays(np))
+    assert route.backend == "cupy" and route.impl.__name__ == "xpkernels.backends.cupy.rms_norm"
+    assert route.hook("partials") is route.impl.partials
+
+
+def test_cupy_ops_without_kernels_fall_back_with_one_warning(cupy_arrays_on_cuda):
+    arrays = _arrays(np)
+    with pytest.warns(RuntimeWarning, match="because backend 'cupy' cannot serve it: it has no softmax kernel"):
+        assert resolve("softmax", arrays).backend == "array_api"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve("softmax", arrays).backend == "array_api"
+    with pytest.raises(BackendError, match="'cupy' .* cannot serve cupy arrays on cuda: it has no softmax kernel"):
+        resolve("softmax", arrays, backend="cupy")
+
+
+def test_cupy_without_a_device_falls_back_or_refuses(cupy_arrays_on_cuda):
+    cupy_arrays_on_cuda["count"] = 0
+    arrays = _arrays(np)
+    with pytest.warns(RuntimeWarning, match="cannot serve it: cupy sees no CUDA device"):
+        assert resolve("rms_norm", arrays).backend == "array_api"
+    with pytest.raises(BackendError, match="cannot serve cupy arrays on cuda: cupy sees no CUDA device"):
+        resolve("rms_norm", arrays, backend="cupy")
+
+
+def test_explicit_cupy_on_numpy_needs_emulate(monkeypatch):
+    from xpkernels.testing import cudacpu
+
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    arrays = _arrays(np)
+    refusal = r"'cupy' \(from backend=\) cannot serve numpy arrays on cpu: .*cudacpu\.emulate\(\)"
+    with pytest.raises(BackendError, match=refusal):
+        resolve("rms_norm", arrays, backend="cupy")
+    with cudacpu.emulate():
+        assert resolve("rms_norm", arrays).backend == "array_api"
+        assert resolve("rms_norm", arrays, backend="cupy").backend == "cupy"
+        with pytest.raises(BackendError, match="it has no layer_norm kernel"):
+            resolve("layer_norm", arrays, backend="cupy")
+
+
+def test_backends_lists_cupy_with_its_reason(monkeypatch):
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    row = next(b for b in xk.backends() if b.name == "cupy")
+    assert row.ops == ("rms_norm",) and row.namespaces == ("cupy", "numpy")
+    if importlib.util.find_spec("cupy") is None:
+        assert not row.available
+        assert "cupy is not installed" in row.reason and "cudacpu.emulate()" in row.reason
+
+
+def test_cupy_launch_path_needs_neither_torch_nor_triton():
+    """Routing and the launchers, on the CPU harness, with torch and triton unimportable."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'triton'):\n"
+        "            raise ImportError(f'{name} is made unimportable')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import numpy as np, xpkernels as xk\n"
+        "from xpkernels.testing import cudacpu\n"
+        "x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(3, 8); w = np.ones(8, np.float32)\n"
+        "ck = xk.allocate_checkpoints(xk.rms_norm_, x, w)\n"
+        "with cudacpu.emulate():\n"
+        "    y = xk.rms_norm(x, w, checkpoints=ck, backend='cupy')\n"
+        "    grads = xk.rms_norm_backward(np.ones_like(x), x, w, checkpoints=ck, backend='cupy')\n"
+        "np.testing.assert_allclose(y, xk.rms_norm(x, w), rtol=1e-6, atol=1e-6)\n"
+        "assert all(np.isfinite(np.asarray(g)).all() for g in grads)\n"
+        "bad = [m for m in ('torch', 'triton', 'cupy') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

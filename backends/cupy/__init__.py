@@ -4,5 +4,91 @@ Launchers (``<primitive>.py``) are written against the small module-loader
 interface of :mod:`._loader`, so the same launchers and ``.cu`` files run on
 a GPU through ``cupy.RawModule`` (NVRTC) and on the CPU through
 :mod:`xpkernels.testing.cudacpu` (``with cudacpu.emulate(): ...``). Only CuPy
-is imported on the GPU path: no torch, no triton.
+is imported on the GPU path: no torch, no triton. So far only ``rms_norm``
+has CUDA C kernels; routing sends the other ops on CuPy arrays to the
+array_api backend (warned once).
+
+Routing reads :data:`BACKEND`, which serves two kinds of calls:
+
+- CuPy arrays on CUDA, when CuPy is installed and a device is present;
+- NumPy arrays on the CPU, only while ``xpkernels.testing.cudacpu.emulate()``
+  is active (it installs the CPU harness's loader, which :func:`device_problem`
+  consults) and its C++ compiler is found. Outside it, ``backend="cupy"`` on
+  NumPy arrays raises BackendError saying so; automatic routing never sends
+  NumPy arrays here.
+
+CuPy is therefore not a declared requirement (``requires=()``, so that the
+emulated path needs no CuPy); :func:`device_problem` checks it for CUDA calls.
 """
+
+import importlib.util
+import os
+import shutil
+import sys
+
+from xpkernels.backends.protocol import Backend, Capability
+
+from . import _loader
+
+_DTYPES = ("float32", "float16", "bfloat16")
+_NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+
+
+def _emulating() -> bool:
+    """True inside ``xpkernels.testing.cudacpu.emulate()`` (a loader is installed in this context)."""
+    return _loader._installed.get() is not None
+
+
+def _cuda_problem() -> str | None:
+    if _emulating():
+        return "inside xpkernels.testing.cudacpu.emulate() the cupy backend serves NumPy arrays only"
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        # The caller holds no CuPy arrays (e.g. xk.backends()): neither import CuPy nor start CUDA.
+        if importlib.util.find_spec("cupy") is None:
+            return "cupy is not installed"
+        if not os.path.isdir(_NVIDIA_GPUS) or not os.listdir(_NVIDIA_GPUS):
+            return f"no NVIDIA GPU found ({_NVIDIA_GPUS} is absent or empty)"
+        return None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - CuPy raises its own error types when CUDA is unusable
+        return f"cupy sees no CUDA device ({type(exc).__name__}: {exc})"
+    return None if count > 0 else "cupy sees no CUDA device"
+
+
+def _cpu_problem() -> str | None:
+    if not _emulating():
+        return "NumPy arrays on the CPU run CUDA C only inside xpkernels.testing.cudacpu.emulate()"
+    cxx = os.environ.get("XPKERNELS_CUDACPU_CXX", "g++")
+    if shutil.which(cxx) is None:
+        return f"cudacpu.emulate() needs the C++ compiler {cxx!r}, which is not found"
+    return None
+
+
+def device_problem(device: str) -> str | None:
+    """Why the CUDA C kernels cannot run on arrays of this device kind here, or None.
+
+    ``"cuda"`` (CuPy arrays): CuPy must be installed and see a device. CuPy is
+    consulted only when the caller has imported it; otherwise its installation
+    is found with ``find_spec`` and a GPU by the NVIDIA driver's
+    ``/proc/driver/nvidia/gpus``, so CUDA is not initialised. ``"cpu"``
+    (NumPy arrays): only inside ``cudacpu.emulate()``, with its compiler found.
+    """
+    if device == "cuda":
+        return _cuda_problem()
+    if device == "cpu":
+        return _cpu_problem()
+    return f"it serves cuda devices (cpu under cudacpu.emulate()), not {device}"
+
+
+#: The declaration routing reads (``xpkernels.backends.protocol``).
+BACKEND = Backend(
+    name="cupy",
+    namespaces=("cupy", "numpy"),
+    devices=("cuda", "cpu"),
+    module=__name__,
+    requires=(),
+    ops={"rms_norm": Capability(dtypes=_DTYPES, hooks=("partials", "reduce_partials"))},
+    device_problem=device_problem,
+)

@@ -5,9 +5,12 @@ Each call is routed by the namespace and device of its arrays:
 ==================  ======  ============  =========================================
 namespace           device  backend       if that backend cannot serve the call
 ==================  ======  ============  =========================================
-numpy               cpu     ``array_api``  --
+numpy               cpu     ``array_api``  -- (``cupy`` only when asked for, inside
+                                          ``xpkernels.testing.cudacpu.emulate()``)
 torch               cuda    ``triton``    ``array_api`` on torch ops, warned once
 torch               cpu     ``array_api``  -- (``triton`` only when asked for)
+cupy                cuda    ``cupy``      ``array_api`` on cupy ops, warned once
+                                          (only rms_norm has CUDA C kernels so far)
 any other           any     ``array_api``  --
 ==================  ======  ============  =========================================
 
@@ -68,14 +71,14 @@ class BackendError(RuntimeError):
 
 #: The backend packages, in listing order; each declares ``BACKEND`` (a
 #: ``protocol.Backend``) in its ``__init__`` and imports nothing heavy there.
-BACKEND_PACKAGES = ("xpkernels.backends.array_api", "xpkernels.backends.triton")
+BACKEND_PACKAGES = ("xpkernels.backends.array_api", "xpkernels.backends.triton", "xpkernels.backends.cupy")
 #: The backend every automatic route ends at when no preferred one can serve it.
 FALLBACK = "array_api"
 
 BACKENDS: tuple[Backend, ...] = tuple(importlib.import_module(p).BACKEND for p in BACKEND_PACKAGES)
 
 # (namespace, device kind) -> the backend the automatic route prefers there.
-PREFERRED: dict[tuple[str, str], str] = {("torch", "cuda"): "triton"}
+PREFERRED: dict[tuple[str, str], str] = {("torch", "cuda"): "triton", ("cupy", "cuda"): "cupy"}
 
 _BY_NAME = {b.name: b for b in BACKENDS}
 _CHOICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("xpkernels_backend", default=None)

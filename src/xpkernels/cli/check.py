@@ -111,7 +111,8 @@ def run(ops=None, verbose=False) -> int:
             for case in spec.cases:
                 if not case.quick:
                     continue
-                row = check_one(spec, case, target)
+                with target.context():
+                    row = check_one(spec, case, target)
                 if row.skipped:
                     skipped.append(f"{target.backend} on {target.label}, {spec.name}: {row.skipped}")
                 else:

@@ -15,11 +15,13 @@ imports torch, triton or pytest at import time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
 import os
 import pkgutil
+import shutil
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,25 +62,50 @@ _NAMESPACE_DTYPES = {
 
 @dataclass(frozen=True)
 class Target:
-    """One place a kernel runs: a backend on one namespace's arrays on one device."""
+    """One place a kernel runs: a backend on one namespace's arrays on one device.
+
+    ``schedule`` is set on emulated targets only (:attr:`emulated`): the
+    :mod:`xpkernels.testing.cudacpu` thread schedule their kernels run in.
+    """
 
     backend: str
     namespace: str
     device: str
+    schedule: str | None = None
 
     @property
     def id(self) -> str:
-        return f"{self.backend}-{self.namespace}-{self.device}"
+        base = f"{self.backend}-{self.namespace}-{self.device}"
+        return base if self.schedule is None else f"{base}-{self.schedule}"
+
+    @property
+    def triton_interpreter(self) -> bool:
+        """True when kernels run through the Triton interpreter (Triton on CPU tensors)."""
+        return self.backend == "triton" and self.device == "cpu"
+
+    @property
+    def emulated(self) -> bool:
+        """True when CUDA C kernels run on NumPy arrays through the CPU harness (``cudacpu``)."""
+        return self.backend == "cupy" and self.namespace == "numpy"
 
     @property
     def interpreted(self) -> bool:
-        """True when kernels run through the (slow) Triton interpreter: keep shapes small."""
-        return self.backend == "triton" and self.device == "cpu"
+        """True when GPU kernels run through a slow CPU stand-in (interpreter, cudacpu): keep shapes small."""
+        return self.triton_interpreter or self.emulated
 
     @property
     def label(self) -> str:
         """``"<namespace> <device>"``, as the CLI's table prints it."""
-        return f"{self.namespace} {self.device}"
+        text = f"{self.namespace} {self.device}"
+        return text if self.schedule is None else f"{text} (cudacpu, {self.schedule})"
+
+    def context(self):
+        """The context its kernels must run in: ``cudacpu.emulate(schedule=...)`` when emulated."""
+        if not self.emulated:
+            return contextlib.nullcontext()
+        from xpkernels.testing import cudacpu
+
+        return cudacpu.emulate(schedule=self.schedule)
 
     def unavailable(self) -> str | None:
         """Why this target cannot run here (without the target's id), or None."""
@@ -97,8 +124,12 @@ class Target:
                     cupy.cuda.runtime.getDeviceCount()
                 except Exception as exc:  # noqa: BLE001 - any failure means no usable device
                     return f"no CUDA device ({type(exc).__name__})"
-        if self.interpreted and os.environ.get("TRITON_INTERPRET") != "1":
+        if self.triton_interpreter and os.environ.get("TRITON_INTERPRET") != "1":
             return "runs only through the Triton interpreter: set TRITON_INTERPRET=1 to include it"
+        if self.emulated:
+            cxx = os.environ.get("XPKERNELS_CUDACPU_CXX", "g++")
+            if shutil.which(cxx) is None:
+                return f"the CUDA-C-on-CPU harness needs the C++ compiler {cxx!r}, which is not found"
         return None
 
     def dtypes(self, op: str) -> tuple[str, ...]:
@@ -164,6 +195,12 @@ class Target:
         return a.astype(np.float64) if a.dtype.kind == "f" else a
 
 
+#: Device kinds a namespace's arrays can live on (targets outside these cannot exist).
+_NAMESPACE_DEVICES = {"numpy": ("cpu",), "array_api_strict": ("cpu",), "cupy": ("cuda",)}
+#: cudacpu schedules every emulated target runs in: in order, then threads shuffled between barriers.
+EMULATED_SCHEDULES = ("default", "shuffled")
+
+
 def _candidate_targets() -> list[Target]:
     targets = [
         Target("array_api", "numpy", "cpu"),
@@ -177,7 +214,13 @@ def _candidate_targets() -> list[Target]:
             continue
         for ns in b.namespaces:
             for dev in b.devices:
-                targets.append(Target(b.name, ns, dev))
+                if dev not in _NAMESPACE_DEVICES.get(ns, (dev,)):
+                    continue
+                target = Target(b.name, ns, dev)
+                if target.emulated:
+                    targets.extend(Target(b.name, ns, dev, schedule) for schedule in EMULATED_SCHEDULES)
+                else:
+                    targets.append(target)
     return targets
 
 

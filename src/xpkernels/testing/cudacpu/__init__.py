@@ -390,6 +390,14 @@ def emulate(*, schedule=None, sanitize=None, mode=None):
     """Run the cupy backend's launchers on NumPy arrays through this harness, inside the block.
 
     Parameters are those of :class:`RawModule`.
+
+    How it enters routing: it installs a :class:`CpuLoader` in a context
+    variable of the cupy backend's loader module; the backend's declaration
+    (its ``device_problem``) accepts NumPy arrays on the CPU only while one is
+    installed, so ``backend="cupy"`` then serves them. Routing itself names
+    no backend and is unchanged: automatic routing still sends NumPy arrays
+    to ``array_api``, and CuPy arrays are refused by ``backend="cupy"`` inside
+    the block.
     """
     from xpkernels.backends.cupy import _loader
 
