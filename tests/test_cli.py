@@ -98,7 +98,8 @@ def test_check_passes_every_primitive_on_every_cpu_namespace():
         assert "triton on torch cpu: runs only through the Triton interpreter" in out
     else:
         assert re.search(r"^  triton on torch cpu: (torch|triton) is not installed$", out, re.MULTILINE), out
-    assert re.search(rf"^{len(rows)} PASS, 0 FAIL$", out, re.MULTILINE)
+    total = re.search(r"^(\d+) PASS, 0 FAIL$", out, re.MULTILINE)
+    assert total and int(total.group(1)) >= len(rows), out  # emulated targets add rows of their own
 
 
 def test_check_runs_the_declared_quick_cases():

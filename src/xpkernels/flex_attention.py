@@ -121,7 +121,7 @@ class _BlockMaskKey:
     """What a checkpoint records of a BlockMask: its tiles, positions and tile states (by value),
     so a block mask rebuilt the same way between forward and backward matches."""
 
-    block_mask: object
+    block_mask: _mods.BlockMask
 
     @classmethod
     def of(cls, block_mask):
