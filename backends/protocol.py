@@ -136,11 +136,30 @@ class SoftmaxModule(Protocol):
 class AttentionModule(Protocol):
     """Fused attention; ``m``, ``l`` are the backend-neutral checkpoints of DESIGN section 3."""
 
-    def forward(self, o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths) -> None: ...
+    def forward(
+        self, o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths
+    ) -> None: ...
 
     def backward(
-        self, do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *,
-        scale, causal, input_pos, q_lengths, k_lengths,
+        self,
+        do,
+        q,
+        k,
+        v,
+        o,
+        m,
+        l,
+        dq,
+        dk,
+        dv,
+        delta,
+        dq_accum,
+        *,
+        scale,
+        causal,
+        input_pos,
+        q_lengths,
+        k_lengths,
     ) -> None:
         """``delta``, ``dq_accum``: the scratch, None for a field the backend does not declare."""
 
@@ -157,8 +176,26 @@ class FlexAttentionModule(Protocol):
     def forward(self, o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) -> None: ...
 
     def backward(
-        self, do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *,
-        scale, input_pos, score_mod, mask_mod, plan, score_mod_grads,
+        self,
+        do,
+        q,
+        k,
+        v,
+        o,
+        m,
+        l,
+        dq,
+        dk,
+        dv,
+        delta,
+        dq_accum,
+        *,
+        scale,
+        input_pos,
+        score_mod,
+        mask_mod,
+        plan,
+        score_mod_grads,
     ) -> None:
         """``score_mod_grads``: one accumulator or None per captured array; gradients are ADDED."""
 
@@ -220,7 +257,10 @@ class Primitive:
     optional_scratch: tuple[str, ...] = ()
 
 
-_PARTIAL_HOOKS: Mapping[str, Callable[..., Any]] = {"partials": partials, "reduce_partials": reduce_partials}
+_PARTIAL_HOOKS: Mapping[str, Callable[..., Any]] = {
+    "partials": partials,
+    "reduce_partials": reduce_partials,
+}
 
 PRIMITIVES: Mapping[str, Primitive] = {
     p.name: p
@@ -230,12 +270,17 @@ PRIMITIVES: Mapping[str, Primitive] = {
         Primitive("softmax", SoftmaxModule),
         Primitive("attention", AttentionModule, {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
         Primitive(
-            "decode_attention", DecodeAttentionModule, {"default_splits": default_splits},
+            "decode_attention",
+            DecodeAttentionModule,
+            {"default_splits": default_splits},
             ("o_partial", "m_partial", "l_partial"),
         ),
         Primitive(
-            "flex_attention", FlexAttentionModule, {"default_tiles": default_tiles},
-            ("delta", "dq_accum"), ("delta", "dq_accum"),
+            "flex_attention",
+            FlexAttentionModule,
+            {"default_tiles": default_tiles},
+            ("delta", "dq_accum"),
+            ("delta", "dq_accum"),
         ),
     )
 }
@@ -274,8 +319,11 @@ class Capability:
         """The scratch fields of ``op`` this backend uses, in the scratch's field order."""
         primitive = PRIMITIVES[op]
         return tuple(
-            name for name in primitive.scratch
-            if name not in primitive.optional_scratch or self.scratch is None or name in self.scratch
+            name
+            for name in primitive.scratch
+            if name not in primitive.optional_scratch
+            or self.scratch is None
+            or name in self.scratch
         )
 
 
@@ -325,7 +373,9 @@ class Backend:
         if missing:
             return Support(False, missing)
         if self.namespaces != ANY and call.namespace not in self.namespaces:
-            return Support(False, f"it serves {', '.join(self.namespaces)} arrays, not {call.namespace}")
+            return Support(
+                False, f"it serves {', '.join(self.namespaces)} arrays, not {call.namespace}"
+            )
         if self.devices != ANY and call.device not in self.devices:
             return Support(False, f"it serves {', '.join(self.devices)} devices, not {call.device}")
         capability = self.ops.get(op)

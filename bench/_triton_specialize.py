@@ -152,8 +152,9 @@ def offline_cuda(sm_count: int = H200_SMS):
     ``get_device_properties`` by versions that need no CUDA.
     """
     saved = (torch.cuda.device, torch.cuda.current_device, torch.cuda.get_device_properties)
-    props = types.SimpleNamespace(multi_processor_count=sm_count, name="sm_90 (offline)",
-                                  major=9, minor=0)
+    props = types.SimpleNamespace(
+        multi_processor_count=sm_count, name="sm_90 (offline)", major=9, minor=0
+    )
     config = triton.runtime.driver
     previous = config._active
     config.set_active(_Driver())
@@ -235,25 +236,36 @@ def _tool(name: str) -> str | None:
 
 def _cubin_facts(cubin: bytes) -> dict:
     """Registers, local memory and SASS statistics of a cubin (``cuobjdump``, ``nvdisasm``)."""
-    facts = {"regs": None, "local_bytes": None, "stack_bytes": None, "sass_instructions": None,
-             "spill_stores": None, "spill_loads": None, "sass_mma": {}}
+    facts = {
+        "regs": None,
+        "local_bytes": None,
+        "stack_bytes": None,
+        "sass_instructions": None,
+        "spill_stores": None,
+        "spill_loads": None,
+        "sass_mma": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
         cuobjdump = _tool("cuobjdump")
         if cuobjdump:
-            out = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True,
-                                 text=True, check=True).stdout
+            out = subprocess.run(
+                [cuobjdump, "--dump-resource-usage", path],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             if m := re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", out):
                 facts["regs"], facts["stack_bytes"] = int(m[1]), int(m[2])
                 facts["local_bytes"] = int(m[4])
         nvdisasm = _tool("nvdisasm")
         if nvdisasm:
-            sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True,
-                                  check=True).stdout
-            ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.\s;]",
-                             sass)
+            sass = subprocess.run(
+                [nvdisasm, "-c", path], capture_output=True, text=True, check=True
+            ).stdout
+            ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.\s;]", sass)
             count = Counter(ops)
             facts["sass_instructions"] = len(ops)
             facts["spill_stores"] = count["STL"]
@@ -267,8 +279,19 @@ def _cubin_facts(cubin: bytes) -> dict:
 _LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$")
 _LOC_FILE = re.compile(r'^"([^"]+)":(\d+):(\d+)')
 _LOC_REF = re.compile(r"loc\((#loc\d*)\)\s*$")
-_ELEM_BITS = {"bf16": 16, "f16": 16, "f32": 32, "f64": 64, "i1": 8, "i8": 8, "i16": 16, "i32": 32,
-              "i64": 64, "f8E5M2": 8, "f8E4M3FN": 8}
+_ELEM_BITS = {
+    "bf16": 16,
+    "f16": 16,
+    "f32": 32,
+    "f64": 64,
+    "i1": 8,
+    "i8": 8,
+    "i16": 16,
+    "i32": 32,
+    "i64": 64,
+    "f8E5M2": 8,
+    "f8E4M3FN": 8,
+}
 
 
 def _resolve_locs(ttgir: str) -> dict:
@@ -283,7 +306,7 @@ def _resolve_locs(ttgir: str) -> dict:
         if m := _LOC_FILE.match(body):
             return os.path.basename(m[1]), int(m[2])
         if body.startswith("callsite("):
-            inner = body[len("callsite("):]
+            inner = body[len("callsite(") :]
             ref = re.match(r"(#loc\d*)", inner)
             return resolve(raw.get(ref[1], ""), depth + 1) if ref else resolve(inner, depth + 1)
         if m := re.match(r'^"[^"]*"\((#loc\d*)\)', body):
@@ -308,8 +331,10 @@ def _tensor_type(text: str):
 
 def _ttgir_facts(ttgir: str) -> dict:
     locs = _resolve_locs(ttgir)
-    mma_versions = {m[1]: int(m[2]) for m in re.finditer(
-        r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = (\d+)", ttgir, re.M)}
+    mma_versions = {
+        m[1]: int(m[2])
+        for m in re.finditer(r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = (\d+)", ttgir, re.M)
+    }
     stack: list[bool] = []
     dots = Counter()
     memops = []
@@ -328,20 +353,33 @@ def _ttgir_facts(ttgir: str) -> dict:
             enc = re.search(r"->\s*tensor<[^,]+,\s*(#\w+)", stripped)
             version = mma_versions.get(enc[1]) if enc else None
             dots["mma.sync" if version == 2 else "wgmma" if version == 3 else "fma"] += 1
-        for op, kind, sync in (("tt.load ", "load", True), ("tt.store ", "store", True),
-                               ("ttg.async_copy_global_to_local ", "load", False),
-                               ("tt.descriptor_load ", "load", False),
-                               ("ttng.async_tma_copy_global_to_local ", "load", False),
-                               ("tt.descriptor_store ", "store", False),
-                               ("ttng.async_tma_copy_local_to_global ", "store", False)):
+        for op, kind, sync in (
+            ("tt.load ", "load", True),
+            ("tt.store ", "store", True),
+            ("ttg.async_copy_global_to_local ", "load", False),
+            ("tt.descriptor_load ", "load", False),
+            ("ttng.async_tma_copy_global_to_local ", "load", False),
+            ("tt.descriptor_store ", "store", False),
+            ("ttng.async_tma_copy_local_to_global ", "store", False),
+        ):
             if op in stripped:
                 rank, elem = _tensor_type(stripped.split(" : ", 1)[-1])
-                memops.append({"kind": kind, "sync": sync, "tma": "tma" in op or "descriptor" in op,
-                               "rank": rank, "elem": elem, "in_loop": in_loop, "where": where})
+                memops.append(
+                    {
+                        "kind": kind,
+                        "sync": sync,
+                        "tma": "tma" in op or "descriptor" in op,
+                        "rank": rank,
+                        "elem": elem,
+                        "in_loop": in_loop,
+                        "where": where,
+                    }
+                )
                 break
         if stripped.endswith("{"):
-            is_loop = ("scf.for " in stripped or "scf.while " in stripped
-                       or stripped.startswith("} do {"))
+            is_loop = (
+                "scf.for " in stripped or "scf.while " in stripped or stripped.startswith("} do {")
+            )
             stack.append(is_loop)
             loops += "scf.for " in stripped or "scf.while " in stripped
     return {"dots": dict(dots), "memops": memops, "loops": loops}
@@ -351,15 +389,34 @@ def _ttgir_facts(ttgir: str) -> dict:
 
 _PTX_ACCESS = re.compile(
     r"^\s*(?:@!?%\w+\s+)?(ld\.global|st\.global|cp\.async\.bulk\.tensor|cp\.async\.c[ag])([.\w:]*)"
-    r"\s+(.*);")
-_PTX_TYPE_BITS = {"b8": 8, "u8": 8, "s8": 8, "b16": 16, "u16": 16, "s16": 16, "f16": 16,
-                  "bf16": 16, "b32": 32, "u32": 32, "s32": 32, "f32": 32, "b64": 64, "u64": 64,
-                  "s64": 64, "f64": 64, "b128": 128}
+    r"\s+(.*);"
+)
+_PTX_TYPE_BITS = {
+    "b8": 8,
+    "u8": 8,
+    "s8": 8,
+    "b16": 16,
+    "u16": 16,
+    "s16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "b32": 32,
+    "u32": 32,
+    "s32": 32,
+    "f32": 32,
+    "b64": 64,
+    "u64": 64,
+    "s64": 64,
+    "f64": 64,
+    "b128": 128,
+}
 
 
 def _ptx_facts(ptx: str) -> dict:
-    files = {int(m[1]): os.path.basename(m[2]) for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]+)"',
-                                                                   ptx, re.M)}
+    files = {
+        int(m[1]): os.path.basename(m[2])
+        for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]+)"', ptx, re.M)
+    }
     lines = ptx.splitlines()
     labels = {}
     for i, line in enumerate(lines):
@@ -398,13 +455,22 @@ def _ptx_facts(ptx: str) -> dict:
             bits, kind, sync = None, "load" if ".shared::cluster.global" in mods else "store", False
         else:
             vec = re.search(r"\.v(\d)", mods)
-            typ = re.findall(r"\.(b8|u8|s8|b16|u16|s16|f16|bf16|b32|u32|s32|f32|b64|u64|s64|f64|b128)\b",
-                             mods)
+            typ = re.findall(
+                r"\.(b8|u8|s8|b16|u16|s16|f16|bf16|b32|u32|s32|f32|b64|u64|s64|f64|b128)\b", mods
+            )
             bits = (int(vec[1]) if vec else 1) * (_PTX_TYPE_BITS[typ[-1]] if typ else 0)
             kind, sync = ("load" if op == "ld.global" else "store"), True
-        accesses.append({"op": op, "kind": kind, "sync": sync, "bits": bits,
-                         "tma": op == "cp.async.bulk.tensor", "in_loop": in_loop(i),
-                         "where": where})
+        accesses.append(
+            {
+                "op": op,
+                "kind": kind,
+                "sync": sync,
+                "bits": bits,
+                "tma": op == "cp.async.bulk.tensor",
+                "in_loop": in_loop(i),
+                "where": where,
+            }
+        )
     return {"accesses": accesses, "mma": dict(mma), "loops": len(loop_ranges)}
 
 
@@ -478,13 +544,19 @@ def analyse(compiled) -> dict:
                 if key in by_line and key not in claimed:
                     ptx_here = by_line[key]
                     break
-        tile_ops.append({
-            "where": f"{where[0]}:{where[1]}" if where else None,
-            "kind": op["kind"], "rank": op["rank"], "in_loop": op["in_loop"],
-            "async": not op["sync"], "tma": op["tma"],
-            "ptx": _width_summary(ptx_here),
-            "all_128bit": bool(ptx_here) and all(a["tma"] or a["bits"] == 128 for a in ptx_here),
-        })
+        tile_ops.append(
+            {
+                "where": f"{where[0]}:{where[1]}" if where else None,
+                "kind": op["kind"],
+                "rank": op["rank"],
+                "in_loop": op["in_loop"],
+                "async": not op["sync"],
+                "tma": op["tma"],
+                "ptx": _width_summary(ptx_here),
+                "all_128bit": bool(ptx_here)
+                and all(a["tma"] or a["bits"] == 128 for a in ptx_here),
+            }
+        )
     func = re.search(r"tt\.func public @\w+\((.*?)\)\s*attributes", asm["ttgir"], re.S)
     divisible = re.findall(r"%(\w+): [^%]*?tt\.divisibility = 16", func[1]) if func else []
     shared = int(getattr(meta, "shared", 0))

@@ -61,12 +61,15 @@ import _triton_specialize as spec  # noqa: E402
 
 TARGETS = ("wgmma", "no_spills", "tile_loads_16B", "row_128bit")
 BF16, F32 = torch.bfloat16, torch.float32
-DEFAULT_TUTORIAL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
-                                "06-fused-attention.py")
-TUTORIAL_ORIGIN = ("excerpt of triton-lang/triton python/tutorials/06-fused-attention.py at commit "
-                   "003da478d84f5bb0f51b3988cf0ea0bbe60282b7: the block-pointer forward "
-                   "(_attn_fwd), the backward (_attn_bwd_preprocess, _attn_bwd) and the "
-                   "_attention launcher; the TMA forward, tests and benchmarks left out")
+DEFAULT_TUTORIAL = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "out", "06-fused-attention.py"
+)
+TUTORIAL_ORIGIN = (
+    "excerpt of triton-lang/triton python/tutorials/06-fused-attention.py at commit "
+    "003da478d84f5bb0f51b3988cf0ea0bbe60282b7: the block-pointer forward "
+    "(_attn_fwd), the backward (_attn_bwd_preprocess, _attn_bwd) and the "
+    "_attention launcher; the TMA forward, tests and benchmarks left out"
+)
 #: The tutorial forward is autotuned; offline there is no timing, so its
 #: candidate with the default tile of this project's forward at D=128 is compiled.
 TUTORIAL_FORWARD_TILE = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
@@ -81,8 +84,9 @@ def _attention_forward(D, causal, B=4, H=32, S=4096):
     t = spec.tensor
     q, k, v, o = (t((B, H, S, D)) for _ in range(4))
     m, l = t((B, H, S), F32), t((B, H, S), F32)
-    attention.forward(o, q, k, v, m, l, scale=D ** -0.5, causal=causal, input_pos=0,
-                      q_lengths=None, k_lengths=None)
+    attention.forward(
+        o, q, k, v, m, l, scale=D**-0.5, causal=causal, input_pos=0, q_lengths=None, k_lengths=None
+    )
 
 
 def _attention_backward(D, causal, B=4, H=32, S=4096):
@@ -92,8 +96,25 @@ def _attention_backward(D, causal, B=4, H=32, S=4096):
     do, q, k, v, o, dq, dk, dv = (t((B, H, S, D)) for _ in range(8))
     m, l, delta = (t((B, H, S), F32) for _ in range(3))
     dq_accum = t((B, H, S, D), F32)
-    attention.backward(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, scale=D ** -0.5,
-                       causal=causal, input_pos=0, q_lengths=None, k_lengths=None)
+    attention.backward(
+        do,
+        q,
+        k,
+        v,
+        o,
+        m,
+        l,
+        dq,
+        dk,
+        dv,
+        delta,
+        dq_accum,
+        scale=D**-0.5,
+        causal=causal,
+        input_pos=0,
+        q_lengths=None,
+        k_lengths=None,
+    )
 
 
 def _decode(D, B=16, H=32, Hkv=8, S=32768):
@@ -104,8 +125,17 @@ def _decode(D, B=16, H=32, Hkv=8, S=32768):
     splits = decode_attention.default_splits(B, Hkv, S, k)
     o_partial = t((B, H, splits, D), F32)
     m_partial, l_partial = t((B, H, splits), F32), t((B, H, splits), F32)
-    decode_attention.forward(t((B, H, D)), t((B, H, D)), k, v, t((B,), torch.int32), o_partial,
-                             m_partial, l_partial, scale=D ** -0.5)
+    decode_attention.forward(
+        t((B, H, D)),
+        t((B, H, D)),
+        k,
+        v,
+        t((B,), torch.int32),
+        o_partial,
+        m_partial,
+        l_partial,
+        scale=D**-0.5,
+    )
 
 
 def _rms_norm(pass_, R, M):
@@ -131,8 +161,9 @@ def _layer_norm(pass_, R, M):
         return
     rows = layer_norm.partials(R, M, x)
     dw_partial, db_partial = t((rows, M), F32), t((rows, M), F32)
-    layer_norm.backward(t((R, M)), x, w, mean, rstd, t((R, M)), dw_partial, db_partial,
-                        accumulate=False)
+    layer_norm.backward(
+        t((R, M)), x, w, mean, rstd, t((R, M)), dw_partial, db_partial, accumulate=False
+    )
     layer_norm.reduce_partials(dw_partial, t((M,)))
 
 
@@ -152,14 +183,23 @@ def cases():
     for D in (128, 64, 256):
         for causal in (False, True):
             tag = f"D{D}.{'causal' if causal else 'full'}"
-            out[f"attention.fwd.{tag}"] = ("attention", lambda D=D, c=causal: _attention_forward(D, c))
-            out[f"attention.bwd.{tag}"] = ("attention", lambda D=D, c=causal: _attention_backward(D, c))
+            out[f"attention.fwd.{tag}"] = (
+                "attention",
+                lambda D=D, c=causal: _attention_forward(D, c),
+            )
+            out[f"attention.bwd.{tag}"] = (
+                "attention",
+                lambda D=D, c=causal: _attention_backward(D, c),
+            )
     for D in (128, 64):
         out[f"decode.D{D}"] = ("attention", lambda D=D: _decode(D))
     for name, fn in (("rms_norm", _rms_norm), ("layer_norm", _layer_norm), ("softmax", _softmax)):
         for pass_ in ("fwd", "bwd"):
             for R, M in ((32768, 4096), (4096, 65536)):
-                out[f"{name}.{pass_}.{R}x{M}"] = ("rows", lambda f=fn, p=pass_, R=R, M=M: f(p, R, M))
+                out[f"{name}.{pass_}.{R}x{M}"] = (
+                    "rows",
+                    lambda f=fn, p=pass_, R=R, M=M: f(p, R, M),
+                )
     return out
 
 
@@ -176,6 +216,7 @@ def _load_tutorial(path):
 
 def tutorial_cases(path):
     """Reference cases compiling tutorial 06 through its own launcher (float16, as the tutorial)."""
+
     def run(mode, causal, D=128, B=4, H=32, S=4096):
         module = _load_tutorial(path)
 
@@ -187,8 +228,12 @@ def tutorial_cases(path):
             ctx = types.SimpleNamespace(save_for_backward=lambda *saved: None)
             module._attention.forward(ctx, q, k, v, causal, 0.5, USE_TMA=False)
             return
-        ctx = types.SimpleNamespace(saved_tensors=(q, k, v, t(B, H, S, D), t(B, H, S, dtype=F32)),
-                                    sm_scale=0.5, HEAD_DIM=D, causal=causal)
+        ctx = types.SimpleNamespace(
+            saved_tensors=(q, k, v, t(B, H, S, D), t(B, H, S, dtype=F32)),
+            sm_scale=0.5,
+            HEAD_DIM=D,
+            causal=causal,
+        )
         module._attention.backward(ctx, t(B, H, S, D))
 
     return {
@@ -212,11 +257,14 @@ def evaluate(family: str, facts: dict) -> dict:
     facts : dict
         :func:`_triton_specialize.analyse` of the kernel.
     """
+
     def verdict(ok):
         return "PASS" if ok else "FAIL"
 
     attention = family in ("attention", "reference")
-    spills = (facts["local_bytes"] or 0) + (facts["spill_stores"] or 0) + (facts["spill_loads"] or 0)
+    spills = (
+        (facts["local_bytes"] or 0) + (facts["spill_stores"] or 0) + (facts["spill_loads"] or 0)
+    )
     loads = [op for op in facts["tile_ops"] if op["kind"] == "load"]
     out = {
         "wgmma": verdict(facts["mma"] == "wgmma") if attention and facts["dots"] else "-",
@@ -225,8 +273,9 @@ def evaluate(family: str, facts: dict) -> dict:
         "row_128bit": "-",
     }
     if attention and loads:
-        out["tile_loads_16B"] = verdict(all(op["all_128bit"] and (op["async"] or not op["in_loop"])
-                                            for op in loads))
+        out["tile_loads_16B"] = verdict(
+            all(op["all_128bit"] and (op["async"] or not op["in_loop"]) for op in loads)
+        )
     if family == "rows" and facts["tile_ops"]:
         out["row_128bit"] = verdict(all(op["all_128bit"] for op in facts["tile_ops"]))
     return out
@@ -234,7 +283,9 @@ def evaluate(family: str, facts: dict) -> dict:
 
 def spill_bytes(facts: dict) -> int:
     """Local memory bytes per thread (spills), or the count of spill instructions if larger."""
-    return max(facts["local_bytes"] or 0, (facts["spill_stores"] or 0) + (facts["spill_loads"] or 0))
+    return max(
+        facts["local_bytes"] or 0, (facts["spill_stores"] or 0) + (facts["spill_loads"] or 0)
+    )
 
 
 def compare(rows: list[dict], baseline: dict) -> tuple[list[str], list[str]]:
@@ -267,19 +318,26 @@ def compare(rows: list[dict], baseline: dict) -> tuple[list[str], list[str]]:
             elif was == "FAIL":
                 known.append(f"{row['id']}: {target} FAIL (known)")
         if row["spill_bytes"] > ref["spill_bytes"]:
-            regressions.append(f"{row['id']}: spills {ref['spill_bytes']} -> {row['spill_bytes']} bytes")
+            regressions.append(
+                f"{row['id']}: spills {ref['spill_bytes']} -> {row['spill_bytes']} bytes"
+            )
     return regressions, known
 
 
 def baseline_of(report: dict) -> dict:
     """The baseline :func:`compare` reads: targets and spills of each own (non-reference) kernel."""
     return {
-        "about": ("Offline sm_90 compile targets held by tests/test_compile_report.py: a kernel "
-                  "that passes a target here must keep passing it and must not spill more. "
-                  "FAIL entries are known failures (DESIGN section 8 targets not met yet)."),
+        "about": (
+            "Offline sm_90 compile targets held by tests/test_compile_report.py: a kernel "
+            "that passes a target here must keep passing it and must not spill more. "
+            "FAIL entries are known failures (DESIGN section 8 targets not met yet)."
+        ),
         "environment": report["environment"],
-        "kernels": {r["id"]: {"targets": r["targets"], "spill_bytes": r["spill_bytes"]}
-                    for r in report["kernels"] if r["family"] != "reference"},
+        "kernels": {
+            r["id"]: {"targets": r["targets"], "spill_bytes": r["spill_bytes"]}
+            for r in report["kernels"]
+            if r["family"] != "reference"
+        },
     }
 
 
@@ -298,8 +356,10 @@ def _loads_summary(facts: dict, kind: str) -> str:
             into["?"] = into.get("?", 0) + 1
 
     def fmt(d):
-        short = {k.replace("ld.global.", "ld").replace("st.global.", "st")
-                  .replace("cp.async.", "cp"): n for k, n in sorted(d.items())}
+        short = {
+            k.replace("ld.global.", "ld").replace("st.global.", "st").replace("cp.async.", "cp"): n
+            for k, n in sorted(d.items())
+        }
         return " ".join(f"{k}x{n}" for k, n in short.items()) or "-"
 
     if kind == "load" and loop:
@@ -318,33 +378,54 @@ def run_report(selected: dict, candidates: bool, progress=print) -> list[dict]:
             if launch.candidates is not None:
                 configs = launch.candidates if candidates else [_pick(family, launch.candidates)]
             for extra in configs:
-                tile = "default" if launch.candidates is None else "candidate " + ",".join(
-                    f"{k}={v}" for k, v in sorted(extra.items()))
-                row_id = f"{case}/{launch.name}" + ("" if launch.candidates is None else
-                                                   f"[{tile.split(' ', 1)[1]}]")
-                meta = {k: v for k, v in {**launch.kwargs, **(extra or {})}.items()
-                        if k.isupper() and isinstance(v, (bool, int, float, str))}
-                row = {"id": row_id, "case": case, "family": family, "kernel": launch.name,
-                       "tile": tile, "grid": list(launch.grid), "constexprs": meta}
+                tile = (
+                    "default"
+                    if launch.candidates is None
+                    else "candidate " + ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
+                )
+                row_id = f"{case}/{launch.name}" + (
+                    "" if launch.candidates is None else f"[{tile.split(' ', 1)[1]}]"
+                )
+                meta = {
+                    k: v
+                    for k, v in {**launch.kwargs, **(extra or {})}.items()
+                    if k.isupper() and isinstance(v, (bool, int, float, str))
+                }
+                row = {
+                    "id": row_id,
+                    "case": case,
+                    "family": family,
+                    "kernel": launch.name,
+                    "tile": tile,
+                    "grid": list(launch.grid),
+                    "constexprs": meta,
+                }
                 start = time.perf_counter()
                 try:
                     with spec.offline_cuda():
                         kernel = spec.compile_launch(launch, extra)
                 except Exception as exc:  # a kernel that does not compile is a row, not a crash
                     error = str(exc).strip().splitlines()
-                    row.update(facts=None, error=f"{type(exc).__name__}: {error[-1] if error else ''}",
-                               targets=dict.fromkeys(TARGETS, "ERROR"), spill_bytes=0)
+                    row.update(
+                        facts=None,
+                        error=f"{type(exc).__name__}: {error[-1] if error else ''}",
+                        targets=dict.fromkeys(TARGETS, "ERROR"),
+                        spill_bytes=0,
+                    )
                 else:
                     if kernel.hash not in cache:
                         cache[kernel.hash] = spec.analyse(kernel)
                     facts = cache[kernel.hash]
-                    row.update(facts=facts, targets=evaluate(family, facts),
-                               spill_bytes=spill_bytes(facts))
+                    row.update(
+                        facts=facts, targets=evaluate(family, facts), spill_bytes=spill_bytes(facts)
+                    )
                 seconds = time.perf_counter() - start
                 row["compile_s"] = round(seconds, 2)
                 rows.append(row)
-                progress(f"  {'FAILED to compile' if row.get('error') else 'compiled'} "
-                         f"{row_id} in {seconds:.1f} s")
+                progress(
+                    f"  {'FAILED to compile' if row.get('error') else 'compiled'} "
+                    f"{row_id} in {seconds:.1f} s"
+                )
     return rows
 
 
@@ -375,8 +456,22 @@ def _tuning(candidates: bool):
 
 def format_table(rows: list[dict]) -> str:
     """The report as a fixed-width text table, one line per kernel."""
-    head = ("kernel", "tl.dot ->", "regs", "spill", "smem KiB", "w/st", "CTA/SM", "SASS",
-            "16-bit loads", "16-bit stores", "wgmma", "spills", "ld16B", "row128")
+    head = (
+        "kernel",
+        "tl.dot ->",
+        "regs",
+        "spill",
+        "smem KiB",
+        "w/st",
+        "CTA/SM",
+        "SASS",
+        "16-bit loads",
+        "16-bit stores",
+        "wgmma",
+        "spills",
+        "ld16B",
+        "row128",
+    )
     lines = []
     errors = []
     for r in rows:
@@ -386,14 +481,25 @@ def format_table(rows: list[dict]) -> str:
             lines.append((r["id"], "ERROR", *("-",) * 8, *(r["targets"][t] for t in TARGETS)))
             continue
         dots = "+".join(f"{k}x{n}" for k, n in sorted(f["dots"].items())) or "none"
-        lines.append((
-            r["id"], dots, str(f["regs"]),
-            str(r["spill_bytes"]), f"{f['shared'] / 1024:.1f}", f"{f['num_warps']}/{f['num_stages']}",
-            str(f["ctas_per_sm"]), str(f["sass_instructions"]), _loads_summary(f, "load"),
-            _loads_summary(f, "store"), *(r["targets"][t] for t in TARGETS),
-        ))
-    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
-              for i, h in enumerate(head)]
+        lines.append(
+            (
+                r["id"],
+                dots,
+                str(f["regs"]),
+                str(r["spill_bytes"]),
+                f"{f['shared'] / 1024:.1f}",
+                f"{f['num_warps']}/{f['num_stages']}",
+                str(f["ctas_per_sm"]),
+                str(f["sass_instructions"]),
+                _loads_summary(f, "load"),
+                _loads_summary(f, "store"),
+                *(r["targets"][t] for t in TARGETS),
+            )
+        )
+    widths = [
+        max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
+        for i, h in enumerate(head)
+    ]
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines]
     return "\n".join(out + errors)
@@ -402,27 +508,43 @@ def format_table(rows: list[dict]) -> str:
 def _environment() -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "triton": triton.__version__, "torch": torch.__version__, "python": sys.version.split()[0],
-        "target": "cuda sm_90 (warp size 32)", "sm_count_assumed": spec.H200_SMS,
+        "triton": triton.__version__,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "target": "cuda sm_90 (warp size 32)",
+        "sm_count_assumed": spec.H200_SMS,
         "tools": {name: spec._tool(name) for name in ("cuobjdump", "nvdisasm")},
     }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="*", default=None,
-                        help="keep the cases whose name contains one of these substrings")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        help="keep the cases whose name contains one of these substrings",
+    )
     parser.add_argument("--json", help="write the report as JSON to this path")
-    parser.add_argument("--candidates", action="store_true",
-                        help="also compile every autotune candidate tile")
+    parser.add_argument(
+        "--candidates", action="store_true", help="also compile every autotune candidate tile"
+    )
     parser.add_argument("--baseline", help="exit 1 on a regression against this report JSON")
-    parser.add_argument("--write-baseline", metavar="PATH",
-                        help="write this run's targets and spills (own kernels only) as a baseline")
-    parser.add_argument("--tutorial", default=None,
-                        help="path of Triton's tutorial 06-fused-attention.py (reference rows)")
+    parser.add_argument(
+        "--write-baseline",
+        metavar="PATH",
+        help="write this run's targets and spills (own kernels only) as a baseline",
+    )
+    parser.add_argument(
+        "--tutorial",
+        default=None,
+        help="path of Triton's tutorial 06-fused-attention.py (reference rows)",
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
-        parser.error("TRITON_INTERPRET=1 is set: the report needs the compiler, not the interpreter")
+        parser.error(
+            "TRITON_INTERPRET=1 is set: the report needs the compiler, not the interpreter"
+        )
 
     selected = cases()
     tutorial = args.tutorial or (DEFAULT_TUTORIAL if os.path.exists(DEFAULT_TUTORIAL) else None)
@@ -430,8 +552,10 @@ def main(argv=None) -> int:
     if tutorial:
         selected.update(tutorial_cases(tutorial))
     else:
-        notes.append("reference rows (tutorial 06) left out: no --tutorial file "
-                     f"(looked for {DEFAULT_TUTORIAL})")
+        notes.append(
+            "reference rows (tutorial 06) left out: no --tutorial file "
+            f"(looked for {DEFAULT_TUTORIAL})"
+        )
     if args.only is not None:
         selected = {k: v for k, v in selected.items() if any(s in k for s in args.only)}
     if not any(family == "reference" for family, _ in selected.values()):
@@ -442,17 +566,25 @@ def main(argv=None) -> int:
     print(format_table(rows))
     for note in notes:
         print("note:", note)
-    failing = [f"{r['id']}: {t}" for r in rows for t in TARGETS if r["targets"][t] in ("FAIL", "ERROR")]
+    failing = [
+        f"{r['id']}: {t}" for r in rows for t in TARGETS if r["targets"][t] in ("FAIL", "ERROR")
+    ]
     print(f"\n{len(rows)} kernels, {len(failing)} failing targets, compiled in {elapsed:.0f} s")
     report = {
-        "environment": _environment(), "targets": list(TARGETS), "notes": notes,
-        "seconds": round(elapsed, 1), "kernels": rows,
+        "environment": _environment(),
+        "targets": list(TARGETS),
+        "notes": notes,
+        "seconds": round(elapsed, 1),
+        "kernels": rows,
     }
     if tutorial:
         with open(tutorial, "rb") as f:
-            report["tutorial"] = {"path": tutorial, "origin": TUTORIAL_ORIGIN,
-                                  "sha256": hashlib.sha256(f.read()).hexdigest(),
-                                  "forward_tile": TUTORIAL_FORWARD_TILE}
+            report["tutorial"] = {
+                "path": tutorial,
+                "origin": TUTORIAL_ORIGIN,
+                "sha256": hashlib.sha256(f.read()).hexdigest(),
+                "forward_tile": TUTORIAL_FORWARD_TILE,
+            }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, sort_keys=False)

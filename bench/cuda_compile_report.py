@@ -88,13 +88,26 @@ def name_expressions(cu: Path) -> list[str]:
 def compile_source(cu: Path, arch: str, keep_log: bool = False) -> dict:
     """NVRTC-compile ``cu`` for ``arch``; returns the log, warnings and per-kernel ptxas figures."""
     nvrtc, include = _nvrtc()
-    prog = _check(nvrtc, nvrtc.nvrtcCreateProgram(cu.read_bytes(), cu.name.encode(), 0, [], []),
-                  "nvrtcCreateProgram")
+    prog = _check(
+        nvrtc,
+        nvrtc.nvrtcCreateProgram(cu.read_bytes(), cu.name.encode(), 0, [], []),
+        "nvrtcCreateProgram",
+    )
     expressions = name_expressions(cu)
     for expr in expressions:
-        _check(nvrtc, nvrtc.nvrtcAddNameExpression(prog, expr.encode()), f"nvrtcAddNameExpression {expr}")
-    options = [f"--gpu-architecture={arch}", "-std=c++17", f"-I{cu.parent}", f"-I{include}",
-               "--ptxas-options=-v", "-default-device"]
+        _check(
+            nvrtc,
+            nvrtc.nvrtcAddNameExpression(prog, expr.encode()),
+            f"nvrtcAddNameExpression {expr}",
+        )
+    options = [
+        f"--gpu-architecture={arch}",
+        "-std=c++17",
+        f"-I{cu.parent}",
+        f"-I{include}",
+        "--ptxas-options=-v",
+        "-default-device",
+    ]
     result = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
     log_size = _check(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
     log = b" " * log_size
@@ -108,8 +121,13 @@ def compile_source(cu: Path, arch: str, keep_log: bool = False) -> dict:
         _check(nvrtc, nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
         widths = _widths(ptx.decode(errors="replace"))
         for expr in expressions:
-            lowered[_check(nvrtc, nvrtc.nvrtcGetLoweredName(prog, expr.encode()),
-                           f"nvrtcGetLoweredName {expr}").decode()] = expr
+            lowered[
+                _check(
+                    nvrtc,
+                    nvrtc.nvrtcGetLoweredName(prog, expr.encode()),
+                    f"nvrtcGetLoweredName {expr}",
+                ).decode()
+            ] = expr
     nvrtc.nvrtcDestroyProgram(prog)
     kernels, current = {}, None
     for line in log.splitlines():
@@ -122,15 +140,26 @@ def compile_source(cu: Path, arch: str, keep_log: bool = False) -> dict:
             continue
         m = _FRAME.search(line)
         if m:
-            kernels[current].update(stack_bytes=int(m.group(1)), spill_store_bytes=int(m.group(2)),
-                                    spill_load_bytes=int(m.group(3)))
+            kernels[current].update(
+                stack_bytes=int(m.group(1)),
+                spill_store_bytes=int(m.group(2)),
+                spill_load_bytes=int(m.group(3)),
+            )
         m = _USED.search(line)
         if m:
             smem = _SMEM.search(line)
-            kernels[current].update(registers=int(m.group(1)), static_smem_bytes=int(smem.group(1)) if smem else 0)
+            kernels[current].update(
+                registers=int(m.group(1)), static_smem_bytes=int(smem.group(1)) if smem else 0
+            )
     warnings = [ln for ln in log.splitlines() if re.search(r"\bwarning\b", ln, re.IGNORECASE)]
-    return {"source": cu.name, "arch": arch, "ok": ok, "warnings": warnings, "kernels": kernels,
-            "log": log if keep_log or not ok or warnings else ""}
+    return {
+        "source": cu.name,
+        "arch": arch,
+        "ok": ok,
+        "warnings": warnings,
+        "kernels": kernels,
+        "log": log if keep_log or not ok or warnings else "",
+    }
 
 
 def sources() -> list[Path]:
@@ -147,15 +176,21 @@ def report(arches=ARCHES) -> dict:
         "nvrtc": version("nvidia-cuda-nvrtc"),
         "python": platform.python_version(),
         "entries": entries,
-        "total_spill_bytes": sum(k.get("spill_store_bytes", 0) + k.get("spill_load_bytes", 0)
-                                 for e in entries for k in e["kernels"].values()),
+        "total_spill_bytes": sum(
+            k.get("spill_store_bytes", 0) + k.get("spill_load_bytes", 0)
+            for e in entries
+            for k in e["kernels"].values()
+        ),
     }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).resolve().parent / "results" / "cuda_compile_report.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results" / "cuda_compile_report.json",
+    )
     args = parser.parse_args(argv)
     data = report()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -163,8 +198,10 @@ def main(argv=None) -> int:
     bad = [e for e in data["entries"] if not e["ok"] or e["warnings"]]
     for e in data["entries"]:
         regs = [k.get("registers", 0) for k in e["kernels"].values()]
-        print(f"{e['source']} {e['arch']}: {'ok' if e['ok'] else 'FAILED'}, {len(e['kernels'])} kernels, "
-              f"registers {min(regs, default=0)}..{max(regs, default=0)}, warnings {len(e['warnings'])}")
+        print(
+            f"{e['source']} {e['arch']}: {'ok' if e['ok'] else 'FAILED'}, {len(e['kernels'])} kernels, "
+            f"registers {min(regs, default=0)}..{max(regs, default=0)}, warnings {len(e['warnings'])}"
+        )
     print(f"total spill bytes: {data['total_spill_bytes']}; written to {args.out}")
     return 1 if bad or data["total_spill_bytes"] else 0
 

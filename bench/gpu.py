@@ -153,8 +153,11 @@ def measure_ceilings(bench: Bench) -> None:
         "matmul": f"TFLOP/s of a bf16 {n}x{n}x{n} torch.matmul on random data, 2*n^3 FLOPs",
     }
     bench.free()
-    print(f"ceilings: copy {bench.ceilings['copy']:.1f} GB/s, "
-          f"bf16 matmul {bench.ceilings['matmul']:.1f} TFLOP/s", flush=True)
+    print(
+        f"ceilings: copy {bench.ceilings['copy']:.1f} GB/s, "
+        f"bf16 matmul {bench.ceilings['matmul']:.1f} TFLOP/s",
+        flush=True,
+    )
 
 
 def copy_ms(bench: Bench, n_bytes: int) -> float:
@@ -236,19 +239,28 @@ def rows_case(bench: Bench, compiler: CompileBudget, rows: int, m: int, dtype_na
     ck = xk.allocate_checkpoints(xk.rms_norm_, x, w)
     compiled = compiler.compiled(torch_rms, xr, wr)
     bench.run(
-        entry("rms_norm", "forward", "2*R*M*s (x read, y written) + M*s (w) + 4*R (rstd)",
-              2 * rmm + m * s + 4 * rows),
+        entry(
+            "rms_norm",
+            "forward",
+            "2*R*M*s (x read, y written) + M*s (w) + 4*R (rstd)",
+            2 * rmm + m * s + 4 * rows,
+        ),
         lambda: xk.rms_norm_(y, x, w, eps=eps, checkpoints=ck, backend="triton"),
         {"F.rms_norm": call(torch_rms, x, w), "torch.compile": call(compiled, x, w)},
     )
     scratch = xk.allocate_scratchspace(xk.rms_norm_backward_, Y, X, W, backend="triton")
     bench.run(
-        entry("rms_norm", "backward",
-              "3*R*M*s (x, dy read, dx written) + 2*M*s (w read, dw written) + 4*R (rstd)",
-              3 * rmm + 2 * m * s + 4 * rows),
+        entry(
+            "rms_norm",
+            "backward",
+            "3*R*M*s (x, dy read, dx written) + 2*M*s (w read, dw written) + 4*R (rstd)",
+            3 * rmm + 2 * m * s + 4 * rows,
+        ),
         lambda: xk.rms_norm_backward_(Y, X, W, checkpoints=ck, scratch=scratch, backend="triton"),
-        {"F.rms_norm": grad(torch_rms(xr, wr), (xr, wr)),
-         "torch.compile": grad(None if compiled is None else compiled(xr, wr), (xr, wr))},
+        {
+            "F.rms_norm": grad(torch_rms(xr, wr), (xr, wr)),
+            "torch.compile": grad(None if compiled is None else compiled(xr, wr), (xr, wr)),
+        },
     )
 
     def torch_ln(a, b, c):
@@ -257,22 +269,30 @@ def rows_case(bench: Bench, compiler: CompileBudget, rows: int, m: int, dtype_na
     ck = xk.allocate_checkpoints(xk.layer_norm_, x, w, bias)
     compiled = compiler.compiled(torch_ln, xr, wr, br)
     bench.run(
-        entry("layer_norm", "forward",
-              "2*R*M*s (x read, y written) + 2*M*s (w, b) + 8*R (mean, rstd)",
-              2 * rmm + 2 * m * s + 8 * rows),
+        entry(
+            "layer_norm",
+            "forward",
+            "2*R*M*s (x read, y written) + 2*M*s (w, b) + 8*R (mean, rstd)",
+            2 * rmm + 2 * m * s + 8 * rows,
+        ),
         lambda: xk.layer_norm_(y, x, w, bias, eps=eps, checkpoints=ck, backend="triton"),
         {"F.layer_norm": call(torch_ln, x, w, bias), "torch.compile": call(compiled, x, w, bias)},
     )
     scratch = xk.allocate_scratchspace(xk.layer_norm_backward_, Y, X, W, B, backend="triton")
     bench.run(
-        entry("layer_norm", "backward",
-              "3*R*M*s (x, dy read, dx written) + 3*M*s (w read, dw, db written)"
-              " + 8*R (mean, rstd)",
-              3 * rmm + 3 * m * s + 8 * rows),
-        lambda: xk.layer_norm_backward_(Y, X, W, B, checkpoints=ck, scratch=scratch,
-                                        backend="triton"),
-        {"F.layer_norm": grad(torch_ln(xr, wr, br), (xr, wr, br)),
-         "torch.compile": grad(None if compiled is None else compiled(xr, wr, br), (xr, wr, br))},
+        entry(
+            "layer_norm",
+            "backward",
+            "3*R*M*s (x, dy read, dx written) + 3*M*s (w read, dw, db written) + 8*R (mean, rstd)",
+            3 * rmm + 3 * m * s + 8 * rows,
+        ),
+        lambda: xk.layer_norm_backward_(
+            Y, X, W, B, checkpoints=ck, scratch=scratch, backend="triton"
+        ),
+        {
+            "F.layer_norm": grad(torch_ln(xr, wr, br), (xr, wr, br)),
+            "torch.compile": grad(None if compiled is None else compiled(xr, wr, br), (xr, wr, br)),
+        },
     )
 
     bench.run(
@@ -304,16 +324,26 @@ def attention_case(bench: Bench, B: int, H: int, S: int, D: int, causal: bool) -
     from xpkernels import Duplicated
 
     torch = bench.torch
-    q, k, v, do = (torch.randn(B, H, S, D, dtype=torch.bfloat16, device=bench.device)
-                   for _ in range(4))
+    q, k, v, do = (
+        torch.randn(B, H, S, D, dtype=torch.bfloat16, device=bench.device) for _ in range(4)
+    )
     o = torch.empty_like(q)
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
     flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
     name = "attention-causal" if causal else "attention"
     ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
     bench.run(
-        Entry("attention", name, "forward", "bfloat16", (B, H, S, D), "TFLOP/s",
-              "4*B*H*S*S*D (q k^T and p v), halved when causal", flops, "matmul"),
+        Entry(
+            "attention",
+            name,
+            "forward",
+            "bfloat16",
+            (B, H, S, D),
+            "TFLOP/s",
+            "4*B*H*S*S*D (q k^T and p v), halved when causal",
+            flops,
+            "matmul",
+        ),
         lambda: xk.attention_(o, q, k, v, causal=causal, checkpoints=ck, backend="triton"),
         {"F.sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)},
     )
@@ -323,10 +353,20 @@ def attention_case(bench: Bench, B: int, H: int, S: int, D: int, causal: bool) -
     scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
     out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
     bench.run(
-        Entry("attention", name, "backward", "bfloat16", (B, H, S, D), "TFLOP/s",
-              "2.5 x forward FLOPs (5 matmuls against the forward's 2)", 2.5 * flops, "matmul"),
-        lambda: xk.attention_backward_(O, Q, K, V, checkpoints=ck, scratch=scratch, causal=causal,
-                                       backend="triton"),
+        Entry(
+            "attention",
+            name,
+            "backward",
+            "bfloat16",
+            (B, H, S, D),
+            "TFLOP/s",
+            "2.5 x forward FLOPs (5 matmuls against the forward's 2)",
+            2.5 * flops,
+            "matmul",
+        ),
+        lambda: xk.attention_backward_(
+            O, Q, K, V, checkpoints=ck, scratch=scratch, causal=causal, backend="triton"
+        ),
         {"F.sdpa": lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True)},
     )
 
@@ -344,17 +384,30 @@ def decode_section(bench: Bench) -> None:
     q = torch.randn(B, H, D, dtype=torch.bfloat16, device=bench.device)
     o = torch.empty_like(q)
     lengths = torch.full((B,), S, dtype=torch.int32, device=bench.device)
-    scratch = xk.allocate_scratchspace(xk.decode_attention_, o, q, k_cache, v_cache, lengths,
-                                       backend="triton")
+    scratch = xk.allocate_scratchspace(
+        xk.decode_attention_, o, q, k_cache, v_cache, lengths, backend="triton"
+    )
     amount = 2 * B * Hkv * S * D * 2 + 2 * B * H * D * 2
     bench.run(
-        Entry("decode", "decode_attention", "forward", "bfloat16", (B, H, Hkv, S, D), "GB/s",
-              "2*B*Hkv*S*D*2 (K and V caches read, bf16) + 2*B*H*D*2 (q read, o written)",
-              amount, "copy"),
-        lambda: xk.decode_attention_(o, q, k_cache, v_cache, lengths, scratch=scratch,
-                                     backend="triton"),
-        {"F.sdpa(enable_gqa)": lambda: F.scaled_dot_product_attention(
-            q[:, :, None, :], k_cache, v_cache, enable_gqa=True)},
+        Entry(
+            "decode",
+            "decode_attention",
+            "forward",
+            "bfloat16",
+            (B, H, Hkv, S, D),
+            "GB/s",
+            "2*B*Hkv*S*D*2 (K and V caches read, bf16) + 2*B*H*D*2 (q read, o written)",
+            amount,
+            "copy",
+        ),
+        lambda: xk.decode_attention_(
+            o, q, k_cache, v_cache, lengths, scratch=scratch, backend="triton"
+        ),
+        {
+            "F.sdpa(enable_gqa)": lambda: F.scaled_dot_product_attention(
+                q[:, :, None, :], k_cache, v_cache, enable_gqa=True
+            )
+        },
     )
     print(f"  decode n_splits = {scratch.o_partial.shape[2]}", flush=True)
 
@@ -372,22 +425,35 @@ def environment(bench: Bench) -> dict:
     }
     if not bench.dry:
         props = torch.cuda.get_device_properties(0)
-        env.update(sm_count=props.multi_processor_count,
-                   memory_gib=round(props.total_memory / 2**30, 1),
-                   capability=f"{props.major}.{props.minor}")
+        env.update(
+            sm_count=props.multi_processor_count,
+            memory_gib=round(props.total_memory / 2**30, 1),
+            capability=f"{props.major}.{props.minor}",
+        )
     return env
 
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for gpu.json")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="CPU tensors, tiny shapes, Triton interpreter: checks this script "
-                             "and measures nothing")
-    parser.add_argument("--time-budget", type=float, default=240.0,
-                        help="seconds after which the remaining entries are skipped (a failure)")
-    parser.add_argument("--compile-budget", type=float, default=60.0,
-                        help="seconds of torch.compile for the norm baselines; then none")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU tensors, tiny shapes, Triton interpreter: checks this script "
+        "and measures nothing",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=240.0,
+        help="seconds after which the remaining entries are skipped (a failure)",
+    )
+    parser.add_argument(
+        "--compile-budget",
+        type=float,
+        default=60.0,
+        help="seconds of torch.compile for the norm baselines; then none",
+    )
     return parser.parse_args(argv)
 
 
@@ -398,8 +464,10 @@ def main(argv=None) -> int:
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
-        print("bench/gpu.py: no CUDA device; use --dry-run to check the script on CPU",
-              file=sys.stderr)
+        print(
+            "bench/gpu.py: no CUDA device; use --dry-run to check the script on CPU",
+            file=sys.stderr,
+        )
         return 2
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -427,8 +495,10 @@ def main(argv=None) -> int:
     path = os.path.join(args.out, "gpu.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"wrote {path} ({len(bench.entries)} entries, {len(failed)} failed, "
-          f"{report['seconds']} s)", flush=True)
+    print(
+        f"wrote {path} ({len(bench.entries)} entries, {len(failed)} failed, {report['seconds']} s)",
+        flush=True,
+    )
     for e in failed:
         print(f"FAILED {e.op} {e.pass_} {e.dtype} {e.shape}:\n{e.error}", file=sys.stderr)
     return 1 if failed else 0

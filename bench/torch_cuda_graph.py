@@ -38,7 +38,10 @@ def _models(cfg, vocab, params64, device, backend):
         model = TorchLM(cfg, vocab, backend=backend, dtype=torch.float32, device=device)
         load_params(model, params64, cfg)
         optimiser = torch.optim.Adam(
-            model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), eps=1e-8,
+            model.parameters(),
+            lr=cfg.lr,
+            betas=(0.9, 0.99),
+            eps=1e-8,
             capturable=device.type == "cuda",
         )
         models.append((model, optimiser))
@@ -109,9 +112,7 @@ def run(out: pathlib.Path, steps: int, warmup: int, rtol: float, dry_run: bool) 
             )
         eager_losses.append(_eager_step(eager, eager_opt, tokens, targets).item())
 
-    worst = max(
-        abs(a - b) / max(abs(b), 1e-30) for a, b in zip(graph_losses, eager_losses)
-    )
+    worst = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(graph_losses, eager_losses))
     ok = math.isfinite(worst) and worst <= rtol
     report = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -133,11 +134,15 @@ def run(out: pathlib.Path, steps: int, warmup: int, rtol: float, dry_run: bool) 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, required=True, help="folder for the JSON report")
+    parser.add_argument(
+        "--out", type=pathlib.Path, required=True, help="folder for the JSON report"
+    )
     parser.add_argument("--steps", type=int, default=10, help="replayed steps (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="eager steps before capture")
     parser.add_argument(
-        "--rtol", type=float, default=1e-4,
+        "--rtol",
+        type=float,
+        default=1e-4,
         help="largest relative loss difference between replay and eager (default 1e-4)",
     )
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model, no capture")

@@ -99,7 +99,9 @@ def _layer_norm(x, dy, w, b, acc, checkpoint, ulps=0):
     """
     x, dy, w, b = (a.astype(acc) for a in (x, dy, w, b))
     mean, rstd = ref.layer_norm_stats(x, LN_EPS)
-    y, _, _ = ref.layer_norm(x, w, b, eps=LN_EPS, mean=_nudged(mean, acc, ulps), rstd=_nudged(rstd, acc, ulps))
+    y, _, _ = ref.layer_norm(
+        x, w, b, eps=LN_EPS, mean=_nudged(mean, acc, ulps), rstd=_nudged(rstd, acc, ulps)
+    )
     mean, rstd = (_nudged(a, checkpoint, ulps).astype(acc) for a in (mean, rstd))
     dx, dw, db = ref.layer_norm_backward(x, w, dy, eps=LN_EPS, mean=mean, rstd=rstd)
     return {"y": y, "dx": dx, "dw": dw, "db": db}
@@ -114,7 +116,9 @@ def _softmax(x, dy, acc):
 def _naive_errors(naive, reference, ulps=(0,)):
     """Per result, the largest error of ``naive(u)`` against ``reference`` over ``u`` in ``ulps``."""
     runs = [naive(u) for u in ulps]
-    return {name: max(max_error(run[name], exact) for run in runs) for name, exact in reference.items()}
+    return {
+        name: max(max_error(run[name], exact) for run in runs) for name, exact in reference.items()
+    }
 
 
 def _check(op, dtype, got, naive_errors, reference):
@@ -124,7 +128,9 @@ def _check(op, dtype, got, naive_errors, reference):
         pass_ = "forward" if name == "y" else "backward"
         tol = max(floor(op, pass_, kind), 2 * naive_errors[name])
         err = max_error(actual, reference[name])
-        assert err <= tol, f"{op} {name} ({kind}, shape {np.shape(actual)}): error {err:.3g} > {tol:.3g}"
+        assert err <= tol, (
+            f"{op} {name} ({kind}, shape {np.shape(actual)}): error {err:.3g} > {tol:.3g}"
+        )
 
 
 @SETTINGS
@@ -156,7 +162,9 @@ def test_layer_norm_matches_float64_reference(drawn, affine):
     got = {"y": y, "dx": dx, "dw": dw, "db": db}
     got = {name: a for name, a in got.items() if a is not None}
     reference = _layer_norm(x, dy, w_eff, b_eff, np.float64, np.float64)
-    naive = _naive_errors(lambda u: _layer_norm(x, dy, w_eff, b_eff, dtype, np.float32, u), reference, ULPS)
+    naive = _naive_errors(
+        lambda u: _layer_norm(x, dy, w_eff, b_eff, dtype, np.float32, u), reference, ULPS
+    )
     _check("layer_norm", dtype, got, naive, reference)
 
 
@@ -169,4 +177,6 @@ def test_softmax_matches_float64_reference(drawn):
     xk.softmax_backward_(Duplicated(y, dy), Duplicated(x, dx))
     got = {"y": y, "dx": dx}
     reference = _softmax(x, dy, np.float64)
-    _check("softmax", dtype, got, _naive_errors(lambda u: _softmax(x, dy, dtype), reference), reference)
+    _check(
+        "softmax", dtype, got, _naive_errors(lambda u: _softmax(x, dy, dtype), reference), reference
+    )

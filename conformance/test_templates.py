@@ -62,7 +62,14 @@ def _target_contexts(request):
 def _forward_only(spec, what):
     """One skipped parameter standing for every ``what`` check of a spec without a backward."""
     reason = f"{spec.name} is forward-only: no {what} to check"
-    return pytest.param(spec, None, None, None, marks=pytest.mark.skip(reason=reason), id=f"{spec.name}-forward-only")
+    return pytest.param(
+        spec,
+        None,
+        None,
+        None,
+        marks=pytest.mark.skip(reason=reason),
+        id=f"{spec.name}-forward-only",
+    )
 
 
 def _params(with_dtype=True, targets=TARGETS, backward=False):
@@ -102,7 +109,11 @@ def _allowed(op: str, case_id: str, dtype: str) -> dict:
     rounded = _BFLOAT16_HOST if dtype == "bfloat16" else harness.Target("array_api", "numpy", "cpu")
     rng = case_rng(spec, case)
     _, exact = harness.quantize(spec.inputs(case, rng), dtype, rounded)
-    cot = {} if spec.backward is None else harness.quantize(spec.backward.cotangents(case, rng), dtype, rounded)[1]
+    cot = (
+        {}
+        if spec.backward is None
+        else harness.quantize(spec.backward.cotangents(case, rng), dtype, rounded)[1]
+    )
     return tolerances.allowed(spec, case, exact, cot, dtype)
 
 
@@ -114,7 +125,10 @@ def _check_grads(spec, case, target, dtype, grads, exact, cot_exact):
     ref = spec.backward.reference(case, exact, cot_exact)
     for name in spec.grad_names:
         assert_close(
-            target.to_numpy(grads[name]), ref[name], _tol(spec, case, dtype, "backward", name), f"gradient {name}"
+            target.to_numpy(grads[name]),
+            ref[name],
+            _tol(spec, case, dtype, "backward", name),
+            f"gradient {name}",
         )
 
 
@@ -127,12 +141,17 @@ def test_forward_matches_reference(spec, case, target, dtype):
     ref_outs, ref_ck = spec.reference(case, exact)
     for name in spec.outputs:
         assert_close(
-            target.to_numpy(outs[name]), ref_outs[name], _tol(spec, case, dtype, "forward", name), f"output {name}"
+            target.to_numpy(outs[name]),
+            ref_outs[name],
+            _tol(spec, case, dtype, "forward", name),
+            f"output {name}",
         )
     for name in spec.checkpoint_names:
         assert_close(
-            target.to_numpy(getattr(ck, name)), ref_ck[name],
-            _tol(spec, case, dtype, "checkpoints", name), f"checkpoint {name}",
+            target.to_numpy(getattr(ck, name)),
+            ref_ck[name],
+            _tol(spec, case, dtype, "checkpoints", name),
+            f"checkpoint {name}",
         )
 
 
@@ -145,7 +164,9 @@ def _reference_state(spec, case, arrays, exact, target, dtype):
         ck = spec.allocate_checkpoints(case, arrays)
         # A backward accepts only checkpoints a forward wrote (and records its options in):
         # run the target's forward into them, then replace its values by the reference's.
-        spec.forward_(case, arrays, spec.allocate_outputs(case, arrays, target, dtype), ck, target.backend)
+        spec.forward_(
+            case, arrays, spec.allocate_outputs(case, arrays, target, dtype), ck, target.backend
+        )
         for name in ck._fields:
             getattr(ck, name)[...] = target.asarray(ref_ck[name], "float32")
     return outs, ck
@@ -182,7 +203,9 @@ def test_allocating_equals_inplace(spec, case, target, dtype):
     ck2 = harness.nan_checkpoints(spec, case, arrays)
     outs2 = spec.forward(case, arrays, ck2, target.backend)
     for name in spec.outputs:
-        np.testing.assert_array_equal(target.to_numpy(outs2[name]), target.to_numpy(outs[name]), err_msg=name)
+        np.testing.assert_array_equal(
+            target.to_numpy(outs2[name]), target.to_numpy(outs[name]), err_msg=name
+        )
     if spec.backward is None:
         return
     cot, _ = harness.cotangents(spec, case, rng, target, dtype)
@@ -190,7 +213,9 @@ def test_allocating_equals_inplace(spec, case, target, dtype):
     spec.backward.inplace(case, arrays, outs, cot, grads, ck, target.backend)
     grads2 = spec.backward.allocating(case, arrays, outs, cot, ck2, target.backend)
     for name in spec.grad_names:
-        np.testing.assert_array_equal(target.to_numpy(grads2[name]), target.to_numpy(grads[name]), err_msg=name)
+        np.testing.assert_array_equal(
+            target.to_numpy(grads2[name]), target.to_numpy(grads[name]), err_msg=name
+        )
 
 
 def _interchange_params():
@@ -216,7 +241,14 @@ def _interchange_params():
                     marks = _marks(a if a.interpreted else b, reason)
                     to = b.backend if b.schedule is None else f"{b.backend}-{b.schedule}"
                     params.append(
-                        pytest.param(spec, case, a, b, marks=marks, id=f"{spec.name}-{case.id}-{a.id}-to-{to}")
+                        pytest.param(
+                            spec,
+                            case,
+                            a,
+                            b,
+                            marks=marks,
+                            id=f"{spec.name}-{case.id}-{a.id}-to-{to}",
+                        )
                     )
     return params
 
@@ -244,7 +276,14 @@ def _error_params():
             reason = target.unavailable()
             for err in spec.errors():
                 marks = [pytest.mark.skip(reason=f"{target.id}: {reason}")] if reason else []
-                params.append(pytest.param(err, target, marks=marks, id=f"{spec.name}-{err.id}-{target.namespace}-{target.device}"))
+                params.append(
+                    pytest.param(
+                        err,
+                        target,
+                        marks=marks,
+                        id=f"{spec.name}-{err.id}-{target.namespace}-{target.device}",
+                    )
+                )
     return params
 
 

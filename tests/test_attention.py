@@ -30,8 +30,13 @@ def _naive(q, k, v, do, *, causal=False, scale=None, input_pos=0, q_lengths=None
     q, k, v, do = (np.asarray(a, dtype=np.float64) for a in (q, k, v, do))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     keep = ref.attention_keep(
-        q.shape[0], q.shape[2], k.shape[2], causal=causal, input_pos=input_pos,
-        q_lengths=q_lengths, k_lengths=k_lengths,
+        q.shape[0],
+        q.shape[2],
+        k.shape[2],
+        causal=causal,
+        input_pos=input_pos,
+        q_lengths=q_lengths,
+        k_lengths=k_lengths,
     )
     o, m, l_sum, _ = ref.attention(q, k, v, scale=scale, keep=keep)
     return (o, m, l_sum, *ref.attention_backward(q, k, v, do, scale=scale, keep=keep))
@@ -64,12 +69,24 @@ def _small_tiles(monkeypatch, tile_elements, key_tile):
 
 
 TILED_CASES = {
-    "gqa2-causal-lengths": dict(shape=(2, 4, 2, 37, 53, 16, 8), causal=True, input_pos=[0, 5],
-                                q_lengths=[37, 20], k_lengths=[53, 11]),
-    "mqa-noncausal-lengths": dict(shape=(2, 4, 1, 37, 53, 16, 16), q_lengths=[30, 37], k_lengths=[53, 10]),
+    "gqa2-causal-lengths": dict(
+        shape=(2, 4, 2, 37, 53, 16, 8),
+        causal=True,
+        input_pos=[0, 5],
+        q_lengths=[37, 20],
+        k_lengths=[53, 11],
+    ),
+    "mqa-noncausal-lengths": dict(
+        shape=(2, 4, 1, 37, 53, 16, 16), q_lengths=[30, 37], k_lengths=[53, 10]
+    ),
     "causal-square-odd": dict(shape=(1, 2, 2, 70, 70, 40, 40), causal=True),
-    "pos-beyond-keys": dict(shape=(3, 2, 1, 9, 66, 16, 24), causal=True, input_pos=[3, 0, 60],
-                            q_lengths=[9, 4, 9], k_lengths=[66, 66, 5]),
+    "pos-beyond-keys": dict(
+        shape=(3, 2, 1, 9, 66, 16, 24),
+        causal=True,
+        input_pos=[3, 0, 60],
+        q_lengths=[9, 4, 9],
+        k_lengths=[66, 66, 5],
+    ),
     "sq-gt-sk-causal": dict(shape=(1, 2, 2, 90, 30, 16, 16), causal=True, scale=0.3),
 }
 
@@ -88,7 +105,9 @@ def test_tiled_kernels_match_full_matrix_reference(name, tile_elements, key_tile
     for what, a, b in zip(("o", "m", "l", "dq", "dk", "dv"), got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-6, atol=2e-6, err_msg=what)
     inference = xk.attention(q, k, v, **options)  # no checkpoints: the row max may be skipped
-    np.testing.assert_allclose(inference, want[0], rtol=2e-6, atol=2e-6, err_msg="o without checkpoints")
+    np.testing.assert_allclose(
+        inference, want[0], rtol=2e-6, atol=2e-6, err_msg="o without checkpoints"
+    )
 
 
 @pytest.mark.parametrize("early,late", [(1.0, 1.0), (1.0, 30.0), (-30.0, 1.0)])
@@ -110,7 +129,9 @@ def test_scores_beyond_the_safe_exponent_stay_exact(early, late, monkeypatch):
     assert np.all(np.isfinite(got[1]))
     got = (*got, xk.attention(q, k, v, causal=True, input_pos=40))  # no checkpoints
     want = (*want, want[0])
-    for what, a, b in zip(("o", "m", "l", "dq", "dk", "dv", "o without checkpoints"), got, want, strict=True):
+    for what, a, b in zip(
+        ("o", "m", "l", "dq", "dk", "dv", "o without checkpoints"), got, want, strict=True
+    ):
         scale = max(float(np.max(np.abs(b))), 1.0)
         np.testing.assert_allclose(a / scale, b / scale, rtol=0, atol=2e-5, err_msg=what)
 
@@ -121,8 +142,12 @@ def test_fully_masked_rows_are_zero_without_warnings(dtype):
     """k_lengths 0, queries past q_lengths: o = 0, m = -inf, l = 0, zero gradients, no FP warnings."""
     rng = np.random.default_rng(3)
     q, k, v, do = _inputs(rng, 3, 4, 2, 12, 70, 16, dtype=dtype)
-    options = dict(causal=True, input_pos=np.asarray([0, 4, 2]), q_lengths=np.asarray([12, 5, 12]),
-                   k_lengths=np.asarray([70, 70, 0]))
+    options = dict(
+        causal=True,
+        input_pos=np.asarray([0, 4, 2]),
+        q_lengths=np.asarray([12, 5, 12]),
+        k_lengths=np.asarray([70, 70, 0]),
+    )
     with np.errstate(divide="raise", over="raise", invalid="raise"):
         o, m, l_sum, dq, dk, dv = _run(q, k, v, do, **options)
     masked = np.zeros((3, 4, 12), dtype=bool)  # (B, H, Sq)
@@ -196,8 +221,12 @@ def test_memory_is_bounded_by_the_tile_budget_at_8192():
     assert backward_peak <= budget, f"backward peak {backward_peak} > {budget} bytes"
     assert max(forward_peak, backward_peak) < full_matrix / 16
     for r in (0, 1, 4095, 8191):  # query r attends to keys 0 .. r
-        want = _naive(q[:, :, r : r + 1], k[:, :, : r + 1], v[:, :, : r + 1], do[:, :, r : r + 1])[0]
-        np.testing.assert_allclose(o[:, :, r : r + 1], want, rtol=1e-5, atol=1e-5, err_msg=f"row {r}")
+        want = _naive(q[:, :, r : r + 1], k[:, :, : r + 1], v[:, :, : r + 1], do[:, :, r : r + 1])[
+            0
+        ]
+        np.testing.assert_allclose(
+            o[:, :, r : r + 1], want, rtol=1e-5, atol=1e-5, err_msg=f"row {r}"
+        )
 
 
 def test_gqa_gradients_are_group_sums_of_repeated_heads():
@@ -241,11 +270,16 @@ def test_reused_buffers_hold_nothing_between_calls():
     ck = xk.allocate_checkpoints(xk.attention_, first[0], first[1], first[2])
     shadows = [np.empty_like(a) for a in first[:3]]
     scratch = xk.allocate_scratchspace(
-        xk.attention_backward_, Duplicated(o), *(Duplicated(a, s) for a, s in zip(first[:3], shadows, strict=True))
+        xk.attention_backward_,
+        Duplicated(o),
+        *(Duplicated(a, s) for a, s in zip(first[:3], shadows, strict=True)),
     )
     for q, k, v, do in (first, second):
         xk.attention_(o, q, k, v, causal=True, checkpoints=ck)
-        args = (Duplicated(o, do), *(Duplicated(a, s) for a, s in zip((q, k, v), shadows, strict=True)))
+        args = (
+            Duplicated(o, do),
+            *(Duplicated(a, s) for a, s in zip((q, k, v), shadows, strict=True)),
+        )
         xk.attention_backward_(*args, checkpoints=ck, scratch=scratch, causal=True)
     want = _naive(*second, causal=True)
     np.testing.assert_allclose(o, want[0], rtol=2e-5, atol=2e-5)
@@ -262,8 +296,9 @@ def test_checkpoints_feed_the_backward_as_a_contract():
     ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
     xk.attention_(np.empty_like(q), q, k, v, causal=True, k_lengths=k_lengths, checkpoints=ck)
     ck.m[...], ck.l[...] = want[1], want[2]  # the reference's values, in the record of a forward
-    dq, dk, dv = xk.attention_backward(do, q, k, v, want[0], checkpoints=ck, causal=True,
-                                       k_lengths=k_lengths)
+    dq, dk, dv = xk.attention_backward(
+        do, q, k, v, want[0], checkpoints=ck, causal=True, k_lengths=k_lengths
+    )
     for got, w in zip((dq, dk, dv), want[3:], strict=True):
         np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-5)
 
@@ -274,8 +309,13 @@ def _decode_reference(q, k_cache, v_cache, lengths):
     for b, n in enumerate(lengths):
         if n == 0:
             continue
-        o = xk.attention(q[b : b + 1, :, None, :], k_cache[b : b + 1], v_cache[b : b + 1], causal=True,
-                         input_pos=int(n) - 1)
+        o = xk.attention(
+            q[b : b + 1, :, None, :],
+            k_cache[b : b + 1],
+            v_cache[b : b + 1],
+            causal=True,
+            input_pos=int(n) - 1,
+        )
         out[b] = o[0, :, 0, :]
     return out
 
@@ -349,7 +389,10 @@ def _run_in(namespace, q, k, v, do, **options):
     o = torch.full((*q_t.shape[:3], v_t.shape[3]), torch.nan, dtype=q_t.dtype)
     ck = xk.allocate_checkpoints(xk.attention_, q_t, k_t, v_t)
     xk.attention_(o, q_t, k_t, v_t, checkpoints=ck, **options)
-    O, Q, K, V = Duplicated(o, do_t), *(Duplicated(a, torch.full_like(a, torch.nan)) for a in (q_t, k_t, v_t))
+    O, Q, K, V = (
+        Duplicated(o, do_t),
+        *(Duplicated(a, torch.full_like(a, torch.nan)) for a in (q_t, k_t, v_t)),
+    )
     xk.attention_backward_(O, Q, K, V, checkpoints=ck, **options)
     return tuple(a.numpy() for a in (o, ck.m, ck.l, Q.shadow, K.shadow, V.shadow))
 
@@ -365,12 +408,16 @@ def _assert_matches(got, want, dtype, rows=None, what=OUTPUTS):
         if rows is not None and name in ("o", "m", "l", "dq"):
             a, b = a[:, :, rows], b[:, :, rows]
         finite = np.isfinite(b)
-        assert np.array_equal(np.isfinite(a), finite), f"{name}: non-finite where the reference is finite or back"
+        assert np.array_equal(np.isfinite(a), finite), (
+            f"{name}: non-finite where the reference is finite or back"
+        )
         assert np.array_equal(a[~finite], b[~finite]), f"{name}: infinities differ"
         scale = max(float(np.max(np.abs(b[finite]), initial=0.0)), 1.0)
         # Checkpoints are float32, and the gradients are rebuilt from them.
         tol = _tol(dtype) if name == "o" else max(_tol(dtype), _tol(np.float32))
-        np.testing.assert_allclose(a[finite] / scale, b[finite] / scale, rtol=0, atol=tol, err_msg=name)
+        np.testing.assert_allclose(
+            a[finite] / scale, b[finite] / scale, rtol=0, atol=tol, err_msg=name
+        )
 
 
 NEGATIVE_POSITIONS = [
@@ -393,11 +440,17 @@ def test_negative_input_pos_gives_bottom_right_alignment(namespace, input_pos, m
     got = _run_in(namespace, q, k, v, do, causal=True, input_pos=pos)
     want = _naive(q, k, v, do, causal=True, input_pos=np.clip(np.asarray(input_pos), -13, 10))
     _assert_matches(got, want, np.float64)
-    blind = np.broadcast_to(np.asarray(input_pos), (2,))[:, None] + np.arange(13)[None, :] < 0  # (B, Sq)
+    blind = (
+        np.broadcast_to(np.asarray(input_pos), (2,))[:, None] + np.arange(13)[None, :] < 0
+    )  # (B, Sq)
     o, m, l_sum, dq = got[:4]
     assert blind.any()
-    assert np.all(o[blind[:, None, :].repeat(2, 1)] == 0) and np.all(dq.transpose(0, 2, 1, 3)[blind] == 0)
-    assert np.all(m.transpose(0, 2, 1)[blind] == -np.inf) and np.all(l_sum.transpose(0, 2, 1)[blind] == 0)
+    assert np.all(o[blind[:, None, :].repeat(2, 1)] == 0) and np.all(
+        dq.transpose(0, 2, 1, 3)[blind] == 0
+    )
+    assert np.all(m.transpose(0, 2, 1)[blind] == -np.inf) and np.all(
+        l_sum.transpose(0, 2, 1)[blind] == 0
+    )
 
 
 def test_bottom_right_alignment_matches_torch_sdpa_lower_right():
@@ -409,7 +462,9 @@ def test_bottom_right_alignment_matches_torch_sdpa_lower_right():
     q, k, v, _ = _inputs(rng, 1, 2, 2, 5, 12, 8)
     got = xk.attention(q, k, v, causal=True, input_pos=12 - 5)
     qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
-    want = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(5, 12))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        qt, kt, vt, attn_mask=causal_lower_right(5, 12)
+    )
     np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=_tol(np.float64))
 
 
@@ -437,19 +492,25 @@ def test_causal_must_be_a_bool_in_forward_and_backward(causal):
     xk.attention_(o, q, k, v, checkpoints=ck)
     shadows = [np.full_like(a, 7.0) for a in (q, k, v)]
     with pytest.raises(TypeError, match="attention_backward_: causal must be a bool"):
-        xk.attention_backward_(Duplicated(o, do), *map(Duplicated, (q, k, v), shadows), checkpoints=ck,
-                               causal=causal)
+        xk.attention_backward_(
+            Duplicated(o, do), *map(Duplicated, (q, k, v), shadows), checkpoints=ck, causal=causal
+        )
     assert all(np.all(s == 7.0) for s in shadows)
 
 
-@pytest.mark.parametrize("input_pos", [2**31, -(2**40), np.asarray([0, 2**40]), np.asarray([-(2**31), 0])],
-                         ids=["int", "negative-int", "array", "negative-array"])
+@pytest.mark.parametrize(
+    "input_pos",
+    [2**31, -(2**40), np.asarray([0, 2**40]), np.asarray([-(2**31), 0])],
+    ids=["int", "negative-int", "array", "negative-array"],
+)
 def test_host_input_pos_beyond_the_index_type_is_refused(input_pos):
     """Host values (Python ints, NumPy arrays) must fit the kernels' int32 index type; nothing is written."""
     rng = np.random.default_rng(59)
     q, k, v, _ = _inputs(rng, 2, 1, 1, 4, 4, 8)
     o = np.full_like(q, 7.0)
-    with pytest.raises(ValueError, match=r"attention_: input_pos must lie in \[-2147483647, 2147483647\]"):
+    with pytest.raises(
+        ValueError, match=r"attention_: input_pos must lie in \[-2147483647, 2147483647\]"
+    ):
         xk.attention_(o, q, k, v, causal=True, input_pos=input_pos)
     assert np.all(o == 7.0)
 
@@ -457,8 +518,10 @@ def test_host_input_pos_beyond_the_index_type_is_refused(input_pos):
 def test_input_pos_numpy_scalars_are_ints_and_float_arrays_are_refused():
     rng = np.random.default_rng(59)
     q, k, v, _ = _inputs(rng, 1, 1, 1, 4, 4, 8)
-    np.testing.assert_array_equal(xk.attention(q, k, v, causal=True, input_pos=np.int64(-2)),
-                                  xk.attention(q, k, v, causal=True, input_pos=-2))
+    np.testing.assert_array_equal(
+        xk.attention(q, k, v, causal=True, input_pos=np.int64(-2)),
+        xk.attention(q, k, v, causal=True, input_pos=-2),
+    )
     with pytest.raises(TypeError, match=r"input_pos must have dtype int32 or int64"):
         xk.attention(q, k, v, input_pos=np.zeros(1))
 
@@ -480,7 +543,9 @@ def test_nan_key_or_value_reaches_only_the_rows_that_see_it(namespace, where, mo
     want = _clean_reference(q, k, v, do, causal=True)
     _assert_matches(got, want, np.float64, rows=slice(0, 6), what=("o", "m", "l", "dq"))
     o, m, l_sum, dq, dk, dv = got
-    assert np.all(np.isnan(o[:, :, 6:]).any(axis=-1)) and np.all(np.isnan(dq[:, :, 6:]).any(axis=-1))
+    assert np.all(np.isnan(o[:, :, 6:]).any(axis=-1)) and np.all(
+        np.isnan(dq[:, :, 6:]).any(axis=-1)
+    )
     if where == "k":
         assert np.all(np.isnan(m[:, :, 6:])) and np.all(np.isnan(l_sum[:, :, 6:]))
 
@@ -490,13 +555,20 @@ def test_nan_beyond_k_lengths_and_q_lengths_is_never_seen(namespace, monkeypatch
     _small_tiles(monkeypatch, 64, 4)
     rng = np.random.default_rng(67)
     q, k, v, do = _inputs(rng, 2, 2, 2, 9, 14, 8)
-    options = dict(causal=True, input_pos=np.asarray([5, -2]), q_lengths=np.asarray([9, 6]),
-                   k_lengths=np.asarray([10, 7]))
+    options = dict(
+        causal=True,
+        input_pos=np.asarray([5, -2]),
+        q_lengths=np.asarray([9, 6]),
+        k_lengths=np.asarray([10, 7]),
+    )
     k[0, :, 10:] = v[0, :, 10:] = np.nan
     k[1, :, 7:] = v[1, :, 7:] = np.inf
     q[1, :, 6:] = do[1, :, 6:] = np.nan
     got = _run_in(namespace, q, k, v, do, **options)
-    assert all(np.isfinite(a[np.isfinite(b)]).all() for a, b in zip(got, _clean_reference(q, k, v, do, **options)))
+    assert all(
+        np.isfinite(a[np.isfinite(b)]).all()
+        for a, b in zip(got, _clean_reference(q, k, v, do, **options))
+    )
     _assert_matches(got, _clean_reference(q, k, v, do, **options), np.float64)
 
 
@@ -504,7 +576,9 @@ def test_nan_beyond_k_lengths_and_q_lengths_is_never_seen(namespace, monkeypatch
 @pytest.mark.parametrize("causal", [False, True])
 def test_nan_in_one_query_row_affects_only_that_row(namespace, causal, monkeypatch):
     """NaN in q[b, h, i]: o, m, l, dq of that row are NaN, dk/dv of the keys it sees are NaN; nothing else."""
-    _small_tiles(monkeypatch, 64, 8)  # query tiles of 3 rows meet key tiles of 8: row 3 shares tiles with keys > 3
+    _small_tiles(
+        monkeypatch, 64, 8
+    )  # query tiles of 3 rows meet key tiles of 8: row 3 shares tiles with keys > 3
     rng = np.random.default_rng(71)
     q, k, v, do = _inputs(rng, 1, 2, 1, 10, 10, 8)
     q[0, 1, 3, 0] = np.nan
@@ -521,11 +595,17 @@ def test_nan_in_one_query_row_affects_only_that_row(namespace, causal, monkeypat
         assert np.all(np.isnan(a[0, 0, seen]).any(axis=-1)) and np.all(np.isfinite(a[0, 0, ~seen]))
     other = np.ones(10, dtype=bool)
     other[3] = False
-    _assert_matches([a[:, :1] for a in got], [a[:, :1] for a in want], np.float64, what=("o", "m", "l", "dq"))
+    _assert_matches(
+        [a[:, :1] for a in got], [a[:, :1] for a in want], np.float64, what=("o", "m", "l", "dq")
+    )
     _assert_matches(got, want, np.float64, rows=other, what=("o", "m", "l", "dq"))
     if causal:
-        _assert_matches([None] * 4 + [a[:, :, 4:] for a in got[4:]], [None] * 4 + [a[:, :, 4:] for a in want[4:]],
-                        np.float64, what=("dk", "dv"))
+        _assert_matches(
+            [None] * 4 + [a[:, :, 4:] for a in got[4:]],
+            [None] * 4 + [a[:, :, 4:] for a in want[4:]],
+            np.float64,
+            what=("dk", "dv"),
+        )
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)
@@ -534,21 +614,44 @@ def test_out_of_range_device_lengths_and_positions_are_clamped_by_the_kernels(na
     lengths to [0, S], positions to [-Sq, Sk]; nothing is read out of bounds and results equal the clamped call."""
     rng = np.random.default_rng(73)
     q, k, v, do = _inputs(rng, 3, 2, 1, 6, 9, 8)
-    raw = dict(input_pos=np.asarray([2**40, -(2**40), 3]), q_lengths=np.asarray([-4, 2**33, 5]),
-               k_lengths=np.asarray([2**35, 4, -(2**34)]))
-    clamped = dict(input_pos=np.asarray([9, -6, 3]), q_lengths=np.asarray([0, 6, 5]),
-                   k_lengths=np.asarray([9, 4, 0]))
+    raw = dict(
+        input_pos=np.asarray([2**40, -(2**40), 3]),
+        q_lengths=np.asarray([-4, 2**33, 5]),
+        k_lengths=np.asarray([2**35, 4, -(2**34)]),
+    )
+    clamped = dict(
+        input_pos=np.asarray([9, -6, 3]),
+        q_lengths=np.asarray([0, 6, 5]),
+        k_lengths=np.asarray([9, 4, 0]),
+    )
     want = _naive(q, k, v, do, causal=True, **clamped)
     arrays = [_as(namespace, a) for a in (q, k, v, do)]
     options = {n: _as(namespace, a) for n, a in raw.items()}
     xp = np if namespace == "numpy" else __import__("torch")
     o = xp.full((3, 2, 6, 8), math.nan, dtype=xp.float64)
-    m, l_sum = xp.full((3, 2, 6), math.nan, dtype=xp.float32), xp.full((3, 2, 6), math.nan, dtype=xp.float32)
+    m, l_sum = (
+        xp.full((3, 2, 6), math.nan, dtype=xp.float32),
+        xp.full((3, 2, 6), math.nan, dtype=xp.float32),
+    )
     attention_impl.forward(o, *arrays[:3], m, l_sum, scale=1 / math.sqrt(8), causal=True, **options)
     grads = [xp.full(a.shape, math.nan, dtype=xp.float64) for a in arrays[:3]]
-    delta, dq_accum = xp.empty((3, 2, 6), dtype=xp.float64), xp.empty((3, 2, 6, 8), dtype=xp.float64)
-    attention_impl.backward(arrays[3], *arrays[:3], o, m, l_sum, *grads, delta, dq_accum, scale=1 / math.sqrt(8),
-                            causal=True, **options)
+    delta, dq_accum = (
+        xp.empty((3, 2, 6), dtype=xp.float64),
+        xp.empty((3, 2, 6, 8), dtype=xp.float64),
+    )
+    attention_impl.backward(
+        arrays[3],
+        *arrays[:3],
+        o,
+        m,
+        l_sum,
+        *grads,
+        delta,
+        dq_accum,
+        scale=1 / math.sqrt(8),
+        causal=True,
+        **options,
+    )
     got = [np.asarray(a) for a in (o, m, l_sum, *grads)]
     _assert_matches(got, want, np.float32, what=("o", "dq", "dk", "dv"))
 
@@ -556,12 +659,18 @@ def test_out_of_range_device_lengths_and_positions_are_clamped_by_the_kernels(na
 @pytest.mark.parametrize("namespace", NAMESPACES)
 def test_decode_clamps_out_of_range_device_lengths(namespace):
     rng = np.random.default_rng(79)
-    q, k_cache, v_cache = rng.standard_normal((3, 2, 8)), rng.standard_normal((3, 1, 7, 8)), rng.standard_normal((3, 1, 7, 8))
+    q, k_cache, v_cache = (
+        rng.standard_normal((3, 2, 8)),
+        rng.standard_normal((3, 1, 7, 8)),
+        rng.standard_normal((3, 1, 7, 8)),
+    )
     want = _decode_reference(q, k_cache, v_cache, [7, 0, 4])
     xp = np if namespace == "numpy" else __import__("torch")
     arrays = [_as(namespace, a) for a in (q, k_cache, v_cache, np.asarray([2**36, -(2**33), 4]))]
     o = xp.full((3, 2, 8), math.nan, dtype=xp.float64)
-    scratch = [xp.full(shape, math.nan, dtype=xp.float64) for shape in ((3, 2, 3, 8), (3, 2, 3), (3, 2, 3))]
+    scratch = [
+        xp.full(shape, math.nan, dtype=xp.float64) for shape in ((3, 2, 3, 8), (3, 2, 3), (3, 2, 3))
+    ]
     decode_impl.forward(o, *arrays, *scratch, scale=1 / math.sqrt(8))
     np.testing.assert_allclose(np.asarray(o), want, rtol=0, atol=_tol(np.float64))
 
@@ -572,16 +681,24 @@ def test_decode_n_splits_is_bounded_by_the_cache_length():
     cache = np.ones((1, 1, 8, 8))
     lengths = np.asarray([8])
     o = np.full((1, 2, 8), 7.0)
-    with pytest.raises(ValueError, match=r"decode_attention_: n_splits must be <= 8 \(one split per cache entry"):
+    with pytest.raises(
+        ValueError, match=r"decode_attention_: n_splits must be <= 8 \(one split per cache entry"
+    ):
         xk.decode_attention_(o, q, cache, cache, lengths, n_splits=10**6)
     scratch = xk.allocate_scratchspace(xk.decode_attention_, o, q, n_splits=9)
-    with pytest.raises(ValueError, match=r"scratch.o_partial.shape\[2\] \(its n_splits\) must be <= 8"):
+    with pytest.raises(
+        ValueError, match=r"scratch.o_partial.shape\[2\] \(its n_splits\) must be <= 8"
+    ):
         xk.decode_attention_(o, q, cache, cache, lengths, scratch=scratch)
     assert np.all(o == 7.0)
-    with pytest.raises(ValueError, match=r"allocate_scratchspace\(decode_attention_\): n_splits must be <= 8"):
+    with pytest.raises(
+        ValueError, match=r"allocate_scratchspace\(decode_attention_\): n_splits must be <= 8"
+    ):
         xk.allocate_scratchspace(xk.decode_attention_, o, q, cache, n_splits=9)
     empty = np.ones((1, 1, 0, 8))
-    np.testing.assert_array_equal(xk.decode_attention(q, empty, empty, np.asarray([0]), n_splits=1), 0)
+    np.testing.assert_array_equal(
+        xk.decode_attention(q, empty, empty, np.asarray([0]), n_splits=1), 0
+    )
     np.testing.assert_allclose(xk.decode_attention(q, cache, cache, lengths, n_splits=8), 1.0)
 
 
@@ -599,19 +716,26 @@ def _backward_args(q, k, v, o, do):
     return Duplicated(o, do), *(Duplicated(a, np.full_like(a, 7.0)) for a in (q, k, v))
 
 
-@pytest.mark.parametrize("forward_options,backward_options,option", [
-    (dict(causal=True), dict(), "causal"),
-    (dict(scale=0.5), dict(scale=0.25), "scale"),
-    (dict(causal=True, input_pos=-2), dict(causal=True, input_pos=0), "input_pos"),
-    (dict(k_lengths=np.asarray([3, 5])), dict(k_lengths=np.asarray([3, 4])), "k_lengths"),
-    (dict(q_lengths=np.asarray([3, 5])), dict(), "q_lengths"),
-])
-def test_backward_with_other_options_than_the_forward_names_the_option(forward_options, backward_options, option):
+@pytest.mark.parametrize(
+    "forward_options,backward_options,option",
+    [
+        (dict(causal=True), dict(), "causal"),
+        (dict(scale=0.5), dict(scale=0.25), "scale"),
+        (dict(causal=True, input_pos=-2), dict(causal=True, input_pos=0), "input_pos"),
+        (dict(k_lengths=np.asarray([3, 5])), dict(k_lengths=np.asarray([3, 4])), "k_lengths"),
+        (dict(q_lengths=np.asarray([3, 5])), dict(), "q_lengths"),
+    ],
+)
+def test_backward_with_other_options_than_the_forward_names_the_option(
+    forward_options, backward_options, option
+):
     rng = np.random.default_rng(83)
     q, k, v, do = _inputs(rng, 2, 2, 1, 5, 6, 8)
     o, ck = _forward(q, k, v, **forward_options)
     args = _backward_args(q, k, v, o, do)
-    with pytest.raises(ValueError, match=f"attention_backward_: {option}=.* differs from the forward"):
+    with pytest.raises(
+        ValueError, match=f"attention_backward_: {option}=.* differs from the forward"
+    ):
         xk.attention_backward_(*args, checkpoints=ck, **backward_options)
     assert all(np.all(d.shadow == 7.0) for d in args[1:])
     same = {n: np.array(a) if isinstance(a, np.ndarray) else a for n, a in forward_options.items()}
@@ -623,11 +747,15 @@ def test_checkpoints_no_forward_wrote_are_refused():
     rng = np.random.default_rng(89)
     q, k, v, do = _inputs(rng, 1, 2, 2, 4, 4, 8)
     o, _ = _forward(q, k, v)
-    by_hand = AttentionCheckpoints(m=np.zeros((1, 2, 4), np.float32), l=np.ones((1, 2, 4), np.float32))
+    by_hand = AttentionCheckpoints(
+        m=np.zeros((1, 2, 4), np.float32), l=np.ones((1, 2, 4), np.float32)
+    )
     fresh = xk.allocate_checkpoints(xk.attention_, q, k, v)
     xk.attention_(o, q, k, v, checkpoints=None)  # inference: records nothing
     for ck in (by_hand, fresh):
-        with pytest.raises(ValueError, match="attention_backward_: checkpoints were never written by a forward"):
+        with pytest.raises(
+            ValueError, match="attention_backward_: checkpoints were never written by a forward"
+        ):
             xk.attention_backward_(*_backward_args(q, k, v, o, do), checkpoints=ck)
 
 
@@ -647,9 +775,12 @@ def test_outputs_overlapping_inputs_are_refused_before_any_write():
     O, Q = Duplicated(o, do), Duplicated(q, np.full_like(q, 7.0))
     with pytest.raises(ValueError, match="attention_backward_: .* shares memory with"):
         xk.attention_backward_(O, Q, Duplicated(k, shared), Duplicated(v, shared), checkpoints=ck)
-    with pytest.raises(ValueError, match="attention_backward_: Q.shadow shares memory with O.shadow"):
-        xk.attention_backward_(O, Duplicated(q, do), *(Duplicated(a, np.empty_like(a)) for a in (k, v)),
-                               checkpoints=ck)
+    with pytest.raises(
+        ValueError, match="attention_backward_: Q.shadow shares memory with O.shadow"
+    ):
+        xk.attention_backward_(
+            O, Duplicated(q, do), *(Duplicated(a, np.empty_like(a)) for a in (k, v)), checkpoints=ck
+        )
     assert np.all(Q.shadow == 7.0) and np.all(shared == 7.0)
 
 
@@ -686,9 +817,18 @@ def test_decode_output_overlapping_an_input_is_refused():
         xk.decode_attention_(q, q, cache, cache, np.asarray([5, 2]))
     np.testing.assert_array_equal(q, before)
     scratch = xk.allocate_scratchspace(xk.decode_attention_, np.empty_like(q), q, n_splits=2)
-    with pytest.raises(ValueError, match="decode_attention_: scratch.m_partial shares memory with scratch.l_partial"):
-        xk.decode_attention_(np.empty_like(q), q, cache, cache, np.asarray([5, 2]),
-                             scratch=scratch._replace(l_partial=scratch.m_partial))
+    with pytest.raises(
+        ValueError,
+        match="decode_attention_: scratch.m_partial shares memory with scratch.l_partial",
+    ):
+        xk.decode_attention_(
+            np.empty_like(q),
+            q,
+            cache,
+            cache,
+            np.asarray([5, 2]),
+            scratch=scratch._replace(l_partial=scratch.m_partial),
+        )
 
 
 def test_device_lengths_are_value_checked_in_debug_mode_only():
@@ -698,9 +838,19 @@ def test_device_lengths_are_value_checked_in_debug_mode_only():
     q, k, v, _ = (torch.from_numpy(a) for a in _inputs(rng, 2, 2, 1, 5, 6, 8))
     lengths = torch.tensor([99, -3])
     got = xk.attention(q, k, v, causal=True, k_lengths=lengths, input_pos=torch.tensor([2**40, -7]))
-    want = xk.attention(q, k, v, causal=True, k_lengths=torch.tensor([6, 0]), input_pos=torch.tensor([6, -5]))
+    want = xk.attention(
+        q, k, v, causal=True, k_lengths=torch.tensor([6, 0]), input_pos=torch.tensor([6, -5])
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with xk.debug(), pytest.raises(ValueError, match=r"attention: k_lengths must lie in \[0, 6\]|attention_: k_lengths"):
+    with (
+        xk.debug(),
+        pytest.raises(
+            ValueError, match=r"attention: k_lengths must lie in \[0, 6\]|attention_: k_lengths"
+        ),
+    ):
         xk.attention(q, k, v, k_lengths=lengths)
-    with xk.debug(), pytest.raises(ValueError, match=r"decode_attention_: lengths must lie in \[0, 6\]"):
+    with (
+        xk.debug(),
+        pytest.raises(ValueError, match=r"decode_attention_: lengths must lie in \[0, 6\]"),
+    ):
         xk.decode_attention(q[:, :, 0], k, v, lengths)

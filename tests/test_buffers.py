@@ -34,7 +34,9 @@ def test_duplicated_is_frozen_and_slotted():
 
 
 def test_duplicated_rejects_a_shadow_of_another_shape():
-    with pytest.raises(ValueError, match=r"shadow must have the primal's shape \(2, 3\), got \(3, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"shadow must have the primal's shape \(2, 3\), got \(3, 2\)"
+    ):
         Duplicated(np.ones((2, 3)), np.ones((3, 2)))
 
 
@@ -63,7 +65,9 @@ def test_checkpoints_are_float32_in_the_input_namespace(namespace):
 
 def test_allocators_are_keyed_on_the_function_that_uses_them():
     x, w = np.ones((4, 8), np.float32), np.ones(8, np.float32)
-    sc = xk.allocate_scratchspace(xk.rms_norm_backward_, Duplicated(x), Duplicated(x), Duplicated(w))
+    sc = xk.allocate_scratchspace(
+        xk.rms_norm_backward_, Duplicated(x), Duplicated(x), Duplicated(w)
+    )
     assert isinstance(sc, RMSNormBackwardScratch)
     assert sc.dw_partial.shape[1] == 8 and sc.dw_partial.dtype == np.float32
     with pytest.raises(TypeError, match="rms_norm_backward_ saves no checkpoints"):
@@ -100,14 +104,20 @@ def test_grad_shadow_dispatches_to_the_objects_hook():
 
 def test_forward_without_checkpoints_matches_forward_with_them():
     rng = np.random.default_rng(0)
-    x, w = rng.standard_normal((5, 16)).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+    x, w = (
+        rng.standard_normal((5, 16)).astype(np.float32),
+        rng.standard_normal(16).astype(np.float32),
+    )
     ck = xk.allocate_checkpoints(xk.rms_norm_, x, w)
     np.testing.assert_array_equal(xk.rms_norm(x, w), xk.rms_norm(x, w, checkpoints=ck))
 
 
 def test_backward_scratch_none_equals_supplied_scratch():
     rng = np.random.default_rng(1)
-    x, w = rng.standard_normal((6, 16)).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+    x, w = (
+        rng.standard_normal((6, 16)).astype(np.float32),
+        rng.standard_normal(16).astype(np.float32),
+    )
     dy = rng.standard_normal((6, 16)).astype(np.float32)
     ck = xk.allocate_checkpoints(xk.rms_norm_, x, w)
     y = xk.rms_norm(x, w, checkpoints=ck)

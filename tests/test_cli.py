@@ -56,8 +56,15 @@ def test_info_lists_versions_and_every_backend_with_its_state():
     assert re.search(r"^\s+cupy\s+(not installed|\d)", out, re.MULTILINE)
     environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     expected = subprocess.run(
-        [sys.executable, "-c", "import xpkernels as xk\nfor b in xk.backends(): print(repr((b.name, b.available, b.reason)))"],
-        capture_output=True, text=True, env=environ, check=True,
+        [
+            sys.executable,
+            "-c",
+            "import xpkernels as xk\nfor b in xk.backends(): print(repr((b.name, b.available, b.reason)))",
+        ],
+        capture_output=True,
+        text=True,
+        env=environ,
+        check=True,
     ).stdout.splitlines()
     assert len(expected) == len(xpkernels.backends())
     for name, available, reason in map(ast.literal_eval, expected):
@@ -97,7 +104,9 @@ def test_check_passes_every_primitive_on_every_cpu_namespace():
     if HAS_TRITON:
         assert "triton on torch cpu: runs only through the Triton interpreter" in out
     else:
-        assert re.search(r"^  triton on torch cpu: (torch|triton) is not installed$", out, re.MULTILINE), out
+        assert re.search(
+            r"^  triton on torch cpu: (torch|triton) is not installed$", out, re.MULTILINE
+        ), out
     total = re.search(r"^(\d+) PASS, 0 FAIL$", out, re.MULTILINE)
     assert total and int(total.group(1)) >= len(rows), out  # emulated targets add rows of their own
 
@@ -106,7 +115,13 @@ def test_check_runs_the_declared_quick_cases():
     """``check`` runs the conformance suite's own cases, not a copy of them."""
     rc, out, err = run_cli("check", "--op", "layer_norm")
     assert rc == 0, out + err
-    quick = [case.id for spec in harness.load_specs() if spec.name == "layer_norm" for case in spec.cases if case.quick]
+    quick = [
+        case.id
+        for spec in harness.load_specs()
+        if spec.name == "layer_norm"
+        for case in spec.cases
+        if case.quick
+    ]
     cases = re.findall(ROW.format(op="layer_norm", ns="numpy"), out, re.MULTILINE)
     assert [case for case, *_ in cases] == quick
 
@@ -127,7 +142,9 @@ def test_check_fails_with_exit_1_on_a_wrong_result(monkeypatch, capsys):
     _patched_check(monkeypatch, "softmax", reference=off_by_a_little)
     assert main(["check", "--op", "softmax"]) == 1
     out = capsys.readouterr().out
-    assert re.search(ROW.format(op="softmax", ns="numpy").replace("(PASS|FAIL)", "FAIL"), out, re.MULTILINE)
+    assert re.search(
+        ROW.format(op="softmax", ns="numpy").replace("(PASS|FAIL)", "FAIL"), out, re.MULTILINE
+    )
     assert "beyond tolerance: forward y" in out
     assert re.search(r"^0 PASS, \d+ FAIL$", out, re.MULTILINE)
 
@@ -151,7 +168,9 @@ def test_check_reports_an_exception_as_a_failure_and_keeps_going(monkeypatch, ca
     assert main(["check", "--op", "rms_norm", "--op", "softmax"]) == 1
     out = capsys.readouterr().out
     assert "rms_norm on array_api / numpy cpu raised RuntimeError: kernel exploded" in out
-    assert re.search(ROW.format(op="softmax", ns="numpy").replace("(PASS|FAIL)", "PASS"), out, re.MULTILINE)
+    assert re.search(
+        ROW.format(op="softmax", ns="numpy").replace("(PASS|FAIL)", "PASS"), out, re.MULTILINE
+    )
 
 
 def test_check_error_measure():

@@ -34,17 +34,28 @@ def _report():
 #: fused and streaming norm backwards with their dW reduction, a streaming
 #: forward and a fused softmax backward): 13 kernels, about 2 minutes on 2 shared CPU cores.
 CI_CASES = [
-    "attention.fwd.D128.causal", "attention.bwd.D128.causal", "attention.fwd.D64.full",
-    "decode.D128", "rms_norm.bwd.32768x4096", "rms_norm.bwd.4096x65536",
-    "layer_norm.fwd.4096x65536", "softmax.bwd.32768x4096",
+    "attention.fwd.D128.causal",
+    "attention.bwd.D128.causal",
+    "attention.fwd.D64.full",
+    "decode.D128",
+    "rms_norm.bwd.32768x4096",
+    "rms_norm.bwd.4096x65536",
+    "layer_norm.fwd.4096x65536",
+    "softmax.bwd.32768x4096",
 ]
 CI_KERNELS = [
-    "attention.fwd.D128.causal/_forward_kernel", "attention.fwd.D64.full/_forward_kernel",
-    "attention.bwd.D128.causal/_delta_kernel", "attention.bwd.D128.causal/_dkdv_kernel",
-    "attention.bwd.D128.causal/_dq_kernel", "decode.D128/_split_kernel",
-    "decode.D128/_combine_kernel", "rms_norm.bwd.32768x4096/_backward_fused",
-    "rms_norm.bwd.32768x4096/_reduce_partials_kernel", "rms_norm.bwd.4096x65536/_backward_streaming",
-    "rms_norm.bwd.4096x65536/_reduce_partials_kernel", "layer_norm.fwd.4096x65536/_forward_streaming",
+    "attention.fwd.D128.causal/_forward_kernel",
+    "attention.fwd.D64.full/_forward_kernel",
+    "attention.bwd.D128.causal/_delta_kernel",
+    "attention.bwd.D128.causal/_dkdv_kernel",
+    "attention.bwd.D128.causal/_dq_kernel",
+    "decode.D128/_split_kernel",
+    "decode.D128/_combine_kernel",
+    "rms_norm.bwd.32768x4096/_backward_fused",
+    "rms_norm.bwd.32768x4096/_reduce_partials_kernel",
+    "rms_norm.bwd.4096x65536/_backward_streaming",
+    "rms_norm.bwd.4096x65536/_reduce_partials_kernel",
+    "layer_norm.fwd.4096x65536/_forward_streaming",
     "softmax.bwd.32768x4096/_backward_fused",
 ]
 
@@ -57,18 +68,26 @@ def _row(row_id, spills=0, **targets):
 
 def test_compare_flags_a_lost_target_and_new_spills_and_lists_known_failures():
     compile_report = _report()
-    baseline = {"kernels": {
-        "a/k": {"targets": {"wgmma": "PASS", "no_spills": "PASS"}, "spill_bytes": 0},
-        "b/k": {"targets": {"wgmma": "FAIL", "no_spills": "PASS"}, "spill_bytes": 0},
-        "c/k": {"targets": {"row_128bit": "PASS"}, "spill_bytes": 8},
-    }}
-    same = [_row("a/k", wgmma="PASS", no_spills="PASS"), _row("b/k", wgmma="FAIL", no_spills="PASS")]
+    baseline = {
+        "kernels": {
+            "a/k": {"targets": {"wgmma": "PASS", "no_spills": "PASS"}, "spill_bytes": 0},
+            "b/k": {"targets": {"wgmma": "FAIL", "no_spills": "PASS"}, "spill_bytes": 0},
+            "c/k": {"targets": {"row_128bit": "PASS"}, "spill_bytes": 8},
+        }
+    }
+    same = [
+        _row("a/k", wgmma="PASS", no_spills="PASS"),
+        _row("b/k", wgmma="FAIL", no_spills="PASS"),
+    ]
     regressions, known = compile_report.compare(same, baseline)
     assert regressions == []
     assert known == ["b/k: wgmma FAIL (known)"]
 
-    worse = [_row("a/k", wgmma="FAIL", no_spills="PASS"), _row("c/k", row_128bit="PASS", spills=16),
-             _row("new/k", wgmma="FAIL")]
+    worse = [
+        _row("a/k", wgmma="FAIL", no_spills="PASS"),
+        _row("c/k", row_128bit="PASS", spills=16),
+        _row("new/k", wgmma="FAIL"),
+    ]
     regressions, _ = compile_report.compare(worse, baseline)
     assert regressions == ["a/k: wgmma was PASS, now FAIL", "c/k: spills 8 -> 16 bytes"]
 
@@ -78,8 +97,15 @@ def test_compare_flags_a_lost_target_and_new_spills_and_lists_known_failures():
 
 
 def _facts(**kw):
-    facts = {"mma": "wgmma", "dots": {"wgmma": 2}, "regs": 128, "local_bytes": 0,
-             "spill_stores": 0, "spill_loads": 0, "tile_ops": []}
+    facts = {
+        "mma": "wgmma",
+        "dots": {"wgmma": 2},
+        "regs": 128,
+        "local_bytes": 0,
+        "spill_stores": 0,
+        "spill_loads": 0,
+        "tile_ops": [],
+    }
     facts.update(kw)
     return facts
 
@@ -92,7 +118,11 @@ def test_evaluate_reads_each_target_from_the_compiled_facts():
     compile_report = _report()
     good = _facts(tile_ops=[_load(True, True, True), _load(False, False, True)])
     assert compile_report.evaluate("attention", good) == {
-        "wgmma": "PASS", "no_spills": "PASS", "tile_loads_16B": "PASS", "row_128bit": "-"}
+        "wgmma": "PASS",
+        "no_spills": "PASS",
+        "tile_loads_16B": "PASS",
+        "row_128bit": "-",
+    }
     mixed = _facts(mma="mixed", dots={"wgmma": 2, "mma.sync": 2})
     assert compile_report.evaluate("attention", mixed)["wgmma"] == "FAIL"
     # a loop load that is 16 bytes wide but synchronous is not pipelined
@@ -101,10 +131,17 @@ def test_evaluate_reads_each_target_from_the_compiled_facts():
     narrow = _facts(tile_ops=[_load(False, False, False)])
     assert compile_report.evaluate("attention", narrow)["tile_loads_16B"] == "FAIL"
     assert compile_report.evaluate("attention", _facts(local_bytes=8))["no_spills"] == "FAIL"
-    rows = _facts(mma="none", dots={}, tile_ops=[_load(False, False, True),
-                                                 _load(False, False, False, "store")])
+    rows = _facts(
+        mma="none",
+        dots={},
+        tile_ops=[_load(False, False, True), _load(False, False, False, "store")],
+    )
     assert compile_report.evaluate("rows", rows) == {
-        "wgmma": "-", "no_spills": "PASS", "tile_loads_16B": "-", "row_128bit": "FAIL"}
+        "wgmma": "-",
+        "no_spills": "PASS",
+        "tile_loads_16B": "-",
+        "row_128bit": "FAIL",
+    }
 
 
 def test_baseline_covers_the_ci_kernels():
@@ -115,8 +152,9 @@ def test_baseline_covers_the_ci_kernels():
 
 
 def test_sm90_compile_report_holds_the_baseline(tmp_path):
-    pytest.importorskip("triton.backends.nvidia.compiler",
-                        reason="this Triton has no NVIDIA backend")
+    pytest.importorskip(
+        "triton.backends.nvidia.compiler", reason="this Triton has no NVIDIA backend"
+    )
     _report()
     import _triton_specialize
 
@@ -127,9 +165,23 @@ def test_sm90_compile_report_holds_the_baseline(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     out = tmp_path / "report.json"
     run = subprocess.run(
-        [sys.executable, os.path.join(BENCH, "compile_report.py"), "--only", *CI_CASES,
-         "--json", str(out), "--baseline", BASELINE],
-        env=env, capture_output=True, text=True, timeout=900, check=False, cwd=ROOT)
+        [
+            sys.executable,
+            os.path.join(BENCH, "compile_report.py"),
+            "--only",
+            *CI_CASES,
+            "--json",
+            str(out),
+            "--baseline",
+            BASELINE,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        cwd=ROOT,
+    )
     print(run.stdout)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "REGRESSION" not in run.stdout
@@ -137,7 +189,8 @@ def test_sm90_compile_report_holds_the_baseline(tmp_path):
     rows = {r["id"]: r for r in report["kernels"]}
     assert sorted(rows) == sorted(CI_KERNELS), (
         "the CI cases launch other kernels than the baseline knows: update CI_KERNELS and "
-        "regenerate bench/results/compile-baseline-sm90.json with --write-baseline")
+        "regenerate bench/results/compile-baseline-sm90.json with --write-baseline"
+    )
 
     from xpkernels.backends.triton import attention
 
@@ -145,7 +198,9 @@ def test_sm90_compile_report_holds_the_baseline(tmp_path):
     forward = rows["attention.fwd.D128.causal/_forward_kernel"]
     tile = attention._FORWARD_TILES.default[128]
     assert (forward["constexprs"]["BLOCK_M"], forward["constexprs"]["BLOCK_N"]) == (
-        tile.block_m, tile.block_n)
+        tile.block_m,
+        tile.block_n,
+    )
     assert forward["facts"]["num_warps"] == tile.num_warps
     assert forward["facts"]["num_stages"] == tile.num_stages
     assert {"q_ptr", "k_ptr", "stride_qm"} <= set(forward["facts"]["divisible16"])

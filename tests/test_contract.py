@@ -48,7 +48,9 @@ def test_read_only_weight_shadow_is_refused_before_x_shadow_is_written():
     dw = np.zeros_like(w)
     dw.flags.writeable = False
     with pytest.raises(ValueError, match="rms_norm_backward_: W.shadow is read-only"):
-        xk.rms_norm_backward_(Duplicated(x, np.ones_like(x)), Duplicated(x, dx), Duplicated(w, dw), checkpoints=ck)
+        xk.rms_norm_backward_(
+            Duplicated(x, np.ones_like(x)), Duplicated(x, dx), Duplicated(w, dw), checkpoints=ck
+        )
     assert (dx == 7.0).all()
 
 
@@ -75,7 +77,9 @@ def test_y_overlapping_x_partly_is_refused_but_y_is_x_allowed(op):
     with pytest.raises(ValueError, match=f"{op}_: y shares memory with x"):
         forward(buffer[1:], buffer[:4])
     np.testing.assert_array_equal(buffer, before)
-    expected = {"rms_norm": xk.rms_norm, "layer_norm": xk.layer_norm, "softmax": xk.softmax}[op](buffer)
+    expected = {"rms_norm": xk.rms_norm, "layer_norm": xk.layer_norm, "softmax": xk.softmax}[op](
+        buffer
+    )
     forward(buffer, buffer)
     np.testing.assert_allclose(buffer, expected, rtol=1e-6)
 
@@ -151,7 +155,9 @@ def test_checkpoint_in_another_namespace_names_both_namespaces():
     torch = pytest.importorskip("torch", reason="torch is not installed")
     x = _x()
     ck = xk.allocate_checkpoints(xk.rms_norm_, torch.from_numpy(x))
-    with pytest.raises(TypeError, match="checkpoints.rstd is a torch array but the call's arrays are numpy"):
+    with pytest.raises(
+        TypeError, match="checkpoints.rstd is a torch array but the call's arrays are numpy"
+    ):
         xk.rms_norm_(np.empty_like(x), x, checkpoints=ck)
 
 
@@ -181,7 +187,9 @@ def test_rms_norm_backward_refuses_a_strided_weight():
     _, ck = _rms_forward(x, w2[::2].copy())
     dx = np.full_like(x, 7.0)
     with pytest.raises(ValueError, match="W must be contiguous"):
-        xk.rms_norm_backward_(Duplicated(x, np.ones_like(x)), Duplicated(x, dx), w2[::2], checkpoints=ck)
+        xk.rms_norm_backward_(
+            Duplicated(x, np.ones_like(x)), Duplicated(x, dx), w2[::2], checkpoints=ck
+        )
     assert (dx == 7.0).all()
 
 
@@ -197,7 +205,16 @@ def _host_read_guard():
         @classmethod
         def __torch_function__(cls, func, types, args=(), kwargs=None):
             name = getattr(func, "__name__", "")
-            if name in {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__"}:
+            if name in {
+                "item",
+                "tolist",
+                "cpu",
+                "numpy",
+                "__bool__",
+                "__int__",
+                "__index__",
+                "__float__",
+            }:
                 raise AssertionError(f"host read of a device value: {name}")
             return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -217,7 +234,12 @@ def test_debug_mode_checks_device_values():
     torch = pytest.importorskip("torch", reason="torch is not installed")
     lengths = torch.tensor([3, 99], dtype=torch.int64)
     batch_integers("f", "k_lengths", torch, lengths, 2, 0, 8, "Sk")
-    with xk.debug(), pytest.raises(ValueError, match=r"k_lengths must lie in \[0, 8\] \(Sk\), got values in \[3, 99\]"):
+    with (
+        xk.debug(),
+        pytest.raises(
+            ValueError, match=r"k_lengths must lie in \[0, 8\] \(Sk\), got values in \[3, 99\]"
+        ),
+    ):
         batch_integers("f", "k_lengths", torch, lengths, 2, 0, 8, "Sk")
 
 
@@ -244,7 +266,6 @@ def test_debug_mode_fills_fresh_buffers_with_nan(monkeypatch):
     assert np.isnan(xk.allocate_checkpoints(xk.layer_norm_, x).mean).all()
     with xk.debug(False):
         assert not xk.debug_enabled()
-
 
 
 def test_rms_norm_without_weight_on_triton_matches_array_api():

@@ -115,9 +115,19 @@ __global__ void wmma_gemm(const T* a, const T* b, float* c, float scale) {
 }
 """
 
-EXPRESSIONS = ["reverse_sum", "stale_shared", "shuffles", "partial_warp", "after_return",
-               "divergent_barrier", "atomics", "convert", "scalars", "wmma_gemm<__half>",
-               "wmma_gemm<__nv_bfloat16>"]
+EXPRESSIONS = [
+    "reverse_sum",
+    "stale_shared",
+    "shuffles",
+    "partial_warp",
+    "after_return",
+    "divergent_barrier",
+    "atomics",
+    "convert",
+    "scalars",
+    "wmma_gemm<__half>",
+    "wmma_gemm<__nv_bfloat16>",
+]
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +139,10 @@ def test_barrier_shared_and_butterfly(module):
     x = np.arange(128, dtype=np.float32)
     y = np.zeros(128, np.float32)
     module.get_function("reverse_sum")((2,), (64,), (y, x))
-    expected = np.concatenate([np.full(32, x[b * 64 + 32 : b * 64 + 64].sum()) for b in (0, 1)] +
-                              [np.full(32, x[b * 64 : b * 64 + 32].sum()) for b in (0, 1)])
+    expected = np.concatenate(
+        [np.full(32, x[b * 64 + 32 : b * 64 + 64].sum()) for b in (0, 1)]
+        + [np.full(32, x[b * 64 : b * 64 + 32].sum()) for b in (0, 1)]
+    )
     np.testing.assert_array_equal(y.reshape(2, 2, 32)[:, 0], expected[:64].reshape(2, 32))
     np.testing.assert_array_equal(y.reshape(2, 2, 32)[:, 1], expected[64:].reshape(2, 32))
 
@@ -169,8 +181,11 @@ def test_shuffles_and_votes_with_masks(module):
 )
 @pytest.mark.parametrize("mode", ["fibers", "threads"])
 def test_collective_errors_are_reported_not_hung(module, kernel, message, mode):
-    m = module if mode == "fibers" else cudacpu.RawModule(code=SOURCE, name_expressions=EXPRESSIONS,
-                                                           mode=mode)
+    m = (
+        module
+        if mode == "fibers"
+        else cudacpu.RawModule(code=SOURCE, name_expressions=EXPRESSIONS, mode=mode)
+    )
     out = np.zeros(32, np.float32)
     with pytest.raises(cudacpu.LaunchError, match=message) as info:
         m.get_function(kernel)((1,), (32,), (out,))
@@ -189,10 +204,26 @@ def test_atomics(module):
 def test_half_and_bfloat16_conversions(module):
     ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 reference needs ml_dtypes")
     rng = np.random.default_rng(0)
-    specials = [0.0, -0.0, 1.0, 65504.0, 65520.0, 1e-8, 6e-8, 2.0**-24 * 1.5, np.inf, -np.inf,
-                1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-8, 3.0e38, np.nan]
-    x = np.concatenate([np.array(specials, np.float32),
-                        rng.standard_normal(200).astype(np.float32) * 1000]).astype(np.float32)
+    specials = [
+        0.0,
+        -0.0,
+        1.0,
+        65504.0,
+        65520.0,
+        1e-8,
+        6e-8,
+        2.0**-24 * 1.5,
+        np.inf,
+        -np.inf,
+        1.0 + 2.0**-11,
+        1.0 + 3 * 2.0**-11,
+        1.0 + 2.0**-8,
+        3.0e38,
+        np.nan,
+    ]
+    x = np.concatenate(
+        [np.array(specials, np.float32), rng.standard_normal(200).astype(np.float32) * 1000]
+    ).astype(np.float32)
     n = x.size
     h, b = np.empty(n, np.float16), np.empty(n, np.uint16)
     h_back, b_back = np.empty(n, np.float32), np.empty(n, np.float32)
@@ -200,8 +231,10 @@ def test_half_and_bfloat16_conversions(module):
     with np.errstate(over="ignore"):  # 65520 and 3e38 round to inf in float16, as on the GPU
         ref_h = x.astype(np.float16)
     np.testing.assert_array_equal(h, ref_h)
-    np.testing.assert_array_equal(b.view(ml_dtypes.bfloat16).astype(np.float32),
-                                  x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(
+        b.view(ml_dtypes.bfloat16).astype(np.float32),
+        x.astype(ml_dtypes.bfloat16).astype(np.float32),
+    )
     np.testing.assert_array_equal(h_back, ref_h.astype(np.float32))
     np.testing.assert_array_equal(b_back, x.astype(ml_dtypes.bfloat16).astype(np.float32))
 
@@ -234,7 +267,9 @@ def test_wmma_matches_numpy_matmul(module, ctype):
     a[...] = rng.standard_normal((16, 32))
     b[...] = rng.standard_normal((16, 32))
     c = cudacpu.empty((16, 16), np.float32)
-    module.get_function(f"wmma_gemm<{ctype}>")((1,), (32,), (a.view(bits), b.view(bits), c, np.float32(2.0)))
+    module.get_function(f"wmma_gemm<{ctype}>")(
+        (1,), (32,), (a.view(bits), b.view(bits), c, np.float32(2.0))
+    )
     expected = 2.0 * a.astype(np.float64) @ b.astype(np.float64).T
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4)
 
@@ -322,7 +357,8 @@ def test_missing_syncthreads_is_caught_by_the_shuffled_schedule():
 
 def _run_sanitized(kind: str, kernel: str, tmp_path) -> subprocess.CompletedProcess:
     script = tmp_path / "planted.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import numpy as np
         from xpkernels.testing import cudacpu
         RACE = {RACE!r}
@@ -334,16 +370,20 @@ def _run_sanitized(kind: str, kernel: str, tmp_path) -> subprocess.CompletedProc
         else:
             m.get_function("past_the_end")((1,), (65,), (y, np.int32(64)))
         print("finished without a report")
-    """))
+    """)
+    )
     env = {**os.environ, **cudacpu.sanitizer_env(kind)}
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_missing_syncthreads_is_caught_by_thread_sanitizer(tmp_path):
     proc = _run_sanitized("thread", "shift", tmp_path)
     assert "ThreadSanitizer: data race" in proc.stderr, proc.stderr[-3000:]
-    assert re.search(r"\.cu:5\b", proc.stderr) and re.search(r"\.cu:6\b", proc.stderr)  # write, read
+    assert re.search(r"\.cu:5\b", proc.stderr) and re.search(
+        r"\.cu:6\b", proc.stderr
+    )  # write, read
     assert "finished without a report" not in proc.stdout
 
 
@@ -386,8 +426,16 @@ def test_every_cupy_source_compiles_with_nvrtc_without_warnings_or_spills():
             entry = report.compile_source(cu, arch)
             assert entry["ok"], f"{cu.name} {arch}:\n{entry['log']}"
             assert not entry["warnings"], f"{cu.name} {arch}: NVRTC warnings:\n{entry['log']}"
-            assert expected <= set(entry["kernels"]), f"{cu.name} {arch}: kernels missing from ptxas -v"
+            assert expected <= set(entry["kernels"]), (
+                f"{cu.name} {arch}: kernels missing from ptxas -v"
+            )
             for name, k in entry["kernels"].items():
-                assert k["spill_store_bytes"] == 0 and k["spill_load_bytes"] == 0, f"{arch} {name}: {k}"
-                if re.search(r"<float,\w+,4,|<__(half|nv_bfloat16),\w+,8,", name):  # 16-byte vectors
-                    assert k["global_load_bits"] == 128 and k["global_store_bits"] == 128, f"{name}: {k}"
+                assert k["spill_store_bytes"] == 0 and k["spill_load_bytes"] == 0, (
+                    f"{arch} {name}: {k}"
+                )
+                if re.search(
+                    r"<float,\w+,4,|<__(half|nv_bfloat16),\w+,8,", name
+                ):  # 16-byte vectors
+                    assert k["global_load_bits"] == 128 and k["global_store_bits"] == 128, (
+                        f"{name}: {k}"
+                    )

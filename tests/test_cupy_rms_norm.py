@@ -50,7 +50,9 @@ def _reference(x, w, dy, offset):
     x64 = np.asarray(x).astype(np.float64)
     w64 = np.ones(x.shape[1]) if w is None else np.asarray(w).astype(np.float64)
     wp = w64 + offset
-    rstd = 1.0 / np.sqrt((x64**2).mean(axis=1) + EPS) if x.shape[1] else np.full(x.shape[0], EPS**-0.5)
+    rstd = (
+        1.0 / np.sqrt((x64**2).mean(axis=1) + EPS) if x.shape[1] else np.full(x.shape[0], EPS**-0.5)
+    )
     xh = x64 * rstd[:, None]
     y = xh * wp
     g = np.asarray(dy).astype(np.float64) * wp
@@ -139,7 +141,9 @@ def test_in_place_accumulate_and_spare_partials(harness, m):
     dx = np.empty((2, m), np.float32)
     R.backward(dy[:2], x[:2], w, rstd[:2], dx, dw_partial, offset=0.0, accumulate=False)
     dxy = dy.copy()
-    R.backward(dxy[2:], x[2:], w, rstd[2:], dxy[2:], dw_partial, offset=0.0, accumulate=True)  # dx aliases dy
+    R.backward(
+        dxy[2:], x[2:], w, rstd[2:], dxy[2:], dw_partial, offset=0.0, accumulate=True
+    )  # dx aliases dy
     _close(dx, dx_ref[0][:2], np.float32, m, "dx, first group", dx_ref[1])
     _close(dxy[2:], dx_ref[0][2:], np.float32, m, "dx in place, second group", dx_ref[1])
     dw = np.empty(m, np.float32)
@@ -260,7 +264,8 @@ print("clean")
 @pytest.mark.parametrize("kind", ["address", "thread"])
 def test_kernels_run_clean_under_sanitizers(kind):
     env = {**os.environ, **cudacpu.sanitizer_env(kind)}
-    proc = subprocess.run([sys.executable, "-c", SANITIZED_RUN], capture_output=True, text=True, env=env,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SANITIZED_RUN], capture_output=True, text=True, env=env, timeout=600
+    )
     assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr[-4000:]
     assert "Sanitizer" not in proc.stderr, proc.stderr[-4000:]

@@ -26,7 +26,12 @@ def test_device_script_dry_run_writes_every_entry(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "TRITON_INTERPRET": "1"}
     run = subprocess.run(
         ["bash", str(REPO / "bench" / "device.sh"), str(tmp_path), "--dry-run"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     for name in ("device.log", "environment.txt", "conformance.xml", "gpu.json"):
@@ -51,7 +56,11 @@ def test_device_script_dry_run_writes_every_entry(tmp_path):
 def test_device_script_rejects_bad_arguments(tmp_path):
     run = subprocess.run(
         ["bash", str(REPO / "bench" / "device.sh"), str(tmp_path), "--fast"],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert run.returncode == 2
     assert "usage: bash bench/device.sh OUT_DIR [--dry-run]" in run.stderr

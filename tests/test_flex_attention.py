@@ -305,7 +305,9 @@ def test_score_mod_may_mask_with_minus_infinity():
     """A score mod returning -inf drops keys exactly like a mask, whole rows included."""
     q, k, v, do = qkvo(n_q=50, n_kv=300)
     late = xm.MaskMod(lambda b, h, q_idx, kv_idx: kv_idx + 20 <= q_idx)
-    as_score = xm.ScoreMod(lambda s, b, h, q_idx, kv_idx: xm.where(kv_idx + 20 <= q_idx, s, -math.inf))
+    as_score = xm.ScoreMod(
+        lambda s, b, h, q_idx, kv_idx: xm.where(kv_idx + 20 <= q_idx, s, -math.inf)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         by_score = forward_and_backward(q, k, v, do, score_mod=as_score)
@@ -371,8 +373,10 @@ def naive_grads(q, k, v, do, score_mod, causal):
     k_rep, v_rep = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     raw = q @ np.swapaxes(k_rep, -1, -2) / math.sqrt(q.shape[-1])
     q_idx, kv_idx = np.arange(q.shape[2])[:, None], np.arange(k.shape[2])[None, :]
-    s = np.where(kv_idx <= q_idx, score_mod(raw, 0, 0, q_idx, kv_idx), -np.inf) if causal else (
-        score_mod(raw, 0, 0, q_idx, kv_idx)
+    s = (
+        np.where(kv_idx <= q_idx, score_mod(raw, 0, 0, q_idx, kv_idx), -np.inf)
+        if causal
+        else (score_mod(raw, 0, 0, q_idx, kv_idx))
     )
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
@@ -428,7 +432,9 @@ def test_a_wrong_length_input_pos_list_is_refused_before_any_write(input_pos):
     ck = allocate_checkpoints(flex_attention_, q, k, v)
     ck.m[...] = 7.0
     ck.l[...] = 7.0
-    with pytest.raises(ValueError, match=r"flex_attention_: input_pos must have 2 entries \(one per batch\), got"):
+    with pytest.raises(
+        ValueError, match=r"flex_attention_: input_pos must have 2 entries \(one per batch\), got"
+    ):
         flex_attention_(o, q, k, v, mask_mod=xm.CausalMask(), input_pos=input_pos, checkpoints=ck)
     assert np.all(o == 7.0) and np.all(ck.m == 7.0) and np.all(ck.l == 7.0)
 
@@ -442,7 +448,8 @@ def test_score_mod_grad_of_another_mod_is_refused(other):
     ck = allocate_checkpoints(flex_attention_, q, k, v)
     o = flex_attention(q, k, v, score_mod=mod, checkpoints=ck)
     with pytest.raises(
-        TypeError, match=r"flex_attention_backward_: score_mod_grad does not match score_mod .*made by grad_shadow of another"
+        TypeError,
+        match=r"flex_attention_backward_: score_mod_grad does not match score_mod .*made by grad_shadow of another",
     ):
         flex_attention_backward(
             do, q, k, v, o, checkpoints=ck, score_mod=mod, score_mod_grad=grad_shadow(other())
@@ -457,7 +464,10 @@ def test_score_mod_grad_of_another_mod_is_refused(other):
             {"mask_mod": xm.SoftCapScore(2.0)},
             r"flex_attention_: mask_mod must be a MaskMod .*got SoftCapScore\(2\), a score mod",
         ),
-        ({"score_mod": "x"}, r"flex_attention_: score_mod must be a ScoreMod or a function .*got str"),
+        (
+            {"score_mod": "x"},
+            r"flex_attention_: score_mod must be a ScoreMod or a function .*got str",
+        ),
         (
             {"score_mod": xm.CausalMask()},
             r"flex_attention_: score_mod must be a ScoreMod .*got CausalMask, a mask mod",
@@ -476,9 +486,16 @@ def test_allocating_backward_with_broadcast_keys_and_values():
     k_b, v_b = np.broadcast_to(k[:1], k.shape), np.broadcast_to(v[:1], v.shape)
     ck = allocate_checkpoints(flex_attention_, q, k_b, v_b)
     o = flex_attention(q, k_b, v_b, checkpoints=ck, mask_mod=xm.CausalMask())
-    dq, dk, dv = flex_attention_backward(do, q, k_b, v_b, o, checkpoints=ck, mask_mod=xm.CausalMask())
+    dq, dk, dv = flex_attention_backward(
+        do, q, k_b, v_b, o, checkpoints=ck, mask_mod=xm.CausalMask()
+    )
     expected = flex_attention_backward(
-        do, q, np.ascontiguousarray(k_b), np.ascontiguousarray(v_b), o, checkpoints=ck,
+        do,
+        q,
+        np.ascontiguousarray(k_b),
+        np.ascontiguousarray(v_b),
+        o,
+        checkpoints=ck,
         mask_mod=xm.CausalMask(),
     )
     for a, b in zip((dq, dk, dv), expected):
@@ -490,7 +507,14 @@ def _no_host_reads():
     """A torch tensor subclass raising on every host read; integer and bool results stay in it."""
     torch = pytest.importorskip("torch", reason="the host-read guard is a torch tensor subclass")
     forbidden = (
-        "item", "__bool__", "__int__", "__index__", "__float__", "tolist", "cpu", "numpy",
+        "item",
+        "__bool__",
+        "__int__",
+        "__index__",
+        "__float__",
+        "tolist",
+        "cpu",
+        "numpy",
         "__array__",
     )
 
@@ -545,21 +569,42 @@ def test_in_place_calls_read_no_device_value_on_the_host():
     grads = [torch.empty_like(a) for a in (q, k, v)]
     g = grad_shadow(score)
     flex_attention_backward_(
-        Duplicated(o, do), *(Duplicated(a, d) for a, d in zip((q, k, v), grads)),
-        checkpoints=ck, score_mod=score, score_mod_grad=g, mask_mod=mask, input_pos=pos,
+        Duplicated(o, do),
+        *(Duplicated(a, d) for a, d in zip((q, k, v), grads)),
+        checkpoints=ck,
+        score_mod=score,
+        score_mod_grad=g,
+        mask_mod=mask,
+        input_pos=pos,
     )
-    host = {"bucket": bucket.as_subclass(torch.Tensor).numpy(), "doc": doc.as_subclass(torch.Tensor).numpy()}
+    host = {
+        "bucket": bucket.as_subclass(torch.Tensor).numpy(),
+        "doc": doc.as_subclass(torch.Tensor).numpy(),
+    }
     host_score = xm.ScoreMod(bucketed, bucket=host["bucket"], table=table.numpy())
     host_mask = xm.CausalMask() & xm.DocumentMask(host["doc"])
     ck_h = allocate_checkpoints(flex_attention_, q.numpy(), k.numpy(), v.numpy())
     o_h = flex_attention(
-        q.numpy(), k.numpy(), v.numpy(), score_mod=host_score, mask_mod=host_mask,
-        input_pos=np.array([16, 3]), checkpoints=ck_h,
+        q.numpy(),
+        k.numpy(),
+        v.numpy(),
+        score_mod=host_score,
+        mask_mod=host_mask,
+        input_pos=np.array([16, 3]),
+        checkpoints=ck_h,
     )
     g_h = grad_shadow(host_score)
     expected = flex_attention_backward(
-        do.numpy(), q.numpy(), k.numpy(), v.numpy(), o_h, checkpoints=ck_h, score_mod=host_score,
-        score_mod_grad=g_h, mask_mod=host_mask, input_pos=np.array([16, 3]),
+        do.numpy(),
+        q.numpy(),
+        k.numpy(),
+        v.numpy(),
+        o_h,
+        checkpoints=ck_h,
+        score_mod=host_score,
+        score_mod_grad=g_h,
+        mask_mod=host_mask,
+        input_pos=np.array([16, 3]),
     )
     np.testing.assert_allclose(o.numpy(), o_h, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(ck.m.numpy(), ck_h.m, rtol=1e-6)
@@ -580,7 +625,9 @@ def test_score_mods_ignoring_the_score_give_uniform_rows(namespace):
     o = flex_attention(q, k, v, score_mod=mod, checkpoints=ck)
     dq, _, dv = flex_attention_backward(do, q, k, v, o, score_mod=mod, checkpoints=ck)
     mean_v = np.repeat(np.asarray(v).mean(axis=2, keepdims=True), 2, axis=1)
-    np.testing.assert_allclose(np.asarray(o), np.broadcast_to(mean_v, o.shape), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(o), np.broadcast_to(mean_v, o.shape), rtol=1e-5, atol=1e-6
+    )
     assert np.all(np.asarray(dq) == 0) and np.isfinite(np.asarray(dv)).all()
 
 
@@ -594,8 +641,10 @@ def test_device_input_pos_evaluates_band_masks_densely_and_refuses_block_masks()
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-6, atol=1e-6)
     block = xm.build_block_mask(xm.CausalMask(), 40, 300, tile_m=8, tile_n=32, input_pos=[250, 7])
     np.testing.assert_allclose(
-        flex_attention(q, k, v, block_mask=block, input_pos=[250, 7]).numpy(), expected.numpy(),
-        rtol=1e-6, atol=1e-6,
+        flex_attention(q, k, v, block_mask=block, input_pos=[250, 7]).numpy(),
+        expected.numpy(),
+        rtol=1e-6,
+        atol=1e-6,
     )
     with pytest.raises(TypeError, match=r"with a block_mask, input_pos must be an int, a list"):
         flex_attention(q, k, v, block_mask=block, input_pos=pos)
@@ -630,8 +679,13 @@ def test_read_only_and_overlapping_outputs_are_refused_before_any_write():
         ValueError, match="flex_attention_backward_: Q.shadow shares memory with O.shadow"
     ):
         flex_attention_backward_(
-            Duplicated(o, dq[:, :, :, :16]), Duplicated(q, dq), Duplicated(k), Duplicated(v),
-            checkpoints=ck, score_mod=mod, score_mod_grad=g,
+            Duplicated(o, dq[:, :, :, :16]),
+            Duplicated(q, dq),
+            Duplicated(k),
+            Duplicated(v),
+            checkpoints=ck,
+            score_mod=mod,
+            score_mod_grad=g,
         )
     assert np.all(dq == 7.0)
 
@@ -645,15 +699,24 @@ def test_debug_mode_reads_and_checks_device_values():
     bucket = torch.tensor([0, 1, 2, 30])
     mod = xm.ScoreMod(
         lambda s, b, h, q_idx, kv_idx, *, bucket, w: s + w[bucket[kv_idx % 4]],
-        bucket=bucket, w=torch.zeros(4),
+        bucket=bucket,
+        w=torch.zeros(4),
     )
     o = torch.empty(2, 4, 8, 16)
     flex_attention_(o, q, k, v, score_mod=mod, input_pos=guard(torch.tensor([0, 2**40])))
     with xpkernels.debug(), pytest.raises(HostRead):
         flex_attention_(o, q, k, v, input_pos=guard(torch.tensor([0, 1])))
-    with xpkernels.debug(), pytest.raises(ValueError, match=r"flex_attention_: input_pos must lie in"):
+    with (
+        xpkernels.debug(),
+        pytest.raises(ValueError, match=r"flex_attention_: input_pos must lie in"),
+    ):
         flex_attention_(o, q, k, v, input_pos=torch.tensor([0, 2**40]))
-    with xpkernels.debug(), pytest.raises(ValueError, match=r"w \(shape \(4,\)\) is indexed on axis 0 by values in \[0, 30\]"):
+    with (
+        xpkernels.debug(),
+        pytest.raises(
+            ValueError, match=r"w \(shape \(4,\)\) is indexed on axis 0 by values in \[0, 30\]"
+        ),
+    ):
         flex_attention_(o, q, k, v, score_mod=mod)
 
 
@@ -667,7 +730,9 @@ def test_backward_refuses_other_mods_or_options_than_its_forward():
 
     score = xm.ScoreMod(bias, table=table)
     ck = allocate_checkpoints(flex_attention_, q, k, v)
-    o = flex_attention(q, k, v, checkpoints=ck, mask_mod=xm.CausalMask(), score_mod=score, input_pos=16)
+    o = flex_attention(
+        q, k, v, checkpoints=ck, mask_mod=xm.CausalMask(), score_mod=score, input_pos=16
+    )
     again = dict(mask_mod=xm.CausalMask(), score_mod=xm.ScoreMod(bias, table=table), input_pos=16)
     flex_attention_backward(do, q, k, v, o, checkpoints=ck, **again)
     for name, change in (
@@ -676,7 +741,9 @@ def test_backward_refuses_other_mods_or_options_than_its_forward():
         ("input_pos", dict(input_pos=15)),
         ("scale", dict(scale=0.5)),
     ):
-        with pytest.raises(ValueError, match=f"flex_attention_backward_: {name}=.* differs from the forward"):
+        with pytest.raises(
+            ValueError, match=f"flex_attention_backward_: {name}=.* differs from the forward"
+        ):
             flex_attention_backward(do, q, k, v, o, checkpoints=ck, **{**again, **change})
 
 
@@ -689,7 +756,14 @@ def test_a_mod_rebuilt_over_fresh_views_of_the_same_parameter_matches_its_forwar
     mod = xm.AliBiScore(params[0])
     assert params[0] is not params[0]  # each index makes a new view object
     flex_attention_backward(
-        do, q, k, v, o, checkpoints=ck, score_mod=mod, score_mod_grad=grad_shadow(xm.AliBiScore(params[0]))
+        do,
+        q,
+        k,
+        v,
+        o,
+        checkpoints=ck,
+        score_mod=mod,
+        score_mod_grad=grad_shadow(xm.AliBiScore(params[0])),
     )
     with pytest.raises(ValueError, match="score_mod=.* differs"):
         flex_attention_backward(do, q, k, v, o, checkpoints=ck, score_mod=xm.AliBiScore(params[1]))

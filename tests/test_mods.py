@@ -385,7 +385,9 @@ def test_integer_tables_used_as_indices_are_bounded_by_their_values():
 
 def test_index_intervals_model_int64_wraparound():
     """``kv * 2**62`` wraps in int64 for kv >= 2: the analysis sees the wrapped range, as kernels do."""
-    mod = xm.ScoreMod(lambda s, b, h, q, kv, *, t: s + t[h, (kv * 2**62) // 2**62], t=np.zeros((2, 8)))
+    mod = xm.ScoreMod(
+        lambda s, b, h, q, kv, *, t: s + t[h, (kv * 2**62) // 2**62], t=np.zeros((2, 8))
+    )
     mod.validate("f", xm.CallShape(1, 2, 2, 2, (0,)))
     with pytest.raises(ValueError, match=r"indexed on axis 1 by values in \[-2, 1\].*int64"):
         mod.validate("f", xm.CallShape(1, 2, 8, 8, (0,)))
@@ -397,12 +399,16 @@ def test_index_intervals_model_int64_wraparound():
     got = xm.score_value(clamped, np.zeros((1, 4)), np.zeros((1, 1), np.int64), np.arange(4)[None])
     np.testing.assert_array_equal(got, 0.0)
     large_positions = xm.ScoreMod(lambda s, b, h, q, kv, *, t: s + t[h, q - kv], t=np.zeros((2, 8)))
-    with pytest.raises(ValueError, match=r"values in \[-9223372036854775808, 9223372036854775807\]"):
+    with pytest.raises(
+        ValueError, match=r"values in \[-9223372036854775808, 9223372036854775807\]"
+    ):
         large_positions.validate("f", xm.CallShape(1, 2, 2, 2, (2**63 - 1,)))
 
 
 def test_integer_constants_must_fit_int64():
-    with pytest.raises(xm.TraceError, match=r"integer constant 18446744073709551616 does not fit int64"):
+    with pytest.raises(
+        xm.TraceError, match=r"integer constant 18446744073709551616 does not fit int64"
+    ):
         xm.MaskMod(lambda b, h, q, kv: kv < 2**64)
 
 
@@ -419,8 +425,9 @@ def test_device_index_arrays_are_clamped_not_read_on_the_host():
     clamps = mod.validate("f", xm.CallShape(1, 1, 4, 4, (0,)))
     graph = mod.graph.clamping(clamps)
     bound = graph.bind(torch, torch.float64, "cpu")
-    grid = xm.tile_grid(torch, "cpu", graph.inputs, b=0, h0=0, n_h=1, q_pos0=0, q_row0=0, n_q=1,
-                        kv0=0, n_kv=4)
+    grid = xm.tile_grid(
+        torch, "cpu", graph.inputs, b=0, h0=0, n_h=1, q_pos0=0, q_row0=0, n_q=1, kv0=0, n_kv=4
+    )
     out = bound.run(grid, torch.zeros((1, 1, 4), dtype=torch.float64))[graph.output]
     np.testing.assert_array_equal(out.numpy().reshape(-1), [0.0, 1.0, 3.0, 2.0])
     message = r"w \(shape \(4,\)\) is indexed on axis 0 by values in \[0, 9\]"

@@ -44,7 +44,16 @@ def test_wheel_ships_the_backends(tmp_path):
     if unmet:
         pytest.skip(f"the build backend's requirements are not installed: {', '.join(unmet)}")
     subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "build",
+            "--wheel",
+            "--no-isolation",
+            "--outdir",
+            str(tmp_path),
+            str(ROOT),
+        ],
         check=True,
         capture_output=True,
     )

@@ -23,11 +23,15 @@ import types
 import numpy as np
 import pytest
 
-_HAS_TRITON = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("triton") is not None
+_HAS_TRITON = (
+    importlib.util.find_spec("torch") is not None and importlib.util.find_spec("triton") is not None
+)
 if _HAS_TRITON:
     import torch
 
-    if not torch.cuda.is_available():  # the Triton interpreter must be chosen before triton is imported
+    if (
+        not torch.cuda.is_available()
+    ):  # the Triton interpreter must be chosen before triton is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from xpkernels.backends import protocol
@@ -44,7 +48,8 @@ PAIRS = [(b, op) for b in registry.BACKENDS for op in b.ops]
 def _protocol_functions(primitive) -> dict:
     """The functions a primitive's protocol class declares, by name."""
     return {
-        name: fn for name, fn in vars(primitive.module).items()
+        name: fn
+        for name, fn in vars(primitive.module).items()
         if inspect.isfunction(fn) and not name.startswith("_")
     }
 
@@ -59,7 +64,11 @@ def _signature_problem(name, provided, declared, drop_self) -> str | None:
         q = have[i]
         if (q.name, q.kind) != (p.name, p.kind):
             return f"{name} has parameter {q.name!r} ({q.kind.description}) where the protocol has {p.name!r} ({p.kind.description})"
-    extra = [q.name for q in have[len(want) :] if q.default is inspect.Parameter.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+    extra = [
+        q.name
+        for q in have[len(want) :]
+        if q.default is inspect.Parameter.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)
+    ]
     if extra:
         return f"{name} requires parameters the protocol does not pass: {', '.join(extra)}"
     return None
@@ -90,10 +99,14 @@ def conformance_problems(module, op: str, capability: Capability) -> list[str]:
                 if problem:
                     problems.append(f"{op}: {problem}")
         elif provided is not None:
-            problems.append(f"{op}: provides hook {name} without declaring it (the fronts would ignore it)")
+            problems.append(
+                f"{op}: provides hook {name} without declaring it (the fronts would ignore it)"
+            )
     for name in capability.scratch or ():
         if name not in primitive.optional_scratch:
-            problems.append(f"{op}: declares scratch {name!r}, not an optional scratch field of {op}")
+            problems.append(
+                f"{op}: declares scratch {name!r}, not an optional scratch field of {op}"
+            )
     for dt in capability.dtypes:
         if dt not in protocol.FLOAT_DTYPES:
             problems.append(f"{op}: declares unknown dtype {dt!r}")
@@ -120,6 +133,7 @@ def test_backend_module_provides_what_the_protocol_declares(backend, op):
 
 def test_the_conformance_check_reports_each_departure():
     """A module with a missing backward, a renamed parameter, an undeclared and a missing hook."""
+
     def forward(y, x, w, rstd, *, eps, shift):
         """Renamed ``offset``."""
 
@@ -127,7 +141,9 @@ def test_the_conformance_check_reports_each_departure():
         return 1
 
     module = types.SimpleNamespace(forward=forward, partials=partials)
-    capability = Capability(dtypes=("float32", "float8"), hooks=("reduce_partials",), scratch=("dw_partial",))
+    capability = Capability(
+        dtypes=("float32", "float8"), hooks=("reduce_partials",), scratch=("dw_partial",)
+    )
     problems = "\n".join(conformance_problems(module, "rms_norm", capability))
     assert "missing backward" in problems
     assert "'shift'" in problems and "'offset'" in problems
@@ -201,16 +217,25 @@ def test_triton_device_check_lives_with_its_declaration(monkeypatch):
 
 def test_missing_requirement_is_the_reason_everywhere(monkeypatch):
     fake = Backend(
-        name="fake", namespaces=("numpy",), devices=("cpu",), module="xpkernels.backends.fake",
-        requires=("no_such_module_xpkernels",), ops={"softmax": Capability(dtypes=("float32",))},
+        name="fake",
+        namespaces=("numpy",),
+        devices=("cpu",),
+        module="xpkernels.backends.fake",
+        requires=("no_such_module_xpkernels",),
+        ops={"softmax": Capability(dtypes=("float32",))},
     )
-    assert fake.supports("softmax", Call("numpy", "cpu")).reason == "no_such_module_xpkernels is not installed"
+    assert (
+        fake.supports("softmax", Call("numpy", "cpu")).reason
+        == "no_such_module_xpkernels is not installed"
+    )
     assert fake.availability().reason == "no_such_module_xpkernels is not installed"
     monkeypatch.setattr(registry, "BACKENDS", (*registry.BACKENDS, fake))
     monkeypatch.setitem(registry._BY_NAME, "fake", fake)
     rows = {row.name: row for row in xk.backends()}
     assert not rows["fake"].available and "not installed" in rows["fake"].reason
-    with pytest.raises(BackendError, match="backend 'fake'.*no_such_module_xpkernels is not installed"):
+    with pytest.raises(
+        BackendError, match="backend 'fake'.*no_such_module_xpkernels is not installed"
+    ):
         resolve("softmax", {"x": np.ones((2, 3), np.float32)}, backend="fake")
 
 
@@ -242,7 +267,9 @@ def test_undeclared_hooks_fall_back_to_the_protocol_defaults(array_api_without_h
     route = resolve("rms_norm", {"x": x})
     assert route.hook("partials") is protocol.partials
     assert route.hook("reduce_partials") is protocol.reduce_partials
-    scratch = xk.allocate_scratchspace(xk.rms_norm_backward_, Duplicated(x), Duplicated(x), Duplicated(w))
+    scratch = xk.allocate_scratchspace(
+        xk.rms_norm_backward_, Duplicated(x), Duplicated(x), Duplicated(w)
+    )
     assert scratch.dw_partial.shape == (1, 48)
 
     ck = xk.allocate_checkpoints(xk.rms_norm_, x, w)
@@ -279,8 +306,10 @@ def test_default_reduce_partials_sums_rows_in_the_output_dtype():
 
 def _attention_args(xp_asarray, seed=0, sq=6, sk=5, d=4):
     rng = np.random.default_rng(seed)
-    q, k, v, do = (rng.standard_normal(s).astype(np.float32) for s in (
-        (1, 2, sq, d), (1, 1, sk, d), (1, 1, sk, d), (1, 2, sq, d)))
+    q, k, v, do = (
+        rng.standard_normal(s).astype(np.float32)
+        for s in ((1, 2, sq, d), (1, 1, sk, d), (1, 1, sk, d), (1, 2, sq, d))
+    )
     return tuple(xp_asarray(a) for a in (q, k, v, do))
 
 
@@ -289,13 +318,16 @@ def test_array_api_scratch_has_every_field_and_refuses_a_missing_one():
     o = xk.attention(q, k, v)
     O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
     for forward, backward in (
-        (xk.attention_, xk.attention_backward_), (xk.flex_attention_, xk.flex_attention_backward_),
+        (xk.attention_, xk.attention_backward_),
+        (xk.flex_attention_, xk.flex_attention_backward_),
     ):
         scratch = xk.allocate_scratchspace(backward, O, Q, K, V)
         assert scratch.delta.shape == (1, 2, 6) and scratch.dq_accum.shape == (1, 2, 6, 4)
         ck = xk.allocate_checkpoints(forward, q, k, v)
         forward(o, q, k, v, checkpoints=ck)
-        with pytest.raises(ValueError, match=r"scratch\.dq_accum is None but backend 'array_api' needs it"):
+        with pytest.raises(
+            ValueError, match=r"scratch\.dq_accum is None but backend 'array_api' needs it"
+        ):
             backward(O, Q, K, V, checkpoints=ck, scratch=scratch._replace(dq_accum=None))
 
 
@@ -312,12 +344,16 @@ def test_triton_attention_scratch_has_no_dq_accum(monkeypatch):
 
     scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V, backend="triton")
     assert scratch.dq_accum is None and scratch.delta.shape == (1, 2, 6)
-    xk.attention_backward_(O, Q, K, V, checkpoints=ck, scratch=scratch, causal=True, backend="triton")
+    xk.attention_backward_(
+        O, Q, K, V, checkpoints=ck, scratch=scratch, causal=True, backend="triton"
+    )
     want = xk.attention_backward(do, q, k, v, o, checkpoints=ck, causal=True, backend="array_api")
     for got, expected in zip((Q.shadow, K.shadow, V.shadow), want, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
-    front = importlib.import_module("xpkernels.attention")  # the module, not the re-exported function
+    front = importlib.import_module(
+        "xpkernels.attention"
+    )  # the module, not the re-exported function
     shapes = []
     real = front.empty_accumulator
 
@@ -358,7 +394,11 @@ def test_cupy_declaration_serves_cupy_arrays_on_cuda(fake_cupy):
         ("softmax", call, "has no softmax kernel"),
         ("rms_norm", Call("cupy", "cuda", ("float64",)), "not float64"),
         ("rms_norm", Call("torch", "cuda", ("float32",)), "serves cupy, numpy arrays, not torch"),
-        ("rms_norm", Call("numpy", "cpu", ("float32",)), "only inside xpkernels.testing.cudacpu.emulate()"),
+        (
+            "rms_norm",
+            Call("numpy", "cpu", ("float32",)),
+            "only inside xpkernels.testing.cudacpu.emulate()",
+        ),
     ]
     for op, c, reason in cases:
         answer = cupy.supports(op, c)
@@ -368,7 +408,9 @@ def test_cupy_declaration_serves_cupy_arrays_on_cuda(fake_cupy):
     assert not answer and answer.reason == "cupy sees no CUDA device"
     fake_cupy["count"] = RuntimeError("cudaErrorNoDevice")
     answer = cupy.supports("rms_norm", call)
-    assert not answer and "cupy sees no CUDA device (RuntimeError: cudaErrorNoDevice)" in answer.reason
+    assert (
+        not answer and "cupy sees no CUDA device (RuntimeError: cudaErrorNoDevice)" in answer.reason
+    )
 
 
 def test_cupy_device_check_without_cupy_imported(monkeypatch, tmp_path):

@@ -176,7 +176,9 @@ def cupy_arrays_on_cuda(monkeypatch):
 
     state = {"count": 1}
     fake = types.ModuleType("cupy")
-    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=lambda: state["count"]))
+    fake.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: state["count"])
+    )
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     monkeypatch.setattr(registry, "namespace_name", lambda xp: "cupy")
@@ -193,12 +195,16 @@ def test_cupy_arrays_on_cuda_route_to_cupy(cupy_arrays_on_cuda):
 
 def test_cupy_ops_without_kernels_fall_back_with_one_warning(cupy_arrays_on_cuda):
     arrays = _arrays(np)
-    with pytest.warns(RuntimeWarning, match="because backend 'cupy' cannot serve it: it has no softmax kernel"):
+    with pytest.warns(
+        RuntimeWarning, match="because backend 'cupy' cannot serve it: it has no softmax kernel"
+    ):
         assert resolve("softmax", arrays).backend == "array_api"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert resolve("softmax", arrays).backend == "array_api"
-    with pytest.raises(BackendError, match="'cupy' .* cannot serve cupy arrays on cuda: it has no softmax kernel"):
+    with pytest.raises(
+        BackendError, match="'cupy' .* cannot serve cupy arrays on cuda: it has no softmax kernel"
+    ):
         resolve("softmax", arrays, backend="cupy")
 
 
@@ -207,7 +213,9 @@ def test_cupy_without_a_device_falls_back_or_refuses(cupy_arrays_on_cuda):
     arrays = _arrays(np)
     with pytest.warns(RuntimeWarning, match="cannot serve it: cupy sees no CUDA device"):
         assert resolve("rms_norm", arrays).backend == "array_api"
-    with pytest.raises(BackendError, match="cannot serve cupy arrays on cuda: cupy sees no CUDA device"):
+    with pytest.raises(
+        BackendError, match="cannot serve cupy arrays on cuda: cupy sees no CUDA device"
+    ):
         resolve("rms_norm", arrays, backend="cupy")
 
 

@@ -39,7 +39,10 @@ def _weights(op, m, rng, dtype=np.float32):
     if op == "rms_norm":
         return {"w": rng.standard_normal(m).astype(dtype)}
     if op == "layer_norm":
-        return {"w": rng.standard_normal(m).astype(dtype), "b": rng.standard_normal(m).astype(dtype)}
+        return {
+            "w": rng.standard_normal(m).astype(dtype),
+            "b": rng.standard_normal(m).astype(dtype),
+        }
     return {}
 
 
@@ -63,7 +66,9 @@ def _backward(op, y, dy, x, dx, params, grads, ck, scratch=None):
     """Run the op's in-place backward; ``grads`` holds the parameter shadows by name."""
     Y, X = Duplicated(y, dy), Duplicated(x, dx)
     if op == "rms_norm":
-        xk.rms_norm_backward_(Y, X, Duplicated(params["w"], grads["w"]), checkpoints=ck, scratch=scratch)
+        xk.rms_norm_backward_(
+            Y, X, Duplicated(params["w"], grads["w"]), checkpoints=ck, scratch=scratch
+        )
     elif op == "layer_norm":
         W = Duplicated(params["w"], grads["w"])
         B = Duplicated(params["b"], grads["b"])
@@ -146,7 +151,9 @@ def _bad_forward_calls(op, x, y, params):
         yield lambda: xk.rms_norm_(y, x, params["w"], checkpoints=bad)
     elif op == "layer_norm":
         yield lambda: xk.layer_norm_(y, x, params["w"], params["b"], eps=0.0)
-        bad = LayerNormCheckpoints(mean=np.zeros(x.shape[0], np.float32), rstd=np.zeros(3, np.float32))
+        bad = LayerNormCheckpoints(
+            mean=np.zeros(x.shape[0], np.float32), rstd=np.zeros(3, np.float32)
+        )
         yield lambda: xk.layer_norm_(y, x, params["w"], params["b"], checkpoints=bad)
     else:
         yield lambda: xk.softmax_(y, np.ones((x.shape[0], 2 * x.shape[1]), np.float32)[:, ::2])
@@ -170,7 +177,8 @@ def _bad_backward_calls(op, x, y, dy, dx, params, grads, ck):
         yield lambda: _backward(op, y, dy, x, dx, params, grads, None)
     elif op == "layer_norm":
         bad = LayerNormBackwardScratch(
-            dw_partial=np.zeros((2, x.shape[1]), np.float32), db_partial=np.zeros((2, x.shape[1]), np.float64)
+            dw_partial=np.zeros((2, x.shape[1]), np.float32),
+            db_partial=np.zeros((2, x.shape[1]), np.float64),
         )
         yield lambda: _backward(op, y, dy, x, dx, params, grads, ck, scratch=bad)
         yield lambda: _backward(op, y, dy, x, dx, params, grads, None)
@@ -205,9 +213,15 @@ def _half_inputs(namespace, op, shape):
     x, dy, params = _case(op, shape, seed=2, dtype=np.float64)
     if namespace == "numpy":
         half = {k: v.astype(np.float16) for k, v in {"x": x, "dy": dy, **params}.items()}
-        return half, lambda a: np.asarray(a, dtype=np.float64), lambda a: np.empty(a.shape, np.float32)
+        return (
+            half,
+            lambda a: np.asarray(a, dtype=np.float64),
+            lambda a: np.empty(a.shape, np.float32),
+        )
     torch = pytest.importorskip("torch", reason="bfloat16 arrays come from torch")
-    half = {k: torch.tensor(v, dtype=torch.bfloat16) for k, v in {"x": x, "dy": dy, **params}.items()}
+    half = {
+        k: torch.tensor(v, dtype=torch.bfloat16) for k, v in {"x": x, "dy": dy, **params}.items()
+    }
     return (
         half,
         lambda a: a.detach().double().numpy(),
@@ -230,7 +244,9 @@ def test_half_inputs_with_float32_outputs_keep_float32_precision(op, namespace):
     grads = {k: f32_like(v) for k, v in params.items()}
     _backward(op, y, dy, x, dx, params, grads, ck)
     exact = {k: as_numpy(v) for k, v in half.items()}
-    y_ref, dx_ref, grads_ref = _reference(op, exact["x"], {k: exact[k] for k in params}, exact["dy"])
+    y_ref, dx_ref, grads_ref = _reference(
+        op, exact["x"], {k: exact[k] for k in params}, exact["dy"]
+    )
     # A half-precision round trip would cost ~1e-3 (float16) to ~1e-2 (bfloat16): the
     # float32 floors tell the two apart. dx of softmax is computed from the float32 y,
     # not the exact one, so its error follows y's amplified by the row sums: 2.5x the floor
@@ -264,7 +280,9 @@ def test_every_shadow_element_overwritten(op, layout):
         if op == "rms_norm":
             scratch = RMSNormBackwardScratch(dw_partial=nan_partial)
         else:
-            scratch = LayerNormBackwardScratch(dw_partial=nan_partial, db_partial=nan_partial.copy())
+            scratch = LayerNormBackwardScratch(
+                dw_partial=nan_partial, db_partial=nan_partial.copy()
+            )
     _backward(op, y, dy, x, dx, params, grads, ck, scratch=scratch)
     y_ref, dx_ref, grads_ref = _reference(op, x, params, dy)
     assert _rel_err(y, y_ref) <= FORWARD_TOL
@@ -296,7 +314,9 @@ def test_extra_memory_bounded_by_block_budget_not_rows(op):
         tracemalloc.stop()
     # Each worker keeps at most six block-sized float32 temporaries alive at once.
     budget = 6 * _blocks.ROW_BLOCK_ELEMENTS * 4 * _blocks.workers(np, rows, m)
-    assert budget < x.nbytes / 2, "the bound must be well below one input for this test to mean anything"
+    assert budget < x.nbytes / 2, (
+        "the bound must be well below one input for this test to mean anything"
+    )
     assert peak <= budget, f"peak extra memory {peak} B exceeds the block budget {budget} B"
     y_ref, dx_ref, _ = _reference(op, x[:1000], params, dy[:1000])
     assert _rel_err(y[:1000], y_ref) <= FORWARD_TOL
@@ -330,7 +350,9 @@ def test_non_contiguous_last_axis_raises(op, which):
     strided = np.zeros((4, 16), np.float32)[:, ::2]
     strided[...] = x
     args = {"x": x, "y": y, which: strided}
-    with pytest.raises(ValueError, match=rf"{which} must be contiguous along its last axis \(stride 1\)"):
+    with pytest.raises(
+        ValueError, match=rf"{which} must be contiguous along its last axis \(stride 1\)"
+    ):
         _forward(op, args["y"], args["x"], params, None)
 
 

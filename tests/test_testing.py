@@ -29,7 +29,9 @@ print(sorted(s.name for s in specs))
 
 
 def test_imports_without_torch_triton_or_pytest():
-    done = subprocess.run([sys.executable, "-c", _BLOCKED], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _BLOCKED], capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert "rms_norm" in done.stdout and "flex_attention" in done.stdout
 
@@ -55,7 +57,9 @@ def test_tolerance_is_the_floor_where_the_naive_formula_is_accurate():
     allowed = tolerances.allowed(spec, case, *_inputs(spec, case, "float32"), "float32")
     assert allowed[("forward", "y")] == tolerances.floor("rms_norm", "forward", "float32")
     assert allowed[("backward", "x")] == tolerances.floor("rms_norm", "backward", "float32")
-    assert allowed[("checkpoints", "rstd")] == tolerances.floor("rms_norm", "checkpoints", "float32")
+    assert allowed[("checkpoints", "rstd")] == tolerances.floor(
+        "rms_norm", "checkpoints", "float32"
+    )
 
 
 def test_tolerance_is_twice_the_naive_error_where_that_exceeds_the_floor():
@@ -82,7 +86,11 @@ def test_a_straightforward_formula_that_overflows_is_refused():
 def test_float64_backward_floor_allows_float32_checkpoints():
     """A float64 backward reads float32 statistics: its floor sits at float32's rounding, not float64's."""
     rng = np.random.default_rng(0)
-    x, dy, w = rng.standard_normal((4, 300)), rng.standard_normal((4, 300)), rng.standard_normal(300)
+    x, dy, w = (
+        rng.standard_normal((4, 300)),
+        rng.standard_normal((4, 300)),
+        rng.standard_normal(300),
+    )
     dx, _ = references.rms_norm_backward(x, w, dy, eps=1e-6)
     rstd32 = references.rms_norm_rstd(x, 1e-6).astype(np.float32).astype(np.float64)
     dx32, _ = references.rms_norm_backward(x, w, dy, eps=1e-6, rstd=rstd32)

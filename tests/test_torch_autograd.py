@@ -114,7 +114,9 @@ def test_gradient_reaches_an_earlier_layer_triton():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CPU tensors run Triton kernels only with TRITON_INTERPRET=1 (set by the harness)")
+        pytest.skip(
+            "CPU tensors run Triton kernels only with TRITON_INTERPRET=1 (set by the harness)"
+        )
     got, want = _earlier_layer_losses("triton", torch.float32)
     for g, w in zip(got, want):
         assert torch.count_nonzero(g) > 0
@@ -144,15 +146,18 @@ def test_backend_choice_of_the_forward_is_the_backward_s(monkeypatch):
         (lambda t, g: xk.softmax_(torch.empty_like(t), Duplicated(t)), "x.primal"),
         (
             lambda t, g: xk.attention_(
-                torch.empty(1, 1, 2, 3, dtype=t.dtype), *(t.detach().view(1, 1, 2, 3),) * 2,
+                torch.empty(1, 1, 2, 3, dtype=t.dtype),
+                *(t.detach().view(1, 1, 2, 3),) * 2,
                 t.view(1, 1, 2, 3),
             ),
             "v",
         ),
         (
             lambda t, g: xk.rms_norm_backward_(
-                Duplicated(t.detach(), t.detach()), Duplicated(t, torch.empty_like(t)),
-                g.detach(), checkpoints=xk.allocate_checkpoints(xk.rms_norm_, t),
+                Duplicated(t.detach(), t.detach()),
+                Duplicated(t, torch.empty_like(t)),
+                g.detach(),
+                checkpoints=xk.allocate_checkpoints(xk.rms_norm_, t),
             ),
             "X.primal",
         ),
@@ -161,7 +166,9 @@ def test_backend_choice_of_the_forward_is_the_backward_s(monkeypatch):
 def test_inplace_fronts_refuse_tensors_that_require_grad(call, name):
     x, w = _f64(2, 3), _f64(3)
     out_before = x.detach().clone()
-    with pytest.raises(ValueError, match=rf"{name} requires grad.*allocating xpkernels\.\w+\(.*torch\.no_grad\(\)"):
+    with pytest.raises(
+        ValueError, match=rf"{name} requires grad.*allocating xpkernels\.\w+\(.*torch\.no_grad\(\)"
+    ):
         call(x, w)
     torch.testing.assert_close(x.detach(), out_before)
     with torch.no_grad():
@@ -178,7 +185,9 @@ def test_inplace_front_refuses_a_score_mod_parameter():
         xk.flex_attention_(torch.empty_like(q), q, q, q, score_mod=AliBiScore(slopes))
 
 
-@pytest.mark.parametrize("front", ["rms_norm", "layer_norm", "softmax", "attention", "flex_attention"])
+@pytest.mark.parametrize(
+    "front", ["rms_norm", "layer_norm", "softmax", "attention", "flex_attention"]
+)
 def test_double_backward_is_refused(front):
     x, w = _f64(1, 2, 3, 4), _f64(4)
     calls = {
@@ -190,7 +199,9 @@ def test_double_backward_is_refused(front):
     }
     y = calls[front]()
     (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match=rf"xpkernels\.{front}: double backward .* not supported"):
+    with pytest.raises(
+        RuntimeError, match=rf"xpkernels\.{front}: double backward .* not supported"
+    ):
         g.sum().backward()
 
 
@@ -201,7 +212,9 @@ def test_meta_tensors_are_refused_by_name():
         xk.rms_norm(x, w)
     with pytest.raises(TypeError, match=r"rms_norm_: w is on device meta but x is on cpu"):
         xk.rms_norm_(torch.empty(2, 3), torch.ones(2, 3), torch.empty(3, device="meta"))
-    with pytest.raises(TypeError, match=r"rms_norm: x is a meta tensor: a meta tensor holds no data"):
+    with pytest.raises(
+        TypeError, match=r"rms_norm: x is a meta tensor: a meta tensor holds no data"
+    ):
         xk.rms_norm(x, w.to("meta"))
     with pytest.raises(TypeError, match=r"attention: k is on device meta"):
         q = torch.ones(1, 1, 2, 3, requires_grad=True)
@@ -237,6 +250,7 @@ def _saved_bytes(fn):
 
 def _peak_rss_growth(fn) -> int:
     """Bytes the process's peak RSS rises above its RSS at the start of ``fn`` (Linux)."""
+
     def field(name):
         with open("/proc/self/status") as status:
             for line in status:

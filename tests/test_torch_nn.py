@@ -64,7 +64,9 @@ def test_state_dict_interchange_with_torch_nn(name, kwargs, direction):
 
 
 def test_norm_rejects_an_input_of_another_shape():
-    with pytest.raises(ValueError, match=r"RMSNorm: input must end with the normalized_shape \(8,\)"):
+    with pytest.raises(
+        ValueError, match=r"RMSNorm: input must end with the normalized_shape \(8,\)"
+    ):
         xnn.RMSNorm(8)(torch.ones(2, 7))
 
 

@@ -32,7 +32,9 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _t(*shape, dtype, grad=False, generator):
-    return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype).requires_grad_(grad)
+    return (
+        torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype).requires_grad_(grad)
+    )
 
 
 def _cases(dtype):
@@ -74,7 +76,11 @@ def _cases(dtype):
             (dy, d["x"], d["w"], rstd, t(3, 8), t(8), torch.empty(2, 8, dtype=acc), 0.0, None),
         ),
         ("layer_norm", ops.layer_norm, (x, w, b, 1e-5, None)),
-        ("layer_norm_", ops.layer_norm_, (t(3, 8), d["x"], d["w"], d["b"], f32(3), f32(3), 1e-5, None)),
+        (
+            "layer_norm_",
+            ops.layer_norm_,
+            (t(3, 8), d["x"], d["w"], d["b"], f32(3), f32(3), 1e-5, None),
+        ),
         (
             "layer_norm_backward",
             ops.layer_norm_backward,
@@ -119,8 +125,17 @@ def _cases(dtype):
             "flex_attention_backward_",
             ops.flex_attention_backward_,
             (
-                do, *qkv, fo, fm, fl, t(1, 4, 5, 8), t(1, 2, 6, 8), t(1, 2, 6, 4),
-                [slopes.detach()], [t(4)], *flex,
+                do,
+                *qkv,
+                fo,
+                fm,
+                fl,
+                t(1, 4, 5, 8),
+                t(1, 2, 6, 8),
+                t(1, 2, 6, 4),
+                [slopes.detach()],
+                [t(4)],
+                *flex,
             ),
         ),
     ]
@@ -167,12 +182,20 @@ def test_gradcheck_norms_and_softmax():
 
 def test_gradcheck_attention():
     g = torch.Generator().manual_seed(2)
-    q, k, v = _f64(2, 4, 3, 5, generator=g), _f64(2, 2, 6, 5, generator=g), _f64(2, 2, 6, 3, generator=g)
+    q, k, v = (
+        _f64(2, 4, 3, 5, generator=g),
+        _f64(2, 2, 6, 5, generator=g),
+        _f64(2, 2, 6, 3, generator=g),
+    )
     _gradcheck(lambda q, k, v: xk.attention(q, k, v), q, k, v)
     lengths = torch.tensor([6, 2])
     _gradcheck(
-        lambda q, k, v: xk.attention(q, k, v, causal=True, input_pos=3, k_lengths=lengths, scale=0.7),
-        q, k, v,
+        lambda q, k, v: xk.attention(
+            q, k, v, causal=True, input_pos=3, k_lengths=lengths, scale=0.7
+        ),
+        q,
+        k,
+        v,
     )
 
 
@@ -181,11 +204,16 @@ def _relative(score, b, h, q_idx, kv_idx, *, table):
 
 
 @pytest.mark.parametrize(
-    "kind", ["alibi", "bias", "relative_table", "pair_feature"],
+    "kind",
+    ["alibi", "bias", "relative_table", "pair_feature"],
 )
 def test_gradcheck_flex_learnable_score_mods(kind):
     g = torch.Generator().manual_seed(3)
-    q, k, v = _f64(1, 2, 4, 3, generator=g), _f64(1, 1, 5, 3, generator=g), _f64(1, 1, 5, 2, generator=g)
+    q, k, v = (
+        _f64(1, 2, 4, 3, generator=g),
+        _f64(1, 1, 5, 3, generator=g),
+        _f64(1, 1, 5, 2, generator=g),
+    )
     if kind == "alibi":
         params = (torch.rand(2, generator=g, dtype=torch.float64, requires_grad=True),)
 
@@ -213,15 +241,24 @@ def test_gradcheck_flex_learnable_score_mods(kind):
     mask = SlidingWindowMask(2)
     _gradcheck(
         lambda q, k, v, *p: xk.flex_attention(q, k, v, score_mod=make(*p), mask_mod=mask),
-        q, k, v, *params,
+        q,
+        k,
+        v,
+        *params,
     )
 
 
 def test_flex_parameter_gets_its_grad_and_matches_the_materialised_reference():
     g = torch.Generator().manual_seed(4)
-    q, k, v = _f64(1, 2, 4, 3, generator=g), _f64(1, 2, 4, 3, generator=g), _f64(1, 2, 4, 3, generator=g)
+    q, k, v = (
+        _f64(1, 2, 4, 3, generator=g),
+        _f64(1, 2, 4, 3, generator=g),
+        _f64(1, 2, 4, 3, generator=g),
+    )
     table = torch.nn.Parameter(torch.randn(2, 15, generator=g, dtype=torch.float64))
-    out = xk.flex_attention(q, k, v, score_mod=ScoreMod(_relative, table=table), mask_mod=CausalMask())
+    out = xk.flex_attention(
+        q, k, v, score_mod=ScoreMod(_relative, table=table), mask_mod=CausalMask()
+    )
     cot = torch.randn(out.shape, generator=g, dtype=torch.float64)
     (out * cot).sum().backward()
     got = table.grad.clone()

@@ -29,8 +29,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ["TRITON_INTERPRET"] != "1":
-        pytest.skip("CPU tensors need TRITON_INTERPRET=1 for Triton kernels",
-                    allow_module_level=True)
+        pytest.skip(
+            "CPU tensors need TRITON_INTERPRET=1 for Triton kernels", allow_module_level=True
+        )
 
 from xpkernels.backends.triton import attention as tri_attention
 from xpkernels.backends.triton import decode_attention as tri_decode
@@ -59,8 +60,13 @@ def reference_attention(q, k, v, do, *, scale, causal, input_pos, q_lengths, k_l
     """Float64 ``o, m, l`` and ``dq, dk, dv`` from the full score matrix (xpkernels.testing.references)."""
     q, k, v, do = (np.asarray(t, dtype=np.float64) for t in (q, k, v, do))
     keep = ref.attention_keep(
-        q.shape[0], q.shape[2], k.shape[2], causal=causal, input_pos=input_pos,
-        q_lengths=q_lengths, k_lengths=k_lengths,
+        q.shape[0],
+        q.shape[2],
+        k.shape[2],
+        causal=causal,
+        input_pos=input_pos,
+        q_lengths=q_lengths,
+        k_lengths=k_lengths,
     )
     o, m, l, _ = ref.attention(q, k, v, scale=scale, keep=keep)
     dq, dk, dv = ref.attention_backward(q, k, v, do, scale=scale, keep=keep)
@@ -132,8 +138,9 @@ def _run_backward(tensors, o, m, l, opts):
     grads = {"q": _nan_like(q), "k": _nan_like(k), "v": _nan_like(v)}
     delta = torch.full(m.shape, float("nan"), dtype=torch.float32, device=DEVICE)
     dq_accum = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE)
-    tri_attention.backward(do, q, k, v, o, m, l, grads["q"], grads["k"], grads["v"], delta,
-                           dq_accum, **opts)
+    tri_attention.backward(
+        do, q, k, v, o, m, l, grads["q"], grads["k"], grads["v"], delta, dq_accum, **opts
+    )
     return grads
 
 
@@ -215,8 +222,9 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
-                         ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["float32", "float16", "bfloat16"]
+)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[c[0] for c in DECODE_CASES])
 def test_decode_matches_reference(case, dtype):
     _, B, H, Hkv, Smax, D, Dv, lengths, n_splits = case
@@ -251,8 +259,17 @@ def test_decode_equals_causal_attention_of_last_query():
     tri_decode.forward(o, q, k, v, _int(lengths), partial, m_partial, l_partial, scale=0.25)
     o_attn = torch.empty(B, H, 1, D, device=DEVICE)
     tri_attention.forward(
-        o_attn, q[:, :, None, :], k, v, None, None, scale=0.25, causal=True,
-        input_pos=_int([n - 1 for n in lengths]), q_lengths=None, k_lengths=_int(lengths),
+        o_attn,
+        q[:, :, None, :],
+        k,
+        v,
+        None,
+        None,
+        scale=0.25,
+        causal=True,
+        input_pos=_int([n - 1 for n in lengths]),
+        q_lengths=None,
+        k_lengths=_int(lengths),
     )
     assert _err(o, o_attn[:, :, 0].double().cpu().numpy()) <= 1e-5
 
@@ -321,15 +338,28 @@ def test_kernels_compile_for_hopper():
     import subprocess
     import sys
 
-    pytest.importorskip("triton.backends.nvidia.compiler",
-                        reason="this Triton has no NVIDIA backend")
+    pytest.importorskip(
+        "triton.backends.nvidia.compiler", reason="this Triton has no NVIDIA backend"
+    )
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=600, check=False)
+    run = subprocess.run(
+        [sys.executable, "-c", _SM90_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    for name in ("_forward_kernel", "_dkdv_kernel", "_dq_kernel", "_delta_kernel", "_split_kernel",
-                 "_combine_kernel"):
+    for name in (
+        "_forward_kernel",
+        "_dkdv_kernel",
+        "_dq_kernel",
+        "_delta_kernel",
+        "_split_kernel",
+        "_combine_kernel",
+    ):
         assert f"{name} shared" in run.stdout
 
 
@@ -363,8 +393,12 @@ def _forward_backward(q, k, v, do, **opts):
 
 
 def _small(rng, B, H, Hkv, Sq, Sk, D=16):
-    arrays = (rng.standard_normal((B, H, Sq, D)), rng.standard_normal((B, Hkv, Sk, D)),
-              rng.standard_normal((B, Hkv, Sk, D)), rng.standard_normal((B, H, Sq, D)))
+    arrays = (
+        rng.standard_normal((B, H, Sq, D)),
+        rng.standard_normal((B, Hkv, Sk, D)),
+        rng.standard_normal((B, Hkv, Sk, D)),
+        rng.standard_normal((B, H, Sq, D)),
+    )
     return [np.asarray(a) for a in arrays]
 
 
@@ -381,15 +415,20 @@ def _check_against(raw, ref_opts, opts, nan_rows=None):
     nan_rows = np.zeros(o.shape[:3], dtype=bool) if nan_rows is None else nan_rows
     for name, got, want in (("o", o, ref_out["o"]), ("dq", grads["q"], ref_grad["q"])):
         assert torch.isnan(got).any(-1).numpy().tolist() == nan_rows.tolist(), f"{name}: NaN rows"
-        _rows_match(got[torch.from_numpy(~nan_rows)], want[~nan_rows], BACKWARD_TOL[torch.float32], name)
+        _rows_match(
+            got[torch.from_numpy(~nan_rows)], want[~nan_rows], BACKWARD_TOL[torch.float32], name
+        )
     for name, got, want in (("m", m, ref_out["m"]), ("l", l, ref_out["l"])):
         assert torch.isnan(got).numpy().tolist() == nan_rows.tolist(), f"{name}: NaN rows"
         _rows_match(got[torch.from_numpy(~nan_rows)], want[~nan_rows], 2e-5, name)
     return grads, ref_grad
 
 
-@pytest.mark.parametrize("pos", [-17, [-3, -40], [-(2**40), 2**40], -(2**40), 2**40],
-                         ids=["int", "array", "huge-array", "huge-int-negative", "huge-int"])
+@pytest.mark.parametrize(
+    "pos",
+    [-17, [-3, -40], [-(2**40), 2**40], -(2**40), 2**40],
+    ids=["int", "array", "huge-array", "huge-int-negative", "huge-int"],
+)
 def test_negative_and_huge_input_pos(pos):
     """Bottom-right alignment ``input_pos = Sk - Sq`` (< 0): queries before key 0 see nothing.
 
@@ -400,8 +439,9 @@ def test_negative_and_huge_input_pos(pos):
     pos_t = torch.tensor(pos, dtype=torch.int64, device=DEVICE) if isinstance(pos, list) else pos
     opts = {"scale": 0.25, "causal": True, "input_pos": pos_t, "q_lengths": None, "k_lengths": None}
     ref_pos = np.clip(np.broadcast_to(np.asarray(pos, dtype=np.int64), (2,)), -40, 23)
-    grads, ref_grad = _check_against(raw, {"causal": True, "input_pos": ref_pos, "q_lengths": None,
-                                           "k_lengths": None}, opts)
+    grads, ref_grad = _check_against(
+        raw, {"causal": True, "input_pos": ref_pos, "q_lengths": None, "k_lengths": None}, opts
+    )
     for name in ("k", "v"):
         assert _err(grads[name], ref_grad[name]) <= BACKWARD_TOL[torch.float32], f"d{name}"
 
@@ -411,11 +451,19 @@ def test_out_of_range_device_lengths_are_clamped_in_the_kernels():
     rng = np.random.default_rng(103)
     raw = _small(rng, 4, 2, 2, 18, 20)
     big = lambda values: torch.tensor(values, dtype=torch.int64, device=DEVICE)  # noqa: E731
-    opts = {"scale": 0.25, "causal": True, "input_pos": big([2, 2**33 + 1, -(2**33), 0]),
-            "q_lengths": big([2**32 + 3, 18, 18, -(2**32) + 7]),
-            "k_lengths": big([2**32 + 5, 20, 20, -(2**32) + 9])}
-    ref = {"causal": True, "input_pos": [2, 20, -18, 0], "q_lengths": [18, 18, 18, 0],
-           "k_lengths": [20, 20, 20, 0]}
+    opts = {
+        "scale": 0.25,
+        "causal": True,
+        "input_pos": big([2, 2**33 + 1, -(2**33), 0]),
+        "q_lengths": big([2**32 + 3, 18, 18, -(2**32) + 7]),
+        "k_lengths": big([2**32 + 5, 20, 20, -(2**32) + 9]),
+    }
+    ref = {
+        "causal": True,
+        "input_pos": [2, 20, -18, 0],
+        "q_lengths": [18, 18, 18, 0],
+        "k_lengths": [20, 20, 20, 0],
+    }
     grads, ref_grad = _check_against(raw, ref, opts)
     for name in ("k", "v"):
         assert _err(grads[name], ref_grad[name]) <= BACKWARD_TOL[torch.float32], f"d{name}"
@@ -437,9 +485,13 @@ def test_nan_key_or_value_reaches_only_the_rows_that_see_it(where):
         assert torch.isnan(o).any(-1).numpy().tolist() == nan_rows.tolist()
         assert torch.isfinite(m).all() and torch.isfinite(l).all()
         assert torch.isnan(grads["q"]).any(-1).numpy().tolist() == nan_rows.tolist()
-        ref_out, ref_grad = reference_attention(*(np.nan_to_num(a, nan=0.0) for a in raw), scale=0.25, **ref)
+        ref_out, ref_grad = reference_attention(
+            *(np.nan_to_num(a, nan=0.0) for a in raw), scale=0.25, **ref
+        )
         _rows_match(o[:, :, :9], ref_out["o"][:, :, :9], TOL[torch.float32], "o")
-        _rows_match(grads["q"][:, :, :9], ref_grad["q"][:, :, :9], BACKWARD_TOL[torch.float32], "dq")
+        _rows_match(
+            grads["q"][:, :, :9], ref_grad["q"][:, :, :9], BACKWARD_TOL[torch.float32], "dq"
+        )
         return
     _check_against(raw, ref, opts, nan_rows)
 
@@ -450,8 +502,13 @@ def test_nan_past_the_lengths_is_never_seen():
     raw[1][0, :, 12:] = np.nan
     raw[2][1, :, 5:] = np.inf
     raw[0][1, :, 9:] = np.nan
-    opts = {"scale": 0.25, "causal": True, "input_pos": _int([4, -2]), "q_lengths": _int([17, 9]),
-            "k_lengths": _int([12, 5])}
+    opts = {
+        "scale": 0.25,
+        "causal": True,
+        "input_pos": _int([4, -2]),
+        "q_lengths": _int([17, 9]),
+        "k_lengths": _int([12, 5]),
+    }
     ref = {"causal": True, "input_pos": [4, -2], "q_lengths": [17, 9], "k_lengths": [12, 5]}
     grads, ref_grad = _check_against(raw, ref, opts)
     for name in ("k", "v"):
@@ -485,8 +542,10 @@ def test_decode_clamps_out_of_range_device_lengths():
     v = _tensor(rng.standard_normal((B, 1, Smax, D)), torch.float32)
     lengths = torch.tensor([2**32 + 3, -(2**33), 9], dtype=torch.int64, device=DEVICE)
     o = torch.full((B, H, D), float("nan"), device=DEVICE)
-    scratch = [torch.full(shape, float("nan"), device=DEVICE)
-               for shape in ((B, H, n_splits, D), (B, H, n_splits), (B, H, n_splits))]
+    scratch = [
+        torch.full(shape, float("nan"), device=DEVICE)
+        for shape in ((B, H, n_splits, D), (B, H, n_splits), (B, H, n_splits))
+    ]
     tri_decode.forward(o, q, k, v, lengths, *scratch, scale=0.25)
     ref = reference_decode(*(t.double().cpu().numpy() for t in (q, k, v)), [Smax, 0, 9], 0.25)
     assert _err(o, ref) <= TOL[torch.float32]
@@ -504,12 +563,15 @@ def test_front_bottom_right_alignment_on_triton_equals_array_api():
             q, k, v, do = (t.cpu() for t in (q, k, v, do))
         ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
         o = xk.attention(q, k, v, causal=True, input_pos=9 - 24, checkpoints=ck, backend=backend)
-        grads = xk.attention_backward(do, q, k, v, o, checkpoints=ck, causal=True, input_pos=9 - 24,
-                                      backend=backend)
+        grads = xk.attention_backward(
+            do, q, k, v, o, checkpoints=ck, causal=True, input_pos=9 - 24, backend=backend
+        )
         results[backend] = [t.cpu() for t in (o, ck.m, ck.l, *grads)]
     for name, a, b in zip(("o", "m", "l", "dq", "dk", "dv"), *results.values(), strict=True):
         assert _err(a, b.double().numpy()) <= BACKWARD_TOL[torch.float32], name
-    assert torch.all(results["triton"][0][:, :, :15] == 0) and torch.all(results["triton"][3][:, :, :15] == 0)
+    assert torch.all(results["triton"][0][:, :, :15] == 0) and torch.all(
+        results["triton"][3][:, :, :15] == 0
+    )
 
 
 class NoHostRead(torch.Tensor):
@@ -518,7 +580,16 @@ class NoHostRead(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__"}:
+        if name in {
+            "item",
+            "tolist",
+            "cpu",
+            "numpy",
+            "__bool__",
+            "__int__",
+            "__index__",
+            "__float__",
+        }:
             raise AssertionError(f"host read of a device value: {name}")
         return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -550,15 +621,23 @@ def test_in_place_calls_read_no_device_integer_on_the_host(monkeypatch):
     launched = _record_launches(monkeypatch)
     rng = np.random.default_rng(137)
     q, k, v, do = (torch.from_numpy(a).float().to(DEVICE) for a in _small(rng, 2, 2, 1, 9, 11))
-    guarded = {name: torch.tensor(values, device=DEVICE).as_subclass(NoHostRead) for name, values in
-               (("input_pos", [3, -2]), ("q_lengths", [9, 99]), ("k_lengths", [-1, 2**40]))}
+    guarded = {
+        name: torch.tensor(values, device=DEVICE).as_subclass(NoHostRead)
+        for name, values in (
+            ("input_pos", [3, -2]),
+            ("q_lengths", [9, 99]),
+            ("k_lengths", [-1, 2**40]),
+        )
+    }
     o = torch.empty_like(q)
     ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
     xk.attention_(o, q, k, v, causal=True, checkpoints=ck, backend="triton", **guarded)
     shadows = [torch.empty_like(a) for a in (q, k, v)]
     args = (Duplicated(o, do), *map(Duplicated, (q, k, v), shadows))
     scratch = xk.allocate_scratchspace(xk.attention_backward_, *args)
-    xk.attention_backward_(*args, checkpoints=ck, scratch=scratch, causal=True, backend="triton", **guarded)
+    xk.attention_backward_(
+        *args, checkpoints=ck, scratch=scratch, causal=True, backend="triton", **guarded
+    )
     lengths = torch.tensor([11, 2**33], device=DEVICE).as_subclass(NoHostRead)
     o_dec = torch.empty(2, 2, 16, device=DEVICE)
     dec_scratch = xk.allocate_scratchspace(xk.decode_attention_, o_dec, q[:, :, 0], k, n_splits=2)

@@ -87,7 +87,9 @@ def test_rms_norm_of_empty_rows_matches_array_api(shape):
     ]
     _assert_empty_rows_agree(*runs)
     expected = torch.full(shape[:-1], EPS**-0.5, dtype=torch.float32).reshape(-1)
-    torch.testing.assert_close(runs[0][1].rstd.cpu().reshape(-1), expected, rtol=RSTD_RTOL, atol=0.0)
+    torch.testing.assert_close(
+        runs[0][1].rstd.cpu().reshape(-1), expected, rtol=RSTD_RTOL, atol=0.0
+    )
 
 
 @pytest.mark.parametrize("affine", ["w+b", "none"])

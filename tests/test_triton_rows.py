@@ -112,7 +112,7 @@ def _assert_close(got, want, dtype, pass_, what):
     tol = floor("rms_norm", pass_, dtype)
     assert err <= tol, f"{what}: error {err:.3g} > {tol:.3g}"
     if got.dim() == 2 and got._base is not None:
-        gap = got._base[:, got.shape[1]:]
+        gap = got._base[:, got.shape[1] :]
         assert torch.isnan(gap).all(), f"{what}: a kernel wrote between rows, past column M"
 
 
@@ -249,7 +249,9 @@ def test_layer_norm_large_mean_keeps_precision(variant):
     x = _strided(x64, "float32")
     y, mean, rstd = _empty_strided(4, 100, "float32"), _vector(4), _vector(4)
     ln.forward(y, x, None, None, mean, rstd, eps=EPS)
-    _, mean_ref, rstd_ref = _ln_ref(x, torch.ones(100, dtype=torch.float64), torch.zeros(100, dtype=torch.float64))
+    _, mean_ref, rstd_ref = _ln_ref(
+        x, torch.ones(100, dtype=torch.float64), torch.zeros(100, dtype=torch.float64)
+    )
     assert float(((_exact(rstd) - rstd_ref) / rstd_ref).abs().max()) <= 1e-4
     _assert_close(mean, mean_ref, "float32", "forward", "mean")
 
@@ -422,7 +424,11 @@ def test_cpu_tensors_without_interpreter_raise_backend_error():
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
         check=False,
     )
     assert out.returncode == 0, out.stderr

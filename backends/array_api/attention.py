@@ -168,9 +168,24 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
             for i0, i1 in tiles(first, nq, query_tile):
                 k_end = min(nk, pos + i1) if causal else nk
                 _forward_tile(
-                    xp, o, q, k, v, m, l, b, g, slice(g * group, (g + 1) * group), i0, i1,
-                    k_end=k_end, mask_start=min(k_end, pos + i0 + 1) if causal else k_end,
-                    key_tile=key_tile, scale=scale, k_norm=k_norm, visible=visible,
+                    xp,
+                    o,
+                    q,
+                    k,
+                    v,
+                    m,
+                    l,
+                    b,
+                    g,
+                    slice(g * group, (g + 1) * group),
+                    i0,
+                    i1,
+                    k_end=k_end,
+                    mask_start=min(k_end, pos + i0 + 1) if causal else k_end,
+                    key_tile=key_tile,
+                    scale=scale,
+                    k_norm=k_norm,
+                    visible=visible,
                 )
 
 
@@ -185,7 +200,25 @@ def _max_row_norm(xp, a) -> float:
 
 
 def _forward_tile(
-    xp, o, q, k, v, m, l, b, g, heads_g, i0, i1, *, k_end, mask_start, key_tile, scale, k_norm, visible
+    xp,
+    o,
+    q,
+    k,
+    v,
+    m,
+    l,
+    b,
+    g,
+    heads_g,
+    i0,
+    i1,
+    *,
+    k_end,
+    mask_start,
+    key_tile,
+    scale,
+    k_norm,
+    visible,
 ):
     """One query tile of batch ``b``, kv group ``g`` against keys ``[0, k_end)``.
 
@@ -218,13 +251,19 @@ def _forward_tile(
             s -= new_shift[:, None]
         p = xp.exp(s)
         v_tile = to(xp, v[b, g, j0:j1, :], acc)
-        pv = p @ v_tile if tile_visible is None else _visible_product(xp, p, v_tile, tile_visible, key_side=False)
+        pv = (
+            p @ v_tile
+            if tile_visible is None
+            else _visible_product(xp, p, v_tile, tile_visible, key_side=False)
+        )
         row_sum = p @ ones[: j1 - j0]
         if o_acc is None:
             l_run, o_acc = row_sum, pv
         else:
             if shift is not None or new_shift is not None:
-                alpha = xp.exp((0.0 if shift is None else shift) - (0.0 if new_shift is None else new_shift))
+                alpha = xp.exp(
+                    (0.0 if shift is None else shift) - (0.0 if new_shift is None else new_shift)
+                )
                 l_run = l_run * alpha
                 o_acc *= alpha[:, None]
             l_run = l_run + row_sum
@@ -240,7 +279,24 @@ def _forward_tile(
 
 
 def backward(
-    do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *, scale, causal, input_pos, q_lengths, k_lengths
+    do,
+    q,
+    k,
+    v,
+    o,
+    m,
+    l,
+    dq,
+    dk,
+    dv,
+    delta,
+    dq_accum,
+    *,
+    scale,
+    causal,
+    input_pos,
+    q_lengths,
+    k_lengths,
 ) -> None:
     """Overwrite ``dq``, ``dk``, ``dv`` in full for validated inputs.
 
@@ -268,9 +324,27 @@ def backward(
         for g in range(kv_heads):
             for j0, j1 in tiles(0, nk, key_tile):
                 _backward_key_tile(
-                    xp, do, q, k, v, m, l, dk, dv, delta, dq_accum, b, g, j0, j1,
-                    q_first=max(0, j0 - pos) if causal else 0, q_end=nq,
-                    causal=causal, pos=pos, query_tile=query_tile, scale=scale,
+                    xp,
+                    do,
+                    q,
+                    k,
+                    v,
+                    m,
+                    l,
+                    dk,
+                    dv,
+                    delta,
+                    dq_accum,
+                    b,
+                    g,
+                    j0,
+                    j1,
+                    q_first=max(0, j0 - pos) if causal else 0,
+                    q_end=nq,
+                    causal=causal,
+                    pos=pos,
+                    query_tile=query_tile,
+                    scale=scale,
                 )
         for h in range(heads):
             for r0, r1 in row_blocks(nq, d):
@@ -287,8 +361,28 @@ def _row_dots(xp, do, o, delta, b, nq) -> None:
 
 
 def _backward_key_tile(
-    xp, do, q, k, v, m, l, dk, dv, delta, dq_accum, b, g, j0, j1, *,
-    q_first, q_end, causal, pos, query_tile, scale,
+    xp,
+    do,
+    q,
+    k,
+    v,
+    m,
+    l,
+    dk,
+    dv,
+    delta,
+    dq_accum,
+    b,
+    g,
+    j0,
+    j1,
+    *,
+    q_first,
+    q_end,
+    causal,
+    pos,
+    query_tile,
+    scale,
 ) -> None:
     """dk, dv of keys ``[j0, j1)`` of kv head ``g``, and their share of dq, from queries ``[q_first, q_end)``.
 
@@ -310,11 +404,15 @@ def _backward_key_tile(
         rows = group * n_q
         width = min(j1, pos + i1) - j0 if causal else j1 - j0  # keys the tile's last query sees
         lse = to(xp, m[b, heads_g, i0:i1], acc) + xp.log(to(xp, l[b, heads_g, i0:i1], acc))
-        q_aug = _with_column(xp, xp.reshape(q[b, heads_g, i0:i1, :], (rows, d)), -xp.reshape(lse, (rows,)), acc)
+        q_aug = _with_column(
+            xp, xp.reshape(q[b, heads_g, i0:i1, :], (rows, d)), -xp.reshape(lse, (rows,)), acc
+        )
         q_aug[:, :d] *= scale
         do_aug = _with_column(
-            xp, xp.reshape(do[b, heads_g, i0:i1, :], (rows, d_v)),
-            -xp.reshape(to(xp, delta[b, heads_g, i0:i1], acc), (rows,)), acc,
+            xp,
+            xp.reshape(do[b, heads_g, i0:i1, :], (rows, d_v)),
+            -xp.reshape(to(xp, delta[b, heads_g, i0:i1], acc), (rows,)),
+            acc,
         )
         s = q_aug @ k_aug[:width, :].mT
         if not (causal and j0 + width - 1 > pos + i0):

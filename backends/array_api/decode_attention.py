@@ -67,14 +67,43 @@ def forward(o, q, k, v, lengths, o_partial, m_partial, l_partial, *, scale) -> N
             heads_g = slice(g * group, (g + 1) * group)
             for split in range(used):
                 _split(
-                    xp, q, k, v, o_partial, m_partial, l_partial, b, g, heads_g, split,
-                    start=split * chunk, stop=min(n, (split + 1) * chunk),
-                    key_tile=key_tile, scale=scale,
+                    xp,
+                    q,
+                    k,
+                    v,
+                    o_partial,
+                    m_partial,
+                    l_partial,
+                    b,
+                    g,
+                    heads_g,
+                    split,
+                    start=split * chunk,
+                    stop=min(n, (split + 1) * chunk),
+                    key_tile=key_tile,
+                    scale=scale,
                 )
         _combine(xp, o, o_partial, m_partial, l_partial, b)
 
 
-def _split(xp, q, k, v, o_partial, m_partial, l_partial, b, g, heads_g, split, *, start, stop, key_tile, scale):
+def _split(
+    xp,
+    q,
+    k,
+    v,
+    o_partial,
+    m_partial,
+    l_partial,
+    b,
+    g,
+    heads_g,
+    split,
+    *,
+    start,
+    stop,
+    key_tile,
+    scale,
+):
     """Partial result of keys ``[start, stop)`` (not empty) for the query heads ``heads_g`` of kv head ``g``."""
     acc = acc_dtype(xp, q.dtype)
     q_scaled = to(xp, q[b, heads_g, :], acc) * scale

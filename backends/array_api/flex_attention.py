@@ -140,8 +140,17 @@ class _Tiles:
         xp = self.xp
         shape = (self.group, r1 - r0, j1 - j0)
         grid = tile_grid(
-            xp, self.device, self.names, b=b, h0=g * self.group, n_h=self.group,
-            q_pos0=self.positions[b] + r0, q_row0=r0, n_q=r1 - r0, kv0=j0, n_kv=j1 - j0,
+            xp,
+            self.device,
+            self.names,
+            b=b,
+            h0=g * self.group,
+            n_h=self.group,
+            q_pos0=self.positions[b] + r0,
+            q_row0=r0,
+            n_q=r1 - r0,
+            kv0=j0,
+            n_kv=j1 - j0,
         )
         s3 = xp.reshape(s, shape)
         values = None
@@ -176,7 +185,14 @@ def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) ->
     """
     xp = array_api_compat.array_namespace(o, q, k, v)
     t = _Tiles(
-        xp, q, k, v, scale=scale, input_pos=input_pos, score_mod=score_mod, mask_mod=mask_mod,
+        xp,
+        q,
+        k,
+        v,
+        scale=scale,
+        input_pos=input_pos,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
         plan=plan,
     )
     for b in range(t.batch):
@@ -273,8 +289,25 @@ def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm) -> N
 
 
 def backward(
-    do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *,
-    scale, input_pos, score_mod, mask_mod, plan, score_mod_grads,
+    do,
+    q,
+    k,
+    v,
+    o,
+    m,
+    l,
+    dq,
+    dk,
+    dv,
+    delta,
+    dq_accum,
+    *,
+    scale,
+    input_pos,
+    score_mod,
+    mask_mod,
+    plan,
+    score_mod_grads,
 ) -> None:
     """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
 
@@ -285,7 +318,14 @@ def backward(
     """
     xp = array_api_compat.array_namespace(do, q, k, v, o)
     t = _Tiles(
-        xp, q, k, v, scale=scale, input_pos=input_pos, score_mod=score_mod, mask_mod=mask_mod,
+        xp,
+        q,
+        k,
+        v,
+        scale=scale,
+        input_pos=input_pos,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
         plan=plan,
     )
     for b in range(t.batch):
@@ -297,7 +337,22 @@ def backward(
             for j in range(states.shape[1]):
                 visits = [(int(i), int(states[i, j])) for i in np.nonzero(states[:, j] != SKIP)[0]]
                 _backward_key_tile(
-                    t, do, q, k, v, m, l, dk, dv, delta, dq_accum, b, g, heads, j, visits,
+                    t,
+                    do,
+                    q,
+                    k,
+                    v,
+                    m,
+                    l,
+                    dk,
+                    dv,
+                    delta,
+                    dq_accum,
+                    b,
+                    g,
+                    heads,
+                    j,
+                    visits,
                     score_mod_grads,
                 )
         for h in range(t.heads):
@@ -340,8 +395,10 @@ def _backward_key_tile(
             lse = xp.where(seen, m_rows + xp.log(xp.where(seen, l_rows, 1.0)), math.inf)
             q_rows = xp.reshape(q[b, heads, r0:r1, :], (rows, d))
             do_aug = _with_column(
-                xp, xp.reshape(do[b, heads, r0:r1, :], (rows, t.dv)),
-                -xp.reshape(to(xp, delta[b, heads, r0:r1], acc), (rows,)), acc,
+                xp,
+                xp.reshape(do[b, heads, r0:r1, :], (rows, t.dv)),
+                -xp.reshape(to(xp, delta[b, heads, r0:r1], acc), (rows,)),
+                acc,
             )
             if t.score is None:
                 q_op = _with_column(xp, q_rows, -lse, acc)

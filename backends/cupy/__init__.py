@@ -41,7 +41,9 @@ def _emulating() -> bool:
 
 def _cuda_problem() -> str | None:
     if _emulating():
-        return "inside xpkernels.testing.cudacpu.emulate() the cupy backend serves NumPy arrays only"
+        return (
+            "inside xpkernels.testing.cudacpu.emulate() the cupy backend serves NumPy arrays only"
+        )
     cupy = sys.modules.get("cupy")
     if cupy is None:
         # The caller holds no CuPy arrays (e.g. xk.backends()): neither import CuPy nor start CUDA.

@@ -52,7 +52,8 @@ class CupyLoader:
         mod = self._modules.get(key)
         if mod is None:
             mod = cupy.RawModule(
-                code=Path(path).read_text(), options=tuple(options),
+                code=Path(path).read_text(),
+                options=tuple(options),
                 name_expressions=list(name_expressions),
             )
             self._modules[key] = mod

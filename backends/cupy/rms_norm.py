@@ -32,13 +32,17 @@ from ._loader import OPTIONS, address, loader_for
 __all__ = ["backward", "forward", "name_expressions", "partials", "reduce_partials", "supports"]
 
 SOURCE = Path(__file__).with_name("rms_norm.cu")
-CACHE_ELEMENTS = 16  #: elements of a row each thread keeps in registers between the passes (vector path)
+CACHE_ELEMENTS = (
+    16  #: elements of a row each thread keeps in registers between the passes (vector path)
+)
 SCALAR_CACHE = 4  #: the same for the scalar path (unaligned rows), whose loads need more registers
 WARP_MAX_M = 32 * CACHE_ELEMENTS  #: longest row served by the warp-per-row kernels (vector path)
 WARP_ROWS = 8  #: rows (warps) per block of the warp-per-row kernels
 MAX_THREADS = 1024  #: threads per block of the block-per-row forward
 BACKWARD_MAX_THREADS = 512  #: threads per block of the block-per-row backward (it keeps x and dy)
-SMEM_ACC_MAX_BYTES = 160 * 1024  #: wide-row backward: dw sums in shared memory up to this, else in dw_partial
+SMEM_ACC_MAX_BYTES = (
+    160 * 1024
+)  #: wide-row backward: dw sums in shared memory up to this, else in dw_partial
 DEFAULT_SHARED = 48 * 1024  #: dynamic shared memory usable without raising the kernel's limit
 PARTIALS_PER_SM = 2  #: dw_partial rows (backward blocks) per multiprocessor
 BLOCKS_PER_SM = 32  #: cap of a backward grid without dw_partial
@@ -149,9 +153,17 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
     loader = loader_for(x)
     v = _vector(x, w, (x, y))
     args = (
-        y, x, _ptr(w), _ptr(rstd), np.int64(rows), np.int32(m), np.int64(_stride(y)),
-        np.int64(_stride(x)), np.int64(0 if rstd is None else _stride(rstd)),
-        np.float32(eps), np.float32(offset),
+        y,
+        x,
+        _ptr(w),
+        _ptr(rstd),
+        np.int64(rows),
+        np.int32(m),
+        np.int64(_stride(y)),
+        np.int64(_stride(x)),
+        np.int64(0 if rstd is None else _stride(rstd)),
+        np.float32(eps),
+        np.float32(offset),
     )
     if m <= _warp_max(v):
         kernel = _kernel(loader, x, w, "forward_warp", v)
@@ -190,11 +202,26 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
         tiles = -(-rows // WARP_ROWS) if m <= _warp_max(v) else rows
         grid, partial_strides = min(tiles, BLOCKS_PER_SM * loader.sm_count(x)), (0, 0)
     else:
-        grid, partial_strides = dw_partial.shape[0], (_stride(dw_partial, 0), _stride(dw_partial, 1))
+        grid, partial_strides = (
+            dw_partial.shape[0],
+            (_stride(dw_partial, 0), _stride(dw_partial, 1)),
+        )
     args = [
-        dy, x, _ptr(w), rstd, dx, _ptr(dw_partial), np.int64(rows), np.int32(m),
-        np.int64(_stride(dy)), np.int64(_stride(x)), np.int64(_stride(dx)), np.int64(_stride(rstd)),
-        np.int64(partial_strides[0]), np.int64(partial_strides[1]), np.float32(offset),
+        dy,
+        x,
+        _ptr(w),
+        rstd,
+        dx,
+        _ptr(dw_partial),
+        np.int64(rows),
+        np.int32(m),
+        np.int64(_stride(dy)),
+        np.int64(_stride(x)),
+        np.int64(_stride(dx)),
+        np.int64(_stride(rstd)),
+        np.int64(partial_strides[0]),
+        np.int64(partial_strides[1]),
+        np.float32(offset),
         np.int32(1 if accumulate else 0),
     ]
     if m <= _warp_max(v):
@@ -208,8 +235,12 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     if shared > DEFAULT_SHARED and kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
     args.append(np.int32(1 if smem_acc else 0))
-    kernel((grid,), (_block_threads(m, v, min(MAX_THREADS, BACKWARD_MAX_THREADS)),), tuple(args),
-           shared_mem=shared)
+    kernel(
+        (grid,),
+        (_block_threads(m, v, min(MAX_THREADS, BACKWARD_MAX_THREADS)),),
+        tuple(args),
+        shared_mem=shared,
+    )
 
 
 def partials(rows: int, m: int, like) -> int:
@@ -230,14 +261,26 @@ def reduce_partials(partial, out) -> None:
     """
     p, m = partial.shape
     if str(out.dtype) not in _CTYPES:
-        raise TypeError(f"cupy rms_norm: dw has dtype {out.dtype}; supported: float32, float16, bfloat16")
+        raise TypeError(
+            f"cupy rms_norm: dw has dtype {out.dtype}; supported: float32, float16, bfloat16"
+        )
     if m == 0:
         return
     loader = loader_for(partial)
-    module = loader.module(SOURCE, [f"rms_norm_reduce_partials<{c}>" for c in _CTYPES.values()], OPTIONS)
+    module = loader.module(
+        SOURCE, [f"rms_norm_reduce_partials<{c}>" for c in _CTYPES.values()], OPTIONS
+    )
     kernel = module.get_function(f"rms_norm_reduce_partials<{_CTYPES[str(out.dtype)]}>")
     kernel(
-        (-(-m // REDUCE_THREADS),), (REDUCE_THREADS,),
-        (partial, out, np.int32(p), np.int32(m), np.int64(_stride(partial, 0)),
-         np.int64(_stride(partial, 1)), np.int64(_stride(out))),
+        (-(-m // REDUCE_THREADS),),
+        (REDUCE_THREADS,),
+        (
+            partial,
+            out,
+            np.int32(p),
+            np.int32(m),
+            np.int64(_stride(partial, 0)),
+            np.int64(_stride(partial, 1)),
+            np.int64(_stride(out)),
+        ),
     )

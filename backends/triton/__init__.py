@@ -54,7 +54,9 @@ BACKEND = Backend(
         "rms_norm": _NORM,
         "layer_norm": _NORM,
         "softmax": Capability(dtypes=_DTYPES),
-        "attention": Capability(dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",)),
+        "attention": Capability(
+            dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",)
+        ),
         "decode_attention": Capability(
             dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, hooks=("default_splits",)
         ),

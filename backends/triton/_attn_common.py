@@ -68,8 +68,20 @@ def row_max(s):
 
 @triton.jit
 def kv_tile(
-    k_base, v_base, n0, stride_kn, stride_vn, offs_n, offs_d, offs_dv, k_len, D, DV,
-    MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    k_base,
+    v_base,
+    n0,
+    stride_kn,
+    stride_vn,
+    offs_n,
+    offs_d,
+    offs_dv,
+    k_len,
+    D,
+    DV,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
 ):
     """The K and V tiles of keys ``n0 + offs_n``; ``MASKED`` zero-fills keys ``>= k_len``."""
     key_off = tl.cast(n0, tl.int64)
@@ -255,8 +267,9 @@ def launch(kernel, tuned, table: TileTable, grid, args, meta, work: int, like) -
         return
     tile = table.choose(meta["BLOCK_D"], like.element_size())
     blocks = tile.blocks()
-    kernel[grid(blocks)](*args, **meta, **blocks,
-                         num_warps=tile.num_warps, num_stages=tile.num_stages)
+    kernel[grid(blocks)](
+        *args, **meta, **blocks, num_warps=tile.num_warps, num_stages=tile.num_stages
+    )
 
 
 def scalar_or_pointer(value, like):

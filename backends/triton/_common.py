@@ -266,6 +266,14 @@ def reduce_partials(partial, out) -> None:
     kernel = _reduce_partials_kernel
     with launch_context(kernel, partial):
         kernel[(triton.cdiv(m, REDUCE_BLOCK_N),)](
-            partial, out, p, m, partial.stride(0), partial.stride(1), out.stride(0),
-            BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
+            partial,
+            out,
+            p,
+            m,
+            partial.stride(0),
+            partial.stride(1),
+            out.stride(0),
+            BLOCK_P=REDUCE_BLOCK_P,
+            BLOCK_N=REDUCE_BLOCK_N,
+            num_warps=4,
         )

@@ -92,21 +92,50 @@ def _visible(n0, offs_n, q_pos, k_len, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _forward_step(
-    acc, m_i, l_i, q, k_base, v_base, n0,
-    stride_kn, stride_vn,
-    offs_n, offs_d, offs_dv, q_pos,
-    k_len, qk_scale,
-    D, DV,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    n0,
+    stride_kn,
+    stride_vn,
+    offs_n,
+    offs_d,
+    offs_dv,
+    q_pos,
+    k_len,
+    qk_scale,
+    D,
+    DV,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Online-softmax update of ``acc, m_i, l_i`` by the key tile at ``n0``.
 
     With ``MASKED`` the tile is checked against ``k_len`` and (``CAUSAL``)
     the query positions ``q_pos``; without it every key is visible to every row.
     """
-    k, v = kv_tile(k_base, v_base, n0, stride_kn, stride_vn, offs_n, offs_d, offs_dv, k_len, D, DV,
-                    MASKED, EVEN_D, EVEN_DV)
+    k, v = kv_tile(
+        k_base,
+        v_base,
+        n0,
+        stride_kn,
+        stride_vn,
+        offs_n,
+        offs_d,
+        offs_dv,
+        k_len,
+        D,
+        DV,
+        MASKED,
+        EVEN_D,
+        EVEN_DV,
+    )
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
     if MASKED:
         s = tl.where(_visible(n0, offs_n, q_pos, k_len, CAUSAL), s, float("-inf"))
@@ -123,8 +152,9 @@ def _forward_step(
         # non-finite value of that column (visibility is monotone in the key).
         finite = tl.abs(v.to(tl.float32)) < float("inf")
         first_bad = tl.min(tl.where(finite, 2147483647, (n0 + offs_n)[:, None]), 0)
-        acc = tl.dot(p.to(q.dtype), tl.where(finite, v, 0.0).to(q.dtype), acc,
-                     input_precision=PRECISION)
+        acc = tl.dot(
+            p.to(q.dtype), tl.where(finite, v, 0.0).to(q.dtype), acc, input_precision=PRECISION
+        )
         acc = tl.where(first_bad[None, :] <= q_pos[:, None], float("nan"), acc)
     else:
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
@@ -133,29 +163,85 @@ def _forward_step(
 
 @triton.jit
 def _forward_tiles(
-    acc, m_i, l_i, q, k_base, v_base,
-    stride_kn, stride_vn,
-    offs_n, offs_d, offs_dv, q_pos,
-    n_lo, n_hi, k_len, qk_scale,
-    D, DV,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    offs_n,
+    offs_d,
+    offs_dv,
+    q_pos,
+    n_lo,
+    n_hi,
+    k_len,
+    qk_scale,
+    D,
+    DV,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """:func:`_forward_step` over the key tiles ``[n_lo, n_hi)`` (see ``RANGE_LOOPS``)."""
     if RANGE_LOOPS:
         for n0 in range(n_lo, n_hi, BLOCK_N):
-            acc, m_i, l_i = _forward_step(acc, m_i, l_i, q, k_base, v_base, n0, stride_kn,
-                                          stride_vn, offs_n, offs_d, offs_dv, q_pos, k_len,
-                                          qk_scale, D, DV, MASKED, CAUSAL, EVEN_D, EVEN_DV,
-                                          PRECISION)
+            acc, m_i, l_i = _forward_step(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_base,
+                v_base,
+                n0,
+                stride_kn,
+                stride_vn,
+                offs_n,
+                offs_d,
+                offs_dv,
+                q_pos,
+                k_len,
+                qk_scale,
+                D,
+                DV,
+                MASKED,
+                CAUSAL,
+                EVEN_D,
+                EVEN_DV,
+                PRECISION,
+            )
     else:
         n0 = n_lo
         while n0 < n_hi:
-            acc, m_i, l_i = _forward_step(acc, m_i, l_i, q, k_base, v_base, n0, stride_kn,
-                                          stride_vn, offs_n, offs_d, offs_dv, q_pos, k_len,
-                                          qk_scale, D, DV, MASKED, CAUSAL, EVEN_D, EVEN_DV,
-                                          PRECISION)
+            acc, m_i, l_i = _forward_step(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_base,
+                v_base,
+                n0,
+                stride_kn,
+                stride_vn,
+                offs_n,
+                offs_d,
+                offs_dv,
+                q_pos,
+                k_len,
+                qk_scale,
+                D,
+                DV,
+                MASKED,
+                CAUSAL,
+                EVEN_D,
+                EVEN_DV,
+                PRECISION,
+            )
             n0 += BLOCK_N
     return acc, m_i, l_i
 
@@ -169,8 +255,16 @@ def _clamped(ptr, b, low, high):
 
 @triton.jit
 def _row_context(
-    b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk,
-    HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, POS_ARRAY: tl.constexpr,
+    b,
+    q_len_ptr,
+    k_len_ptr,
+    pos_ptr,
+    pos_scalar,
+    Sq,
+    Sk,
+    HAS_QLEN: tl.constexpr,
+    HAS_KLEN: tl.constexpr,
+    POS_ARRAY: tl.constexpr,
 ):
     """Batch ``b``'s valid query count, valid key count and first query position.
 
@@ -192,8 +286,9 @@ def _row_context(
 
 
 @triton.jit
-def _key_bounds(start_m, q_len, k_len, pos0,
-                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _key_bounds(
+    start_m, q_len, k_len, pos0, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """``(full_end, hi)`` of the query tile at ``start_m``.
 
     Keys ``[0, full_end)`` are visible to every row of the tile, keys
@@ -233,34 +328,63 @@ _SIZES = ["H", "GROUP", "Sq", "Sk", "pos_scalar", "D", "DV"]
 
 @triton.jit(do_not_specialize=_SIZES)
 def _forward_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
-    m_ptr, l_ptr,  # (B,H,Sq) float32 checkpoints; unused unless STORE_STATS
-    q_len_ptr, k_len_ptr, pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
-    stride_qb, stride_qh, stride_qm,  # q strides (last axis contiguous)
-    stride_kb, stride_kh, stride_kn,  # k strides
-    stride_vb, stride_vh, stride_vn,  # v strides
-    stride_ob, stride_oh, stride_om,  # o strides
-    stride_mb, stride_mh, stride_mm,  # m strides
-    stride_lb, stride_lh, stride_lm,  # l strides
-    H, GROUP, Sq, Sk,  # query heads, query heads per kv head, query and key lengths
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    m_ptr,
+    l_ptr,  # (B,H,Sq) float32 checkpoints; unused unless STORE_STATS
+    q_len_ptr,
+    k_len_ptr,
+    pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
+    stride_qb,
+    stride_qh,
+    stride_qm,  # q strides (last axis contiguous)
+    stride_kb,
+    stride_kh,
+    stride_kn,  # k strides
+    stride_vb,
+    stride_vh,
+    stride_vn,  # v strides
+    stride_ob,
+    stride_oh,
+    stride_om,  # o strides
+    stride_mb,
+    stride_mh,
+    stride_mm,  # m strides
+    stride_lb,
+    stride_lh,
+    stride_lm,  # l strides
+    H,
+    GROUP,
+    Sq,
+    Sk,  # query heads, query heads per kv head, query and key lengths
     pos_scalar,  # input_pos when it is one integer
     qk_scale,  # scale * log2(e)
-    D, DV,  # head dims of q/k and v/o
-    CAUSAL: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, POS_ARRAY: tl.constexpr,
+    D,
+    DV,  # head dims of q/k and v/o
+    CAUSAL: tl.constexpr,
+    HAS_QLEN: tl.constexpr,
+    HAS_KLEN: tl.constexpr,
+    POS_ARRAY: tl.constexpr,
     STORE_STATS: tl.constexpr,  # write the m, l checkpoints
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
     PRECISION: tl.constexpr,  # tl.dot input precision
     DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query and key tile
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # query and key tile
 ):
     """One query tile of one (batch, head): ``o`` and, with ``STORE_STATS``, ``m`` and ``l``."""
     pid_m, pid_bh = _query_tile_program(Sq, CAUSAL, BLOCK_M)
     b = pid_bh // H
     h = pid_bh % H
     kvh = h // GROUP
-    q_len, k_len, pos0 = _row_context(b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk,
-                                      HAS_QLEN, HAS_KLEN, POS_ARRAY)
+    q_len, k_len, pos0 = _row_context(
+        b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY
+    )
     b64 = b.to(tl.int64)
     start_m = pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
@@ -271,8 +395,11 @@ def _forward_kernel(
     row_ok = rows < q_len
 
     q_base = q_ptr + b64 * stride_qb + h.to(tl.int64) * stride_qh + start_m.to(tl.int64) * stride_qm
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(DOT_TYPE)
+    q = tl.load(
+        q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
+        mask=row_ok[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    ).to(DOT_TYPE)
     k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
 
@@ -281,20 +408,69 @@ def _forward_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     q_pos = pos0 + rows
     full_end, hi = _key_bounds(start_m, q_len, k_len, pos0, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, m_i, l_i = _forward_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                   offs_n, offs_d, offs_dv, q_pos, 0, full_end, k_len, qk_scale,
-                                   D, DV, False, CAUSAL, EVEN_D, EVEN_DV, PRECISION, BLOCK_N)
-    acc, m_i, l_i = _forward_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                   offs_n, offs_d, offs_dv, q_pos, full_end, hi, k_len, qk_scale,
-                                   D, DV, True, CAUSAL, EVEN_D, EVEN_DV, PRECISION, BLOCK_N)
+    acc, m_i, l_i = _forward_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        offs_n,
+        offs_d,
+        offs_dv,
+        q_pos,
+        0,
+        full_end,
+        k_len,
+        qk_scale,
+        D,
+        DV,
+        False,
+        CAUSAL,
+        EVEN_D,
+        EVEN_DV,
+        PRECISION,
+        BLOCK_N,
+    )
+    acc, m_i, l_i = _forward_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        offs_n,
+        offs_d,
+        offs_dv,
+        q_pos,
+        full_end,
+        hi,
+        k_len,
+        qk_scale,
+        D,
+        DV,
+        True,
+        CAUSAL,
+        EVEN_D,
+        EVEN_DV,
+        PRECISION,
+        BLOCK_N,
+    )
 
     live = row_ok & (l_i != 0.0)  # a NaN sum (a row that saw NaN) stays live: o, m, l NaN
     o = acc / tl.where(live, l_i, 1.0)[:, None]
     o = tl.where(live[:, None], o, 0.0)
     in_bounds = rows < Sq
     o_base = o_ptr + b64 * stride_ob + h.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_om
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=in_bounds[:, None] & (offs_dv[None, :] < DV))
+    tl.store(
+        o_base + offs_m[:, None] * stride_om + offs_dv[None, :],
+        o.to(o_ptr.dtype.element_ty),
+        mask=in_bounds[:, None] & (offs_dv[None, :] < DV),
+    )
     if STORE_STATS:
         m_out = tl.where(live, m_i * LN2_CONST, float("-inf"))
         m_out = tl.where(l_i == l_i, m_out, float("nan"))
@@ -309,14 +485,25 @@ def _forward_kernel(
 
 @triton.jit(do_not_specialize=["H", "Sq", "DV"])
 def _delta_kernel(
-    o_ptr, do_ptr, delta_ptr,  # (B,H,Sq,DV) output and its cotangent; (B,H,Sq) float32 delta
+    o_ptr,
+    do_ptr,
+    delta_ptr,  # (B,H,Sq,DV) output and its cotangent; (B,H,Sq) float32 delta
     q_len_ptr,  # (B,) valid query counts; unused unless HAS_QLEN
-    stride_ob, stride_oh, stride_om,  # o strides
-    stride_dob, stride_doh, stride_dom,  # do strides
-    stride_deb, stride_deh, stride_dem,  # delta strides
-    H, Sq, DV,  # query heads, query length, value head dim
+    stride_ob,
+    stride_oh,
+    stride_om,  # o strides
+    stride_dob,
+    stride_doh,
+    stride_dom,  # do strides
+    stride_deb,
+    stride_deh,
+    stride_dem,  # delta strides
+    H,
+    Sq,
+    DV,  # query heads, query length, value head dim
     HAS_QLEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,  # row tile, padded value head dim
+    BLOCK_M: tl.constexpr,
+    BLOCK_DV: tl.constexpr,  # row tile, padded value head dim
 ):
     """``delta = rowsum(do * o)`` in float32; 0 for rows ``>= q_lengths[b]``."""
     n_tiles = tl.cdiv(Sq, BLOCK_M)
@@ -332,10 +519,26 @@ def _delta_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = (start_m + offs_m) < q_len
     mask = row_ok[:, None] & (offs_dv[None, :] < DV)
-    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + start_m.to(tl.int64) * stride_om
-                + offs_m[:, None] * stride_om + offs_dv[None, :], mask=mask, other=0.0)
-    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + start_m.to(tl.int64) * stride_dom
-                 + offs_m[:, None] * stride_dom + offs_dv[None, :], mask=mask, other=0.0)
+    o = tl.load(
+        o_ptr
+        + b * stride_ob
+        + h * stride_oh
+        + start_m.to(tl.int64) * stride_om
+        + offs_m[:, None] * stride_om
+        + offs_dv[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    do = tl.load(
+        do_ptr
+        + b * stride_dob
+        + h * stride_doh
+        + start_m.to(tl.int64) * stride_dom
+        + offs_m[:, None] * stride_dom
+        + offs_dv[None, :],
+        mask=mask,
+        other=0.0,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     delta_base = delta_ptr + b * stride_deb + h * stride_deh + start_m.to(tl.int64) * stride_dem
     tl.store(delta_base + offs_m * stride_dem, delta, mask=(start_m + offs_m) < Sq)
@@ -354,13 +557,32 @@ def _row_stats(m_base, l_base, delta_base, stride_mm, stride_lm, stride_dem, off
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, m0,
-    q_base, do_base, m_base, l_base, delta_base,
-    stride_qm, stride_dom, stride_mm, stride_lm, stride_dem,
-    offs_m, offs_d, offs_dv, key_pos,
-    q_len, pos0, qk_scale,
-    D, DV,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    m0,
+    q_base,
+    do_base,
+    m_base,
+    l_base,
+    delta_base,
+    stride_qm,
+    stride_dom,
+    stride_mm,
+    stride_lm,
+    stride_dem,
+    offs_m,
+    offs_d,
+    offs_dv,
+    key_pos,
+    q_len,
+    pos0,
+    qk_scale,
+    D,
+    DV,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Add the query tile at ``m0`` of one query head to a key tile's ``dk`` (unscaled) and ``dv``.
 
@@ -372,13 +594,26 @@ def _dkdv_step(
     rows = m0 + offs_m
     row_ok = rows < q_len
     row_off = tl.cast(m0, tl.int64)
-    q = tl.load(q_base + row_off * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(k.dtype)
-    do = tl.load(do_base + row_off * stride_dom + offs_m[:, None] * stride_dom + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(k.dtype)
-    lse2, delta = _row_stats(m_base + row_off * stride_mm, l_base + row_off * stride_lm,
-                             delta_base + row_off * stride_dem, stride_mm, stride_lm, stride_dem,
-                             offs_m, row_ok)
+    q = tl.load(
+        q_base + row_off * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :],
+        mask=row_ok[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    ).to(k.dtype)
+    do = tl.load(
+        do_base + row_off * stride_dom + offs_m[:, None] * stride_dom + offs_dv[None, :],
+        mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+        other=0.0,
+    ).to(k.dtype)
+    lse2, delta = _row_stats(
+        m_base + row_off * stride_mm,
+        l_base + row_off * stride_lm,
+        delta_base + row_off * stride_dem,
+        stride_mm,
+        stride_lm,
+        stride_dem,
+        offs_m,
+        row_ok,
+    )
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     p = tl.exp2(s - lse2[:, None])
     if MASKED:
@@ -402,56 +637,161 @@ def _dkdv_step(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v,
-    q_base, do_base, m_base, l_base, delta_base,
-    stride_qm, stride_dom, stride_mm, stride_lm, stride_dem,
-    offs_m, offs_d, offs_dv, key_pos,
-    m_lo, m_hi, q_len, pos0, qk_scale,
-    D, DV,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    m_base,
+    l_base,
+    delta_base,
+    stride_qm,
+    stride_dom,
+    stride_mm,
+    stride_lm,
+    stride_dem,
+    offs_m,
+    offs_d,
+    offs_dv,
+    key_pos,
+    m_lo,
+    m_hi,
+    q_len,
+    pos0,
+    qk_scale,
+    D,
+    DV,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """:func:`_dkdv_step` over the query tiles ``[m_lo, m_hi)`` (see ``RANGE_LOOPS``)."""
     if RANGE_LOOPS:
         for m0 in range(m_lo, m_hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, m0, q_base, do_base, m_base, l_base, delta_base,
-                                stride_qm, stride_dom, stride_mm, stride_lm, stride_dem,
-                                offs_m, offs_d, offs_dv, key_pos, q_len, pos0, qk_scale, D, DV,
-                                MASKED, PRECISION)
+            dk, dv = _dkdv_step(
+                dk,
+                dv,
+                k,
+                v,
+                m0,
+                q_base,
+                do_base,
+                m_base,
+                l_base,
+                delta_base,
+                stride_qm,
+                stride_dom,
+                stride_mm,
+                stride_lm,
+                stride_dem,
+                offs_m,
+                offs_d,
+                offs_dv,
+                key_pos,
+                q_len,
+                pos0,
+                qk_scale,
+                D,
+                DV,
+                MASKED,
+                PRECISION,
+            )
     else:
         m0 = m_lo
         while m0 < m_hi:
-            dk, dv = _dkdv_step(dk, dv, k, v, m0, q_base, do_base, m_base, l_base, delta_base,
-                                stride_qm, stride_dom, stride_mm, stride_lm, stride_dem,
-                                offs_m, offs_d, offs_dv, key_pos, q_len, pos0, qk_scale, D, DV,
-                                MASKED, PRECISION)
+            dk, dv = _dkdv_step(
+                dk,
+                dv,
+                k,
+                v,
+                m0,
+                q_base,
+                do_base,
+                m_base,
+                l_base,
+                delta_base,
+                stride_qm,
+                stride_dom,
+                stride_mm,
+                stride_lm,
+                stride_dem,
+                offs_m,
+                offs_d,
+                offs_dv,
+                key_pos,
+                q_len,
+                pos0,
+                qk_scale,
+                D,
+                DV,
+                MASKED,
+                PRECISION,
+            )
             m0 += BLOCK_M
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["HKV", "GROUP", "Sq", "Sk", "pos_scalar", "D", "DV"])
 def _dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
-    m_ptr, l_ptr, delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
-    dk_ptr, dv_ptr,  # (B,Hkv,Sk,D), (B,Hkv,Sk,DV) shadows, overwritten
-    q_len_ptr, k_len_ptr, pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
-    stride_qb, stride_qh, stride_qm,  # q strides
-    stride_kb, stride_kh, stride_kn,  # k strides
-    stride_vb, stride_vh, stride_vn,  # v strides
-    stride_dob, stride_doh, stride_dom,  # do strides
-    stride_mb, stride_mh, stride_mm,  # m strides
-    stride_lb, stride_lh, stride_lm,  # l strides
-    stride_deb, stride_deh, stride_dem,  # delta strides
-    stride_dkb, stride_dkh, stride_dkn,  # dk strides
-    stride_dvb, stride_dvh, stride_dvn,  # dv strides
-    HKV, GROUP, Sq, Sk,  # kv heads, query heads per kv head, query and key lengths
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    m_ptr,
+    l_ptr,
+    delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
+    dk_ptr,
+    dv_ptr,  # (B,Hkv,Sk,D), (B,Hkv,Sk,DV) shadows, overwritten
+    q_len_ptr,
+    k_len_ptr,
+    pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
+    stride_qb,
+    stride_qh,
+    stride_qm,  # q strides
+    stride_kb,
+    stride_kh,
+    stride_kn,  # k strides
+    stride_vb,
+    stride_vh,
+    stride_vn,  # v strides
+    stride_dob,
+    stride_doh,
+    stride_dom,  # do strides
+    stride_mb,
+    stride_mh,
+    stride_mm,  # m strides
+    stride_lb,
+    stride_lh,
+    stride_lm,  # l strides
+    stride_deb,
+    stride_deh,
+    stride_dem,  # delta strides
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,  # dk strides
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,  # dv strides
+    HKV,
+    GROUP,
+    Sq,
+    Sk,  # kv heads, query heads per kv head, query and key lengths
     pos_scalar,  # input_pos when it is one integer
-    scale, qk_scale,  # softmax scale, and scale * log2(e)
-    D, DV,  # head dims
-    CAUSAL: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, POS_ARRAY: tl.constexpr,
+    scale,
+    qk_scale,  # softmax scale, and scale * log2(e)
+    D,
+    DV,  # head dims
+    CAUSAL: tl.constexpr,
+    HAS_QLEN: tl.constexpr,
+    HAS_KLEN: tl.constexpr,
+    POS_ARRAY: tl.constexpr,
     PRECISION: tl.constexpr,  # tl.dot input precision
     DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query tile, key tile
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # query tile, key tile
 ):
     """One key tile of one (batch, kv head): dK and dV, summed over the GQA group."""
     n_tiles = tl.cdiv(Sk, BLOCK_N)
@@ -459,8 +799,9 @@ def _dkdv_kernel(
     pid_bkv = tl.program_id(0) // n_tiles
     b = pid_bkv // HKV
     kvh = pid_bkv % HKV
-    q_len, k_len, pos0 = _row_context(b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk,
-                                      HAS_QLEN, HAS_KLEN, POS_ARRAY)
+    q_len, k_len, pos0 = _row_context(
+        b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY
+    )
     b64 = b.to(tl.int64)
     start_n = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M)
@@ -472,10 +813,16 @@ def _dkdv_kernel(
 
     k_tile = b64 * stride_kb + kvh.to(tl.int64) * stride_kh + start_n.to(tl.int64) * stride_kn
     v_tile = b64 * stride_vb + kvh.to(tl.int64) * stride_vh + start_n.to(tl.int64) * stride_vn
-    k = tl.load(k_ptr + k_tile + offs_n[:, None] * stride_kn + offs_d[None, :],
-                mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(DOT_TYPE)
-    v = tl.load(v_ptr + v_tile + offs_n[:, None] * stride_vn + offs_dv[None, :],
-                mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(k.dtype)
+    k = tl.load(
+        k_ptr + k_tile + offs_n[:, None] * stride_kn + offs_d[None, :],
+        mask=key_ok[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    ).to(DOT_TYPE)
+    v = tl.load(
+        v_ptr + v_tile + offs_n[:, None] * stride_vn + offs_dv[None, :],
+        mask=key_ok[:, None] & (offs_dv[None, :] < DV),
+        other=0.0,
+    ).to(k.dtype)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
 
@@ -500,14 +847,66 @@ def _dkdv_kernel(
         l_base = l_ptr + b64 * stride_lb + h * stride_lh
         delta_base = delta_ptr + b64 * stride_deb + h * stride_deh
         if CAUSAL:
-            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, m_base, l_base, delta_base,
-                                 stride_qm, stride_dom, stride_mm, stride_lm, stride_dem,
-                                 offs_m, offs_d, offs_dv, key_pos, m_lo, m_diag_end, q_len, pos0,
-                                 qk_scale, D, DV, True, PRECISION, BLOCK_M)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, m_base, l_base, delta_base,
-                             stride_qm, stride_dom, stride_mm, stride_lm, stride_dem,
-                             offs_m, offs_d, offs_dv, key_pos, m_full, q_len, q_len, pos0, qk_scale,
-                             D, DV, False, PRECISION, BLOCK_M)
+            dk, dv = _dkdv_tiles(
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                do_base,
+                m_base,
+                l_base,
+                delta_base,
+                stride_qm,
+                stride_dom,
+                stride_mm,
+                stride_lm,
+                stride_dem,
+                offs_m,
+                offs_d,
+                offs_dv,
+                key_pos,
+                m_lo,
+                m_diag_end,
+                q_len,
+                pos0,
+                qk_scale,
+                D,
+                DV,
+                True,
+                PRECISION,
+                BLOCK_M,
+            )
+        dk, dv = _dkdv_tiles(
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            m_base,
+            l_base,
+            delta_base,
+            stride_qm,
+            stride_dom,
+            stride_mm,
+            stride_lm,
+            stride_dem,
+            offs_m,
+            offs_d,
+            offs_dv,
+            key_pos,
+            m_full,
+            q_len,
+            q_len,
+            pos0,
+            qk_scale,
+            D,
+            DV,
+            False,
+            PRECISION,
+            BLOCK_M,
+        )
         g += 1
 
     dk = tl.where(key_ok[:, None], dk * scale, 0.0)
@@ -517,25 +916,61 @@ def _dkdv_kernel(
     key_off = start_n.to(tl.int64)
     dk_base = dk_ptr + b64 * stride_dkb + kvh64 * stride_dkh + key_off * stride_dkn
     dv_base = dv_ptr + b64 * stride_dvb + kvh64 * stride_dvh + key_off * stride_dvn
-    tl.store(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :],
-             dk.to(dk_ptr.dtype.element_ty), mask=in_bounds[:, None] & (offs_d[None, :] < D))
-    tl.store(dv_base + offs_n[:, None] * stride_dvn + offs_dv[None, :],
-             dv.to(dv_ptr.dtype.element_ty), mask=in_bounds[:, None] & (offs_dv[None, :] < DV))
+    tl.store(
+        dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :],
+        dk.to(dk_ptr.dtype.element_ty),
+        mask=in_bounds[:, None] & (offs_d[None, :] < D),
+    )
+    tl.store(
+        dv_base + offs_n[:, None] * stride_dvn + offs_dv[None, :],
+        dv.to(dv_ptr.dtype.element_ty),
+        mask=in_bounds[:, None] & (offs_dv[None, :] < DV),
+    )
 
 
 @triton.jit
 def _dq_step(
-    dq, q, do, lse2, delta, k_base, v_base, n0,
-    stride_kn, stride_vn,
-    offs_n, offs_d, offs_dv, q_pos,
-    k_len, qk_scale,
-    D, DV,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    n0,
+    stride_kn,
+    stride_vn,
+    offs_n,
+    offs_d,
+    offs_dv,
+    q_pos,
+    k_len,
+    qk_scale,
+    D,
+    DV,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Add the key tile at ``n0`` to a query tile's ``dq`` (unscaled); ``MASKED`` as forward."""
-    k, v = kv_tile(k_base, v_base, n0, stride_kn, stride_vn, offs_n, offs_d, offs_dv, k_len, D, DV,
-                    MASKED, EVEN_D, EVEN_DV)
+    k, v = kv_tile(
+        k_base,
+        v_base,
+        n0,
+        stride_kn,
+        stride_vn,
+        offs_n,
+        offs_d,
+        offs_dv,
+        k_len,
+        D,
+        DV,
+        MASKED,
+        EVEN_D,
+        EVEN_DV,
+    )
     k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     p = tl.exp2(s - lse2[:, None])
@@ -553,63 +988,159 @@ def _dq_step(
 
 @triton.jit
 def _dq_tiles(
-    dq, q, do, lse2, delta, k_base, v_base,
-    stride_kn, stride_vn,
-    offs_n, offs_d, offs_dv, q_pos,
-    n_lo, n_hi, k_len, qk_scale,
-    D, DV,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    offs_n,
+    offs_d,
+    offs_dv,
+    q_pos,
+    n_lo,
+    n_hi,
+    k_len,
+    qk_scale,
+    D,
+    DV,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """:func:`_dq_step` over the key tiles ``[n_lo, n_hi)`` (see ``RANGE_LOOPS``)."""
     if RANGE_LOOPS:
         for n0 in range(n_lo, n_hi, BLOCK_N):
-            dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, n0, stride_kn, stride_vn,
-                          offs_n, offs_d, offs_dv, q_pos, k_len, qk_scale, D, DV,
-                          MASKED, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
+            dq = _dq_step(
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                k_base,
+                v_base,
+                n0,
+                stride_kn,
+                stride_vn,
+                offs_n,
+                offs_d,
+                offs_dv,
+                q_pos,
+                k_len,
+                qk_scale,
+                D,
+                DV,
+                MASKED,
+                CAUSAL,
+                EVEN_D,
+                EVEN_DV,
+                PRECISION,
+            )
     else:
         n0 = n_lo
         while n0 < n_hi:
-            dq = _dq_step(dq, q, do, lse2, delta, k_base, v_base, n0, stride_kn, stride_vn,
-                          offs_n, offs_d, offs_dv, q_pos, k_len, qk_scale, D, DV,
-                          MASKED, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
+            dq = _dq_step(
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                k_base,
+                v_base,
+                n0,
+                stride_kn,
+                stride_vn,
+                offs_n,
+                offs_d,
+                offs_dv,
+                q_pos,
+                k_len,
+                qk_scale,
+                D,
+                DV,
+                MASKED,
+                CAUSAL,
+                EVEN_D,
+                EVEN_DV,
+                PRECISION,
+            )
             n0 += BLOCK_N
     return dq
 
 
 @triton.jit(do_not_specialize=_SIZES)
 def _dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
-    m_ptr, l_ptr, delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    m_ptr,
+    l_ptr,
+    delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
     dq_ptr,  # (B,H,Sq,D) shadow, overwritten
-    q_len_ptr, k_len_ptr, pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
-    stride_qb, stride_qh, stride_qm,  # q strides
-    stride_kb, stride_kh, stride_kn,  # k strides
-    stride_vb, stride_vh, stride_vn,  # v strides
-    stride_dob, stride_doh, stride_dom,  # do strides
-    stride_mb, stride_mh, stride_mm,  # m strides
-    stride_lb, stride_lh, stride_lm,  # l strides
-    stride_deb, stride_deh, stride_dem,  # delta strides
-    stride_dqb, stride_dqh, stride_dqm,  # dq strides
-    H, GROUP, Sq, Sk,  # query heads, query heads per kv head, query and key lengths
+    q_len_ptr,
+    k_len_ptr,
+    pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
+    stride_qb,
+    stride_qh,
+    stride_qm,  # q strides
+    stride_kb,
+    stride_kh,
+    stride_kn,  # k strides
+    stride_vb,
+    stride_vh,
+    stride_vn,  # v strides
+    stride_dob,
+    stride_doh,
+    stride_dom,  # do strides
+    stride_mb,
+    stride_mh,
+    stride_mm,  # m strides
+    stride_lb,
+    stride_lh,
+    stride_lm,  # l strides
+    stride_deb,
+    stride_deh,
+    stride_dem,  # delta strides
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,  # dq strides
+    H,
+    GROUP,
+    Sq,
+    Sk,  # query heads, query heads per kv head, query and key lengths
     pos_scalar,  # input_pos when it is one integer
-    scale, qk_scale,  # softmax scale, and scale * log2(e)
-    D, DV,  # head dims
-    CAUSAL: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, POS_ARRAY: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
+    scale,
+    qk_scale,  # softmax scale, and scale * log2(e)
+    D,
+    DV,  # head dims
+    CAUSAL: tl.constexpr,
+    HAS_QLEN: tl.constexpr,
+    HAS_KLEN: tl.constexpr,
+    POS_ARRAY: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
     PRECISION: tl.constexpr,  # tl.dot input precision
     DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query tile, key tile
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # query tile, key tile
 ):
     """One query tile of one (batch, head): dQ."""
     pid_m, pid_bh = _query_tile_program(Sq, CAUSAL, BLOCK_M)
     b = pid_bh // H
     h = pid_bh % H
     kvh = h // GROUP
-    q_len, k_len, pos0 = _row_context(b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk,
-                                      HAS_QLEN, HAS_KLEN, POS_ARRAY)
+    q_len, k_len, pos0 = _row_context(
+        b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY
+    )
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     start_m = pid_m * BLOCK_M
@@ -621,33 +1152,108 @@ def _dq_kernel(
     rows = start_m + offs_m
     row_ok = rows < q_len
 
-    q = tl.load(q_ptr + b64 * stride_qb + h64 * stride_qh + row_off * stride_qm
-                + offs_m[:, None] * stride_qm + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(DOT_TYPE)
-    do = tl.load(do_ptr + b64 * stride_dob + h64 * stride_doh + row_off * stride_dom
-                 + offs_m[:, None] * stride_dom + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(q.dtype)
-    lse2, delta = _row_stats(m_ptr + b64 * stride_mb + h64 * stride_mh + row_off * stride_mm,
-                             l_ptr + b64 * stride_lb + h64 * stride_lh + row_off * stride_lm,
-                             delta_ptr + b64 * stride_deb + h64 * stride_deh + row_off * stride_dem,
-                             stride_mm, stride_lm, stride_dem, offs_m, row_ok)
+    q = tl.load(
+        q_ptr
+        + b64 * stride_qb
+        + h64 * stride_qh
+        + row_off * stride_qm
+        + offs_m[:, None] * stride_qm
+        + offs_d[None, :],
+        mask=row_ok[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    ).to(DOT_TYPE)
+    do = tl.load(
+        do_ptr
+        + b64 * stride_dob
+        + h64 * stride_doh
+        + row_off * stride_dom
+        + offs_m[:, None] * stride_dom
+        + offs_dv[None, :],
+        mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+        other=0.0,
+    ).to(q.dtype)
+    lse2, delta = _row_stats(
+        m_ptr + b64 * stride_mb + h64 * stride_mh + row_off * stride_mm,
+        l_ptr + b64 * stride_lb + h64 * stride_lh + row_off * stride_lm,
+        delta_ptr + b64 * stride_deb + h64 * stride_deh + row_off * stride_dem,
+        stride_mm,
+        stride_lm,
+        stride_dem,
+        offs_m,
+        row_ok,
+    )
     k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     q_pos = pos0 + rows
     full_end, hi = _key_bounds(start_m, q_len, k_len, pos0, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
-                   offs_n, offs_d, offs_dv, q_pos, 0, full_end, k_len, qk_scale,
-                   D, DV, False, CAUSAL, EVEN_D, EVEN_DV, PRECISION, BLOCK_N)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn,
-                   offs_n, offs_d, offs_dv, q_pos, full_end, hi, k_len, qk_scale,
-                   D, DV, True, CAUSAL, EVEN_D, EVEN_DV, PRECISION, BLOCK_N)
+    dq = _dq_tiles(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        offs_n,
+        offs_d,
+        offs_dv,
+        q_pos,
+        0,
+        full_end,
+        k_len,
+        qk_scale,
+        D,
+        DV,
+        False,
+        CAUSAL,
+        EVEN_D,
+        EVEN_DV,
+        PRECISION,
+        BLOCK_N,
+    )
+    dq = _dq_tiles(
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        offs_n,
+        offs_d,
+        offs_dv,
+        q_pos,
+        full_end,
+        hi,
+        k_len,
+        qk_scale,
+        D,
+        DV,
+        True,
+        CAUSAL,
+        EVEN_D,
+        EVEN_DV,
+        PRECISION,
+        BLOCK_N,
+    )
 
     dq = tl.where(row_ok[:, None], dq * scale, 0.0)
-    tl.store(dq_ptr + b64 * stride_dqb + h64 * stride_dqh + row_off * stride_dqm
-             + offs_m[:, None] * stride_dqm + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty),
-             mask=(rows < Sq)[:, None] & (offs_d[None, :] < D))
+    tl.store(
+        dq_ptr
+        + b64 * stride_dqb
+        + h64 * stride_dqh
+        + row_off * stride_dqm
+        + offs_m[:, None] * stride_dqm
+        + offs_d[None, :],
+        dq.to(dq_ptr.dtype.element_ty),
+        mask=(rows < Sq)[:, None] & (offs_d[None, :] < D),
+    )
 
 
 # Tiles per head-dim class (64, 128, 256), chosen so that the sm_90 build of
@@ -747,22 +1353,67 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
     m_strides = m.stride() if store_stats else (0, 0, 0)
     l_strides = l.stride() if store_stats else (0, 0, 0)
     args = (
-        q, k, v, o, m_arg, l_arg, *pointers,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *m_strides, *l_strides,
-        H, H // Hkv, Sq, Sk, pos_scalar, scale * LOG2E, D, DV,
+        q,
+        k,
+        v,
+        o,
+        m_arg,
+        l_arg,
+        *pointers,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *o.stride()[:3],
+        *m_strides,
+        *l_strides,
+        H,
+        H // Hkv,
+        Sq,
+        Sk,
+        pos_scalar,
+        scale * LOG2E,
+        D,
+        DV,
     )
     meta.update(
-        CAUSAL=bool(causal), STORE_STATS=store_stats,
-        EVEN_D=meta["BLOCK_D"] == D, EVEN_DV=meta["BLOCK_DV"] == DV,
+        CAUSAL=bool(causal),
+        STORE_STATS=store_stats,
+        EVEN_D=meta["BLOCK_D"] == D,
+        EVEN_DV=meta["BLOCK_DV"] == DV,
     )
     with launch_context(_forward_kernel, q):
-        launch(_forward_kernel, _forward_tuned, _FORWARD_TILES,
-               lambda blocks: (triton.cdiv(Sq, blocks["BLOCK_M"]) * B * H,), args, meta,
-               B * H * Sq * Sk, q)
+        launch(
+            _forward_kernel,
+            _forward_tuned,
+            _FORWARD_TILES,
+            lambda blocks: (triton.cdiv(Sq, blocks["BLOCK_M"]) * B * H,),
+            args,
+            meta,
+            B * H * Sq * Sk,
+            q,
+        )
 
 
-def backward(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *, scale, causal, input_pos,
-             q_lengths, k_lengths) -> None:
+def backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    m,
+    l,
+    dq,
+    dk,
+    dv,
+    delta,
+    dq_accum,
+    *,
+    scale,
+    causal,
+    input_pos,
+    q_lengths,
+    k_lengths,
+) -> None:
     """Attention backward: overwrites ``dq``, ``dk``, ``dv`` (and the scratch ``delta``).
 
     Parameters
@@ -801,24 +1452,92 @@ def backward(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *, scale, causal
         if Sq > 0:
             delta_rows = _DELTA_TILE // meta["BLOCK_DV"]
             _delta_kernel[(triton.cdiv(Sq, delta_rows) * B * H,)](
-                o, do, delta, pointers[0],
-                *o.stride()[:3], *do.stride()[:3], *delta.stride(),
-                H, Sq, DV,
-                HAS_QLEN=meta["HAS_QLEN"], BLOCK_M=delta_rows, BLOCK_DV=meta["BLOCK_DV"],
+                o,
+                do,
+                delta,
+                pointers[0],
+                *o.stride()[:3],
+                *do.stride()[:3],
+                *delta.stride(),
+                H,
+                Sq,
+                DV,
+                HAS_QLEN=meta["HAS_QLEN"],
+                BLOCK_M=delta_rows,
+                BLOCK_DV=meta["BLOCK_DV"],
             )
-        common = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
-                  *m.stride(), *l.stride(), *delta.stride())
+        common = (
+            *q.stride()[:3],
+            *k.stride()[:3],
+            *v.stride()[:3],
+            *do.stride()[:3],
+            *m.stride(),
+            *l.stride(),
+            *delta.stride(),
+        )
         if Sk > 0:
-            launch(_dkdv_kernel, _dkdv_tuned, _DKDV_TILES,
-                   lambda blocks: (triton.cdiv(Sk, blocks["BLOCK_N"]) * B * Hkv,),
-                   (q, k, v, do, m, l, delta, dk, dv, *pointers, *common,
-                    *dk.stride()[:3], *dv.stride()[:3], Hkv, group, Sq, Sk, pos_scalar, scale,
-                    qk_scale, D, DV),
-                   meta, work, q)
+            launch(
+                _dkdv_kernel,
+                _dkdv_tuned,
+                _DKDV_TILES,
+                lambda blocks: (triton.cdiv(Sk, blocks["BLOCK_N"]) * B * Hkv,),
+                (
+                    q,
+                    k,
+                    v,
+                    do,
+                    m,
+                    l,
+                    delta,
+                    dk,
+                    dv,
+                    *pointers,
+                    *common,
+                    *dk.stride()[:3],
+                    *dv.stride()[:3],
+                    Hkv,
+                    group,
+                    Sq,
+                    Sk,
+                    pos_scalar,
+                    scale,
+                    qk_scale,
+                    D,
+                    DV,
+                ),
+                meta,
+                work,
+                q,
+            )
         if Sq > 0:
-            launch(_dq_kernel, _dq_tuned, _DQ_TILES,
-                   lambda blocks: (triton.cdiv(Sq, blocks["BLOCK_M"]) * B * H,),
-                   (q, k, v, do, m, l, delta, dq, *pointers, *common,
-                    *dq.stride()[:3], H, group, Sq, Sk, pos_scalar, scale, qk_scale, D, DV),
-                   {**meta, "EVEN_D": meta["BLOCK_D"] == D, "EVEN_DV": meta["BLOCK_DV"] == DV},
-                   work, q)
+            launch(
+                _dq_kernel,
+                _dq_tuned,
+                _DQ_TILES,
+                lambda blocks: (triton.cdiv(Sq, blocks["BLOCK_M"]) * B * H,),
+                (
+                    q,
+                    k,
+                    v,
+                    do,
+                    m,
+                    l,
+                    delta,
+                    dq,
+                    *pointers,
+                    *common,
+                    *dq.stride()[:3],
+                    H,
+                    group,
+                    Sq,
+                    Sk,
+                    pos_scalar,
+                    scale,
+                    qk_scale,
+                    D,
+                    DV,
+                ),
+                {**meta, "EVEN_D": meta["BLOCK_D"] == D, "EVEN_DV": meta["BLOCK_DV"] == DV},
+                work,
+                q,
+            )

@@ -58,16 +58,44 @@ MAX_SPLITS = 128
 
 @triton.jit
 def _decode_step(
-    acc, m_i, l_i, q, k_base, v_base, n0,
-    stride_kn, stride_vn,
-    offs_n, offs_d, offs_dv,
-    length, qk_scale,
-    D, DV,
-    MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    n0,
+    stride_kn,
+    stride_vn,
+    offs_n,
+    offs_d,
+    offs_dv,
+    length,
+    qk_scale,
+    D,
+    DV,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Online-softmax update by the key tile at ``n0``; ``MASKED`` checks keys ``< length``."""
-    k, v = kv_tile(k_base, v_base, n0, stride_kn, stride_vn, offs_n, offs_d, offs_dv, length, D, DV,
-                   MASKED, EVEN_D, EVEN_DV)
+    k, v = kv_tile(
+        k_base,
+        v_base,
+        n0,
+        stride_kn,
+        stride_vn,
+        offs_n,
+        offs_d,
+        offs_dv,
+        length,
+        D,
+        DV,
+        MASKED,
+        EVEN_D,
+        EVEN_DV,
+    )
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
     if MASKED:
         s = tl.where(((n0 + offs_n) < length)[None, :], s, float("-inf"))
@@ -82,12 +110,27 @@ def _decode_step(
 
 @triton.jit
 def _decode_tiles(
-    acc, m_i, l_i, q, k_base, v_base,
-    stride_kn, stride_vn,
-    offs_n, offs_d, offs_dv,
-    n_lo, n_hi, length, qk_scale,
-    D, DV,
-    MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    offs_n,
+    offs_d,
+    offs_dv,
+    n_lo,
+    n_hi,
+    length,
+    qk_scale,
+    D,
+    DV,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """:func:`_decode_step` over the key tiles ``[n_lo, n_hi)`` (``RANGE_LOOPS`` as in attention).
@@ -97,38 +140,97 @@ def _decode_tiles(
     """
     if RANGE_LOOPS:
         for n0 in range(n_lo, n_hi, BLOCK_N):
-            acc, m_i, l_i = _decode_step(acc, m_i, l_i, q, k_base, v_base, n0, stride_kn, stride_vn,
-                                         offs_n, offs_d, offs_dv, length, qk_scale, D, DV,
-                                         MASKED, EVEN_D, EVEN_DV, PRECISION)
+            acc, m_i, l_i = _decode_step(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_base,
+                v_base,
+                n0,
+                stride_kn,
+                stride_vn,
+                offs_n,
+                offs_d,
+                offs_dv,
+                length,
+                qk_scale,
+                D,
+                DV,
+                MASKED,
+                EVEN_D,
+                EVEN_DV,
+                PRECISION,
+            )
     else:
         n0 = n_lo
         while n0 < n_hi:
-            acc, m_i, l_i = _decode_step(acc, m_i, l_i, q, k_base, v_base, n0, stride_kn, stride_vn,
-                                         offs_n, offs_d, offs_dv, length, qk_scale, D, DV,
-                                         MASKED, EVEN_D, EVEN_DV, PRECISION)
+            acc, m_i, l_i = _decode_step(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_base,
+                v_base,
+                n0,
+                stride_kn,
+                stride_vn,
+                offs_n,
+                offs_d,
+                offs_dv,
+                length,
+                qk_scale,
+                D,
+                DV,
+                MASKED,
+                EVEN_D,
+                EVEN_DV,
+                PRECISION,
+            )
             n0 += BLOCK_N
     return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["HKV", "GROUP", "Smax", "n_splits", "D", "DV"])
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr,  # (B,H,D) queries, (B,Hkv,Smax,D) and (B,Hkv,Smax,DV) caches
+    q_ptr,
+    k_ptr,
+    v_ptr,  # (B,H,D) queries, (B,Hkv,Smax,D) and (B,Hkv,Smax,DV) caches
     lengths_ptr,  # (B,) valid keys per batch
-    o_part_ptr, m_part_ptr, l_part_ptr,  # (B,H,S,DV), (B,H,S), (B,H,S) float32 scratch
-    stride_qb, stride_qh,  # q strides (last axis contiguous)
-    stride_kb, stride_kh, stride_kn,  # k cache strides
-    stride_vb, stride_vh, stride_vn,  # v cache strides
-    stride_opb, stride_oph, stride_ops,  # o_partial strides
-    stride_mpb, stride_mph, stride_mps,  # m_partial strides
-    stride_lpb, stride_lph, stride_lps,  # l_partial strides
-    HKV, GROUP, Smax, n_splits,  # kv heads, query heads per kv head, cache length, splits
+    o_part_ptr,
+    m_part_ptr,
+    l_part_ptr,  # (B,H,S,DV), (B,H,S), (B,H,S) float32 scratch
+    stride_qb,
+    stride_qh,  # q strides (last axis contiguous)
+    stride_kb,
+    stride_kh,
+    stride_kn,  # k cache strides
+    stride_vb,
+    stride_vh,
+    stride_vn,  # v cache strides
+    stride_opb,
+    stride_oph,
+    stride_ops,  # o_partial strides
+    stride_mpb,
+    stride_mph,
+    stride_mps,  # m_partial strides
+    stride_lpb,
+    stride_lph,
+    stride_lps,  # l_partial strides
+    HKV,
+    GROUP,
+    Smax,
+    n_splits,  # kv heads, query heads per kv head, cache length, splits
     qk_scale,  # scale * log2(e)
-    D, DV,  # head dims
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
+    D,
+    DV,  # head dims
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
     PRECISION: tl.constexpr,  # tl.dot input precision
     DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
     BLOCK_G: tl.constexpr,  # query heads of a group, padded to >= 16 rows for tl.dot
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,  # padded head dims
     BLOCK_N: tl.constexpr,  # key tile
 ):
     """One split of one (batch, kv head), for all the query heads of its group."""
@@ -149,42 +251,108 @@ def _split_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     head_ok = offs_g < GROUP
     heads = (kvh * GROUP + offs_g).to(tl.int64)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=head_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(DOT_TYPE)
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=head_ok[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    ).to(DOT_TYPE)
     k_base = k_ptr + b * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b * stride_vb + kvh.to(tl.int64) * stride_vh
 
     acc = tl.zeros((BLOCK_G, BLOCK_DV), dtype=tl.float32)
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
-    acc, m_i, l_i = _decode_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                  offs_n, offs_d, offs_dv, start, full_end, length, qk_scale,
-                                  D, DV, False, EVEN_D, EVEN_DV, PRECISION, BLOCK_N)
-    acc, m_i, l_i = _decode_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                  offs_n, offs_d, offs_dv, full_end, end, length, qk_scale,
-                                  D, DV, True, EVEN_D, EVEN_DV, PRECISION, BLOCK_N)
+    acc, m_i, l_i = _decode_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        offs_n,
+        offs_d,
+        offs_dv,
+        start,
+        full_end,
+        length,
+        qk_scale,
+        D,
+        DV,
+        False,
+        EVEN_D,
+        EVEN_DV,
+        PRECISION,
+        BLOCK_N,
+    )
+    acc, m_i, l_i = _decode_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        offs_n,
+        offs_d,
+        offs_dv,
+        full_end,
+        end,
+        length,
+        qk_scale,
+        D,
+        DV,
+        True,
+        EVEN_D,
+        EVEN_DV,
+        PRECISION,
+        BLOCK_N,
+    )
 
     live = l_i > 0.0
     split = pid_s.to(tl.int64)
     o_part = o_part_ptr + b * stride_opb + split * stride_ops
-    tl.store(o_part + heads[:, None] * stride_oph + offs_dv[None, :], acc,
-             mask=head_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(m_part_ptr + b * stride_mpb + heads * stride_mph + split * stride_mps,
-             tl.where(live, m_i * LN2_CONST, float("-inf")), mask=head_ok)
-    tl.store(l_part_ptr + b * stride_lpb + heads * stride_lph + split * stride_lps,
-             tl.where(live, l_i, 0.0), mask=head_ok)
+    tl.store(
+        o_part + heads[:, None] * stride_oph + offs_dv[None, :],
+        acc,
+        mask=head_ok[:, None] & (offs_dv[None, :] < DV),
+    )
+    tl.store(
+        m_part_ptr + b * stride_mpb + heads * stride_mph + split * stride_mps,
+        tl.where(live, m_i * LN2_CONST, float("-inf")),
+        mask=head_ok,
+    )
+    tl.store(
+        l_part_ptr + b * stride_lpb + heads * stride_lph + split * stride_lps,
+        tl.where(live, l_i, 0.0),
+        mask=head_ok,
+    )
 
 
 @triton.jit(do_not_specialize=["H", "n_splits", "DV"])
 def _combine_kernel(
-    o_part_ptr, m_part_ptr, l_part_ptr,  # (B,H,S,DV), (B,H,S), (B,H,S) float32 split results
+    o_part_ptr,
+    m_part_ptr,
+    l_part_ptr,  # (B,H,S,DV), (B,H,S), (B,H,S) float32 split results
     o_ptr,  # (B,H,DV) output, overwritten
-    stride_opb, stride_oph, stride_ops,  # o_partial strides
-    stride_mpb, stride_mph, stride_mps,  # m_partial strides
-    stride_lpb, stride_lph, stride_lps,  # l_partial strides
-    stride_ob, stride_oh,  # o strides
-    H, n_splits, DV,  # query heads, splits, value head dim
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,  # splits per step, padded value head dim
+    stride_opb,
+    stride_oph,
+    stride_ops,  # o_partial strides
+    stride_mpb,
+    stride_mph,
+    stride_mps,  # m_partial strides
+    stride_lpb,
+    stride_lph,
+    stride_lps,  # l_partial strides
+    stride_ob,
+    stride_oh,  # o strides
+    H,
+    n_splits,
+    DV,  # query heads, splits, value head dim
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,  # splits per step, padded value head dim
 ):
     """The splits of one (batch, query head) merged into ``o``."""
     pid = tl.program_id(0)
@@ -200,8 +368,10 @@ def _combine_kernel(
     s0 = 0
     while s0 < n_splits:
         splits = s0 + offs_s
-        m_run = tl.maximum(m_run, tl.load(m_base + splits * stride_mps, mask=splits < n_splits,
-                                          other=float("-inf")))
+        m_run = tl.maximum(
+            m_run,
+            tl.load(m_base + splits * stride_mps, mask=splits < n_splits, other=float("-inf")),
+        )
         s0 += BLOCK_S
     m_max = tl.max(m_run, 0)
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
@@ -215,15 +385,21 @@ def _combine_kernel(
         m = tl.load(m_base + splits * stride_mps, mask=ok, other=float("-inf"))
         l = tl.load(l_base + splits * stride_lps, mask=ok, other=0.0)
         weight = tl.exp(m - m_ref)
-        part = tl.load(op_base + splits[:, None].to(tl.int64) * stride_ops + offs_dv[None, :],
-                       mask=ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        part = tl.load(
+            op_base + splits[:, None].to(tl.int64) * stride_ops + offs_dv[None, :],
+            mask=ok[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )
         acc += weight[:, None] * part
         weight_sum += weight * l
         s0 += BLOCK_S
     total = tl.sum(weight_sum, 0)
     o = tl.sum(acc, 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_dv, o.to(o_ptr.dtype.element_ty),
-             mask=offs_dv < DV)
+    tl.store(
+        o_ptr + b * stride_ob + h * stride_oh + offs_dv,
+        o.to(o_ptr.dtype.element_ty),
+        mask=offs_dv < DV,
+    )
 
 
 # Key tiles per head-dim class; the query rows are the (padded) GQA group.
@@ -237,8 +413,9 @@ _SPLIT_TILES = TileTable(
         256: (Tile(None, 32, 4, 2), Tile(None, 64, 8, 2), Tile(None, 32, 4, 3)),
     },
 )
-_split_tuned = autotuned(_split_kernel, _SPLIT_TILES,
-                         ["n_splits", "BLOCK_G", "BLOCK_D", "BLOCK_DV"])
+_split_tuned = autotuned(
+    _split_kernel, _SPLIT_TILES, ["n_splits", "BLOCK_G", "BLOCK_D", "BLOCK_DV"]
+)
 _COMBINE_SPLITS = 16
 
 
@@ -282,19 +459,52 @@ def forward(o, q, k, v, lengths, o_partial, m_partial, l_partial, *, scale) -> N
         "BLOCK_DV": dim_block(DV),
     }
     args = (
-        q, k, v, lengths, o_partial, m_partial, l_partial,
-        *q.stride()[:2], *k.stride()[:3], *v.stride()[:3],
-        *o_partial.stride()[:3], *m_partial.stride(), *l_partial.stride(),
-        Hkv, group, Smax, n_splits, scale * LOG2E, D, DV,
+        q,
+        k,
+        v,
+        lengths,
+        o_partial,
+        m_partial,
+        l_partial,
+        *q.stride()[:2],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *o_partial.stride()[:3],
+        *m_partial.stride(),
+        *l_partial.stride(),
+        Hkv,
+        group,
+        Smax,
+        n_splits,
+        scale * LOG2E,
+        D,
+        DV,
     )
     with launch_context(_split_kernel, q):
-        launch(_split_kernel, _split_tuned, _SPLIT_TILES, lambda blocks: (n_splits * B * Hkv,),
-               args, meta, B * Hkv * Smax * D, q)
+        launch(
+            _split_kernel,
+            _split_tuned,
+            _SPLIT_TILES,
+            lambda blocks: (n_splits * B * Hkv,),
+            args,
+            meta,
+            B * Hkv * Smax * D,
+            q,
+        )
         _combine_kernel[(B * H,)](
-            o_partial, m_partial, l_partial, o,
-            *o_partial.stride()[:3], *m_partial.stride(), *l_partial.stride(), *o.stride()[:2],
-            H, n_splits, DV,
-            BLOCK_S=_COMBINE_SPLITS, BLOCK_DV=meta["BLOCK_DV"],
+            o_partial,
+            m_partial,
+            l_partial,
+            o,
+            *o_partial.stride()[:3],
+            *m_partial.stride(),
+            *l_partial.stride(),
+            *o.stride()[:2],
+            H,
+            n_splits,
+            DV,
+            BLOCK_S=_COMBINE_SPLITS,
+            BLOCK_DV=meta["BLOCK_DV"],
         )
 
 

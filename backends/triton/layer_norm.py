@@ -158,9 +158,23 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
     chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
     with launch_context(kernel, x):
         kernel[(config.tiles(rows),)](
-            y, x, w, b, mean, rstd, rows, m, y.stride(0), x.stride(0),
-            0 if mean is None else mean.stride(0), 0 if rstd is None else rstd.stride(0), eps,
-            ROWS=config.rows, BLOCK_M=config.block_m, num_warps=config.num_warps, **chunks,
+            y,
+            x,
+            w,
+            b,
+            mean,
+            rstd,
+            rows,
+            m,
+            y.stride(0),
+            x.stride(0),
+            0 if mean is None else mean.stride(0),
+            0 if rstd is None else rstd.stride(0),
+            eps,
+            ROWS=config.rows,
+            BLOCK_M=config.block_m,
+            num_warps=config.num_warps,
+            **chunks,
         )
 
 
@@ -372,11 +386,28 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
     chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
     with launch_context(kernel, x):
         kernel[(programs,)](
-            dy, x, w, mean, rstd, dx, dw_partial, db_partial, rows, m,
-            dy.stride(0), x.stride(0), dx.stride(0), mean.stride(0), rstd.stride(0),
-            *dw_strides, *db_strides,
-            ACCUMULATE=accumulate, ROWS=config.rows, BLOCK_M=config.block_m,
-            num_warps=config.num_warps, **chunks,
+            dy,
+            x,
+            w,
+            mean,
+            rstd,
+            dx,
+            dw_partial,
+            db_partial,
+            rows,
+            m,
+            dy.stride(0),
+            x.stride(0),
+            dx.stride(0),
+            mean.stride(0),
+            rstd.stride(0),
+            *dw_strides,
+            *db_strides,
+            ACCUMULATE=accumulate,
+            ROWS=config.rows,
+            BLOCK_M=config.block_m,
+            num_warps=config.num_warps,
+            **chunks,
         )
 
 

@@ -140,9 +140,21 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
     chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
     with launch_context(kernel, x):
         kernel[(config.tiles(rows),)](
-            y, x, w, rstd, rows, m, y.stride(0), x.stride(0), 0 if rstd is None else rstd.stride(0),
-            eps, offset,
-            ROWS=config.rows, BLOCK_M=config.block_m, num_warps=config.num_warps, **chunks,
+            y,
+            x,
+            w,
+            rstd,
+            rows,
+            m,
+            y.stride(0),
+            x.stride(0),
+            0 if rstd is None else rstd.stride(0),
+            eps,
+            offset,
+            ROWS=config.rows,
+            BLOCK_M=config.block_m,
+            num_warps=config.num_warps,
+            **chunks,
         )
 
 
@@ -310,10 +322,25 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
     with launch_context(kernel, x):
         kernel[(programs,)](
-            dy, x, w, rstd, dx, dw_partial, rows, m,
-            dy.stride(0), x.stride(0), dx.stride(0), rstd.stride(0), *partial_strides, offset,
-            ACCUMULATE=accumulate, ROWS=config.rows, BLOCK_M=config.block_m,
-            num_warps=config.num_warps, **chunks,
+            dy,
+            x,
+            w,
+            rstd,
+            dx,
+            dw_partial,
+            rows,
+            m,
+            dy.stride(0),
+            x.stride(0),
+            dx.stride(0),
+            rstd.stride(0),
+            *partial_strides,
+            offset,
+            ACCUMULATE=accumulate,
+            ROWS=config.rows,
+            BLOCK_M=config.block_m,
+            num_warps=config.num_warps,
+            **chunks,
         )
 
 

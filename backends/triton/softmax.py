@@ -69,8 +69,12 @@ def _forward_streaming(
     row_sum = tl.zeros([ROWS], dtype=tl.float32)
     for k in range(N_CHUNKS):
         cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
-        x = tl.load(x_rows + cols[None, :], mask=(cols < m)[None, :], other=float("-inf"),
-                    eviction_policy="evict_last")
+        x = tl.load(
+            x_rows + cols[None, :],
+            mask=(cols < m)[None, :],
+            other=float("-inf"),
+            eviction_policy="evict_last",
+        )
         x = x.to(tl.float32)
         new_max = tl.maximum(row_max, tl.max(x, axis=1))
         # Rows still all -inf shift by 0, so exp sees -inf - 0, never -inf - -inf.
@@ -81,8 +85,12 @@ def _forward_streaming(
     for k in range(N_CHUNKS):
         cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
         col_ok = cols < m
-        x = tl.load(x_rows + cols[None, :], mask=col_ok[None, :], other=float("-inf"),
-                    eviction_policy="evict_first")
+        x = tl.load(
+            x_rows + cols[None, :],
+            mask=col_ok[None, :],
+            other=float("-inf"),
+            eviction_policy="evict_first",
+        )
         y = tl.exp(x.to(tl.float32) - row_max[:, None]) * inv_sum[:, None]
         mask = row_ok[:, None] & col_ok[None, :]
         tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -104,8 +112,16 @@ def forward(y, x) -> None:
     chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
     with launch_context(kernel, x):
         kernel[(config.tiles(rows),)](
-            y, x, rows, m, y.stride(0), x.stride(0),
-            ROWS=config.rows, BLOCK_M=config.block_m, num_warps=config.num_warps, **chunks,
+            y,
+            x,
+            rows,
+            m,
+            y.stride(0),
+            x.stride(0),
+            ROWS=config.rows,
+            BLOCK_M=config.block_m,
+            num_warps=config.num_warps,
+            **chunks,
         )
 
 
@@ -190,6 +206,16 @@ def backward(y, dy, dx) -> None:
     chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
     with launch_context(kernel, y):
         kernel[(config.tiles(rows),)](
-            y, dy, dx, rows, m, y.stride(0), dy.stride(0), dx.stride(0),
-            ROWS=config.rows, BLOCK_M=config.block_m, num_warps=config.num_warps, **chunks,
+            y,
+            dy,
+            dx,
+            rows,
+            m,
+            y.stride(0),
+            dy.stride(0),
+            dx.stride(0),
+            ROWS=config.rows,
+            BLOCK_M=config.block_m,
+            num_warps=config.num_warps,
+            **chunks,
         )

@@ -47,8 +47,10 @@ def _check_meta(fn, tensors) -> None:
     real = [(name, t) for name, t in tensors if not t.is_meta]
     for name, t in tensors:
         if t.is_meta:
-            where = f"is on device meta but {real[0][0]} is on {real[0][1].device}" if real else (
-                "is a meta tensor"
+            where = (
+                f"is on device meta but {real[0][0]} is on {real[0][1].device}"
+                if real
+                else ("is a meta tensor")
             )
             raise TypeError(
                 f"{fn}: {name} {where}: a meta tensor holds no data for a kernel to read; "

@@ -89,13 +89,17 @@ def shape(fn: str, name: str, a, expected: tuple) -> None:
 def min_rank(fn: str, name: str, a, rank: int, layout: str) -> None:
     """ValueError unless ``a.ndim >= rank``."""
     if a.ndim < rank:
-        raise ValueError(f"{fn}: {name} must have shape {layout} (rank >= {rank}), got rank {a.ndim} {tuple(a.shape)}")
+        raise ValueError(
+            f"{fn}: {name} must have shape {layout} (rank >= {rank}), got rank {a.ndim} {tuple(a.shape)}"
+        )
 
 
 def rank(fn: str, name: str, a, rank: int, layout: str) -> None:
     """ValueError unless ``a.ndim == rank``."""
     if a.ndim != rank:
-        raise ValueError(f"{fn}: {name} must have shape {layout} (rank {rank}), got rank {a.ndim} {tuple(a.shape)}")
+        raise ValueError(
+            f"{fn}: {name} must have shape {layout} (rank {rank}), got rank {a.ndim} {tuple(a.shape)}"
+        )
 
 
 def strides(a) -> tuple[int, ...] | None:
@@ -217,7 +221,9 @@ def writable(fn: str, arrays) -> None:
             continue
         raw = getattr(a, "_array", a)  # array_api_strict wraps a NumPy array
         if isinstance(raw, np.ndarray) and not raw.flags.writeable:
-            raise ValueError(f"{fn}: {name} is read-only (flags.writeable is False); pass a writable array")
+            raise ValueError(
+                f"{fn}: {name} is read-only (flags.writeable is False); pass a writable array"
+            )
         if getattr(a, "requires_grad", False) and _torch_grad_enabled():
             raise ValueError(
                 f"{fn}: {name} requires grad, and autograd cannot record xpkernels' in-place "

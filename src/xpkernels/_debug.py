@@ -21,7 +21,9 @@ import os
 __all__ = ["debug", "debug_enabled"]
 
 ENV_VAR = "XPKERNELS_DEBUG"
-_SWITCH: contextvars.ContextVar[bool | None] = contextvars.ContextVar("xpkernels_debug", default=None)
+_SWITCH: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "xpkernels_debug", default=None
+)
 
 
 def debug_enabled() -> bool:

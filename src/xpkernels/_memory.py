@@ -17,7 +17,9 @@ __all__ = ["identical", "layout", "same_memory"]
 # A stand-in for the whole address space: NumPy views of it reproduce any array's byte layout
 # (address, shape, strides) without touching memory, so np.shares_memory can compare the
 # layouts of device arrays exactly. Nothing ever reads through it.
-_ADDRESS_SPACE = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), shape=(2**62,), strides=(1,))
+_ADDRESS_SPACE = np.lib.stride_tricks.as_strided(
+    np.zeros(1, np.uint8), shape=(2**62,), strides=(1,)
+)
 
 
 def layout(a):
@@ -53,8 +55,6 @@ def identical(u, v) -> bool:
         and u.shape == v.shape
         and u.strides == v.strides
     )
-
-
 
 
 def same_memory(a, b) -> bool:

@@ -144,7 +144,9 @@ def _checkpoint_arrays(fn, xp, checkpoints, q, reference="q"):
             f"allocate_checkpoints(attention_, q, k, v), got {type(checkpoints).__name__}"
         )
     rows = tuple(q.shape[:3])
-    check.same_namespace(fn, xp, {f"checkpoints.{n}": a for n, a in checkpoints._asdict().items()}, reference)
+    check.same_namespace(
+        fn, xp, {f"checkpoints.{n}": a for n, a in checkpoints._asdict().items()}, reference
+    )
     for name in AttentionCheckpoints._fields:
         a = getattr(checkpoints, name)
         check.shape(fn, f"checkpoints.{name}", a, rows)
@@ -200,9 +202,17 @@ def _validate_forward(fn, o, q, k, v, causal, scale, input_pos, q_lengths, k_len
     _causal(fn, causal)
     xp = check.namespace(fn, "q", q)
     check.same_namespace(
-        fn, xp,
-        {"q": q, "k": k, "v": v, "o": o, "q_lengths": q_lengths, "k_lengths": k_lengths,
-         "input_pos": _position_array(input_pos)},
+        fn,
+        xp,
+        {
+            "q": q,
+            "k": k,
+            "v": v,
+            "o": o,
+            "q_lengths": q_lengths,
+            "k_lengths": k_lengths,
+            "input_pos": _position_array(input_pos),
+        },
     )
     _validate_qkv(fn, q, k, v)
     batch, heads, sq, _ = q.shape
@@ -221,19 +231,38 @@ def _validate_forward(fn, o, q, k, v, causal, scale, input_pos, q_lengths, k_len
 
 def _read(q, k, v, input_pos, q_lengths, k_lengths, names=("q", "k", "v")) -> dict:
     """The inputs a pass reads besides its own buffers, by argument name (for the overlap check)."""
-    return {**dict(zip(names, (q, k, v))), "input_pos": _position_array(input_pos),
-            "q_lengths": q_lengths, "k_lengths": k_lengths}
+    return {
+        **dict(zip(names, (q, k, v))),
+        "input_pos": _position_array(input_pos),
+        "q_lengths": q_lengths,
+        "k_lengths": k_lengths,
+    }
 
 
 def _recorded(causal, scale, input_pos, q_lengths, k_lengths) -> dict:
     """The options of the forward that its backward must repeat."""
-    return {"causal": causal, "scale": scale, "input_pos": input_pos, "q_lengths": q_lengths,
-            "k_lengths": k_lengths}
+    return {
+        "causal": causal,
+        "scale": scale,
+        "input_pos": input_pos,
+        "q_lengths": q_lengths,
+        "k_lengths": k_lengths,
+    }
 
 
 def attention_(
-    o, q, k, v, *, causal=False, scale=None, input_pos=0, q_lengths=None, k_lengths=None,
-    checkpoints=None, backend=None,
+    o,
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    scale=None,
+    input_pos=0,
+    q_lengths=None,
+    k_lengths=None,
+    checkpoints=None,
+    backend=None,
 ) -> None:
     """Attention forward, in place: ``o = softmax(scale * q k^T + mask) v``.
 
@@ -292,15 +321,30 @@ def attention_(
         fn, o, q, k, v, causal, scale, input_pos, q_lengths, k_lengths, checkpoints
     )
     arrays = {
-        "o": o, "q": q, "k": k, "v": v, "checkpoints.m": m, "checkpoints.l": lse_sum,
-        "q_lengths": q_lengths, "k_lengths": k_lengths,
+        "o": o,
+        "q": q,
+        "k": k,
+        "v": v,
+        "checkpoints.m": m,
+        "checkpoints.l": lse_sum,
+        "q_lengths": q_lengths,
+        "k_lengths": k_lengths,
     }
     route = resolve("attention", arrays, backend=backend, head_dim=max(q.shape[3], v.shape[3]))
     if checkpoints is not None:
         forget_forward(checkpoints)
     route.impl.forward(
-        o, q, k, v, m, lse_sum, scale=scale, causal=causal, input_pos=input_pos,
-        q_lengths=q_lengths, k_lengths=k_lengths,
+        o,
+        q,
+        k,
+        v,
+        m,
+        lse_sum,
+        scale=scale,
+        causal=causal,
+        input_pos=input_pos,
+        q_lengths=q_lengths,
+        k_lengths=k_lengths,
     )
     if checkpoints is not None:
         record_forward(checkpoints, fn, _recorded(causal, scale, input_pos, q_lengths, k_lengths))
@@ -318,8 +362,17 @@ def allocate_attention_checkpoints(q, k=None, v=None, **options) -> AttentionChe
 
 
 def attention(
-    q, k, v, *, causal=False, scale=None, input_pos=0, q_lengths=None, k_lengths=None,
-    checkpoints=None, backend=None,
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    scale=None,
+    input_pos=0,
+    q_lengths=None,
+    k_lengths=None,
+    checkpoints=None,
+    backend=None,
 ):
     """Attention forward into a new ``(B, H, Sq, Dv)`` array of ``q``'s dtype; see :func:`attention_`.
 
@@ -331,8 +384,13 @@ def attention(
     """
     fn = "attention"
     options = {
-        "causal": causal, "scale": scale, "input_pos": input_pos, "q_lengths": q_lengths,
-        "k_lengths": k_lengths, "checkpoints": checkpoints, "backend": backend,
+        "causal": causal,
+        "scale": scale,
+        "input_pos": input_pos,
+        "q_lengths": q_lengths,
+        "k_lengths": k_lengths,
+        "checkpoints": checkpoints,
+        "backend": backend,
     }
     if (o := _autograd.record(fn, {"q": q, "k": k, "v": v}, options)) is not _autograd.NOT_RECORDED:
         return o
@@ -344,8 +402,17 @@ def attention(
     shape = (*q.shape[:3], v.shape[3])
     o = empty(q, shape, q.dtype)
     attention_(
-        o, q, k, v, causal=causal, scale=scale, input_pos=input_pos, q_lengths=q_lengths,
-        k_lengths=k_lengths, checkpoints=checkpoints, backend=backend,
+        o,
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=scale,
+        input_pos=input_pos,
+        q_lengths=q_lengths,
+        k_lengths=k_lengths,
+        checkpoints=checkpoints,
+        backend=backend,
     )
     return o
 
@@ -356,7 +423,9 @@ def _scratch_arrays(fn, xp, scratch, q):
             f"{fn}: scratch must be the AttentionBackwardScratch from "
             f"allocate_scratchspace(attention_backward_, O, Q, K, V), got {type(scratch).__name__}"
         )
-    check.same_namespace(fn, xp, {f"scratch.{n}": a for n, a in scratch._asdict().items()}, reference="Q.primal")
+    check.same_namespace(
+        fn, xp, {f"scratch.{n}": a for n, a in scratch._asdict().items()}, reference="Q.primal"
+    )
     for name, shape in (("delta", tuple(q.shape[:3])), ("dq_accum", tuple(q.shape))):
         a = getattr(scratch, name)
         if a is None:  # a field the backend does not use; the route checks those it needs
@@ -366,25 +435,43 @@ def _scratch_arrays(fn, xp, scratch, q):
     return scratch.delta, scratch.dq_accum
 
 
-def _validate_backward(fn, O, Q, K, V, checkpoints, scratch, causal, scale, input_pos, q_lengths, k_lengths):
+def _validate_backward(
+    fn, O, Q, K, V, checkpoints, scratch, causal, scale, input_pos, q_lengths, k_lengths
+):
     _causal(fn, causal)
-    Ds = {name: check.duplicated(fn, name, d) for name, d in (("O", O), ("Q", Q), ("K", K), ("V", V))}
+    Ds = {
+        name: check.duplicated(fn, name, d) for name, d in (("O", O), ("Q", Q), ("K", K), ("V", V))
+    }
     q = Q.primal
     xp = check.namespace(fn, "Q.primal", q)
-    named = {f"{n}.{part}": getattr(d, part) for n, d in Ds.items() for part in ("primal", "shadow")}
+    named = {
+        f"{n}.{part}": getattr(d, part) for n, d in Ds.items() for part in ("primal", "shadow")
+    }
     check.same_namespace(
-        fn, xp,
-        {**named, "q_lengths": q_lengths, "k_lengths": k_lengths,
-         "input_pos": _position_array(input_pos)},
+        fn,
+        xp,
+        {
+            **named,
+            "q_lengths": q_lengths,
+            "k_lengths": k_lengths,
+            "input_pos": _position_array(input_pos),
+        },
     )
     _validate_qkv(fn, q, K.primal, V.primal, names=("Q.primal", "K.primal", "V.primal"))
     o_shape = (*q.shape[:3], V.primal.shape[3])
-    for name, a in (("O.primal", O.primal), ("O.shadow", O.shadow), ("Q.shadow", Q.shadow),
-                    ("K.shadow", K.shadow), ("V.shadow", V.shadow)):
+    for name, a in (
+        ("O.primal", O.primal),
+        ("O.shadow", O.shadow),
+        ("Q.shadow", Q.shadow),
+        ("K.shadow", K.shadow),
+        ("V.shadow", V.shadow),
+    ):
         check.floating(fn, name, xp, a)
         check.last_axis_contiguous(fn, name, a)
     check.shape(fn, "O.primal", O.primal, o_shape)
-    scale, input_pos = _validate_options(fn, xp, q, K.primal, scale, input_pos, q_lengths, k_lengths)
+    scale, input_pos = _validate_options(
+        fn, xp, q, K.primal, scale, input_pos, q_lengths, k_lengths
+    )
     if checkpoints is None:
         raise ValueError(
             f"{fn}: checkpoints are required: pass the AttentionCheckpoints that attention_ "
@@ -394,20 +481,50 @@ def _validate_backward(fn, O, Q, K, V, checkpoints, scratch, causal, scale, inpu
     delta = dq_accum = None
     if scratch is not None:
         delta, dq_accum = _scratch_arrays(fn, xp, scratch, q)
-    outputs = {"Q.shadow": Q.shadow, "K.shadow": K.shadow, "V.shadow": V.shadow,
-               "scratch.delta": delta, "scratch.dq_accum": dq_accum}
+    outputs = {
+        "Q.shadow": Q.shadow,
+        "K.shadow": K.shadow,
+        "V.shadow": V.shadow,
+        "scratch.delta": delta,
+        "scratch.dq_accum": dq_accum,
+    }
     check.writable(fn, outputs)
-    inputs = {"O.primal": O.primal, "O.shadow": O.shadow, "checkpoints.m": m, "checkpoints.l": lse_sum,
-              **_read(q, K.primal, V.primal, input_pos, q_lengths, k_lengths,
-                      names=("Q.primal", "K.primal", "V.primal"))}
+    inputs = {
+        "O.primal": O.primal,
+        "O.shadow": O.shadow,
+        "checkpoints.m": m,
+        "checkpoints.l": lse_sum,
+        **_read(
+            q,
+            K.primal,
+            V.primal,
+            input_pos,
+            q_lengths,
+            k_lengths,
+            names=("Q.primal", "K.primal", "V.primal"),
+        ),
+    }
     check.no_overlap(fn, outputs, inputs)
-    check_forward(fn, checkpoints, "attention_", _recorded(causal, scale, input_pos, q_lengths, k_lengths))
+    check_forward(
+        fn, checkpoints, "attention_", _recorded(causal, scale, input_pos, q_lengths, k_lengths)
+    )
     return scale, input_pos, m, lse_sum, delta, dq_accum
 
 
 def attention_backward_(
-    O, Q, K, V, *, checkpoints, scratch=None, causal=False, scale=None, input_pos=0,
-    q_lengths=None, k_lengths=None, backend=None,
+    O,
+    Q,
+    K,
+    V,
+    *,
+    checkpoints,
+    scratch=None,
+    causal=False,
+    scale=None,
+    input_pos=0,
+    q_lengths=None,
+    k_lengths=None,
+    backend=None,
 ) -> None:
     """Attention backward, in place: overwrites the shadows of Q, K and V with dq, dk, dv.
 
@@ -457,10 +574,20 @@ def attention_backward_(
     )
     q, k, v, o = Q.primal, K.primal, V.primal, O.primal
     arrays = {
-        "O.primal": o, "Q.primal": q, "K.primal": k, "V.primal": v, "O.shadow": O.shadow,
-        "Q.shadow": Q.shadow, "K.shadow": K.shadow, "V.shadow": V.shadow,
-        "checkpoints.m": m, "checkpoints.l": lse_sum, "scratch.delta": delta,
-        "scratch.dq_accum": dq_accum, "q_lengths": q_lengths, "k_lengths": k_lengths,
+        "O.primal": o,
+        "Q.primal": q,
+        "K.primal": k,
+        "V.primal": v,
+        "O.shadow": O.shadow,
+        "Q.shadow": Q.shadow,
+        "K.shadow": K.shadow,
+        "V.shadow": V.shadow,
+        "checkpoints.m": m,
+        "checkpoints.l": lse_sum,
+        "scratch.delta": delta,
+        "scratch.dq_accum": dq_accum,
+        "q_lengths": q_lengths,
+        "k_lengths": k_lengths,
     }
     route = resolve("attention", arrays, backend=backend, head_dim=max(q.shape[3], v.shape[3]))
     if scratch is None:
@@ -468,8 +595,22 @@ def attention_backward_(
     else:
         route.require_scratch(fn, scratch)
     route.impl.backward(
-        O.shadow, q, k, v, o, m, lse_sum, Q.shadow, K.shadow, V.shadow, delta, dq_accum,
-        scale=scale, causal=causal, input_pos=input_pos, q_lengths=q_lengths,
+        O.shadow,
+        q,
+        k,
+        v,
+        o,
+        m,
+        lse_sum,
+        Q.shadow,
+        K.shadow,
+        V.shadow,
+        delta,
+        dq_accum,
+        scale=scale,
+        causal=causal,
+        input_pos=input_pos,
+        q_lengths=q_lengths,
         k_lengths=k_lengths,
     )
 
@@ -510,8 +651,19 @@ def allocate_attention_backward_scratch(
 
 
 def attention_backward(
-    do, q, k, v, o, *, checkpoints, causal=False, scale=None, input_pos=0, q_lengths=None,
-    k_lengths=None, backend=None,
+    do,
+    q,
+    k,
+    v,
+    o,
+    *,
+    checkpoints,
+    causal=False,
+    scale=None,
+    input_pos=0,
+    q_lengths=None,
+    k_lengths=None,
+    backend=None,
 ):
     """Attention backward into new arrays; see :func:`attention_backward_`.
 
@@ -534,8 +686,16 @@ def attention_backward(
         # Contiguous, never empty_like: a broadcast view (np.broadcast_to) has zero strides.
         arrays[name] = Duplicated(a, empty(a, a.shape, a.dtype))
     attention_backward_(
-        Duplicated(o, do), arrays["q"], arrays["k"], arrays["v"], checkpoints=checkpoints,
-        causal=causal, scale=scale, input_pos=input_pos, q_lengths=q_lengths,
-        k_lengths=k_lengths, backend=backend,
+        Duplicated(o, do),
+        arrays["q"],
+        arrays["k"],
+        arrays["v"],
+        checkpoints=checkpoints,
+        causal=causal,
+        scale=scale,
+        input_pos=input_pos,
+        q_lengths=q_lengths,
+        k_lengths=k_lengths,
+        backend=backend,
     )
     return arrays["q"].shadow, arrays["k"].shadow, arrays["v"].shadow

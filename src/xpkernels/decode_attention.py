@@ -71,7 +71,9 @@ def _n_splits(fn, n_splits) -> int:
     try:
         value = operator.index(n_splits)
     except TypeError:
-        raise TypeError(f"{fn}: n_splits must be an int >= 1, got {type(n_splits).__name__}") from None
+        raise TypeError(
+            f"{fn}: n_splits must be an int >= 1, got {type(n_splits).__name__}"
+        ) from None
     if value < 1:
         raise ValueError(f"{fn}: n_splits must be >= 1, got {value}")
     return value
@@ -79,7 +81,9 @@ def _n_splits(fn, n_splits) -> int:
 
 def _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits):
     xp = check.namespace(fn, "q", q)
-    check.same_namespace(fn, xp, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "o": o, "lengths": lengths})
+    check.same_namespace(
+        fn, xp, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "o": o, "lengths": lengths}
+    )
     check.rank(fn, "q", q, 3, "(B, H, D)")
     check.rank(fn, "k_cache", k_cache, 4, "(B, Hkv, Smax, D)")
     check.rank(fn, "v_cache", v_cache, 4, "(B, Hkv, Smax, Dv)")
@@ -95,7 +99,9 @@ def _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits):
             f"k_cache {tuple(k_cache.shape)}"
         )
     if dv < 1:
-        raise ValueError(f"{fn}: v_cache must have head dim Dv >= 1, got shape {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"{fn}: v_cache must have head dim Dv >= 1, got shape {tuple(v_cache.shape)}"
+        )
     check.shape(fn, "v_cache", v_cache, (batch, kv_heads, smax, dv))
     check.floating(fn, "q", xp, q)
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -107,7 +113,9 @@ def _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits):
     check.shape(fn, "o", o, (batch, heads, dv))
     check.last_axis_contiguous(fn, "o", o)
     if lengths is None or not hasattr(lengths, "shape"):
-        raise TypeError(f"{fn}: lengths must be a ({batch},) integer array, got {type(lengths).__name__}")
+        raise TypeError(
+            f"{fn}: lengths must be a ({batch},) integer array, got {type(lengths).__name__}"
+        )
     check.batch_integers(fn, "lengths", xp, lengths, batch, 0, smax, "Smax")
     scale = 1.0 / math.sqrt(d) if scale is None else check.positive_finite(fn, "scale", scale)
     if n_splits is not None:
@@ -116,10 +124,14 @@ def _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits):
     outputs = {"o": o}
     if scratch is not None:
         _check_scratch(fn, xp, scratch, q, dv, n_splits)
-        _bound_splits(fn, "scratch.o_partial.shape[2] (its n_splits)", scratch.o_partial.shape[2], smax)
+        _bound_splits(
+            fn, "scratch.o_partial.shape[2] (its n_splits)", scratch.o_partial.shape[2], smax
+        )
         outputs.update({f"scratch.{name}": a for name, a in scratch._asdict().items()})
     check.writable(fn, outputs)
-    check.no_overlap(fn, outputs, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "lengths": lengths})
+    check.no_overlap(
+        fn, outputs, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "lengths": lengths}
+    )
     return scale, n_splits
 
 
@@ -130,7 +142,9 @@ def _check_scratch(fn, xp, scratch, q, dv, n_splits) -> None:
             f"allocate_scratchspace(decode_attention_, o, q, ...), got {type(scratch).__name__}"
         )
     batch, heads, _ = q.shape
-    check.same_namespace(fn, xp, {f"scratch.{n}": a for n, a in scratch._asdict().items()}, reference="q")
+    check.same_namespace(
+        fn, xp, {f"scratch.{n}": a for n, a in scratch._asdict().items()}, reference="q"
+    )
     o_partial = scratch.o_partial
     check.rank(fn, "scratch.o_partial", o_partial, 4, "(B, H, n_splits, Dv)")
     splits = o_partial.shape[2]
@@ -140,7 +154,9 @@ def _check_scratch(fn, xp, scratch, q, dv, n_splits) -> None:
             f"{splits} splits; pass one or the other"
         )
     if splits < 1:
-        raise ValueError(f"{fn}: scratch.o_partial must have n_splits >= 1, got shape {tuple(o_partial.shape)}")
+        raise ValueError(
+            f"{fn}: scratch.o_partial must have n_splits >= 1, got shape {tuple(o_partial.shape)}"
+        )
     check.shape(fn, "scratch.o_partial", o_partial, (batch, heads, splits, dv))
     for name in ("m_partial", "l_partial"):
         check.shape(fn, f"scratch.{name}", getattr(scratch, name), (batch, heads, splits))
@@ -210,7 +226,9 @@ def decode_attention_(
     )
     if scratch is None:
         if n_splits is None:
-            n_splits = route.hook("default_splits")(q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache)
+            n_splits = route.hook("default_splits")(
+                q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache
+            )
         scratch = _allocate(q, v_cache.shape[3], n_splits)
     route.impl.forward(o, q, k_cache, v_cache, lengths, *scratch, scale=scale)
 
@@ -258,11 +276,15 @@ def allocate_decode_attention_scratch(
         check.namespace(fn, "k_cache", k_cache)
         check.rank(fn, "k_cache", k_cache, 4, "(B, Hkv, Smax, D)")
         route = resolve("decode_attention", {"q": q, "k_cache": k_cache}, backend=backend)
-        n_splits = route.hook("default_splits")(q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache)
+        n_splits = route.hook("default_splits")(
+            q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache
+        )
     return _allocate(q, o.shape[2], n_splits)
 
 
-def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, scratch=None, n_splits=None, backend=None):
+def decode_attention(
+    q, k_cache, v_cache, lengths, *, scale=None, scratch=None, n_splits=None, backend=None
+):
     """Decode attention into a new ``(B, H, Dv)`` array of ``q``'s dtype; see :func:`decode_attention_`.
 
     Returns
@@ -283,6 +305,14 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale=None, scratch=None, 
     check.rank(fn, "v_cache", v_cache, 4, "(B, Hkv, Smax, Dv)")
     o = empty(q, (*q.shape[:2], v_cache.shape[3]), q.dtype)
     decode_attention_(
-        o, q, k_cache, v_cache, lengths, scale=scale, scratch=scratch, n_splits=n_splits, backend=backend
+        o,
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        scale=scale,
+        scratch=scratch,
+        n_splits=n_splits,
+        backend=backend,
     )
     return o

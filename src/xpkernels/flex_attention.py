@@ -100,8 +100,13 @@ class _ModKey:
         if graph is None:
             return None
         slots = graph.slots
-        return cls(kind, graph.nodes, graph.output, tuple(s.array for s in slots),
-                   tuple(s.label for s in slots))
+        return cls(
+            kind,
+            graph.nodes,
+            graph.output,
+            tuple(s.array for s in slots),
+            tuple(s.label for s in slots),
+        )
 
     def same_as(self, other) -> bool:
         return (
@@ -227,9 +232,14 @@ class _Call:
             positions = (0,)
             sparse = sparse and not (masked and self.mask_graph.uses("q_idx"))
         return _mods.plan_tiles(
-            self.mask if masked else None, self.block_mask if masked else None,
-            block_sparse=sparse, n_q=n_q, n_kv=n_kv, positions=positions,
-            tile_m=tile_m, tile_n=tile_n,
+            self.mask if masked else None,
+            self.block_mask if masked else None,
+            block_sparse=sparse,
+            n_q=n_q,
+            n_kv=n_kv,
+            positions=positions,
+            tile_m=tile_m,
+            tile_n=tile_n,
         )
 
     def options(self, route, n_q, n_kv) -> dict:
@@ -345,8 +355,19 @@ def _checkpoints(fn, xp, checkpoints, q):
 
 
 def flex_attention_(
-    o, q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, block_sparse=True, scale=None,
-    input_pos=0, checkpoints=None, backend=None,
+    o,
+    q,
+    k,
+    v,
+    *,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    block_sparse=True,
+    scale=None,
+    input_pos=0,
+    checkpoints=None,
+    backend=None,
 ) -> None:
     """FlexAttention forward, in place: writes ``o`` (and the checkpoints).
 
@@ -465,8 +486,18 @@ def allocate_flex_attention_checkpoints(q, k=None, v=None, **options) -> Attenti
 
 
 def flex_attention(
-    q, k, v, *, score_mod=None, mask_mod=None, block_mask=None, block_sparse=True, scale=None,
-    input_pos=0, checkpoints=None, backend=None,
+    q,
+    k,
+    v,
+    *,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    block_sparse=True,
+    scale=None,
+    input_pos=0,
+    checkpoints=None,
+    backend=None,
 ):
     """FlexAttention forward into a new array; see :func:`flex_attention_`.
 
@@ -478,9 +509,14 @@ def flex_attention(
     """
     fn = "flex_attention"
     options = {
-        "score_mod": score_mod, "mask_mod": mask_mod, "block_mask": block_mask,
-        "block_sparse": block_sparse, "scale": scale, "input_pos": input_pos,
-        "checkpoints": checkpoints, "backend": backend,
+        "score_mod": score_mod,
+        "mask_mod": mask_mod,
+        "block_mask": block_mask,
+        "block_sparse": block_sparse,
+        "scale": scale,
+        "input_pos": input_pos,
+        "checkpoints": checkpoints,
+        "backend": backend,
     }
     if (o := _autograd.record(fn, {"q": q, "k": k, "v": v}, options)) is not _autograd.NOT_RECORDED:
         return o
@@ -559,8 +595,21 @@ def _mod_grads(fn, xp, call, score_mod_grad) -> tuple:
 
 
 def flex_attention_backward_(
-    O, Q, K, V, *, checkpoints, scratch=None, score_mod=None, score_mod_grad=None, mask_mod=None,
-    block_mask=None, block_sparse=True, scale=None, input_pos=0, backend=None,
+    O,
+    Q,
+    K,
+    V,
+    *,
+    checkpoints,
+    scratch=None,
+    score_mod=None,
+    score_mod_grad=None,
+    mask_mod=None,
+    block_mask=None,
+    block_sparse=True,
+    scale=None,
+    input_pos=0,
+    backend=None,
 ) -> None:
     """FlexAttention backward, in place: overwrites Q, K, V's shadows; ADDS the mod's gradients.
 
@@ -706,8 +755,21 @@ def allocate_flex_attention_backward_scratch(
 
 
 def flex_attention_backward(
-    do, q, k, v, o, *, checkpoints, score_mod=None, score_mod_grad=None, mask_mod=None,
-    block_mask=None, block_sparse=True, scale=None, input_pos=0, backend=None,
+    do,
+    q,
+    k,
+    v,
+    o,
+    *,
+    checkpoints,
+    score_mod=None,
+    score_mod_grad=None,
+    mask_mod=None,
+    block_mask=None,
+    block_sparse=True,
+    scale=None,
+    input_pos=0,
+    backend=None,
 ):
     """FlexAttention backward into new arrays; see :func:`flex_attention_backward_`.
 

@@ -230,8 +230,15 @@ def _validate_backward(fn, Y, X, W, B, checkpoints, scratch):
     xp = check.namespace(fn, "X.primal", x)
     ck = checkpoints if isinstance(checkpoints, LayerNormCheckpoints) else (None, None)
     arrays = {
-        "X.primal": x, "Y.shadow": dy, "X.shadow": dx, "W": w, "W.shadow": dw, "B": b, "B.shadow": db,
-        "checkpoints.mean": ck[0], "checkpoints.rstd": ck[1],
+        "X.primal": x,
+        "Y.shadow": dy,
+        "X.shadow": dx,
+        "W": w,
+        "W.shadow": dw,
+        "B": b,
+        "B.shadow": db,
+        "checkpoints.mean": ck[0],
+        "checkpoints.rstd": ck[1],
     }
     check.same_namespace(fn, xp, arrays)
     check.min_rank(fn, "X.primal", x, 1, "(..., M)")
@@ -264,17 +271,30 @@ def _validate_backward(fn, Y, X, W, B, checkpoints, scratch):
         if db is not None:
             db_partial = scratch.db_partial
             _partial(fn, "scratch.db_partial", xp, db_partial, x)
-        if dw_partial is not None and db_partial is not None and dw_partial.shape != db_partial.shape:
+        if (
+            dw_partial is not None
+            and db_partial is not None
+            and dw_partial.shape != db_partial.shape
+        ):
             raise ValueError(
                 f"{fn}: scratch.db_partial must have the shape of scratch.dw_partial "
                 f"{tuple(dw_partial.shape)}, got {tuple(db_partial.shape)}"
             )
     outputs = {
-        "X.shadow": dx, "W.shadow": dw, "B.shadow": db,
-        "scratch.dw_partial": dw_partial, "scratch.db_partial": db_partial,
+        "X.shadow": dx,
+        "W.shadow": dw,
+        "B.shadow": db,
+        "scratch.dw_partial": dw_partial,
+        "scratch.db_partial": db_partial,
     }
     check.writable(fn, outputs)
-    inputs = {"X.primal": x, "W": w, "Y.shadow": dy, "checkpoints.mean": mean, "checkpoints.rstd": rstd}
+    inputs = {
+        "X.primal": x,
+        "W": w,
+        "Y.shadow": dy,
+        "checkpoints.mean": mean,
+        "checkpoints.rstd": rstd,
+    }
     check.no_overlap(fn, outputs, inputs, may_alias=[("X.shadow", "Y.shadow")])
     check_forward(fn, checkpoints, "layer_norm_", _recorded(w))
     return x, w, b, dy, dx, dw, db, mean, rstd, dw_partial, db_partial
@@ -327,8 +347,15 @@ def layer_norm_backward_(Y, X, W=None, B=None, *, checkpoints, scratch=None, bac
         fn, Y, X, W, B, checkpoints, scratch
     )
     arrays = {
-        "X.primal": x, "Y.shadow": dy, "X.shadow": dx, "W": w, "W.shadow": dw, "B": b, "B.shadow": db,
-        "checkpoints.mean": mean, "checkpoints.rstd": rstd,
+        "X.primal": x,
+        "Y.shadow": dy,
+        "X.shadow": dx,
+        "W": w,
+        "W.shadow": dw,
+        "B": b,
+        "B.shadow": db,
+        "checkpoints.mean": mean,
+        "checkpoints.rstd": rstd,
     }
     route = resolve("layer_norm", arrays, backend=backend)
     if dw is not None and dw_partial is None:
@@ -339,7 +366,14 @@ def layer_norm_backward_(Y, X, W=None, B=None, *, checkpoints, scratch=None, bac
     for k, (first, (dyv, xv, dxv)) in enumerate(row_groups([dy, x, dx], m)):
         stop = first + xv.shape[0]
         route.impl.backward(
-            dyv, xv, w, mean[first:stop], rstd[first:stop], dxv, dw_partial, db_partial,
+            dyv,
+            xv,
+            w,
+            mean[first:stop],
+            rstd[first:stop],
+            dxv,
+            dw_partial,
+            db_partial,
             accumulate=k > 0,
         )
     if dw is not None:

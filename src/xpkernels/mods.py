@@ -1459,7 +1459,12 @@ class _Mod:
         """Trace this mod's function with the symbolic ``inputs``; returns its result."""
         captured = {
             name: CapturedArray(
-                tracer, path, name, f"{self.label}.{name}", a, self._kinds[name],
+                tracer,
+                path,
+                name,
+                f"{self.label}.{name}",
+                a,
+                self._kinds[name],
                 self._bounds.get(name),
             )
             for name, a in self.arrays.items()
@@ -2307,8 +2312,10 @@ def positions_of(fn: str, input_pos, n_q: int = 1) -> tuple[int, ...]:
         raise TypeError(f"{fn}: input_pos must be {kinds}, got {input_pos!r}")
     elif isinstance(input_pos, (list, tuple)):
         if not all(isinstance(_scalar(x), int) and not isinstance(x, bool) for x in input_pos):
-            raise TypeError(f"{fn}: input_pos must be {kinds}, got a {type(input_pos).__name__} "
-                            "holding other values than ints")
+            raise TypeError(
+                f"{fn}: input_pos must be {kinds}, got a {type(input_pos).__name__} "
+                "holding other values than ints"
+            )
         values = tuple(int(x) for x in input_pos)
     else:
         if not array_api_compat.is_array_api_obj(input_pos):

@@ -71,7 +71,11 @@ class BackendError(RuntimeError):
 
 #: The backend packages, in listing order; each declares ``BACKEND`` (a
 #: ``protocol.Backend``) in its ``__init__`` and imports nothing heavy there.
-BACKEND_PACKAGES = ("xpkernels.backends.array_api", "xpkernels.backends.triton", "xpkernels.backends.cupy")
+BACKEND_PACKAGES = (
+    "xpkernels.backends.array_api",
+    "xpkernels.backends.triton",
+    "xpkernels.backends.cupy",
+)
 #: The backend every automatic route ends at when no preferred one can serve it.
 FALLBACK = "array_api"
 
@@ -81,7 +85,9 @@ BACKENDS: tuple[Backend, ...] = tuple(importlib.import_module(p).BACKEND for p i
 PREFERRED: dict[tuple[str, str], str] = {("torch", "cuda"): "triton", ("cupy", "cuda"): "cupy"}
 
 _BY_NAME = {b.name: b for b in BACKENDS}
-_CHOICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("xpkernels_backend", default=None)
+_CHOICE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "xpkernels_backend", default=None
+)
 _WARNED: set[tuple[str, str, str]] = set()
 
 
@@ -175,7 +181,9 @@ def backends() -> list[BackendInfo]:
     rows = []
     for b in BACKENDS:
         support = b.availability()
-        rows.append(BackendInfo(b.name, support.ok, support.reason, b.namespaces, b.devices, tuple(b.ops)))
+        rows.append(
+            BackendInfo(b.name, support.ok, support.reason, b.namespaces, b.devices, tuple(b.ops))
+        )
     return rows
 
 
@@ -266,7 +274,9 @@ def resolve(
     if chosen is not None:
         spec = _BY_NAME.get(chosen)
         if spec is None:
-            raise BackendError(f"{op}: unknown backend {chosen!r} (from {source}); known: {', '.join(_BY_NAME)}")
+            raise BackendError(
+                f"{op}: unknown backend {chosen!r} (from {source}); known: {', '.join(_BY_NAME)}"
+            )
         support = spec.supports(op, call)
         if not support:
             raise BackendError(

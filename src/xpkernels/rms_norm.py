@@ -64,7 +64,9 @@ class RMSNormCheckpoints(_RMSNormCheckpointArrays, Checkpoints):
 class RMSNormBackwardScratch(NamedTuple):
     """Transient workspace of ``rms_norm_backward_``."""
 
-    dw_partial: object  #: ``(P, M)`` float32 (float64 for float64 x), partial sums of ``dy * x_hat``
+    dw_partial: (
+        object  #: ``(P, M)`` float32 (float64 for float64 x), partial sums of ``dy * x_hat``
+    )
 
 
 def _weight(fn, name, xp, w, m, offset):
@@ -96,7 +98,9 @@ def _validate_forward(fn, y, x, w, eps, offset, checkpoints):
     if checkpoints is not None:
         rstd = _checkpoint_rstd(fn, xp, checkpoints, x)
     check.writable(fn, {"y": y, "checkpoints.rstd": rstd})
-    check.no_overlap(fn, {"y": y, "checkpoints.rstd": rstd}, {"x": x, "w": w}, may_alias=[("y", "x")])
+    check.no_overlap(
+        fn, {"y": y, "checkpoints.rstd": rstd}, {"x": x, "w": w}, may_alias=[("y", "x")]
+    )
     return xp, eps, offset, rstd
 
 
@@ -203,7 +207,9 @@ def _validate_backward(fn, Y, X, W, checkpoints, scratch, offset):
     x, w, dy, dx = X.primal, primal(W), Y.shadow, X.shadow
     xp = check.namespace(fn, "X.primal", x)
     dw = W.shadow if isinstance(W, Duplicated) else None
-    check.same_namespace(fn, xp, {"X.primal": x, "W": w, "Y.shadow": dy, "X.shadow": dx, "W.shadow": dw})
+    check.same_namespace(
+        fn, xp, {"X.primal": x, "W": w, "Y.shadow": dy, "X.shadow": dx, "W.shadow": dw}
+    )
     check.min_rank(fn, "X.primal", x, 1, "(..., M)")
     check.floating(fn, "X.primal", xp, x)
     m = x.shape[-1]
@@ -240,14 +246,18 @@ def _validate_backward(fn, Y, X, W, checkpoints, scratch, offset):
     outputs = {"X.shadow": dx, "W.shadow": dw, "scratch.dw_partial": dw_partial}
     check.writable(fn, outputs)
     check.no_overlap(
-        fn, outputs, {"X.primal": x, "W": w, "Y.shadow": dy, "checkpoints.rstd": rstd},
+        fn,
+        outputs,
+        {"X.primal": x, "W": w, "Y.shadow": dy, "checkpoints.rstd": rstd},
         may_alias=[("X.shadow", "Y.shadow")],
     )
     check_forward(fn, checkpoints, "rms_norm_", _recorded(w, offset))
     return x, w, dy, dx, dw, rstd, dw_partial, offset
 
 
-def rms_norm_backward_(Y, X, W=None, *, checkpoints, scratch=None, offset=0.0, backend=None) -> None:
+def rms_norm_backward_(
+    Y, X, W=None, *, checkpoints, scratch=None, offset=0.0, backend=None
+) -> None:
     """RMSNorm backward, in place: overwrites ``shadow(X)`` and, if W is Duplicated, ``shadow(W)``.
 
     Parameters
@@ -293,9 +303,7 @@ def rms_norm_backward_(Y, X, W=None, *, checkpoints, scratch=None, offset=0.0, b
     groups = row_groups([dy, x, dx], m)
     for k, (first, (dyv, xv, dxv)) in enumerate(groups):
         rv = rstd[first : first + xv.shape[0]]
-        route.impl.backward(
-            dyv, xv, w, rv, dxv, dw_partial, offset=offset, accumulate=k > 0
-        )
+        route.impl.backward(dyv, xv, w, rv, dxv, dw_partial, offset=offset, accumulate=k > 0)
     if dw is not None:
         route.hook("reduce_partials")(dw_partial, dw)
 
@@ -306,7 +314,9 @@ def _alloc_dw_partial(route, x):
 
 
 @scratchspace_for(rms_norm_backward_)
-def allocate_rms_norm_backward_scratch(Y, X, W=None, *, backend=None, **options) -> RMSNormBackwardScratch:
+def allocate_rms_norm_backward_scratch(
+    Y, X, W=None, *, backend=None, **options
+) -> RMSNormBackwardScratch:
     """Allocate ``rms_norm_backward_``'s scratch: ``dw_partial (P, M)``, P chosen by the backend."""
     x, w = primal(X), primal(W)
     fn = "allocate_scratchspace(rms_norm_backward_)"

@@ -153,7 +153,9 @@ def compare(
         ``ours`` (its ratio is its median over that of ``theirs``), then ``theirs``.
     """
     baseline = None if theirs is None else f"{op}/{pass_}/{theirs[0]}"
-    benches = [Bench(Row(op, pass_, ours[0], shape, unit, work, formula, baseline), ours[1], repeats)]
+    benches = [
+        Bench(Row(op, pass_, ours[0], shape, unit, work, formula, baseline), ours[1], repeats)
+    ]
     if theirs is not None:
         benches.append(
             Bench(Row(op, pass_, theirs[0], shape, unit, work, formula), theirs[1], repeats)
@@ -231,7 +233,15 @@ def _row_benches(op: str, shape, arrays: _Arrays, repeats: int, with_torch: bool
         ours = ("xpkernels", _xpk_row_setup(op, pass_, arrays, x_np, dy_np, w_np, b_np))
         theirs = ("torch", _torch_row_setup(op, pass_, x_np, dy_np, w_np, b_np))
         benches += compare(
-            op, pass_, shape_text, "GB/s", work, formula, repeats, ours, theirs if with_torch else None
+            op,
+            pass_,
+            shape_text,
+            "GB/s",
+            work,
+            formula,
+            repeats,
+            ours,
+            theirs if with_torch else None,
         )
     return benches
 
@@ -317,7 +327,10 @@ def _attention_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -
         for pass_ in ("forward", "backward"):
             work = _attention_flops(b, h, s, s, d, causal, pass_)
             formula = _attention_formula(pass_, causal, where)
-            ours = ("xpkernels", _xpk_attention_setup(arrays, q_np, k_np, v_np, do_np, causal, pass_))
+            ours = (
+                "xpkernels",
+                _xpk_attention_setup(arrays, q_np, k_np, v_np, do_np, causal, pass_),
+            )
             theirs = ("torch", _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_))
             benches += compare(
                 op,
@@ -442,7 +455,10 @@ def _flex_benches(shape, attention_shape, arrays: _Arrays, repeats: int) -> list
     shape_text = f"{b}x{h}x{s}x{d}"
     rng = np.random.default_rng(4)
     inputs = [rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4)]
-    masks: tuple[tuple[str, int | None], ...] = (("flex causal mask", None), (f"flex window {w}", w))
+    masks: tuple[tuple[str, int | None], ...] = (
+        ("flex causal mask", None),
+        (f"flex window {w}", w),
+    )
     for label, window in masks:
         mask = "causal" if window is None else window
         pairs = _kept_pairs(s, window)
@@ -691,7 +707,9 @@ def _percent(fraction: float) -> str:
     return f"{100 * fraction:.0f}%"
 
 
-def _print_table(rows: list[Row], library: str, groups: list[list[Row]], skipped: list[str]) -> None:
+def _print_table(
+    rows: list[Row], library: str, groups: list[list[Row]], skipped: list[str]
+) -> None:
     header = (
         "primitive",
         "pass",

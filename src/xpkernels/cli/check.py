@@ -65,7 +65,11 @@ def check_one(spec: OpSpec, case: Case, target: Target) -> Row:
         except BackendError as exc:
             row.skipped = str(exc).split(": ", 2)[-1]
             return row
-        cot, cot_exact = ({}, {}) if spec.backward is None else harness.cotangents(spec, case, rng, target, DTYPE)
+        cot, cot_exact = (
+            ({}, {})
+            if spec.backward is None
+            else harness.cotangents(spec, case, rng, target, DTYPE)
+        )
         allowed = tolerances.allowed(spec, case, exact, cot_exact, DTYPE)
         expected = tolerances.references(spec, case, exact, cot_exact)
 
@@ -78,7 +82,10 @@ def check_one(spec: OpSpec, case: Case, target: Target) -> Row:
             grads = harness.nan_grads(spec, arrays, target)
             spec.backward.inplace(case, arrays, outs, cot, grads, ck, target.backend)
             got.update({("backward", n): grads[n] for n in spec.grad_names})
-        measured = {key: (max_error(target.to_numpy(a), expected[key]), allowed[key]) for key, a in got.items()}
+        measured = {
+            key: (max_error(target.to_numpy(a), expected[key]), allowed[key])
+            for key, a in got.items()
+        }
         row.forward = _worst([r for (pass_, _), r in measured.items() if pass_ != "backward"])
         backward = [r for (pass_, _), r in measured.items() if pass_ == "backward"]
         row.backward = _worst(backward) if backward else None
@@ -114,11 +121,22 @@ def run(ops=None, verbose=False) -> int:
                 with target.context():
                     row = check_one(spec, case, target)
                 if row.skipped:
-                    skipped.append(f"{target.backend} on {target.label}, {spec.name}: {row.skipped}")
+                    skipped.append(
+                        f"{target.backend} on {target.label}, {spec.name}: {row.skipped}"
+                    )
                 else:
                     rows.append(row)
 
-    header = ("primitive", "case", "backend", "arrays", "forward", "backward", "tolerance", "result")
+    header = (
+        "primitive",
+        "case",
+        "backend",
+        "arrays",
+        "forward",
+        "backward",
+        "tolerance",
+        "result",
+    )
     table = [header]
     for row in rows:
         tol = _fmt(row.forward, 1) + ("" if row.backward is None else f" / {_fmt(row.backward, 1)}")
@@ -147,8 +165,10 @@ def run(ops=None, verbose=False) -> int:
             if verbose:
                 print(row.details)
         elif row.failures:
-            print(f"\n{row.op} on {row.target.backend} / {row.target.label}: beyond tolerance: "
-                  + ", ".join(row.failures))
+            print(
+                f"\n{row.op} on {row.target.backend} / {row.target.label}: beyond tolerance: "
+                + ", ".join(row.failures)
+            )
     if skipped:
         print("\nnot checked here:")
         for reason in skipped:

@@ -88,8 +88,9 @@ class TorchLM(nn.Module):
         Of the parameters.
     """
 
-    def __init__(self, cfg: Config, vocab: int, *, reference=False, backend=None, dtype=None,
-                 device=None):
+    def __init__(
+        self, cfg: Config, vocab: int, *, reference=False, backend=None, dtype=None, device=None
+    ):
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.reference, self.backend = reference, backend
@@ -99,7 +100,8 @@ class TorchLM(nn.Module):
             _Block(cfg, reference, backend, dtype, device) for _ in range(cfg.layers)
         )
         self.norm_f = (
-            _TorchOps.norm(cfg.dim, dtype, device) if reference
+            _TorchOps.norm(cfg.dim, dtype, device)
+            if reference
             else xnn.RMSNorm(cfg.dim, eps=_EPS, backend=backend, **factory)
         )
         self.head = nn.Linear(cfg.dim, vocab, bias=False, **factory)
@@ -190,7 +192,9 @@ def train(steps=300, device="cpu", backend=None, seed=0, cfg: Config = Config(),
     batch = _batch(data, cfg, rng)
     check_backend = "array_api" if backend == "triton" else backend
     error, where = gradient_check(params64, cfg, len(vocab), batch, check_backend, device)
-    verdict = "OK" if error <= GRADIENT_TOLERANCE else f"FAILED (tolerance {GRADIENT_TOLERANCE:.0e})"
+    verdict = (
+        "OK" if error <= GRADIENT_TOLERANCE else f"FAILED (tolerance {GRADIENT_TOLERANCE:.0e})"
+    )
     log(
         "step 0 gradient check (float64, vs the same model on F.rms_norm / SDPA / torch.softmax): "
         f"largest relative error {error:.1e} ({where}) {verdict}"

@@ -129,7 +129,9 @@ class Target:
         if self.emulated:
             cxx = os.environ.get("XPKERNELS_CUDACPU_CXX", "g++")
             if shutil.which(cxx) is None:
-                return f"the CUDA-C-on-CPU harness needs the C++ compiler {cxx!r}, which is not found"
+                return (
+                    f"the CUDA-C-on-CPU harness needs the C++ compiler {cxx!r}, which is not found"
+                )
         return None
 
     def dtypes(self, op: str) -> tuple[str, ...]:
@@ -218,7 +220,9 @@ def _candidate_targets() -> list[Target]:
                     continue
                 target = Target(b.name, ns, dev)
                 if target.emulated:
-                    targets.extend(Target(b.name, ns, dev, schedule) for schedule in EMULATED_SCHEDULES)
+                    targets.extend(
+                        Target(b.name, ns, dev, schedule) for schedule in EMULATED_SCHEDULES
+                    )
                 else:
                     targets.append(target)
     return targets

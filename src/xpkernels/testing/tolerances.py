@@ -88,7 +88,9 @@ def straightforward(spec: OpSpec, case: Case, inputs: dict, cotangents: dict, dt
         low = _in_dtype(inputs, dtype)
         outs, ck = spec.reference(case, low)
         results = {("forward", n): _as_result(outs[n], dtype) for n in spec.outputs}
-        results.update({("checkpoints", n): _as_result(ck[n], dtype) for n in spec.checkpoint_names})
+        results.update(
+            {("checkpoints", n): _as_result(ck[n], dtype) for n in spec.checkpoint_names}
+        )
         if spec.backward is not None:
             grads = spec.backward.reference(case, low, _in_dtype(cotangents, dtype))
             results.update({("backward", n): _as_result(grads[n], dtype) for n in spec.grad_names})

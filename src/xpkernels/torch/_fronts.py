@@ -93,8 +93,16 @@ def _attention(fn, arrays, options):
     q, k, v = (primal(arrays[n]) for n in ("q", "k", "v"))
     input_pos, input_pos_array = _positions(fn, options["input_pos"])
     o, _, _ = ops.attention(
-        q, k, v, bool(options["causal"]), _scale(fn, options["scale"]), input_pos,
-        input_pos_array, options["q_lengths"], options["k_lengths"], _backend(options),
+        q,
+        k,
+        v,
+        bool(options["causal"]),
+        _scale(fn, options["scale"]),
+        input_pos,
+        input_pos_array,
+        options["q_lengths"],
+        options["k_lengths"],
+        _backend(options),
     )
     return o
 
@@ -108,8 +116,13 @@ def _decode_attention(fn, arrays, options):
     q, k_cache, v_cache = (primal(arrays[n]) for n in ("q", "k_cache", "v_cache"))
     n_splits = options["n_splits"]
     return ops.decode_attention(
-        q, k_cache, v_cache, arrays["lengths"], _scale(fn, options["scale"]),
-        None if n_splits is None else operator.index(n_splits), _backend(options),
+        q,
+        k_cache,
+        v_cache,
+        arrays["lengths"],
+        _scale(fn, options["scale"]),
+        None if n_splits is None else operator.index(n_splits),
+        _backend(options),
     )
 
 
@@ -136,7 +149,14 @@ def _flex_attention(fn, arrays, options):
         score_arrays = mods.arrays()
     input_pos, input_pos_array = _positions(fn, options["input_pos"])
     o, _, _ = ops.flex_attention(
-        q, k, v, score_arrays, key, _scale(fn, options["scale"]), input_pos, input_pos_array,
+        q,
+        k,
+        v,
+        score_arrays,
+        key,
+        _scale(fn, options["scale"]),
+        input_pos,
+        input_pos_array,
         _backend(options),
     )
     return o

@@ -112,7 +112,12 @@ def _input_pos(input_pos: int, input_pos_array: Tensor | None):
 
 @torch.library.custom_op(_name("rms_norm_"), mutates_args=("y", "rstd"))
 def rms_norm_out(
-    y: Tensor, x: Tensor, w: Tensor | None, rstd: Tensor | None, eps: float, offset: float,
+    y: Tensor,
+    x: Tensor,
+    w: Tensor | None,
+    rstd: Tensor | None,
+    eps: float,
+    offset: float,
     backend: str | None,
 ) -> None:
     """``rms_norm_`` into ``y`` (and ``rstd`` when given)."""
@@ -145,17 +150,28 @@ def _(x, w, eps, offset, backend):
 
 @torch.library.custom_op(_name("rms_norm_backward_"), mutates_args=("dx", "dw", "dw_partial"))
 def rms_norm_backward_out(
-    dy: Tensor, x: Tensor, w: Tensor | None, rstd: Tensor, dx: Tensor, dw: Tensor | None,
-    dw_partial: Tensor | None, offset: float, backend: str | None,
+    dy: Tensor,
+    x: Tensor,
+    w: Tensor | None,
+    rstd: Tensor,
+    dx: Tensor,
+    dw: Tensor | None,
+    dw_partial: Tensor | None,
+    offset: float,
+    backend: str | None,
 ) -> None:
     """``rms_norm_backward_``: ``dx`` (and ``dw`` when given, reduced through ``dw_partial``)."""
     with torch.no_grad():
         W = w if dw is None else Duplicated(w, dw)
         scratch = None if dw_partial is None else RMSNormBackwardScratch(dw_partial=dw_partial)
         rms_norm_backward_(
-            Duplicated(dy, dy), Duplicated(x, dx), W,
+            Duplicated(dy, dy),
+            Duplicated(x, dx),
+            W,
             checkpoints=_written(RMSNormCheckpoints(rstd=rstd), "rms_norm_"),
-            scratch=scratch, offset=offset, backend=backend,
+            scratch=scratch,
+            offset=offset,
+            backend=backend,
         )
 
 
@@ -166,7 +182,12 @@ def _(dy, x, w, rstd, dx, dw, dw_partial, offset, backend):
 
 @torch.library.custom_op(_name("rms_norm_backward"), mutates_args=())
 def rms_norm_backward(
-    dy: Tensor, x: Tensor, w: Tensor | None, rstd: Tensor, offset: float, need_dw: bool,
+    dy: Tensor,
+    x: Tensor,
+    w: Tensor | None,
+    rstd: Tensor,
+    offset: float,
+    need_dw: bool,
     backend: str | None,
 ) -> tuple[Tensor, Tensor]:
     """RMSNorm backward: ``(dx, dw)``; ``dw`` is empty unless ``need_dw`` and ``w`` is given."""
@@ -176,9 +197,12 @@ def rms_norm_backward(
         dw = torch.empty_like(w) if want and w is not None else x.new_empty((0,))
         W = Duplicated(w, dw) if want else w
         rms_norm_backward_(
-            Duplicated(dy, dy), Duplicated(x, dx), W,
+            Duplicated(dy, dy),
+            Duplicated(x, dx),
+            W,
             checkpoints=_written(RMSNormCheckpoints(rstd=rstd), "rms_norm_"),
-            offset=offset, backend=backend,
+            offset=offset,
+            backend=backend,
         )
     return dx, dw
 
@@ -213,8 +237,14 @@ rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
 
 @torch.library.custom_op(_name("layer_norm_"), mutates_args=("y", "mean", "rstd"))
 def layer_norm_out(
-    y: Tensor, x: Tensor, w: Tensor | None, b: Tensor | None, mean: Tensor | None,
-    rstd: Tensor | None, eps: float, backend: str | None,
+    y: Tensor,
+    x: Tensor,
+    w: Tensor | None,
+    b: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor | None,
+    eps: float,
+    backend: str | None,
 ) -> None:
     """``layer_norm_`` into ``y`` (and ``mean``, ``rstd`` when given, both or neither)."""
     with torch.no_grad():
@@ -253,9 +283,18 @@ def _(x, w, b, eps, backend):
     _name("layer_norm_backward_"), mutates_args=("dx", "dw", "db", "dw_partial", "db_partial")
 )
 def layer_norm_backward_out(
-    dy: Tensor, x: Tensor, w: Tensor | None, b: Tensor | None, mean: Tensor, rstd: Tensor,
-    dx: Tensor, dw: Tensor | None, db: Tensor | None, dw_partial: Tensor | None,
-    db_partial: Tensor | None, backend: str | None,
+    dy: Tensor,
+    x: Tensor,
+    w: Tensor | None,
+    b: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    dx: Tensor,
+    dw: Tensor | None,
+    db: Tensor | None,
+    dw_partial: Tensor | None,
+    db_partial: Tensor | None,
+    backend: str | None,
 ) -> None:
     """``layer_norm_backward_``: ``dx`` and, when given, ``dw`` / ``db`` (through the partials)."""
     from ..layer_norm import LayerNormBackwardScratch
@@ -267,7 +306,10 @@ def layer_norm_backward_out(
         if dw_partial is not None or db_partial is not None:
             scratch = LayerNormBackwardScratch(dw_partial=dw_partial, db_partial=db_partial)
         layer_norm_backward_(
-            Duplicated(dy, dy), Duplicated(x, dx), W, B,
+            Duplicated(dy, dy),
+            Duplicated(x, dx),
+            W,
+            B,
             checkpoints=_written(LayerNormCheckpoints(mean=mean, rstd=rstd), "layer_norm_"),
             scratch=scratch,
             backend=backend,
@@ -281,8 +323,15 @@ def _(dy, x, w, b, mean, rstd, dx, dw, db, dw_partial, db_partial, backend):
 
 @torch.library.custom_op(_name("layer_norm_backward"), mutates_args=())
 def layer_norm_backward(
-    dy: Tensor, x: Tensor, w: Tensor | None, b: Tensor | None, mean: Tensor, rstd: Tensor,
-    need_dw: bool, need_db: bool, backend: str | None,
+    dy: Tensor,
+    x: Tensor,
+    w: Tensor | None,
+    b: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    need_dw: bool,
+    need_db: bool,
+    backend: str | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """LayerNorm backward: ``(dx, dw, db)``; ``dw`` / ``db`` are empty unless asked for."""
     with torch.no_grad():
@@ -291,7 +340,9 @@ def layer_norm_backward(
         dw = torch.empty_like(w) if want_w and w is not None else x.new_empty((0,))
         db = torch.empty_like(b) if want_b and b is not None else x.new_empty((0,))
         layer_norm_backward_(
-            Duplicated(dy, dy), Duplicated(x, dx), Duplicated(w, dw) if want_w else w,
+            Duplicated(dy, dy),
+            Duplicated(x, dx),
+            Duplicated(w, dw) if want_w else w,
             Duplicated(b, db) if want_b else b,
             checkpoints=_written(LayerNormCheckpoints(mean=mean, rstd=rstd), "layer_norm_"),
             backend=backend,
@@ -411,17 +462,35 @@ def _attention_rows(q: Tensor, v: Tensor):
 
 @torch.library.custom_op(_name("attention_"), mutates_args=("o", "m", "l"))
 def attention_out(
-    o: Tensor, q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, l: Tensor | None,
-    causal: bool, scale: float | None, input_pos: int, input_pos_array: Tensor | None,
-    q_lengths: Tensor | None, k_lengths: Tensor | None, backend: str | None,
+    o: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    m: Tensor | None,
+    l: Tensor | None,
+    causal: bool,
+    scale: float | None,
+    input_pos: int,
+    input_pos_array: Tensor | None,
+    q_lengths: Tensor | None,
+    k_lengths: Tensor | None,
+    backend: str | None,
 ) -> None:
     """``attention_`` into ``o`` (and the checkpoints ``m``, ``l`` when given, both or neither)."""
     with torch.no_grad():
         checkpoints = None if m is None else AttentionCheckpoints(m=m, l=l)
         attention_(
-            o, q, k, v, causal=causal, scale=scale,
-            input_pos=_input_pos(input_pos, input_pos_array), q_lengths=q_lengths,
-            k_lengths=k_lengths, checkpoints=checkpoints, backend=backend,
+            o,
+            q,
+            k,
+            v,
+            causal=causal,
+            scale=scale,
+            input_pos=_input_pos(input_pos, input_pos_array),
+            q_lengths=q_lengths,
+            k_lengths=k_lengths,
+            checkpoints=checkpoints,
+            backend=backend,
         )
 
 
@@ -432,8 +501,15 @@ def _(o, q, k, v, m, l, causal, scale, input_pos, input_pos_array, q_lengths, k_
 
 @torch.library.custom_op(_name("attention"), mutates_args=())
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, input_pos: int,
-    input_pos_array: Tensor | None, q_lengths: Tensor | None, k_lengths: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    scale: float | None,
+    input_pos: int,
+    input_pos_array: Tensor | None,
+    q_lengths: Tensor | None,
+    k_lengths: Tensor | None,
     backend: str | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention forward: ``(o, m, l)``."""
@@ -441,9 +517,17 @@ def attention(
         o, _ = _attention_rows(q, v)
         checkpoints = allocate_checkpoints(attention_, q, k, v)
         attention_(
-            o, q, k, v, causal=causal, scale=scale,
-            input_pos=_input_pos(input_pos, input_pos_array), q_lengths=q_lengths,
-            k_lengths=k_lengths, checkpoints=checkpoints, backend=backend,
+            o,
+            q,
+            k,
+            v,
+            causal=causal,
+            scale=scale,
+            input_pos=_input_pos(input_pos, input_pos_array),
+            q_lengths=q_lengths,
+            k_lengths=k_lengths,
+            checkpoints=checkpoints,
+            backend=backend,
         )
     return o, checkpoints.m, checkpoints.l
 
@@ -458,10 +542,25 @@ def _(q, k, v, causal, scale, input_pos, input_pos_array, q_lengths, k_lengths, 
     _name("attention_backward_"), mutates_args=("dq", "dk", "dv", "delta", "dq_accum")
 )
 def attention_backward_out(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, m: Tensor, l: Tensor,
-    dq: Tensor, dk: Tensor, dv: Tensor, delta: Tensor | None, dq_accum: Tensor | None,
-    causal: bool, scale: float | None, input_pos: int, input_pos_array: Tensor | None,
-    q_lengths: Tensor | None, k_lengths: Tensor | None, backend: str | None,
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    m: Tensor,
+    l: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    delta: Tensor | None,
+    dq_accum: Tensor | None,
+    causal: bool,
+    scale: float | None,
+    input_pos: int,
+    input_pos_array: Tensor | None,
+    q_lengths: Tensor | None,
+    k_lengths: Tensor | None,
+    backend: str | None,
 ) -> None:
     """``attention_backward_`` into ``dq``, ``dk``, ``dv`` (scratch ``delta``, ``dq_accum`` optional)."""
     from ..attention import AttentionBackwardScratch
@@ -471,42 +570,86 @@ def attention_backward_out(
         if delta is not None:
             scratch = AttentionBackwardScratch(delta=delta, dq_accum=dq_accum)
         attention_backward_(
-            Duplicated(o, do), Duplicated(q, dq), Duplicated(k, dk), Duplicated(v, dv),
-            checkpoints=_written(AttentionCheckpoints(m=m, l=l), "attention_"), scratch=scratch,
+            Duplicated(o, do),
+            Duplicated(q, dq),
+            Duplicated(k, dk),
+            Duplicated(v, dv),
+            checkpoints=_written(AttentionCheckpoints(m=m, l=l), "attention_"),
+            scratch=scratch,
             causal=causal,
-            scale=scale, input_pos=_input_pos(input_pos, input_pos_array),
-            q_lengths=q_lengths, k_lengths=k_lengths, backend=backend,
+            scale=scale,
+            input_pos=_input_pos(input_pos, input_pos_array),
+            q_lengths=q_lengths,
+            k_lengths=k_lengths,
+            backend=backend,
         )
 
 
 @attention_backward_out.register_fake
-def _(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, causal, scale, input_pos,
-      input_pos_array, q_lengths, k_lengths, backend):
+def _(
+    do,
+    q,
+    k,
+    v,
+    o,
+    m,
+    l,
+    dq,
+    dk,
+    dv,
+    delta,
+    dq_accum,
+    causal,
+    scale,
+    input_pos,
+    input_pos_array,
+    q_lengths,
+    k_lengths,
+    backend,
+):
     return None
 
 
 @torch.library.custom_op(_name("attention_backward"), mutates_args=())
 def attention_backward(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, m: Tensor, l: Tensor,
-    causal: bool, scale: float | None, input_pos: int, input_pos_array: Tensor | None,
-    q_lengths: Tensor | None, k_lengths: Tensor | None, backend: str | None,
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    m: Tensor,
+    l: Tensor,
+    causal: bool,
+    scale: float | None,
+    input_pos: int,
+    input_pos_array: Tensor | None,
+    q_lengths: Tensor | None,
+    k_lengths: Tensor | None,
+    backend: str | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention backward: ``(dq, dk, dv)``."""
     with torch.no_grad():
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         attention_backward_(
-            Duplicated(o, do), Duplicated(q, dq), Duplicated(k, dk), Duplicated(v, dv),
-            checkpoints=_written(AttentionCheckpoints(m=m, l=l), "attention_"), causal=causal,
+            Duplicated(o, do),
+            Duplicated(q, dq),
+            Duplicated(k, dk),
+            Duplicated(v, dv),
+            checkpoints=_written(AttentionCheckpoints(m=m, l=l), "attention_"),
+            causal=causal,
             scale=scale,
-            input_pos=_input_pos(input_pos, input_pos_array), q_lengths=q_lengths,
-            k_lengths=k_lengths, backend=backend,
+            input_pos=_input_pos(input_pos, input_pos_array),
+            q_lengths=q_lengths,
+            k_lengths=k_lengths,
+            backend=backend,
         )
     return dq, dk, dv
 
 
 @attention_backward.register_fake
-def _(do, q, k, v, o, m, l, causal, scale, input_pos, input_pos_array, q_lengths, k_lengths,
-      backend):
+def _(
+    do, q, k, v, o, m, l, causal, scale, input_pos, input_pos_array, q_lengths, k_lengths, backend
+):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -521,8 +664,20 @@ def _attention_grad(ctx, do, _dm, _dl):
     q, k, v, o, m, l, input_pos_array, q_lengths, k_lengths = ctx.saved_tensors
     causal, scale, input_pos, backend = ctx.options
     dq, dk, dv = torch.ops.xpkernels.attention_backward(
-        _last_axis_contiguous(do), q, k, v, o, m, l, causal, scale, input_pos, input_pos_array,
-        q_lengths, k_lengths, backend,
+        _last_axis_contiguous(do),
+        q,
+        k,
+        v,
+        o,
+        m,
+        l,
+        causal,
+        scale,
+        input_pos,
+        input_pos_array,
+        q_lengths,
+        k_lengths,
+        backend,
     )
     dq, dk, dv = _no_double_backward("attention", (do, q, k, v), (dq, dk, dv))
     return dq, dk, dv, None, None, None, None, None, None, None
@@ -538,9 +693,17 @@ attention.register_autograd(_attention_grad, setup_context=_attention_setup)
     _name("decode_attention_"), mutates_args=("o", "o_partial", "m_partial", "l_partial")
 )
 def decode_attention_out(
-    o: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor,
-    o_partial: Tensor | None, m_partial: Tensor | None, l_partial: Tensor | None,
-    scale: float | None, n_splits: int | None, backend: str | None,
+    o: Tensor,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    lengths: Tensor,
+    o_partial: Tensor | None,
+    m_partial: Tensor | None,
+    l_partial: Tensor | None,
+    scale: float | None,
+    n_splits: int | None,
+    backend: str | None,
 ) -> None:
     """``decode_attention_`` into ``o`` (through the caller's scratch when given, all three or none)."""
     with torch.no_grad():
@@ -548,7 +711,14 @@ def decode_attention_out(
         if o_partial is not None:
             scratch = DecodeAttentionScratch(o_partial, m_partial, l_partial)
         decode_attention_(
-            o, q, k_cache, v_cache, lengths, scale=scale, scratch=scratch, n_splits=n_splits,
+            o,
+            q,
+            k_cache,
+            v_cache,
+            lengths,
+            scale=scale,
+            scratch=scratch,
+            n_splits=n_splits,
             backend=backend,
         )
 
@@ -560,8 +730,13 @@ def _(o, q, k_cache, v_cache, lengths, o_partial, m_partial, l_partial, scale, n
 
 @torch.library.custom_op(_name("decode_attention"), mutates_args=())
 def decode_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float | None,
-    n_splits: int | None, backend: str | None,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    lengths: Tensor,
+    scale: float | None,
+    n_splits: int | None,
+    backend: str | None,
 ) -> Tensor:
     """Decode attention (forward only): ``o (B, H, Dv)``."""
     with torch.no_grad():
@@ -712,16 +887,31 @@ def flex_mods(key: int) -> FlexMods:
 
 @torch.library.custom_op(_name("flex_attention_"), mutates_args=("o", "m", "l"))
 def flex_attention_out(
-    o: Tensor, q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, l: Tensor | None,
-    score_arrays: list[Tensor], mods: int, scale: float | None, input_pos: int,
-    input_pos_array: Tensor | None, backend: str | None,
+    o: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    m: Tensor | None,
+    l: Tensor | None,
+    score_arrays: list[Tensor],
+    mods: int,
+    scale: float | None,
+    input_pos: int,
+    input_pos_array: Tensor | None,
+    backend: str | None,
 ) -> None:
     """``flex_attention_`` into ``o`` (and ``m``, ``l`` when given), mods filed under ``mods``."""
     with torch.no_grad():
         checkpoints = None if m is None else AttentionCheckpoints(m=m, l=l)
         flex_attention_(
-            o, q, k, v, **flex_mods(mods).options(score_arrays), scale=scale,
-            input_pos=_input_pos(input_pos, input_pos_array), checkpoints=checkpoints,
+            o,
+            q,
+            k,
+            v,
+            **flex_mods(mods).options(score_arrays),
+            scale=scale,
+            input_pos=_input_pos(input_pos, input_pos_array),
+            checkpoints=checkpoints,
             backend=backend,
         )
 
@@ -733,16 +923,29 @@ def _(o, q, k, v, m, l, score_arrays, mods, scale, input_pos, input_pos_array, b
 
 @torch.library.custom_op(_name("flex_attention"), mutates_args=())
 def flex_attention(
-    q: Tensor, k: Tensor, v: Tensor, score_arrays: list[Tensor], mods: int, scale: float | None,
-    input_pos: int, input_pos_array: Tensor | None, backend: str | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    score_arrays: list[Tensor],
+    mods: int,
+    scale: float | None,
+    input_pos: int,
+    input_pos_array: Tensor | None,
+    backend: str | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """FlexAttention forward: ``(o, m, l)``; ``score_arrays`` replace the score mod's float arrays."""
     with torch.no_grad():
         o, _ = _attention_rows(q, v)
         checkpoints = allocate_checkpoints(flex_attention_, q, k, v)
         flex_attention_(
-            o, q, k, v, **flex_mods(mods).options(score_arrays), scale=scale,
-            input_pos=_input_pos(input_pos, input_pos_array), checkpoints=checkpoints,
+            o,
+            q,
+            k,
+            v,
+            **flex_mods(mods).options(score_arrays),
+            scale=scale,
+            input_pos=_input_pos(input_pos, input_pos_array),
+            checkpoints=checkpoints,
             backend=backend,
         )
     return o, checkpoints.m, checkpoints.l
@@ -765,9 +968,22 @@ def _score_grads(mod, arrays):
     _name("flex_attention_backward_"), mutates_args=("dq", "dk", "dv", "score_grads")
 )
 def flex_attention_backward_out(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, m: Tensor, l: Tensor,
-    dq: Tensor, dk: Tensor, dv: Tensor, score_arrays: list[Tensor], score_grads: list[Tensor],
-    mods: int, scale: float | None, input_pos: int, input_pos_array: Tensor | None,
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    m: Tensor,
+    l: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    score_arrays: list[Tensor],
+    score_grads: list[Tensor],
+    mods: int,
+    scale: float | None,
+    input_pos: int,
+    input_pos_array: Tensor | None,
     backend: str | None,
 ) -> None:
     """``flex_attention_backward_``: ``dq``, ``dk``, ``dv``, and the score arrays' gradients.
@@ -776,44 +992,110 @@ def flex_attention_backward_out(
     dtype) are OVERWRITTEN with the gradients, like the other shadows.
     """
     with torch.no_grad():
-        grads = _flex_backward(do, q, k, v, o, m, l, dq, dk, dv, score_arrays, mods, scale,
-                               input_pos, input_pos_array, backend)
+        grads = _flex_backward(
+            do,
+            q,
+            k,
+            v,
+            o,
+            m,
+            l,
+            dq,
+            dk,
+            dv,
+            score_arrays,
+            mods,
+            scale,
+            input_pos,
+            input_pos_array,
+            backend,
+        )
         for out, g in zip(score_grads, grads):
             out.copy_(g)
 
 
 @flex_attention_backward_out.register_fake
-def _(do, q, k, v, o, m, l, dq, dk, dv, score_arrays, score_grads, mods, scale, input_pos,
-      input_pos_array, backend):
+def _(
+    do,
+    q,
+    k,
+    v,
+    o,
+    m,
+    l,
+    dq,
+    dk,
+    dv,
+    score_arrays,
+    score_grads,
+    mods,
+    scale,
+    input_pos,
+    input_pos_array,
+    backend,
+):
     return None
 
 
-def _flex_backward(do, q, k, v, o, m, l, dq, dk, dv, score_arrays, mods, scale, input_pos,
-                   input_pos_array, backend):
+def _flex_backward(
+    do, q, k, v, o, m, l, dq, dk, dv, score_arrays, mods, scale, input_pos, input_pos_array, backend
+):
     options = flex_mods(mods).options(score_arrays)
     tree = accumulators = None
     if score_arrays:
         tree, accumulators = _score_grads(options["score_mod"], score_arrays)
     flex_attention_backward_(
-        Duplicated(o, do), Duplicated(q, dq), Duplicated(k, dk), Duplicated(v, dv),
+        Duplicated(o, do),
+        Duplicated(q, dq),
+        Duplicated(k, dk),
+        Duplicated(v, dv),
         checkpoints=_written(AttentionCheckpoints(m=m, l=l), "flex_attention_"),
-        score_mod_grad=tree, **options,
-        scale=scale, input_pos=_input_pos(input_pos, input_pos_array), backend=backend,
+        score_mod_grad=tree,
+        **options,
+        scale=scale,
+        input_pos=_input_pos(input_pos, input_pos_array),
+        backend=backend,
     )
     return accumulators or []
 
 
 @torch.library.custom_op(_name("flex_attention_backward"), mutates_args=())
 def flex_attention_backward(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, m: Tensor, l: Tensor,
-    score_arrays: list[Tensor], mods: int, scale: float | None, input_pos: int,
-    input_pos_array: Tensor | None, backend: str | None,
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    m: Tensor,
+    l: Tensor,
+    score_arrays: list[Tensor],
+    mods: int,
+    scale: float | None,
+    input_pos: int,
+    input_pos_array: Tensor | None,
+    backend: str | None,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """FlexAttention backward: ``(dq, dk, dv, score_grads)``, one score grad per score array."""
     with torch.no_grad():
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        grads = _flex_backward(do, q, k, v, o, m, l, dq, dk, dv, score_arrays, mods, scale,
-                               input_pos, input_pos_array, backend)
+        grads = _flex_backward(
+            do,
+            q,
+            k,
+            v,
+            o,
+            m,
+            l,
+            dq,
+            dk,
+            dv,
+            score_arrays,
+            mods,
+            scale,
+            input_pos,
+            input_pos_array,
+            backend,
+        )
         score_grads = [g.to(a.dtype) for g, a in zip(grads, score_arrays)]
     return dq, dk, dv, score_grads
 
@@ -821,7 +1103,9 @@ def flex_attention_backward(
 @flex_attention_backward.register_fake
 def _(do, q, k, v, o, m, l, score_arrays, mods, scale, input_pos, input_pos_array, backend):
     return (
-        torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+        torch.empty_like(q),
+        torch.empty_like(k),
+        torch.empty_like(v),
         [torch.empty_like(a) for a in score_arrays],
     )
 
@@ -838,8 +1122,19 @@ def _flex_grad(ctx, do, _dm, _dl):
     q, k, v, o, m, l, input_pos_array, *score_arrays = ctx.saved_tensors
     mods, scale, input_pos, backend = ctx.options
     dq, dk, dv, score_grads = torch.ops.xpkernels.flex_attention_backward(
-        _last_axis_contiguous(do), q, k, v, o, m, l, score_arrays, mods, scale, input_pos,
-        input_pos_array, backend,
+        _last_axis_contiguous(do),
+        q,
+        k,
+        v,
+        o,
+        m,
+        l,
+        score_arrays,
+        mods,
+        scale,
+        input_pos,
+        input_pos_array,
+        backend,
     )
     grads = _no_double_backward(
         "flex_attention", (do, q, k, v, *score_arrays), (dq, dk, dv, *score_grads)

@@ -122,7 +122,9 @@ def _work(op, shapes):
         flops = 3.5 * 4 * b * h * s * s * d / 2
         where = f"B={b}, H={h}, Sq=Sk={s}, D={d}"
         return (
-            "TFLOP/s", flops, f"FLOPs = 3.5 * 4*B*H*Sq*Sk*D / 2 (causal; forward 1, backward 2.5; {where})",
+            "TFLOP/s",
+            flops,
+            f"FLOPs = 3.5 * 4*B*H*Sq*Sk*D / 2 (causal; forward 1, backward 2.5; {where})",
             f"{b}x{h}x{s}x{d}",
         )
     rows, m = shapes["rows"]
@@ -155,7 +157,13 @@ def autograd_benches(shapes, ops, repeats, Row, Bench) -> list:
         ):
             name = "attention (causal)" if op == "attention" else op
             row = Row(
-                f"{name} [torch autograd]", PASS, impl, shape_text, unit, work, formula,
+                f"{name} [torch autograd]",
+                PASS,
+                impl,
+                shape_text,
+                unit,
+                work,
+                formula,
                 None if baseline is None else f"{name} [torch autograd]/{PASS}/{baseline}",
             )
             benches.append(Bench(row, setup, repeats))

@@ -75,8 +75,14 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(
-        self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None,
-        *, backend=None,
+        self,
+        normalized_shape,
+        eps=None,
+        elementwise_affine=True,
+        device=None,
+        dtype=None,
+        *,
+        backend=None,
     ):
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
@@ -84,7 +90,9 @@ class RMSNorm(nn.Module):
         self.elementwise_affine = elementwise_affine
         self.backend = backend
         if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+            self.weight = nn.Parameter(
+                torch.empty(self.normalized_shape, device=device, dtype=dtype)
+            )
         else:
             self.register_parameter("weight", None)
         self.reset_parameters()
@@ -101,8 +109,7 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"{self.normalized_shape}, eps={self.eps}, "
-            f"elementwise_affine={self.elementwise_affine}"
+            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
         )
 
 
@@ -131,8 +138,15 @@ class LayerNorm(nn.Module):
     """
 
     def __init__(
-        self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None,
-        dtype=None, *, backend=None,
+        self,
+        normalized_shape,
+        eps=1e-5,
+        elementwise_affine=True,
+        bias=True,
+        device=None,
+        dtype=None,
+        *,
+        backend=None,
     ):
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
@@ -166,8 +180,7 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"{self.normalized_shape}, eps={self.eps}, "
-            f"elementwise_affine={self.elementwise_affine}"
+            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
         )
 
 
@@ -206,8 +219,19 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self, embed_dim, num_heads, num_kv_heads=None, head_dim=None, *, causal=True, bias=False,
-        score_mod=None, mask_mod=None, device=None, dtype=None, backend=None,
+        self,
+        embed_dim,
+        num_heads,
+        num_kv_heads=None,
+        head_dim=None,
+        *,
+        causal=True,
+        bias=False,
+        score_mod=None,
+        mask_mod=None,
+        device=None,
+        dtype=None,
+        backend=None,
     ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -254,12 +278,15 @@ class Attention(nn.Module):
         k = self._heads(self.k_proj(x), self.num_kv_heads, batch, seq)
         v = self._heads(self.v_proj(x), self.num_kv_heads, batch, seq)
         if self.score_mod is None and self.mask_mod is None:
-            o = attention(
-                q, k, v, causal=self.causal, input_pos=input_pos, backend=self.backend
-            )
+            o = attention(q, k, v, causal=self.causal, input_pos=input_pos, backend=self.backend)
         else:
             o = flex_attention(
-                q, k, v, score_mod=self.score_mod, mask_mod=self._flex_mask, input_pos=input_pos,
+                q,
+                k,
+                v,
+                score_mod=self.score_mod,
+                mask_mod=self._flex_mask,
+                input_pos=input_pos,
                 backend=self.backend,
             )
         return self.o_proj(o.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
@@ -271,4 +298,3 @@ class Attention(nn.Module):
             + (f", score_mod={self.score_mod.label}" if self.score_mod is not None else "")
             + (f", mask_mod={self.mask_mod.label}" if self.mask_mod is not None else "")
         )
-

@@ -103,7 +103,9 @@ def _parse_schedule(schedule) -> int:
         if seed <= 0:
             raise ValueError(f"cudacpu: the shuffle seed must be > 0, got {seed}")
         return seed
-    raise ValueError(f"cudacpu: schedule must be 'default', 'shuffled' or 'shuffled:SEED', got {schedule!r}")
+    raise ValueError(
+        f"cudacpu: schedule must be 'default', 'shuffled' or 'shuffled:SEED', got {schedule!r}"
+    )
 
 
 def _sanitizer_loaded(kind: str) -> bool:
@@ -115,7 +117,9 @@ def _sanitizer_loaded(kind: str) -> bool:
 def _runtime_library(kind: str) -> str:
     lib = {"address": "libasan.so", "thread": "libtsan.so"}[kind]
     cxx = os.environ.get("XPKERNELS_CUDACPU_CXX", "g++")
-    out = subprocess.run([cxx, f"-print-file-name={lib}"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [cxx, f"-print-file-name={lib}"], capture_output=True, text=True, check=True
+    )
     return os.path.realpath(out.stdout.strip())
 
 
@@ -171,38 +175,62 @@ class RawModule:
         sanitizing, else fibers (``XPKERNELS_CUDACPU_MODE`` overrides).
     """
 
-    def __init__(self, code=None, path=None, options=(), name_expressions=None, *, schedule=None,
-                 sanitize=None, mode=None):
+    def __init__(
+        self,
+        code=None,
+        path=None,
+        options=(),
+        name_expressions=None,
+        *,
+        schedule=None,
+        sanitize=None,
+        mode=None,
+    ):
         if (code is None) == (path is None):
             raise TypeError("cudacpu.RawModule: give exactly one of code= and path=")
         source = code if code is not None else Path(path).read_text()
         self._where = str(path) if path is not None else "<RawModule code>"
         self._expressions = list(name_expressions) if name_expressions else kernel_names(source)
         if not self._expressions:
-            raise CompileError(f"cudacpu: {self._where} has no extern \"C\" __global__ kernel and no "
-                               "name_expressions were given")
+            raise CompileError(
+                f'cudacpu: {self._where} has no extern "C" __global__ kernel and no '
+                "name_expressions were given"
+            )
         if sanitize is None:
             sanitize = os.environ.get("XPKERNELS_CUDACPU_SANITIZE") or None
         if sanitize is not None and sanitize not in ("address", "thread"):
-            raise ValueError(f"cudacpu: sanitize must be None, 'address' or 'thread', got {sanitize!r}")
+            raise ValueError(
+                f"cudacpu: sanitize must be None, 'address' or 'thread', got {sanitize!r}"
+            )
         if sanitize is not None and not _sanitizer_loaded(sanitize):
             raise RuntimeError(
                 f"cudacpu: sanitize={sanitize!r} needs the sanitizer runtime loaded first; run in a process "
                 f"started with env=xpkernels.testing.cudacpu.sanitizer_env({sanitize!r})"
             )
-        mode = mode or os.environ.get("XPKERNELS_CUDACPU_MODE") or ("threads" if sanitize else "fibers")
+        mode = (
+            mode
+            or os.environ.get("XPKERNELS_CUDACPU_MODE")
+            or ("threads" if sanitize else "fibers")
+        )
         if mode not in _MODES:
             raise ValueError(f"cudacpu: mode must be 'fibers' or 'threads', got {mode!r}")
         if sanitize == "thread" and mode != "threads":
-            raise ValueError("cudacpu: ThreadSanitizer needs mode='threads' (one OS thread per CUDA thread)")
+            raise ValueError(
+                "cudacpu: ThreadSanitizer needs mode='threads' (one OS thread per CUDA thread)"
+            )
         self._mode = _MODES[mode]
         self._shuffle_seed = _parse_schedule(schedule)
         key = (source, self._where, tuple(options), tuple(self._expressions), sanitize)
         with _modules_lock:
             lib = _modules.get(key)
             if lib is None:
-                so = compile_module(source, str(path) if path is not None else None, options,
-                                    self._expressions, sanitize)
+                so = compile_module(
+                    source,
+                    str(path) if path is not None else None,
+                    options,
+                    self._expressions,
+                    sanitize,
+                )
                 lib = ctypes.CDLL(str(so), mode=os.RTLD_LOCAL)
                 _modules[key] = lib
         self._lib = lib
@@ -211,7 +239,9 @@ class RawModule:
     def get_function(self, name: str) -> RawKernel:
         """The kernel ``name``: an ``extern "C"`` name or one of the ``name_expressions``."""
         if name not in self._expressions:
-            raise KeyError(f"cudacpu: {self._where} has no kernel {name!r}; it has {self._expressions}")
+            raise KeyError(
+                f"cudacpu: {self._where} has no kernel {name!r}; it has {self._expressions}"
+            )
         kernel = self._kernels.get(name)
         if kernel is None:
             kernel = RawKernel(self, name, self._expressions.index(name))
@@ -222,7 +252,9 @@ class RawModule:
 def _dims(value, what: str, name: str) -> tuple[int, int, int]:
     dims = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
     if not 1 <= len(dims) <= 3 or not all(isinstance(d, (int, np.integer)) for d in dims):
-        raise TypeError(f"cudacpu: {name}: {what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
+        raise TypeError(
+            f"cudacpu: {name}: {what} must be an int or a tuple of 1 to 3 ints, got {value!r}"
+        )
     x, y, z = (*(int(d) for d in dims), 1, 1)[:3]
     if min(x, y, z) < 1:
         raise LaunchError(f"cudacpu: {name}: {what} {(x, y, z)} has a dimension < 1")
@@ -237,7 +269,12 @@ class RawKernel:
         self.name = name
         self._fn = getattr(module._lib, f"cudacpu_kernel_{index}")
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Launch), ctypes.c_char_p, ctypes.c_ulong]
+        self._fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.POINTER(_Launch),
+            ctypes.c_char_p,
+            ctypes.c_ulong,
+        ]
         sig = getattr(module._lib, f"cudacpu_signature_{index}")
         codes = (ctypes.c_char_p * 257)()
         sig.argtypes = [ctypes.c_void_p]
@@ -259,17 +296,25 @@ class RawKernel:
             if isinstance(arg, (np.uint64, np.int64)) and int(arg) == 0:
                 return ctypes.c_void_p(0)
             if arg is None:
-                raise TypeError(f"{where}: None for a pointer (CuPy passes None as 0xffffffff, not NULL); "
-                                "pass np.uint64(0) for a null pointer")
-            raise TypeError(f"{where}: expected an array for a pointer parameter, got {type(arg).__name__}")
+                raise TypeError(
+                    f"{where}: None for a pointer (CuPy passes None as 0xffffffff, not NULL); "
+                    "pass np.uint64(0) for a null pointer"
+                )
+            raise TypeError(
+                f"{where}: expected an array for a pointer parameter, got {type(arg).__name__}"
+            )
         if code == "s":
             raise TypeError(f"{where}: struct parameters are not supported by the harness")
         if not isinstance(arg, np.generic):
-            raise TypeError(f"{where}: scalars must be NumPy scalars of the parameter's type "
-                            f"({_numpy_name(code)}), got {type(arg).__name__} {arg!r}")
+            raise TypeError(
+                f"{where}: scalars must be NumPy scalars of the parameter's type "
+                f"({_numpy_name(code)}), got {type(arg).__name__} {arg!r}"
+            )
         kind, size = code[0], int(code[1:])
         if arg.dtype.kind != kind or arg.dtype.itemsize != size:
-            raise TypeError(f"{where}: the kernel takes {_numpy_name(code)}, got np.{arg.dtype.name}")
+            raise TypeError(
+                f"{where}: the kernel takes {_numpy_name(code)}, got np.{arg.dtype.name}"
+            )
         return (ctypes.c_char * size).from_buffer_copy(arg.tobytes())
 
     def __call__(self, grid, block, args, *, shared_mem=0):
@@ -285,7 +330,9 @@ class RawKernel:
         """
         args = tuple(args)
         if len(args) != len(self.signature):
-            raise TypeError(f"cudacpu: {self.name} takes {len(self.signature)} arguments, got {len(args)}")
+            raise TypeError(
+                f"cudacpu: {self.name} takes {len(self.signature)} arguments, got {len(args)}"
+            )
         storage = [self._argument(i, c, a) for i, (c, a) in enumerate(zip(self.signature, args))]
         pointers = (ctypes.c_void_p * max(1, len(storage)))(
             *[ctypes.cast(ctypes.pointer(s), ctypes.c_void_p) for s in storage]
@@ -293,8 +340,10 @@ class RawKernel:
         shared_mem = int(shared_mem)
         limit = max(DEFAULT_SHARED_LIMIT, int(self.max_dynamic_shared_size_bytes))
         if shared_mem > limit:
-            raise LaunchError(f"cudacpu: {self.name}: shared_mem={shared_mem} exceeds {limit} bytes; set "
-                              "max_dynamic_shared_size_bytes first (as on a GPU)")
+            raise LaunchError(
+                f"cudacpu: {self.name}: shared_mem={shared_mem} exceeds {limit} bytes; set "
+                "max_dynamic_shared_size_bytes first (as on a GPU)"
+            )
         launch = _Launch()
         launch.grid[:] = _dims(grid, "grid", self.name)
         launch.block[:] = _dims(block, "block", self.name)
@@ -306,7 +355,9 @@ class RawKernel:
         error = ctypes.create_string_buffer(16384)
         rc = self._fn(pointers, ctypes.byref(launch), error, len(error))
         if rc != 0:
-            raise LaunchError(f"cudacpu: kernel {self.name} ({self._module._where}): {error.value.decode()}")
+            raise LaunchError(
+                f"cudacpu: kernel {self.name} ({self._module._where}): {error.value.decode()}"
+            )
 
 
 def _numpy_name(code: str) -> str:
@@ -318,7 +369,11 @@ class _AlignedBuffer:
     """Owns ``nbytes`` of ``ALIGNMENT``-aligned memory from ``posix_memalign``; exposes it to NumPy."""
 
     _libc = ctypes.CDLL(None)
-    _libc.posix_memalign.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t]
+    _libc.posix_memalign.argtypes = [
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+    ]
     _libc.free.argtypes = [ctypes.c_void_p]
 
     def __init__(self, nbytes: int):
@@ -372,7 +427,9 @@ class CpuLoader:
         key = (str(path), tuple(name_expressions), tuple(options))
         mod = self._cache.get(key)
         if mod is None:
-            mod = RawModule(path=path, options=options, name_expressions=name_expressions, **self._options)
+            mod = RawModule(
+                path=path, options=options, name_expressions=name_expressions, **self._options
+            )
             self._cache[key] = mod
         return mod
 

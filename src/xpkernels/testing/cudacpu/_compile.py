@@ -74,7 +74,9 @@ def cache_dir() -> Path:
 def _cxx() -> str:
     cxx = os.environ.get(_CXX_ENV) or shutil.which("g++") or shutil.which("c++")
     if not cxx:
-        raise CompileError("cudacpu: no C++ compiler found (install g++ or set XPKERNELS_CUDACPU_CXX)")
+        raise CompileError(
+            "cudacpu: no C++ compiler found (install g++ or set XPKERNELS_CUDACPU_CXX)"
+        )
     return cxx
 
 
@@ -96,11 +98,15 @@ def _split_options(options, where: str) -> tuple[list[str], str]:
         if opt.startswith(("-I", "-D")):
             flags.append(opt)
         elif opt.startswith(("--include-path=", "--define-macro=")):
-            flags.append(("-I" if opt.startswith("--include-path") else "-D") + opt.split("=", 1)[1])
+            flags.append(
+                ("-I" if opt.startswith("--include-path") else "-D") + opt.split("=", 1)[1]
+            )
         elif opt.startswith(("-std=", "--std=")):
             std = "-std=" + opt.split("=", 1)[1]
         elif not _GPU_ONLY_OPTIONS.match(opt):
-            raise ValueError(f"cudacpu: {where}: option {opt!r} is not understood by the CPU harness")
+            raise ValueError(
+                f"cudacpu: {where}: option {opt!r} is not understood by the CPU harness"
+            )
         i += 1
     return flags, std
 
@@ -109,7 +115,9 @@ def _run(cmd, what: str, where: str) -> None:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
-        raise CompileError(f"cudacpu: {what} of {where} timed out after {_COMPILE_TIMEOUT_S} s") from exc
+        raise CompileError(
+            f"cudacpu: {what} of {where} timed out after {_COMPILE_TIMEOUT_S} s"
+        ) from exc
     if proc.returncode != 0:
         log = (proc.stderr + proc.stdout).strip()
         raise CompileError(f"cudacpu: {what} of {where} failed:\n{log}\n(command: {' '.join(cmd)})")
@@ -159,7 +167,16 @@ def _runtime_object(cxx: str, base_flags: list[str], directory: Path) -> Path:
         inc = include_dir()
         tmp = directory / f"runtime_{key}.{os.getpid()}.o"
         _run(
-            [cxx, *base_flags, "-I", str(inc), "-c", str(inc / "cudacpu_runtime.cpp"), "-o", str(tmp)],
+            [
+                cxx,
+                *base_flags,
+                "-I",
+                str(inc),
+                "-c",
+                str(inc / "cudacpu_runtime.cpp"),
+                "-o",
+                str(tmp),
+            ],
             "compilation",
             "the cudacpu runtime",
         )
@@ -167,7 +184,9 @@ def _runtime_object(cxx: str, base_flags: list[str], directory: Path) -> Path:
     return obj
 
 
-def compile_module(source: str, path: str | None, options, expressions: list[str], sanitize) -> Path:
+def compile_module(
+    source: str, path: str | None, options, expressions: list[str], sanitize
+) -> Path:
     """Compile ``source`` (read from ``path`` if given) and return the shared object's path.
 
     Raises
@@ -190,8 +209,21 @@ def compile_module(source: str, path: str | None, options, expressions: list[str
             staged = Path(tmp) / src.name
             staged.write_text(source)
             os.replace(staged, src)
-        pre = [cxx, "-E", "-x", "c++", std, "-D__CUDACC__", "-D__CUDACC_RTC__", "-I", str(inc),
-               "-include", "cudacpu.h", *flags, str(src)]
+        pre = [
+            cxx,
+            "-E",
+            "-x",
+            "c++",
+            std,
+            "-D__CUDACC__",
+            "-D__CUDACC_RTC__",
+            "-I",
+            str(inc),
+            "-include",
+            "cudacpu.h",
+            *flags,
+            str(src),
+        ]
         try:
             proc = subprocess.run(pre, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
@@ -207,16 +239,36 @@ def compile_module(source: str, path: str | None, options, expressions: list[str
         tu.write_text(text)
         obj = Path(tmp) / f"cudacpu_kernel_{key}.o"
         _run(
-            [cxx, *base, "-x", "c++", "-fdata-sections", "-fno-gnu-unique", "-w", "-c", str(tu),
-             "-o", str(obj)],
+            [
+                cxx,
+                *base,
+                "-x",
+                "c++",
+                "-fdata-sections",
+                "-fno-gnu-unique",
+                "-w",
+                "-c",
+                str(tu),
+                "-o",
+                str(obj),
+            ],
             "compilation",
             where,
         )
         runtime = _runtime_object(cxx, base, directory)
         out = Path(tmp) / "module.so"
         _run(
-            [cxx, *base, "-shared", "-Wl,-Bsymbolic", str(obj), str(runtime),
-             f"-Wl,-T,{inc / 'cudacpu_shared.ld'}", "-o", str(out)],
+            [
+                cxx,
+                *base,
+                "-shared",
+                "-Wl,-Bsymbolic",
+                str(obj),
+                str(runtime),
+                f"-Wl,-T,{inc / 'cudacpu_shared.ld'}",
+                "-o",
+                str(out),
+            ],
             "linking",
             where,
         )

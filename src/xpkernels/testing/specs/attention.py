@@ -21,9 +21,22 @@ from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
 
 def _case(ident, interpreter=False, quick=False, **params):
-    base = {"B": 1, "H": 2, "Hkv": 2, "Sq": 16, "Sk": 16, "D": 16, "Dv": None, "causal": False,
-            "scale": None, "input_pos": 0, "q_lengths": None, "k_lengths": None, "layout": "bhsd",
-            "score": None}
+    base = {
+        "B": 1,
+        "H": 2,
+        "Hkv": 2,
+        "Sq": 16,
+        "Sk": 16,
+        "D": 16,
+        "Dv": None,
+        "causal": False,
+        "scale": None,
+        "input_pos": 0,
+        "q_lengths": None,
+        "k_lengths": None,
+        "layout": "bhsd",
+        "score": None,
+    }
     unknown = set(params) - set(base)
     if unknown:
         raise TypeError(f"attention case {ident}: unknown parameters {sorted(unknown)}")
@@ -35,22 +48,54 @@ CASES = [
     _case("causal-s70-d40", True, Sq=70, Sk=70, D=40, causal=True),
     _case("gqa2-causal-b2-s80-d64", True, True, B=2, H=4, Hkv=2, Sq=80, Sk=80, D=64, causal=True),
     _case("mqa4-sq-lt-sk-pos57", True, H=4, Hkv=1, Sq=20, Sk=77, causal=True, input_pos=57),
-    _case("lengths-per-batch", True, B=2, Hkv=1, Sq=67, Sk=72, q_lengths=[67, 30], k_lengths=[72, 41]),
-    _case("fully-masked-rows", True, B=3, Sq=9, Sk=66, causal=True, input_pos=[0, 5, 3],
-          q_lengths=[9, 4, 9], k_lengths=[66, 66, 0]),
+    _case(
+        "lengths-per-batch", True, B=2, Hkv=1, Sq=67, Sk=72, q_lengths=[67, 30], k_lengths=[72, 41]
+    ),
+    _case(
+        "fully-masked-rows",
+        True,
+        B=3,
+        Sq=9,
+        Sk=66,
+        causal=True,
+        input_pos=[0, 5, 3],
+        q_lengths=[9, 4, 9],
+        k_lengths=[66, 66, 0],
+    ),
     # Scores near 262: exponentiating them unshifted overflows float32 (exp(89) = inf),
     # so the kernels' shift by the running max must engage (DESIGN section 7).
     _case("scores-near-262", True, B=2, Sq=24, Sk=40, causal=True, input_pos=16, score=262.0),
-    _case("pos-array-causal-gqa2-d40", True, B=2, Hkv=1, Sq=33, Sk=80, D=40, causal=True,
-          input_pos=[47, 10]),
+    _case(
+        "pos-array-causal-gqa2-d40",
+        True,
+        B=2,
+        Hkv=1,
+        Sq=33,
+        Sk=80,
+        D=40,
+        causal=True,
+        input_pos=[47, 10],
+    ),
     _case("sq1-h4-d64", True, B=2, H=4, Hkv=4, Sq=1, Sk=50, D=64),
     _case("sq-gt-sk-causal", True, Hkv=1, Sq=75, Sk=20, causal=True),
     _case("dv-ne-d", True, Hkv=1, Sq=24, Sk=40, D=40, Dv=16),
-    _case("bshd-gqa2-causal", True, B=2, H=4, Hkv=2, Sq=48, Sk=48, D=64, causal=True, layout="bshd"),
+    _case(
+        "bshd-gqa2-causal", True, B=2, H=4, Hkv=2, Sq=48, Sk=48, D=64, causal=True, layout="bshd"
+    ),
     _case("scale-0.3-d64", Sq=50, Sk=50, D=64, scale=0.3),
     _case("d128-causal-sq-lt-sk", Sq=100, Sk=130, D=128, causal=True),
-    _case("gqa4-d40-lengths-causal", B=2, H=8, Hkv=2, Sq=96, Sk=96, D=40, causal=True,
-          q_lengths=[96, 50], k_lengths=[70, 96]),
+    _case(
+        "gqa4-d40-lengths-causal",
+        B=2,
+        H=8,
+        Hkv=2,
+        Sq=96,
+        Sk=96,
+        D=40,
+        causal=True,
+        q_lengths=[96, 50],
+        k_lengths=[70, 96],
+    ),
     _case("long-keys-pos1000", Hkv=1, Sq=100, Sk=1100, causal=True, input_pos=1000),
 ]
 
@@ -67,8 +112,13 @@ def _keep(p) -> np.ndarray:
     """``(B, Sq, Sk)`` boolean: which keys each query sees."""
     batch, _, _, sq, sk, _, _ = _dims(p)
     return ref.attention_keep(
-        batch, sq, sk, causal=p["causal"], input_pos=p["input_pos"],
-        q_lengths=p["q_lengths"], k_lengths=p["k_lengths"],
+        batch,
+        sq,
+        sk,
+        causal=p["causal"],
+        input_pos=p["input_pos"],
+        q_lengths=p["q_lengths"],
+        k_lengths=p["k_lengths"],
     )
 
 
@@ -118,7 +168,9 @@ def _inputs(case, rng):
 
 def _reference(case, inputs):
     p = case.params
-    o, m, l_sum, _ = ref.attention(inputs["q"], inputs["k"], inputs["v"], scale=_scale(p), keep=_keep(p))
+    o, m, l_sum, _ = ref.attention(
+        inputs["q"], inputs["k"], inputs["v"], scale=_scale(p), keep=_keep(p)
+    )
     return {"o": o}, {"m": m, "l": l_sum}
 
 
@@ -143,9 +195,13 @@ def _torch_reference(case, inputs, cotangents):
     )
     with torch.no_grad():
         if plain_causal:
-            sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=_scale(p), enable_gqa=True)
+            sdpa = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=_scale(p), enable_gqa=True
+            )
         else:
-            sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=_scale(p), enable_gqa=True)
+            sdpa = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=keep, scale=_scale(p), enable_gqa=True
+            )
         sdpa = torch.where(valid, sdpa, 0.0)
     group = p["H"] // p["Hkv"]
     k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -169,15 +225,24 @@ def _allocate_checkpoints(case, arrays):
 
 def _forward_(case, arrays, outs, checkpoints, backend):
     xk.attention_(
-        outs["o"], arrays["q"], arrays["k"], arrays["v"], **_options(case, arrays),
-        checkpoints=checkpoints, backend=backend,
+        outs["o"],
+        arrays["q"],
+        arrays["k"],
+        arrays["v"],
+        **_options(case, arrays),
+        checkpoints=checkpoints,
+        backend=backend,
     )
 
 
 def _forward(case, arrays, checkpoints, backend):
     o = xk.attention(
-        arrays["q"], arrays["k"], arrays["v"], **_options(case, arrays),
-        checkpoints=checkpoints, backend=backend,
+        arrays["q"],
+        arrays["k"],
+        arrays["v"],
+        **_options(case, arrays),
+        checkpoints=checkpoints,
+        backend=backend,
     )
     return {"o": o}
 
@@ -187,14 +252,27 @@ def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
     Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
     scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V, backend=backend)
     xk.attention_backward_(
-        O, Q, K, V, checkpoints=checkpoints, scratch=scratch, **_options(case, arrays), backend=backend
+        O,
+        Q,
+        K,
+        V,
+        checkpoints=checkpoints,
+        scratch=scratch,
+        **_options(case, arrays),
+        backend=backend,
     )
 
 
 def _backward(case, arrays, outs, cotangents, checkpoints, backend):
     dq, dk, dv = xk.attention_backward(
-        cotangents["o"], arrays["q"], arrays["k"], arrays["v"], outs["o"],
-        checkpoints=checkpoints, **_options(case, arrays), backend=backend,
+        cotangents["o"],
+        arrays["q"],
+        arrays["k"],
+        arrays["v"],
+        outs["o"],
+        checkpoints=checkpoints,
+        **_options(case, arrays),
+        backend=backend,
     )
     return {"q": dq, "k": dk, "v": dv}
 
@@ -227,7 +305,9 @@ def _other_namespace_array(target, a: np.ndarray):
 
     if target.namespace != "numpy":
         return np.asarray(a, dtype=np.float32)
-    strict = pytest.importorskip("array_api_strict", reason="array_api_strict provides the second namespace")
+    strict = pytest.importorskip(
+        "array_api_strict", reason="array_api_strict provides the second namespace"
+    )
     return strict.asarray(a.astype(np.float32))
 
 
@@ -277,7 +357,9 @@ def _error_cases():
         return call
 
     def bad_checkpoints(shape_m, dtype_l="float32"):
-        return lambda t: AttentionCheckpoints(m=t.full(shape_m, 0.0, "float32"), l=t.full((2, 4, 8), 1.0, dtype_l))
+        return lambda t: AttentionCheckpoints(
+            m=t.full(shape_m, 0.0, "float32"), l=t.full((2, 4, 8), 1.0, dtype_l)
+        )
 
     def non_contiguous_q(t):
         q = t.xp.permute_dims(t.full((2, 4, 16, 8), 0.5, "float32"), (0, 1, 3, 2))
@@ -292,66 +374,180 @@ def _error_cases():
         xk.attention_(o, q, _other_namespace_array(t, np.full(shape_kv, 0.5)), v)
 
     return [
-        ErrorCase("q-rank3", arrays(q=lambda t: t.full((2, 4, 16), 0.5, "float32")), ValueError,
-                  r"q must have shape \(B, H, Sq, D\) \(rank 4\)"),
-        ErrorCase("k-head-dim", arrays(k=lambda t: t.full((2, 2, 8, 12), 0.5, "float32")), ValueError,
-                  r"k must have shape \(2, 2, 8, 16\)"),
-        ErrorCase("k-batch", arrays(k=lambda t: t.full((3, 2, 8, 16), 0.5, "float32")), ValueError,
-                  r"k must have shape \(2, 2, 8, 16\)"),
-        ErrorCase("H-not-multiple-of-Hkv", arrays(k=lambda t: t.full((2, 3, 8, 16), 0.5, "float32"),
-                                                  v=lambda t: t.full((2, 3, 8, 16), 0.5, "float32")),
-                  ValueError, r"H=4 query heads of q must be a multiple of the Hkv=3"),
-        ErrorCase("v-keys", arrays(v=lambda t: t.full((2, 2, 9, 16), 0.5, "float32")), ValueError,
-                  r"v must have shape \(2, 2, 8, 16\)"),
-        ErrorCase("o-shape", arrays(o=lambda t: t.full((2, 4, 8, 8), 0.0, "float32")), ValueError,
-                  r"o must have shape \(2, 4, 8, 16\)"),
-        ErrorCase("int-q", arrays(q=lambda t: t.asarray(np.ones(shape_q, dtype=np.int32))), TypeError,
-                  r"q must have dtype in"),
-        ErrorCase("k-dtype-differs", arrays(k=lambda t: t.full(shape_kv, 0.5, "float64")), TypeError,
-                  r"k must have q's dtype"),
-        ErrorCase("int-o", arrays(o=lambda t: t.asarray(np.zeros(shape_q, dtype=np.int32))), TypeError,
-                  r"o must have dtype in"),
-        ErrorCase("q-last-axis-strided", arrays(q=non_contiguous_q), ValueError,
-                  r"q must be contiguous along its last axis"),
-        ErrorCase("mixed-namespaces", mixed, TypeError, r"all arrays of a call must come from one namespace"),
+        ErrorCase(
+            "q-rank3",
+            arrays(q=lambda t: t.full((2, 4, 16), 0.5, "float32")),
+            ValueError,
+            r"q must have shape \(B, H, Sq, D\) \(rank 4\)",
+        ),
+        ErrorCase(
+            "k-head-dim",
+            arrays(k=lambda t: t.full((2, 2, 8, 12), 0.5, "float32")),
+            ValueError,
+            r"k must have shape \(2, 2, 8, 16\)",
+        ),
+        ErrorCase(
+            "k-batch",
+            arrays(k=lambda t: t.full((3, 2, 8, 16), 0.5, "float32")),
+            ValueError,
+            r"k must have shape \(2, 2, 8, 16\)",
+        ),
+        ErrorCase(
+            "H-not-multiple-of-Hkv",
+            arrays(
+                k=lambda t: t.full((2, 3, 8, 16), 0.5, "float32"),
+                v=lambda t: t.full((2, 3, 8, 16), 0.5, "float32"),
+            ),
+            ValueError,
+            r"H=4 query heads of q must be a multiple of the Hkv=3",
+        ),
+        ErrorCase(
+            "v-keys",
+            arrays(v=lambda t: t.full((2, 2, 9, 16), 0.5, "float32")),
+            ValueError,
+            r"v must have shape \(2, 2, 8, 16\)",
+        ),
+        ErrorCase(
+            "o-shape",
+            arrays(o=lambda t: t.full((2, 4, 8, 8), 0.0, "float32")),
+            ValueError,
+            r"o must have shape \(2, 4, 8, 16\)",
+        ),
+        ErrorCase(
+            "int-q",
+            arrays(q=lambda t: t.asarray(np.ones(shape_q, dtype=np.int32))),
+            TypeError,
+            r"q must have dtype in",
+        ),
+        ErrorCase(
+            "k-dtype-differs",
+            arrays(k=lambda t: t.full(shape_kv, 0.5, "float64")),
+            TypeError,
+            r"k must have q's dtype",
+        ),
+        ErrorCase(
+            "int-o",
+            arrays(o=lambda t: t.asarray(np.zeros(shape_q, dtype=np.int32))),
+            TypeError,
+            r"o must have dtype in",
+        ),
+        ErrorCase(
+            "q-last-axis-strided",
+            arrays(q=non_contiguous_q),
+            ValueError,
+            r"q must be contiguous along its last axis",
+        ),
+        ErrorCase(
+            "mixed-namespaces",
+            mixed,
+            TypeError,
+            r"all arrays of a call must come from one namespace",
+        ),
         ErrorCase("scale-zero", forward(scale=0.0), ValueError, r"scale must be finite and > 0"),
-        ErrorCase("scale-nan", forward(scale=float("nan")), ValueError, r"scale must be finite and > 0"),
-        ErrorCase("input-pos-past-index-range", forward(input_pos=2**31), ValueError,
-                  r"input_pos must lie in \[-2147483647, 2147483647\], got 2147483648"),
-        ErrorCase("input-pos-shape", forward(input_pos=ints([0, 1, 2])), ValueError,
-                  r"input_pos must have shape \(2,\)"),
-        ErrorCase("input-pos-float", forward(input_pos=1.5), TypeError,
-                  r"input_pos must be an int or a \(2,\) integer array, got float"),
-        ErrorCase("q-lengths-above-Sq", forward(q_lengths=ints([8, 9])), ValueError,
-                  r"q_lengths must lie in \[0, 8\] \(Sq\), got values in \[8, 9\]", values=True),
-        ErrorCase("k-lengths-negative", forward(k_lengths=ints([-1, 3])), ValueError,
-                  r"k_lengths must lie in \[0, 8\] \(Sk\)", values=True),
-        ErrorCase("k-lengths-float", forward(k_lengths=lambda t: t.full((2,), 3.0, "float32")), TypeError,
-                  r"k_lengths must have dtype int32 or int64"),
-        ErrorCase("k-lengths-shape", forward(k_lengths=ints([3, 3, 3])), ValueError,
-                  r"k_lengths must have shape \(2,\)"),
-        ErrorCase("checkpoint-shape", forward(checkpoints=bad_checkpoints((2, 4, 9))), ValueError,
-                  r"checkpoints.m must have shape \(2, 4, 8\)"),
-        ErrorCase("checkpoint-dtype", forward(checkpoints=bad_checkpoints((2, 4, 8), "float64")), TypeError,
-                  r"checkpoints.l must be float32"),
-        ErrorCase("checkpoint-namespace",
-                  forward(checkpoints=lambda t: AttentionCheckpoints(
-                      *(_other_namespace_array(t, np.zeros((2, 4, 8))) for _ in range(2)))),
-                  TypeError, r"checkpoints.m is a .* array but q is a .* array"),
-        ErrorCase("checkpoint-type", forward(checkpoints=lambda t: (t.full((2, 4, 8), 0.0, "float32"),) * 2),
-                  TypeError, r"checkpoints must be the AttentionCheckpoints"),
-        ErrorCase("missing-checkpoints", missing_checkpoints, ValueError, r"checkpoints are required"),
-        ErrorCase("backward-checkpoint-shape",
-                  backward(checkpoints=lambda t, ck: AttentionCheckpoints(ck.m[:, :, :4], ck.l)),
-                  ValueError, r"checkpoints.m must have shape \(2, 4, 8\)"),
-        ErrorCase("scratch-shape",
-                  backward(scratch=lambda t: AttentionBackwardScratch(
-                      t.full((2, 4, 8), 0.0, "float32"), t.full((2, 4, 8, 8), 0.0, "float32"))),
-                  ValueError, r"scratch.dq_accum must have shape \(2, 4, 8, 16\)"),
-        ErrorCase("scratch-dtype",
-                  backward(scratch=lambda t: AttentionBackwardScratch(
-                      t.full((2, 4, 8), 0.0, "float64"), t.full(shape_q, 0.0, "float32"))),
-                  TypeError, r"scratch.delta must be .*float32"),
+        ErrorCase(
+            "scale-nan", forward(scale=float("nan")), ValueError, r"scale must be finite and > 0"
+        ),
+        ErrorCase(
+            "input-pos-past-index-range",
+            forward(input_pos=2**31),
+            ValueError,
+            r"input_pos must lie in \[-2147483647, 2147483647\], got 2147483648",
+        ),
+        ErrorCase(
+            "input-pos-shape",
+            forward(input_pos=ints([0, 1, 2])),
+            ValueError,
+            r"input_pos must have shape \(2,\)",
+        ),
+        ErrorCase(
+            "input-pos-float",
+            forward(input_pos=1.5),
+            TypeError,
+            r"input_pos must be an int or a \(2,\) integer array, got float",
+        ),
+        ErrorCase(
+            "q-lengths-above-Sq",
+            forward(q_lengths=ints([8, 9])),
+            ValueError,
+            r"q_lengths must lie in \[0, 8\] \(Sq\), got values in \[8, 9\]",
+            values=True,
+        ),
+        ErrorCase(
+            "k-lengths-negative",
+            forward(k_lengths=ints([-1, 3])),
+            ValueError,
+            r"k_lengths must lie in \[0, 8\] \(Sk\)",
+            values=True,
+        ),
+        ErrorCase(
+            "k-lengths-float",
+            forward(k_lengths=lambda t: t.full((2,), 3.0, "float32")),
+            TypeError,
+            r"k_lengths must have dtype int32 or int64",
+        ),
+        ErrorCase(
+            "k-lengths-shape",
+            forward(k_lengths=ints([3, 3, 3])),
+            ValueError,
+            r"k_lengths must have shape \(2,\)",
+        ),
+        ErrorCase(
+            "checkpoint-shape",
+            forward(checkpoints=bad_checkpoints((2, 4, 9))),
+            ValueError,
+            r"checkpoints.m must have shape \(2, 4, 8\)",
+        ),
+        ErrorCase(
+            "checkpoint-dtype",
+            forward(checkpoints=bad_checkpoints((2, 4, 8), "float64")),
+            TypeError,
+            r"checkpoints.l must be float32",
+        ),
+        ErrorCase(
+            "checkpoint-namespace",
+            forward(
+                checkpoints=lambda t: AttentionCheckpoints(
+                    *(_other_namespace_array(t, np.zeros((2, 4, 8))) for _ in range(2))
+                )
+            ),
+            TypeError,
+            r"checkpoints.m is a .* array but q is a .* array",
+        ),
+        ErrorCase(
+            "checkpoint-type",
+            forward(checkpoints=lambda t: (t.full((2, 4, 8), 0.0, "float32"),) * 2),
+            TypeError,
+            r"checkpoints must be the AttentionCheckpoints",
+        ),
+        ErrorCase(
+            "missing-checkpoints", missing_checkpoints, ValueError, r"checkpoints are required"
+        ),
+        ErrorCase(
+            "backward-checkpoint-shape",
+            backward(checkpoints=lambda t, ck: AttentionCheckpoints(ck.m[:, :, :4], ck.l)),
+            ValueError,
+            r"checkpoints.m must have shape \(2, 4, 8\)",
+        ),
+        ErrorCase(
+            "scratch-shape",
+            backward(
+                scratch=lambda t: AttentionBackwardScratch(
+                    t.full((2, 4, 8), 0.0, "float32"), t.full((2, 4, 8, 8), 0.0, "float32")
+                )
+            ),
+            ValueError,
+            r"scratch.dq_accum must have shape \(2, 4, 8, 16\)",
+        ),
+        ErrorCase(
+            "scratch-dtype",
+            backward(
+                scratch=lambda t: AttentionBackwardScratch(
+                    t.full((2, 4, 8), 0.0, "float64"), t.full(shape_q, 0.0, "float32")
+                )
+            ),
+            TypeError,
+            r"scratch.delta must be .*float32",
+        ),
         ErrorCase("bare-Q", backward(bare=1), TypeError, r"Q must be a Duplicated"),
     ]
 

@@ -163,19 +163,32 @@ CASES += [
     _case("tanh-cap1-unmasked-gqa", H=4, Hkv=2, Sq=24, Sk=140, score="tanh-cap1"),
     _case("exp-unmasked", Sq=30, Sk=140, score="exp"),
     _case("sqrt-unmasked", Sq=30, Sk=140, score="sqrt"),
-    _case("silu-block-causal-full-tiles", Sq=64, Sk=64, mask="causal", score="silu", block=(16, 16)),
-    _case("tanh-cap1-block-sliding", Sq=64, Sk=64, mask="sliding", w=20, score="tanh-cap1", block=(16, 16)),
+    _case(
+        "silu-block-causal-full-tiles", Sq=64, Sk=64, mask="causal", score="silu", block=(16, 16)
+    ),
+    _case(
+        "tanh-cap1-block-sliding",
+        Sq=64,
+        Sk=64,
+        mask="sliding",
+        w=20,
+        score="tanh-cap1",
+        block=(16, 16),
+    ),
     _case("exp-causal-masked", Sq=48, Sk=48, mask="causal", score="exp"),
     _case("sqrt-document-b2", B=2, Sq=60, Sk=60, mask="document", score="sqrt"),
     _case("causal-bottom-right-sq-gt-sk", Sq=48, Sk=20, mask="causal", input_pos=-28),
     _case(
-        "causal-bottom-right-per-batch-silu", B=2, Sq=40, Sk=24, mask="causal", score="silu",
+        "causal-bottom-right-per-batch-silu",
+        B=2,
+        Sq=40,
+        Sk=24,
+        mask="causal",
+        score="silu",
         input_pos=[-16, -3],
     ),
     _case("causal-before-every-key", Sq=8, Sk=16, mask="causal", input_pos=-8),
 ]
-
-
 
 
 def _positions(p):
@@ -295,7 +308,9 @@ def _naive(p, inputs):
         raw
         if score_mod is None
         # Integer positions promote the mods' arithmetic to float64: back to the scores' dtype.
-        else np.broadcast_to(score_mod(raw, b, h, q_idx, kv_idx, q_row=row), raw.shape).astype(raw.dtype)
+        else np.broadcast_to(score_mod(raw, b, h, q_idx, kv_idx, q_row=row), raw.shape).astype(
+            raw.dtype
+        )
     )
     keep = (
         np.ones(raw.shape, bool)
@@ -516,7 +531,9 @@ def _more_error_cases():
         def call(t):
             q, o = t.full(shape_q, 0.5, "float32"), t.full(shape_q, 0.0, "float32")
             k, v = t.full(shape_kv, 0.25, "float32"), t.full(shape_kv, 0.5, "float32")
-            flex_attention_(o, q, k, v, **{n: f(t) if n == "score_mod" else f for n, f in options.items()})
+            flex_attention_(
+                o, q, k, v, **{n: f(t) if n == "score_mod" else f for n, f in options.items()}
+            )
 
         return call
 
@@ -530,8 +547,13 @@ def _more_error_cases():
         ck = allocate_checkpoints(flex_attention_, q, k, v)
         flex_attention_(o, q, k, v, score_mod=mod, checkpoints=ck)
         flex_attention_backward_(
-            Duplicated(o), Duplicated(q), Duplicated(k), Duplicated(v), checkpoints=ck,
-            score_mod=mod, score_mod_grad=grad_shadow(slopes(t)),
+            Duplicated(o),
+            Duplicated(q),
+            Duplicated(k),
+            Duplicated(v),
+            checkpoints=ck,
+            score_mod=mod,
+            score_mod_grad=grad_shadow(slopes(t)),
         )
 
     def wrapping_index(t):

@@ -34,10 +34,14 @@ def _cases():
         # half an ulp of 1e5 (0.004) unless refined from the centred row. float16 cannot
         # hold 1e5 and bfloat16 rounds the spread away, so the case runs in float32/64 only.
         Case(
-            "mean-1e5-spread-1-4x512", {"shape": (4, 512), "x_offset": 1e5, "x_scale": 1.0},
-            interpreter=True, dtypes=("float64", "float32"),
+            "mean-1e5-spread-1-4x512",
+            {"shape": (4, 512), "x_offset": 1e5, "x_scale": 1.0},
+            interpreter=True,
+            dtypes=("float64", "float32"),
         ),
-        Case("transposed-leading", {"shape": (3, 4, 64), "permute_leading": True}, interpreter=True),
+        Case(
+            "transposed-leading", {"shape": (3, 4, 64), "permute_leading": True}, interpreter=True
+        ),
         Case("7x4097", {"shape": (7, 4097)}),
         Case("wide-2x16384", {"shape": (2, 16384)}),
         Case("rows-3000x64", {"shape": (3000, 64)}),
@@ -65,7 +69,9 @@ def _arrange(case, arrays, target):
 def _inputs(case, rng):
     shape = case.params["shape"]
     m = shape[-1]
-    x = rng.standard_normal(shape) * case.params.get("x_scale", 2.0) + case.params.get("x_offset", 0.0)
+    x = rng.standard_normal(shape) * case.params.get("x_scale", 2.0) + case.params.get(
+        "x_offset", 0.0
+    )
     w = rng.standard_normal((m,)) if _has(case, "w") else np.zeros((0,))
     b = rng.standard_normal((m,)) if _has(case, "b") else np.zeros((0,))
     return {"x": x, "w": w, "b": b}
@@ -121,7 +127,9 @@ def _forward_(case, arrays, outs, checkpoints, backend):
 
 def _forward(case, arrays, checkpoints, backend):
     w, b = _affine(case, arrays)
-    return {"y": xk.layer_norm(arrays["x"], w, b, eps=EPS, checkpoints=checkpoints, backend=backend)}
+    return {
+        "y": xk.layer_norm(arrays["x"], w, b, eps=EPS, checkpoints=checkpoints, backend=backend)
+    }
 
 
 def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
@@ -145,7 +153,11 @@ def _backward(case, arrays, outs, cotangents, checkpoints, backend):
 
 def _errors():
     def make(t, shape=(4, 8)):
-        return t.full(shape, 1.0, "float32"), t.full(shape[-1:], 1.0, "float32"), t.full(shape[-1:], 0.0, "float32")
+        return (
+            t.full(shape, 1.0, "float32"),
+            t.full(shape[-1:], 1.0, "float32"),
+            t.full(shape[-1:], 0.0, "float32"),
+        )
 
     def forward_with(eps=EPS, **changes):
         """A ``layer_norm_`` call on (4, 8) float32 arrays, with ``changes[name](t)`` replacing an array."""
@@ -182,7 +194,11 @@ def _errors():
             B = Duplicated(b, t.full((8,), 0, b_dtype))
             X = x if bare_x else Duplicated(x)
             xk.layer_norm_backward_(
-                Duplicated(x), X, Duplicated(w), B, checkpoints=cks,
+                Duplicated(x),
+                X,
+                Duplicated(w),
+                B,
+                checkpoints=cks,
                 scratch=None if scratch is None else scratch(t),
             )
 
@@ -216,7 +232,9 @@ def _errors():
         if t.namespace == "array_api_strict":
             import array_api_strict
 
-            return array_api_strict.ones(8, dtype=array_api_strict.float32, device=array_api_strict.Device("device1"))
+            return array_api_strict.ones(
+                8, dtype=array_api_strict.float32, device=array_api_strict.Device("device1")
+            )
         pytest.skip(f"{t.namespace} has a single device here")
 
     def strided_x(t):
@@ -226,28 +244,103 @@ def _errors():
         return lambda t: t.asarray(np.ones(shape, dtype=np.int32))
 
     return [
-        ErrorCase("w-rank", forward_with(w=lambda t: t.full((8, 8), 1.0, "float32")), ValueError, r"w must have shape \(8,\)"),
-        ErrorCase("x-rank0", forward_with(x=lambda t: t.xp.reshape(t.full((1,), 1.0, "float32"), ())), ValueError, r"x must have shape \(\.\.\., M\)"),
-        ErrorCase("M-mismatch-w", forward_with(w=lambda t: t.full((9,), 1.0, "float32")), ValueError, r"w must have shape \(8,\)"),
-        ErrorCase("M-mismatch-b", forward_with(b=lambda t: t.full((7,), 1.0, "float32")), ValueError, r"b must have shape \(8,\)"),
-        ErrorCase("y-shape", forward_with(y=lambda t: t.full((4, 9), 0, "float32")), ValueError, r"y must have shape \(4, 8\)"),
+        ErrorCase(
+            "w-rank",
+            forward_with(w=lambda t: t.full((8, 8), 1.0, "float32")),
+            ValueError,
+            r"w must have shape \(8,\)",
+        ),
+        ErrorCase(
+            "x-rank0",
+            forward_with(x=lambda t: t.xp.reshape(t.full((1,), 1.0, "float32"), ())),
+            ValueError,
+            r"x must have shape \(\.\.\., M\)",
+        ),
+        ErrorCase(
+            "M-mismatch-w",
+            forward_with(w=lambda t: t.full((9,), 1.0, "float32")),
+            ValueError,
+            r"w must have shape \(8,\)",
+        ),
+        ErrorCase(
+            "M-mismatch-b",
+            forward_with(b=lambda t: t.full((7,), 1.0, "float32")),
+            ValueError,
+            r"b must have shape \(8,\)",
+        ),
+        ErrorCase(
+            "y-shape",
+            forward_with(y=lambda t: t.full((4, 9), 0, "float32")),
+            ValueError,
+            r"y must have shape \(4, 8\)",
+        ),
         ErrorCase("int-x", forward_with(x=int_array((4, 8))), TypeError, r"x must have dtype in"),
         ErrorCase("int-y", forward_with(y=int_array((4, 8))), TypeError, r"y must have dtype in"),
         ErrorCase("int-b", forward_with(b=int_array((8,))), TypeError, r"b must have dtype in"),
         ErrorCase("eps-zero", forward_with(eps=0.0), ValueError, r"eps must be finite and > 0"),
-        ErrorCase("eps-negative", forward_with(eps=-1e-5), ValueError, r"eps must be finite and > 0"),
-        ErrorCase("eps-nan", forward_with(eps=float("nan")), ValueError, r"eps must be finite and > 0"),
-        ErrorCase("eps-inf", forward_with(eps=float("inf")), ValueError, r"eps must be finite and > 0"),
-        ErrorCase("mixed-namespaces", forward_with(w=other_namespace), TypeError, r"w is a \w+ array but x is a \w+ array"),
-        ErrorCase("mixed-devices", forward_with(w=other_device), TypeError, r"w is on device .* but x is on"),
-        ErrorCase("x-last-axis-strided", forward_with(x=strided_x), ValueError, r"x must be contiguous along its last axis"),
-        ErrorCase("checkpoint-mean-shape", forward_ckpt(mean_shape=(5,)), ValueError, r"checkpoints.mean must have shape \(4,\)"),
-        ErrorCase("checkpoint-rstd-dtype", forward_ckpt(rstd_dtype="float64"), TypeError, r"checkpoints.rstd must be float32"),
-        ErrorCase("missing-checkpoints", backward_with(ck=False), ValueError, r"checkpoints are required"),
-        ErrorCase("scratch-dw-shape", backward_with(scratch=partials(dw=((1, 9), "float32"))), ValueError, r"dw_partial must have shape \(P, 8\)"),
-        ErrorCase("scratch-partials-disagree", backward_with(scratch=partials(db=((2, 8), "float32"))), ValueError, r"db_partial must have the shape of scratch.dw_partial \(1, 8\)"),
-        ErrorCase("scratch-db-dtype", backward_with(scratch=partials(db=((1, 8), "float64"))), TypeError, r"db_partial must be"),
-        ErrorCase("db-dtype", backward_with(b_dtype="int32"), TypeError, r"B.shadow must have dtype in"),
+        ErrorCase(
+            "eps-negative", forward_with(eps=-1e-5), ValueError, r"eps must be finite and > 0"
+        ),
+        ErrorCase(
+            "eps-nan", forward_with(eps=float("nan")), ValueError, r"eps must be finite and > 0"
+        ),
+        ErrorCase(
+            "eps-inf", forward_with(eps=float("inf")), ValueError, r"eps must be finite and > 0"
+        ),
+        ErrorCase(
+            "mixed-namespaces",
+            forward_with(w=other_namespace),
+            TypeError,
+            r"w is a \w+ array but x is a \w+ array",
+        ),
+        ErrorCase(
+            "mixed-devices",
+            forward_with(w=other_device),
+            TypeError,
+            r"w is on device .* but x is on",
+        ),
+        ErrorCase(
+            "x-last-axis-strided",
+            forward_with(x=strided_x),
+            ValueError,
+            r"x must be contiguous along its last axis",
+        ),
+        ErrorCase(
+            "checkpoint-mean-shape",
+            forward_ckpt(mean_shape=(5,)),
+            ValueError,
+            r"checkpoints.mean must have shape \(4,\)",
+        ),
+        ErrorCase(
+            "checkpoint-rstd-dtype",
+            forward_ckpt(rstd_dtype="float64"),
+            TypeError,
+            r"checkpoints.rstd must be float32",
+        ),
+        ErrorCase(
+            "missing-checkpoints", backward_with(ck=False), ValueError, r"checkpoints are required"
+        ),
+        ErrorCase(
+            "scratch-dw-shape",
+            backward_with(scratch=partials(dw=((1, 9), "float32"))),
+            ValueError,
+            r"dw_partial must have shape \(P, 8\)",
+        ),
+        ErrorCase(
+            "scratch-partials-disagree",
+            backward_with(scratch=partials(db=((2, 8), "float32"))),
+            ValueError,
+            r"db_partial must have the shape of scratch.dw_partial \(1, 8\)",
+        ),
+        ErrorCase(
+            "scratch-db-dtype",
+            backward_with(scratch=partials(db=((1, 8), "float64"))),
+            TypeError,
+            r"db_partial must be",
+        ),
+        ErrorCase(
+            "db-dtype", backward_with(b_dtype="int32"), TypeError, r"B.shadow must have dtype in"
+        ),
         ErrorCase("bare-X", backward_with(bare_x=True), TypeError, r"X must be a Duplicated"),
     ]
 

@@ -21,7 +21,9 @@ def _shape_cases():
         Case("2x3x96", {"shape": (2, 3, 96)}, interpreter=True, quick=True),
         Case("5x1000", {"shape": (5, 1000)}, interpreter=True),
         Case("offset-gemma", {"shape": (4, 160), "offset": 1.0}, interpreter=True),
-        Case("transposed-leading", {"shape": (3, 4, 64), "permute_leading": True}, interpreter=True),
+        Case(
+            "transposed-leading", {"shape": (3, 4, 64), "permute_leading": True}, interpreter=True
+        ),
         Case("7x4097", {"shape": (7, 4097)}),
         Case("wide-2x16384", {"shape": (2, 16384)}),
         Case("rows-3000x64", {"shape": (3000, 64)}),
@@ -52,7 +54,9 @@ def _reference(case, inputs):
 
 def _reference_backward(case, inputs, cotangents):
     offset = case.params.get("offset", 0.0)
-    dx, dw = ref.rms_norm_backward(inputs["x"], inputs["w"], cotangents["y"], eps=EPS, offset=offset)
+    dx, dw = ref.rms_norm_backward(
+        inputs["x"], inputs["w"], cotangents["y"], eps=EPS, offset=offset
+    )
     return {"x": dx, "w": dw}
 
 
@@ -76,15 +80,24 @@ def _allocate_checkpoints(case, arrays):
 
 def _forward_(case, arrays, outs, checkpoints, backend):
     xk.rms_norm_(
-        outs["y"], arrays["x"], arrays["w"], eps=EPS, offset=case.params.get("offset", 0.0),
-        checkpoints=checkpoints, backend=backend,
+        outs["y"],
+        arrays["x"],
+        arrays["w"],
+        eps=EPS,
+        offset=case.params.get("offset", 0.0),
+        checkpoints=checkpoints,
+        backend=backend,
     )
 
 
 def _forward(case, arrays, checkpoints, backend):
     y = xk.rms_norm(
-        arrays["x"], arrays["w"], eps=EPS, offset=case.params.get("offset", 0.0),
-        checkpoints=checkpoints, backend=backend,
+        arrays["x"],
+        arrays["w"],
+        eps=EPS,
+        offset=case.params.get("offset", 0.0),
+        checkpoints=checkpoints,
+        backend=backend,
     )
     return {"y": y}
 
@@ -95,15 +108,24 @@ def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
     W = Duplicated(arrays["w"], grads["w"])
     scratch = xk.allocate_scratchspace(xk.rms_norm_backward_, Y, X, W, backend=backend)
     xk.rms_norm_backward_(
-        Y, X, W, checkpoints=checkpoints, scratch=scratch,
-        offset=case.params.get("offset", 0.0), backend=backend,
+        Y,
+        X,
+        W,
+        checkpoints=checkpoints,
+        scratch=scratch,
+        offset=case.params.get("offset", 0.0),
+        backend=backend,
     )
 
 
 def _backward(case, arrays, outs, cotangents, checkpoints, backend):
     dx, dw = xk.rms_norm_backward(
-        cotangents["y"], arrays["x"], arrays["w"], checkpoints=checkpoints,
-        offset=case.params.get("offset", 0.0), backend=backend,
+        cotangents["y"],
+        arrays["x"],
+        arrays["w"],
+        checkpoints=checkpoints,
+        offset=case.params.get("offset", 0.0),
+        backend=backend,
     )
     return {"x": dx, "w": dw}
 
@@ -159,9 +181,7 @@ def _errors():
         x, w = make(t)
         ck = xk.allocate_checkpoints(xk.rms_norm_, x, w)
         xk.rms_norm(x, w, checkpoints=ck)
-        sc = RMSNormBackwardScratch(
-            dw_partial=t.full((1, 9), 0, "float32")
-        )
+        sc = RMSNormBackwardScratch(dw_partial=t.full((1, 9), 0, "float32"))
         xk.rms_norm_backward_(
             Duplicated(x), Duplicated(x), Duplicated(w), checkpoints=ck, scratch=sc
         )
@@ -180,10 +200,14 @@ def _errors():
         ErrorCase("eps-zero", bad_eps(0.0), ValueError, r"eps must be finite and > 0"),
         ErrorCase("eps-nan", bad_eps(float("nan")), ValueError, r"eps must be finite and > 0"),
         ErrorCase("eps-inf", bad_eps(float("inf")), ValueError, r"eps must be finite and > 0"),
-        ErrorCase("checkpoint-shape", ckpt_shape, ValueError, r"checkpoints.rstd must have shape \(4,\)"),
+        ErrorCase(
+            "checkpoint-shape", ckpt_shape, ValueError, r"checkpoints.rstd must have shape \(4,\)"
+        ),
         ErrorCase("checkpoint-dtype", ckpt_dtype, TypeError, r"checkpoints.rstd must be float32"),
         ErrorCase("missing-checkpoints", missing_ckpt, ValueError, r"checkpoints are required"),
-        ErrorCase("scratch-shape", scratch_shape, ValueError, r"dw_partial must have shape \(P, 8\)"),
+        ErrorCase(
+            "scratch-shape", scratch_shape, ValueError, r"dw_partial must have shape \(P, 8\)"
+        ),
         ErrorCase("bare-X", bare_x_backward, TypeError, r"X must be a Duplicated"),
     ]
 

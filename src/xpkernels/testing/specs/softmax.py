@@ -19,7 +19,9 @@ def _cases():
         Case("5x1000", {"shape": (5, 1000)}, interpreter=True),
         Case("large-logits-4x300", {"shape": (4, 300), "scale": 40.0}, interpreter=True),
         Case("masked-4x200", {"shape": (4, 200), "masked": True}, interpreter=True),
-        Case("transposed-leading", {"shape": (3, 4, 64), "permute_leading": True}, interpreter=True),
+        Case(
+            "transposed-leading", {"shape": (3, 4, 64), "permute_leading": True}, interpreter=True
+        ),
         Case("7x4097", {"shape": (7, 4097)}),
         Case("wide-2x16384", {"shape": (2, 16384)}),
         Case("rows-3000x64", {"shape": (3000, 64)}),
@@ -141,17 +143,59 @@ def _errors():
         return t.xp.reshape(t.full((1,), 1.0, "float32"), ())
 
     return [
-        ErrorCase("x-rank0", forward_with(y=rank0, x=rank0), ValueError, r"x must have shape \(\.\.\., M\)"),
-        ErrorCase("y-shape", forward_with(y=full((4, 9))), ValueError, r"y must have shape \(4, 8\)"),
+        ErrorCase(
+            "x-rank0",
+            forward_with(y=rank0, x=rank0),
+            ValueError,
+            r"x must have shape \(\.\.\., M\)",
+        ),
+        ErrorCase(
+            "y-shape", forward_with(y=full((4, 9))), ValueError, r"y must have shape \(4, 8\)"
+        ),
         ErrorCase("int-x", forward_with(x=int_array((4, 8))), TypeError, r"x must have dtype in"),
         ErrorCase("int-y", forward_with(y=int_array((4, 8))), TypeError, r"y must have dtype in"),
-        ErrorCase("mixed-namespaces", forward_with(y=other_namespace), TypeError, r"y is a \w+ array but x is a \w+ array"),
-        ErrorCase("mixed-devices", forward_with(y=other_device), TypeError, r"y is on device .* but x is on"),
-        ErrorCase("x-last-axis-strided", forward_with(x=strided), ValueError, r"x must be contiguous along its last axis"),
-        ErrorCase("y-last-axis-strided", forward_with(y=strided), ValueError, r"y must be contiguous along its last axis"),
-        ErrorCase("dx-shape", backward_with(dx=full((4, 9))), ValueError, r"X.shadow must have shape \(4, 8\)"),
-        ErrorCase("dy-dtype", backward_with(dy=int_array((4, 8))), TypeError, r"Y.shadow must have dtype in"),
-        ErrorCase("dx-mixed-namespaces", backward_with(dx=other_namespace), TypeError, r"X.shadow is a \w+ array but Y.primal is a \w+ array"),
+        ErrorCase(
+            "mixed-namespaces",
+            forward_with(y=other_namespace),
+            TypeError,
+            r"y is a \w+ array but x is a \w+ array",
+        ),
+        ErrorCase(
+            "mixed-devices",
+            forward_with(y=other_device),
+            TypeError,
+            r"y is on device .* but x is on",
+        ),
+        ErrorCase(
+            "x-last-axis-strided",
+            forward_with(x=strided),
+            ValueError,
+            r"x must be contiguous along its last axis",
+        ),
+        ErrorCase(
+            "y-last-axis-strided",
+            forward_with(y=strided),
+            ValueError,
+            r"y must be contiguous along its last axis",
+        ),
+        ErrorCase(
+            "dx-shape",
+            backward_with(dx=full((4, 9))),
+            ValueError,
+            r"X.shadow must have shape \(4, 8\)",
+        ),
+        ErrorCase(
+            "dy-dtype",
+            backward_with(dy=int_array((4, 8))),
+            TypeError,
+            r"Y.shadow must have dtype in",
+        ),
+        ErrorCase(
+            "dx-mixed-namespaces",
+            backward_with(dx=other_namespace),
+            TypeError,
+            r"X.shadow is a \w+ array but Y.primal is a \w+ array",
+        ),
         ErrorCase("bare-Y", backward_with(duplicated=False), TypeError, r"Y must be a Duplicated"),
     ]
 
