@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from ._common import traced
+
 #: log2(e): scores are scaled by ``scale * LOG2E`` so the kernels use ``exp2``.
 LOG2E = 1.4426950408889634
 #: ln(2): converts a base-2 row max back to the natural-log checkpoint ``m``.
@@ -263,11 +265,11 @@ def launch(kernel, tuned, table: TileTable, grid, args, meta, work: int, like) -
     ``meta`` must hold ``BLOCK_D``.
     """
     if use_autotune(work, like):
-        tuned[grid](*args, **meta)
+        traced(tuned, like)[grid](*args, **meta)
         return
     tile = table.choose(meta["BLOCK_D"], like.element_size())
     blocks = tile.blocks()
-    kernel[grid(blocks)](
+    traced(kernel, like)[grid(blocks)](
         *args, **meta, **blocks, num_warps=tile.num_warps, num_stages=tile.num_stages
     )
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 from triton.runtime.interpreter import InterpretedFunction
 
 from xpkernels.registry import BackendError
@@ -53,6 +54,8 @@ __all__ = [
     "partial_programs",
     "reduce_partials",
     "row_config",
+    "traced",
+    "tracing",
 ]
 
 #: Bytes of one vector load or store (128 bits): the smallest ``BLOCK_M`` in bytes.
@@ -172,19 +175,43 @@ def partial_programs(rows: int, m: int, like) -> int:
     return max(1, min(cap, config.tiles(rows)))
 
 
+def tracing(tensor) -> bool:
+    """Whether torch is tracing the call ``tensor`` belongs to (fake tensors, ``torch.compile``).
+
+    Then no kernel runs: launches are recorded through :func:`traced`, and no
+    device is entered or queried.
+    """
+    return is_fake(tensor) or torch.compiler.is_compiling()
+
+
+def traced(kernel, like):
+    """``kernel`` as launched for tensors like ``like``: through ``wrap_triton`` while traced.
+
+    The ``xpkernels::*_triton`` ops (``xpkernels.torch``) are
+    ``torch.library.triton_op`` s: under ``torch.compile`` their
+    implementation runs on fake tensors, and each wrapped launch becomes a
+    node of the graph that Inductor compiles with the kernel itself. On real
+    tensors the kernel launches directly (wrapping costs a dispatch per launch).
+    """
+    return torch.library.wrap_triton(kernel) if tracing(like) else kernel
+
+
 def launch_context(kernel, tensor):
     """The context a launch of ``kernel`` on ``tensor``'s device runs in.
 
     CUDA launches go to the tensor's device (Triton launches on the current
-    one). CPU tensors run only through the Triton interpreter, which Triton
-    chooses when a kernel is defined: ``TRITON_INTERPRET=1`` must be set
-    before ``xpkernels.backends.triton`` is imported.
+    one); while torch traces (:func:`tracing`) nothing launches and no device
+    is entered. CPU tensors run only through the Triton interpreter, which
+    Triton chooses when a kernel is defined: ``TRITON_INTERPRET=1`` must be
+    set before ``xpkernels.backends.triton`` is imported.
 
     Raises
     ------
     BackendError
         CPU tensors, but the kernels were compiled for a GPU.
     """
+    if tracing(tensor):
+        return contextlib.nullcontext()
     if tensor.device.type == "cuda":
         return torch.cuda.device(tensor.device)
     if not isinstance(kernel, InterpretedFunction):
@@ -265,7 +292,7 @@ def reduce_partials(partial, out) -> None:
         return
     kernel = _reduce_partials_kernel
     with launch_context(kernel, partial):
-        kernel[(triton.cdiv(m, REDUCE_BLOCK_N),)](
+        traced(kernel, partial)[(triton.cdiv(m, REDUCE_BLOCK_N),)](
             partial,
             out,
             p,

@@ -75,7 +75,7 @@ from ._attn_common import (
     row_max,
     scalar_or_pointer,
 )
-from ._common import launch_context
+from ._common import launch_context, traced
 
 __all__ = ["backward", "forward"]
 
@@ -1451,7 +1451,7 @@ def backward(
     with launch_context(_dq_kernel, q):
         if Sq > 0:
             delta_rows = _DELTA_TILE // meta["BLOCK_DV"]
-            _delta_kernel[(triton.cdiv(Sq, delta_rows) * B * H,)](
+            traced(_delta_kernel, q)[(triton.cdiv(Sq, delta_rows) * B * H,)](
                 o,
                 do,
                 delta,

@@ -44,7 +44,7 @@ from ._attn_common import (
     launch,
     sm_count,
 )
-from ._common import launch_context
+from ._common import launch_context, traced
 
 __all__ = ["default_splits", "forward"]
 
@@ -491,7 +491,7 @@ def forward(o, q, k, v, lengths, o_partial, m_partial, l_partial, *, scale) -> N
             B * Hkv * Smax * D,
             q,
         )
-        _combine_kernel[(B * H,)](
+        traced(_combine_kernel, q)[(B * H,)](
             o_partial,
             m_partial,
             l_partial,

@@ -30,6 +30,7 @@ from ._common import (
     partial_programs,
     reduce_partials,
     row_config,
+    traced,
 )
 
 __all__ = ["backward", "forward", "partials", "reduce_partials"]
@@ -157,7 +158,7 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
     kernel = _forward_streaming if config.streaming else _forward_fused
     chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
     with launch_context(kernel, x):
-        kernel[(config.tiles(rows),)](
+        traced(kernel, x)[(config.tiles(rows),)](
             y,
             x,
             w,
@@ -385,7 +386,7 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
     kernel = _backward_streaming if config.streaming else _backward_fused
     chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
     with launch_context(kernel, x):
-        kernel[(programs,)](
+        traced(kernel, x)[(programs,)](
             dy,
             x,
             w,

@@ -26,6 +26,7 @@ from ._common import (
     partial_programs,
     reduce_partials,
     row_config,
+    traced,
 )
 
 __all__ = ["backward", "forward", "partials", "reduce_partials"]
@@ -139,7 +140,7 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
     kernel = _forward_streaming if config.streaming else _forward_fused
     chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
     with launch_context(kernel, x):
-        kernel[(config.tiles(rows),)](
+        traced(kernel, x)[(config.tiles(rows),)](
             y,
             x,
             w,
@@ -321,7 +322,7 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     kernel = _backward_streaming if config.streaming else _backward_fused
     chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
     with launch_context(kernel, x):
-        kernel[(programs,)](
+        traced(kernel, x)[(programs,)](
             dy,
             x,
             w,

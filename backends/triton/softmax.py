@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import launch_context, row_config
+from ._common import launch_context, row_config, traced
 
 __all__ = ["backward", "forward"]
 
@@ -111,7 +111,7 @@ def forward(y, x) -> None:
     kernel = _forward_streaming if config.streaming else _forward_fused
     chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
     with launch_context(kernel, x):
-        kernel[(config.tiles(rows),)](
+        traced(kernel, x)[(config.tiles(rows),)](
             y,
             x,
             rows,
@@ -205,7 +205,7 @@ def backward(y, dy, dx) -> None:
     kernel = _backward_streaming if config.streaming else _backward_fused
     chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
     with launch_context(kernel, y):
-        kernel[(config.tiles(rows),)](
+        traced(kernel, y)[(config.tiles(rows),)](
             y,
             dy,
             dx,

@@ -20,6 +20,11 @@ no backend records autograd through its own arithmetic. A backward run with
 ``create_graph=True`` returns gradients whose own backward raises "double
 backward is not supported".
 
+The functional ops the Triton backend serves are defined through
+:func:`xpkernels.torch._triton.functional_op`: each also has a
+``torch.library.triton_op`` twin ``xpkernels::p_triton``, which
+``torch.compile`` traces into on CUDA (the graph holds the Triton kernels).
+
 Flex attention's mods are Python objects, which an op schema cannot carry:
 :func:`register_flex` files them under an integer key, and the ops receive
 that key plus the score mod's captured float arrays as a tensor list (so
@@ -46,6 +51,7 @@ from ..layer_norm import LayerNormCheckpoints, layer_norm_, layer_norm_backward_
 from ..mods import FLOAT, Graph, as_mask_mod, as_score_mod
 from ..rms_norm import RMSNormBackwardScratch, RMSNormCheckpoints, rms_norm_, rms_norm_backward_
 from ..softmax import softmax_, softmax_backward_
+from ._triton import functional_op
 
 __all__ = ["OPS", "FlexMods", "register_flex", "flex_mods", "score_arrays"]
 
@@ -131,7 +137,7 @@ def _(y, x, w, rstd, eps, offset, backend):
     return None
 
 
-@torch.library.custom_op(_name("rms_norm"), mutates_args=())
+@functional_op("rms_norm")
 def rms_norm(
     x: Tensor, w: Tensor | None, eps: float, offset: float, backend: str | None
 ) -> tuple[Tensor, Tensor]:
@@ -180,7 +186,7 @@ def _(dy, x, w, rstd, dx, dw, dw_partial, offset, backend):
     return None
 
 
-@torch.library.custom_op(_name("rms_norm_backward"), mutates_args=())
+@functional_op("rms_norm_backward")
 def rms_norm_backward(
     dy: Tensor,
     x: Tensor,
@@ -257,7 +263,7 @@ def _(y, x, w, b, mean, rstd, eps, backend):
     return None
 
 
-@torch.library.custom_op(_name("layer_norm"), mutates_args=())
+@functional_op("layer_norm")
 def layer_norm(
     x: Tensor, w: Tensor | None, b: Tensor | None, eps: float, backend: str | None
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -321,7 +327,7 @@ def _(dy, x, w, b, mean, rstd, dx, dw, db, dw_partial, db_partial, backend):
     return None
 
 
-@torch.library.custom_op(_name("layer_norm_backward"), mutates_args=())
+@functional_op("layer_norm_backward")
 def layer_norm_backward(
     dy: Tensor,
     x: Tensor,
@@ -397,7 +403,7 @@ def _(y, x, backend):
     return None
 
 
-@torch.library.custom_op(_name("softmax"), mutates_args=())
+@functional_op("softmax")
 def softmax(x: Tensor, backend: str | None) -> Tensor:
     """Softmax forward over the last axis."""
     with torch.no_grad():
@@ -423,7 +429,7 @@ def _(dy, y, dx, backend):
     return None
 
 
-@torch.library.custom_op(_name("softmax_backward"), mutates_args=())
+@functional_op("softmax_backward")
 def softmax_backward(dy: Tensor, y: Tensor, backend: str | None) -> Tensor:
     """Softmax backward: ``dx``."""
     with torch.no_grad():
@@ -499,7 +505,7 @@ def _(o, q, k, v, m, l, causal, scale, input_pos, input_pos_array, q_lengths, k_
     return None
 
 
-@torch.library.custom_op(_name("attention"), mutates_args=())
+@functional_op("attention")
 def attention(
     q: Tensor,
     k: Tensor,
@@ -610,7 +616,7 @@ def _(
     return None
 
 
-@torch.library.custom_op(_name("attention_backward"), mutates_args=())
+@functional_op("attention_backward")
 def attention_backward(
     do: Tensor,
     q: Tensor,
@@ -728,7 +734,7 @@ def _(o, q, k_cache, v_cache, lengths, o_partial, m_partial, l_partial, scale, n
     return None
 
 
-@torch.library.custom_op(_name("decode_attention"), mutates_args=())
+@functional_op("decode_attention")
 def decode_attention(
     q: Tensor,
     k_cache: Tensor,
