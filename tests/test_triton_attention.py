@@ -645,3 +645,34 @@ def test_in_place_calls_read_no_device_integer_on_the_host(monkeypatch):
     if DEVICE == "cpu":
         passed = {id(a) for args in launched for a in args if isinstance(a, torch.Tensor)}
         assert len(launched) == 6 and {id(t) for t in (*guarded.values(), lengths)} <= passed
+
+
+ODD_HEAD_CASES = [
+    # id, B, H, Hkv, Sq, Sk, D, Dv, causal, input_pos, q_lengths, k_lengths, bshd
+    ("d40-dv80-causal-gqa", 1, 2, 1, 18, 20, 40, 80, True, [2], [17], [19], False),
+    ("d96-dv111-full", 1, 1, 1, 17, 19, 96, 111, False, 0, None, [13], False),
+    ("d111-dv40-causal", 1, 2, 2, 17, 18, 111, 40, True, 1, None, None, True),
+    ("d80-dv96-causal", 1, 1, 1, 19, 17, 80, 96, True, 0, [15], None, False),
+]
+
+
+@pytest.mark.parametrize(
+    "case,dtype",
+    [
+        pytest.param(c, torch.float16 if i % 2 else torch.float32, id=c[0])
+        for i, c in enumerate(ODD_HEAD_CASES)
+    ],
+)
+def test_odd_head_dims_use_the_masked_head_dim_variant(case, dtype):
+    """Head dims 40/80/96/111 pad to a power-of-two tile (EVEN_D/EVEN_DV false): the padded
+    columns must stay out of every product and every store of the backward."""
+    rng = np.random.default_rng(zlib.crc32(case[0].encode()))
+    tensors, exact, opts, ref_opts = _attn_inputs(case, dtype, rng)
+    ref_out, ref_grad = reference_attention(
+        exact["q"], exact["k"], exact["v"], exact["do"], **ref_opts
+    )
+    o, m, l = _run_forward(tensors, opts)
+    assert _err(o, ref_out["o"]) <= TOL[dtype], "o"
+    grads = _run_backward(tensors, o, m, l, opts)
+    for name in ("q", "k", "v"):
+        assert _err(grads[name], ref_grad[name]) <= BACKWARD_TOL[dtype], f"d{name}"

@@ -556,6 +556,20 @@ def _row_stats(m_base, l_base, delta_base, stride_mm, stride_lm, stride_dem, off
 
 
 @triton.jit
+def _load_rows(base, row_off, stride, offs_m, offs_d, row_ok, D, EVEN: tl.constexpr):
+    """Rows ``row_off + offs_m`` (all ``offs_d`` columns) of a row-major tile, zero where not ``row_ok``.
+
+    The mask is on the sequence axis only when ``EVEN`` (the tile is the head
+    dim), so each row is loaded by 16-byte vectors; otherwise it also covers
+    the padded head-dim columns.
+    """
+    ptrs = base + row_off * stride + offs_m[:, None] * stride + offs_d[None, :]
+    if EVEN:
+        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    return tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
 def _dkdv_step(
     dk,
     dv,
@@ -582,28 +596,25 @@ def _dkdv_step(
     D,
     DV,
     MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Add the query tile at ``m0`` of one query head to a key tile's ``dk`` (unscaled) and ``dv``.
 
-    ``MASKED`` applies the causal mask (query tiles crossing the diagonal);
-    rows ``>= q_len`` are excluded by the loads (``P = 0`` there). K and V stay
-    the B operands of the products (``q k^T``, ``do v^T``), which keeps them out
-    of registers; P and dS are transposed instead.
+    Transposed form: every product has the key tile as its M dimension --
+    ``s^T = k q^T`` and ``dp^T = v dO^T`` are ``(BLOCK_N, BLOCK_M)``, then
+    ``dv += p^T dO`` and ``dk += ds^T q`` -- so with ``BLOCK_N >= 64`` each
+    lowers to a warpgroup MMA on Hopper, Q and dO being the shared-memory B
+    operands. ``MASKED``
+    applies the causal mask (query tiles crossing the diagonal); rows
+    ``>= q_len`` are excluded by the loads (``P = 0`` there).
     """
     rows = m0 + offs_m
     row_ok = rows < q_len
     row_off = tl.cast(m0, tl.int64)
-    q = tl.load(
-        q_base + row_off * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :],
-        mask=row_ok[:, None] & (offs_d[None, :] < D),
-        other=0.0,
-    ).to(k.dtype)
-    do = tl.load(
-        do_base + row_off * stride_dom + offs_m[:, None] * stride_dom + offs_dv[None, :],
-        mask=row_ok[:, None] & (offs_dv[None, :] < DV),
-        other=0.0,
-    ).to(k.dtype)
+    q = _load_rows(q_base, row_off, stride_qm, offs_m, offs_d, row_ok, D, EVEN_D).to(k.dtype)
+    do = _load_rows(do_base, row_off, stride_dom, offs_m, offs_dv, row_ok, DV, EVEN_DV).to(k.dtype)
     lse2, delta = _row_stats(
         m_base + row_off * stride_mm,
         l_base + row_off * stride_lm,
@@ -614,24 +625,24 @@ def _dkdv_step(
         offs_m,
         row_ok,
     )
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    p = tl.exp2(s - lse2[:, None])
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+    p_t = tl.exp2(s_t - lse2[None, :])
     if MASKED:
         # Masked pairs get p = ds = 0 by selection (never 0 * NaN); a query
         # row's non-finite entries enter dK as 0 -- the pairs that see them
         # carry NaN in ds already.
-        visible = key_pos[None, :] <= (pos0 + rows)[:, None]
-        p = tl.where(visible, p, 0.0)
-        dv = tl.dot(tl.trans(p.to(k.dtype)), do, dv, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)
+        visible = key_pos[:, None] <= (pos0 + rows)[None, :]
+        p_t = tl.where(visible, p_t, 0.0)
+        dv = tl.dot(p_t.to(k.dtype), do, dv, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = tl.where(visible, p_t * (dp_t - delta[None, :]), 0.0)
         q_finite = tl.where(tl.abs(q.to(tl.float32)) < float("inf"), q, 0.0).to(k.dtype)
-        dk = tl.dot(tl.trans(ds.to(k.dtype)), q_finite, dk, input_precision=PRECISION)
+        dk = tl.dot(ds_t.to(k.dtype), q_finite, dk, input_precision=PRECISION)
     else:
-        dv = tl.dot(tl.trans(p.to(k.dtype)), do, dv, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk = tl.dot(tl.trans(ds.to(k.dtype)), q, dk, input_precision=PRECISION)
+        dv = tl.dot(p_t.to(k.dtype), do, dv, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(k.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
@@ -663,6 +674,8 @@ def _dkdv_tiles(
     D,
     DV,
     MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
@@ -695,6 +708,8 @@ def _dkdv_tiles(
                 D,
                 DV,
                 MASKED,
+                EVEN_D,
+                EVEN_DV,
                 PRECISION,
             )
     else:
@@ -726,6 +741,8 @@ def _dkdv_tiles(
                 D,
                 DV,
                 MASKED,
+                EVEN_D,
+                EVEN_DV,
                 PRECISION,
             )
             m0 += BLOCK_M
@@ -788,6 +805,8 @@ def _dkdv_kernel(
     POS_ARRAY: tl.constexpr,
     PRECISION: tl.constexpr,  # tl.dot input precision
     DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,  # the padded head dims equal D, DV
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,  # padded head dims
     BLOCK_M: tl.constexpr,
@@ -813,16 +832,8 @@ def _dkdv_kernel(
 
     k_tile = b64 * stride_kb + kvh.to(tl.int64) * stride_kh + start_n.to(tl.int64) * stride_kn
     v_tile = b64 * stride_vb + kvh.to(tl.int64) * stride_vh + start_n.to(tl.int64) * stride_vn
-    k = tl.load(
-        k_ptr + k_tile + offs_n[:, None] * stride_kn + offs_d[None, :],
-        mask=key_ok[:, None] & (offs_d[None, :] < D),
-        other=0.0,
-    ).to(DOT_TYPE)
-    v = tl.load(
-        v_ptr + v_tile + offs_n[:, None] * stride_vn + offs_dv[None, :],
-        mask=key_ok[:, None] & (offs_dv[None, :] < DV),
-        other=0.0,
-    ).to(k.dtype)
+    k = _load_rows(k_ptr + k_tile, 0, stride_kn, offs_n, offs_d, key_ok, D, EVEN_D).to(DOT_TYPE)
+    v = _load_rows(v_ptr + v_tile, 0, stride_vn, offs_n, offs_dv, key_ok, DV, EVEN_DV).to(k.dtype)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
 
@@ -874,6 +885,8 @@ def _dkdv_kernel(
                 D,
                 DV,
                 True,
+                EVEN_D,
+                EVEN_DV,
                 PRECISION,
                 BLOCK_M,
             )
@@ -904,6 +917,8 @@ def _dkdv_kernel(
             D,
             DV,
             False,
+            EVEN_D,
+            EVEN_DV,
             PRECISION,
             BLOCK_M,
         )
@@ -916,16 +931,19 @@ def _dkdv_kernel(
     key_off = start_n.to(tl.int64)
     dk_base = dk_ptr + b64 * stride_dkb + kvh64 * stride_dkh + key_off * stride_dkn
     dv_base = dv_ptr + b64 * stride_dvb + kvh64 * stride_dvh + key_off * stride_dvn
-    tl.store(
-        dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :],
-        dk.to(dk_ptr.dtype.element_ty),
-        mask=in_bounds[:, None] & (offs_d[None, :] < D),
-    )
-    tl.store(
-        dv_base + offs_n[:, None] * stride_dvn + offs_dv[None, :],
-        dv.to(dv_ptr.dtype.element_ty),
-        mask=in_bounds[:, None] & (offs_dv[None, :] < DV),
-    )
+    _store_rows(dk_base, stride_dkn, offs_n, offs_d, in_bounds, D, dk, EVEN_D)
+    _store_rows(dv_base, stride_dvn, offs_n, offs_dv, in_bounds, DV, dv, EVEN_DV)
+
+
+@triton.jit
+def _store_rows(base, stride, offs_n, offs_d, row_ok, D, x, EVEN: tl.constexpr):
+    """Store ``x`` to rows ``offs_n`` of ``base`` where ``row_ok``; the head-dim mask only if not ``EVEN``."""
+    ptrs = base + offs_n[:, None] * stride + offs_d[None, :]
+    x = x.to(base.dtype.element_ty)
+    if EVEN:
+        tl.store(ptrs, x, mask=row_ok[:, None])
+    else:
+        tl.store(ptrs, x, mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
 @triton.jit
@@ -1269,7 +1287,9 @@ _FORWARD_TILES = TileTable(
         256: (Tile(64, 32, 8, 2), Tile(64, 64, 8, 2), Tile(128, 32, 8, 2)),
     },
 )
-# dK/dV: BLOCK_N keys per program, BLOCK_M query rows per step.
+# dK/dV: BLOCK_N keys per program, BLOCK_M query rows per step. BLOCK_N is the M
+# dimension of every product (wgmma from 64); at D=256 a 64-key tile spills
+# (two 64x256 float32 accumulators), so that class keeps 32 keys and mma.sync.
 _DKDV_TILES = TileTable(
     default={64: Tile(32, 64, 4, 3), 128: Tile(32, 64, 8, 2), 256: Tile(32, 32, 8, 2)},
     wide_default={64: Tile(32, 32, 8, 1), 128: Tile(16, 16, 4, 1), 256: Tile(16, 16, 4, 1)},
@@ -1446,6 +1466,7 @@ def backward(
         return
     pointers, pos_scalar, meta = _options(q, k, v, input_pos, q_lengths, k_lengths)
     meta["CAUSAL"] = bool(causal)
+    even = {**meta, "EVEN_D": meta["BLOCK_D"] == D, "EVEN_DV": meta["BLOCK_DV"] == DV}
     qk_scale = scale * LOG2E
     work = B * H * Sq * Sk
     with launch_context(_dq_kernel, q):
@@ -1505,7 +1526,7 @@ def backward(
                     D,
                     DV,
                 ),
-                meta,
+                even,
                 work,
                 q,
             )
@@ -1537,7 +1558,7 @@ def backward(
                     D,
                     DV,
                 ),
-                {**meta, "EVEN_D": meta["BLOCK_D"] == D, "EVEN_DV": meta["BLOCK_DV"] == DV},
+                even,
                 work,
                 q,
             )
