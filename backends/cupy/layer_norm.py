@@ -75,6 +75,19 @@ def _reduce_expressions() -> list[str]:
     return [f"layer_norm_reduce_partials<{c}>" for c in _rows.CTYPES.values()]
 
 
+def _module(loader, t: str, tw: str, tb: str):
+    """The compiled module of one ``(T, TW, TB)``: its forward, the backward of ``(T, TW)``, the reductions.
+
+    One module serves a whole training step in the usual case (``w`` and ``b``
+    of one dtype): the backward asks for ``(T, TW, TW)``, the reductions for
+    ``(T, TOut, TOut)`` with the gradient's type.
+    """
+    expressions = (
+        _forward_expressions(t, tw, tb) + _backward_expressions(t, tw) + _reduce_expressions()
+    )
+    return loader.module(SOURCE, expressions, OPTIONS)
+
+
 def name_expressions() -> list[str]:
     """Every template instantiation of the default configurations (for offline compile reports).
 
@@ -107,7 +120,7 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
         return
     loader = loader_for(x)
     v = _rows.vector((x, y), (w, b))
-    module = loader.module(SOURCE, _forward_expressions(t, tw, tb), OPTIONS)
+    module = _module(loader, t, tw, tb)
     args = (
         y,
         x,
@@ -198,7 +211,7 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
         *db_strides,
         np.int32(1 if accumulate else 0),
     ]
-    module = loader.module(SOURCE, _backward_expressions(t, tw), OPTIONS)
+    module = _module(loader, t, tw, tw)
     if warp:
         kernel = module.get_function(f"layer_norm_backward_warp<{t},{tw},{v},{c}>")
         shared = n_partials * _rows.WARP_ROWS * m * 4
@@ -238,7 +251,7 @@ def reduce_partials(partial, out) -> None:
     c = _rows.ctype(_OP, "dw/db", out)
     if m == 0:
         return
-    module = loader_for(partial).module(SOURCE, _reduce_expressions(), OPTIONS)
+    module = _module(loader_for(partial), c, c, c)
     kernel = module.get_function(f"layer_norm_reduce_partials<{c}>")
     kernel(
         (-(-m // _rows.REDUCE_THREADS),),
