@@ -364,6 +364,17 @@ def test_block_kernels_with_many_rows_per_block_and_vector_access(harness, dtype
     _close(y, _softmax_reference(x), dt, m, "softmax y")
 
 
+def test_layer_norm_sums_a_wide_row_in_more_than_48k_of_shared_memory(harness):
+    # dw and db sums of 6200 columns: 49.6 KB of dynamic shared memory, beyond the default limit.
+    rng = np.random.default_rng(13)
+    rows, m = 3, 6200
+    x, dy = rng.standard_normal((rows, m)).astype(np.float32), np.ones((rows, m), np.float32)
+    w, b = np.ones(m, np.float32), np.zeros(m, np.float32)
+    assert 2 * m * 4 > _rows.DEFAULT_SHARED and 2 * m * 4 <= L.SMEM_ACC_MAX_BYTES
+    out = _run_layer_norm(x, w, b, dy, np.empty_like(x), 2)
+    _check_layer_norm(out, _layer_norm_reference(x, w, b, dy), np.float32, rows, m)
+
+
 def test_thread_per_cuda_thread_mode_gives_the_same_results():
     rng = np.random.default_rng(5)
     x = rng.standard_normal((5, 600)).astype(np.float32)
