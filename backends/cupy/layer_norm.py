@@ -78,9 +78,9 @@ def _reduce_expressions() -> list[str]:
 def _module(loader, t: str, tw: str, tb: str):
     """The compiled module of one ``(T, TW, TB)``: its forward, the backward of ``(T, TW)``, the reductions.
 
-    One module serves a whole training step in the usual case (``w`` and ``b``
-    of one dtype): the backward asks for ``(T, TW, TW)``, the reductions for
-    ``(T, TOut, TOut)`` with the gradient's type.
+    The backward asks for ``(T, TW, TW)`` and the reductions for ``(TOut,
+    TOut, TOut)``, ``TOut`` the gradient's type: with ``w`` and ``b`` of x's
+    dtype (or None), one module serves a whole training step.
     """
     expressions = (
         _forward_expressions(t, tw, tb) + _backward_expressions(t, tw) + _reduce_expressions()
