@@ -433,9 +433,8 @@ def test_every_cupy_source_compiles_with_nvrtc_without_warnings_or_spills():
                 assert k["spill_store_bytes"] == 0 and k["spill_load_bytes"] == 0, (
                     f"{arch} {name}: {k}"
                 )
-                if re.search(
-                    r"<float,\w+,4,|<__(half|nv_bfloat16),\w+,8,", name
-                ):  # 16-byte vectors
+                # 16-byte vectors: <T, ..., V, C> with V * sizeof(T) == 16
+                if re.search(r"<(float,(\w+,)*4|__(half|nv_bfloat16),(\w+,)*8),\d+>$", name):
                     assert k["global_load_bits"] == 128 and k["global_store_bits"] == 128, (
                         f"{name}: {k}"
                     )

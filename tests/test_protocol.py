@@ -391,7 +391,7 @@ def test_cupy_declaration_serves_cupy_arrays_on_cuda(fake_cupy):
     call = Call("cupy", "cuda", ("bfloat16", "float32"))
     assert cupy.supports("rms_norm", call)
     cases = [
-        ("softmax", call, "has no softmax kernel"),
+        ("attention", call, "has no attention kernel"),
         ("rms_norm", Call("cupy", "cuda", ("float64",)), "not float64"),
         ("rms_norm", Call("torch", "cuda", ("float32",)), "serves cupy, numpy arrays, not torch"),
         (

@@ -196,16 +196,16 @@ def test_cupy_arrays_on_cuda_route_to_cupy(cupy_arrays_on_cuda):
 def test_cupy_ops_without_kernels_fall_back_with_one_warning(cupy_arrays_on_cuda):
     arrays = _arrays(np)
     with pytest.warns(
-        RuntimeWarning, match="because backend 'cupy' cannot serve it: it has no softmax kernel"
+        RuntimeWarning, match="because backend 'cupy' cannot serve it: it has no attention kernel"
     ):
-        assert resolve("softmax", arrays).backend == "array_api"
+        assert resolve("attention", arrays).backend == "array_api"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve("softmax", arrays).backend == "array_api"
+        assert resolve("attention", arrays).backend == "array_api"
     with pytest.raises(
-        BackendError, match="'cupy' .* cannot serve cupy arrays on cuda: it has no softmax kernel"
+        BackendError, match="'cupy' .* cannot serve cupy arrays on cuda: it has no attention kernel"
     ):
-        resolve("softmax", arrays, backend="cupy")
+        resolve("attention", arrays, backend="cupy")
 
 
 def test_cupy_without_a_device_falls_back_or_refuses(cupy_arrays_on_cuda):
@@ -230,14 +230,14 @@ def test_explicit_cupy_on_numpy_needs_emulate(monkeypatch):
     with cudacpu.emulate():
         assert resolve("rms_norm", arrays).backend == "array_api"
         assert resolve("rms_norm", arrays, backend="cupy").backend == "cupy"
-        with pytest.raises(BackendError, match="it has no layer_norm kernel"):
-            resolve("layer_norm", arrays, backend="cupy")
+        with pytest.raises(BackendError, match="it has no attention kernel"):
+            resolve("attention", arrays, backend="cupy")
 
 
 def test_backends_lists_cupy_with_its_reason(monkeypatch):
     monkeypatch.delitem(sys.modules, "cupy", raising=False)
     row = next(b for b in xk.backends() if b.name == "cupy")
-    assert row.ops == ("rms_norm",) and row.namespaces == ("cupy", "numpy")
+    assert row.ops == ("rms_norm", "layer_norm", "softmax") and row.namespaces == ("cupy", "numpy")
     if importlib.util.find_spec("cupy") is None:
         assert not row.available
         assert "cupy is not installed" in row.reason and "cudacpu.emulate()" in row.reason

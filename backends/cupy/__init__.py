@@ -4,9 +4,9 @@ Launchers (``<primitive>.py``) are written against the small module-loader
 interface of :mod:`._loader`, so the same launchers and ``.cu`` files run on
 a GPU through ``cupy.RawModule`` (NVRTC) and on the CPU through
 :mod:`xpkernels.testing.cudacpu` (``with cudacpu.emulate(): ...``). Only CuPy
-is imported on the GPU path: no torch, no triton. So far only ``rms_norm``
-has CUDA C kernels; routing sends the other ops on CuPy arrays to the
-array_api backend (warned once).
+is imported on the GPU path: no torch, no triton. So far ``rms_norm``,
+``layer_norm`` and ``softmax`` have CUDA C kernels; routing sends the other
+ops on CuPy arrays to the array_api backend (warned once).
 
 Routing reads :data:`BACKEND`, which serves two kinds of calls:
 
@@ -31,6 +31,7 @@ from xpkernels.backends.protocol import Backend, Capability
 from . import _loader
 
 _DTYPES = ("float32", "float16", "bfloat16")
+_NORM = Capability(dtypes=_DTYPES, hooks=("partials", "reduce_partials"))
 _NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
 
 
@@ -91,6 +92,10 @@ BACKEND = Backend(
     devices=("cuda", "cpu"),
     module=__name__,
     requires=(),
-    ops={"rms_norm": Capability(dtypes=_DTYPES, hooks=("partials", "reduce_partials"))},
+    ops={
+        "rms_norm": _NORM,
+        "layer_norm": _NORM,
+        "softmax": Capability(dtypes=_DTYPES),
+    },
     device_problem=device_problem,
 )

@@ -61,6 +61,51 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(lane < warps ? scratch[lane] : 0.0f);
 }
 
+// Sums of two values over a block, as block_sum (one pair of barriers for both);
+// `scratch` is 32 float2 of shared memory.
+__device__ __forceinline__ void block_sum2(float& a, float& b, float2* scratch) {
+    a = warp_sum(a);
+    b = warp_sum(b);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    __syncthreads();  // an earlier call may still read scratch
+    if (lane == 0) scratch[warp] = make_float2(a, b);
+    __syncthreads();
+    const float2 mine = lane < warps ? scratch[lane] : make_float2(0.0f, 0.0f);
+    a = warp_sum(mine.x);
+    b = warp_sum(mine.y);
+}
+
+// -infinity (NVRTC has no INFINITY macro).
+__device__ __forceinline__ float neg_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }
+
+// Maximum over the 32 lanes of a full warp; every lane gets the same bits.
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Maximum over a block, with the calling rules of block_sum; `scratch` is 32 floats.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    v = warp_max(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    __syncthreads();  // an earlier call may still read scratch
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return warp_max(lane < warps ? scratch[lane] : neg_inf());
+}
+
+// Column `col` of a (P, M) float32 array of partial sums, summed over its P rows in
+// order (deterministic), for the reduce_partials kernels.
+__device__ __forceinline__ float sum_partial_column(
+    const float* partial, int p, int col, long long stride_p, long long stride_m) {
+    float s = 0.0f;
+    for (int i = 0; i < p; ++i) s += partial[i * stride_p + col * stride_m];
+    return s;
+}
+
 // The launch's dynamic shared memory (16-byte aligned), declared in this one place.
 template <typename T>
 __device__ __forceinline__ T* dynamic_smem() {

@@ -1,0 +1,268 @@
+r"""LayerNorm in CUDA C (``layer_norm.cu``), launched through the module-loader interface.
+
+Per row, with :math:`w = 1` when ``w`` is None and :math:`b = 0` when ``b`` is None:
+
+.. math::
+
+    \mu = \tfrac{1}{M}\textstyle\sum_j x_j,\quad
+    \mathrm{rstd} = \big(\tfrac{1}{M}\textstyle\sum_j (x_j - \mu)^2 + \varepsilon\big)^{-1/2},\quad
+    y = \hat x\,w + b,\\
+    dx = \mathrm{rstd}\,\big(g - \tfrac{1}{M}\textstyle\sum_j g_j
+         - \hat x\,\tfrac{1}{M}\textstyle\sum_j g_j\hat x_j\big),\quad
+    dw = \textstyle\sum_{\text{rows}} dy\,\hat x,\quad
+    db = \textstyle\sum_{\text{rows}} dy
+
+with :math:`\hat x = (x - \mu)\,\mathrm{rstd}`, :math:`g = dy\,w`. The
+variance comes from values centred on a first mean, whose residual refines
+the mean in the same pass. Geometry as in :mod:`._rows` (warp per row up to
+``WARP_MAX_M``, else block per row; registers, then streaming; 128-bit
+accesses where aligned). ``dw`` and ``db`` are summed per block into row
+``blockIdx.x`` of ``dw_partial`` / ``db_partial`` and reduced, in a fixed
+order, by :func:`reduce_partials`. Accumulation is float32.
+
+The same launchers run on a GPU (CuPy arrays, ``cupy.RawModule``) and on the
+CPU harness (NumPy arrays inside ``xpkernels.testing.cudacpu.emulate()``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from . import _rows
+from ._loader import OPTIONS, loader_for
+
+__all__ = ["backward", "forward", "name_expressions", "partials", "reduce_partials"]
+
+SOURCE = Path(__file__).with_name("layer_norm.cu")
+SMEM_ACC_MAX_BYTES = 160 * 1024  #: wide-row backward: dw/db sums in shared memory up to this
+PARTIALS_PER_SM = 2  #: partial rows (backward blocks) per multiprocessor
+BLOCKS_PER_SM = 32  #: cap of a backward grid without partials
+_OP = "layer_norm"
+
+
+def _types(x, w, b, *outs) -> tuple[str, str, str]:
+    """``(T, TW, TB)``: the CUDA C types of x, w and b (x's type standing in for a None)."""
+    t = _rows.ctype(_OP, "x", x)
+    for out in outs:
+        if out.dtype != x.dtype:
+            raise TypeError(
+                f"cupy layer_norm: the outputs must have x's dtype {x.dtype}, got {out.dtype}"
+            )
+    tw = t if w is None else _rows.ctype(_OP, "w", w)
+    tb = t if b is None else _rows.ctype(_OP, "b", b)
+    return t, tw, tb
+
+
+def _forward_expressions(t: str, tw: str, tb: str) -> list[str]:
+    return [
+        f"layer_norm_{kernel}<{t},{tw},{tb},{v},{_rows.cache(v)}>"
+        for v in _rows.vectors(t)
+        for kernel in ("forward_warp", "forward_block")
+    ]
+
+
+def _backward_expressions(t: str, tw: str) -> list[str]:
+    return [
+        f"layer_norm_{kernel}<{t},{tw},{v},{_rows.cache(v)}>"
+        for v in _rows.vectors(t)
+        for kernel in ("backward_warp", "backward_block")
+    ]
+
+
+def _reduce_expressions() -> list[str]:
+    return [f"layer_norm_reduce_partials<{c}>" for c in _rows.CTYPES.values()]
+
+
+def _module(loader, t: str, tw: str, tb: str):
+    """The compiled module of one ``(T, TW, TB)``: its forward, the backward of ``(T, TW)``, the reductions.
+
+    The backward asks for ``(T, TW, TW)`` and the reductions for ``(TOut,
+    TOut, TOut)``, ``TOut`` the gradient's type: with ``w`` and ``b`` of x's
+    dtype (or None), one module serves a whole training step.
+    """
+    expressions = (
+        _forward_expressions(t, tw, tb) + _backward_expressions(t, tw) + _reduce_expressions()
+    )
+    return loader.module(SOURCE, expressions, OPTIONS)
+
+
+def name_expressions() -> list[str]:
+    """Every template instantiation of the default configurations (for offline compile reports).
+
+    Weights of x's dtype or float32; the launchers compile other
+    combinations the same way when a call needs them.
+    """
+    out = []
+    for t in _rows.CTYPES.values():
+        for tw in sorted({t, "float"}):
+            out += _forward_expressions(t, tw, tw) + _backward_expressions(t, tw)
+    return out + _reduce_expressions()
+
+
+def forward(y, x, w, b, mean, rstd, *, eps) -> None:
+    """``y = (x - mean) * rstd * w + b`` over 2-D ``(rows, M)`` views; writes the checkpoints unless None.
+
+    Parameters
+    ----------
+    y, x : array
+        ``(rows, M)``, last axis contiguous, any row stride; ``y`` may alias ``x``.
+    w, b : array or None
+        ``(M,)`` contiguous scale and shift; None means none (``w = 1``, ``b = 0``).
+    mean, rstd : array or None
+        ``(rows,)`` float32, receive the row means and reciprocal standard deviations.
+    eps : float
+    """
+    t, tw, tb = _types(x, w, b, y)
+    rows, m = x.shape
+    if rows == 0:
+        return
+    loader = loader_for(x)
+    v = _rows.vector((x, y), (w, b))
+    module = _module(loader, t, tw, tb)
+    args = (
+        y,
+        x,
+        _rows.ptr(w),
+        _rows.ptr(b),
+        _rows.ptr(mean),
+        _rows.ptr(rstd),
+        np.int64(rows),
+        np.int32(m),
+        np.int64(_rows.stride(y)),
+        np.int64(_rows.stride(x)),
+        np.int64(0 if mean is None else _rows.stride(mean)),
+        np.int64(0 if rstd is None else _rows.stride(rstd)),
+        np.float32(eps),
+    )
+    c = _rows.cache(v)
+    if m <= _rows.warp_max(v):
+        kernel = module.get_function(f"layer_norm_forward_warp<{t},{tw},{tb},{v},{c}>")
+        kernel((-(-rows // _rows.WARP_ROWS),), (32, _rows.WARP_ROWS), args)
+    else:
+        kernel = module.get_function(f"layer_norm_forward_block<{t},{tw},{tb},{v},{c}>")
+        kernel((rows,), (_rows.block_threads(m, v, _rows.MAX_THREADS),), args)
+
+
+def _partial_strides(partial) -> tuple[np.int64, np.int64]:
+    if partial is None:
+        return np.int64(0), np.int64(0)
+    if str(partial.dtype) != "float32":
+        raise TypeError(f"cupy layer_norm: the partials must be float32, got {partial.dtype}")
+    return np.int64(_rows.stride(partial, 0)), np.int64(_rows.stride(partial, 1))
+
+
+def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) -> None:
+    """``dx`` (overwritten) and, for the partials that are not None, per-block ``dw`` / ``db`` sums.
+
+    Parameters
+    ----------
+    dy, x, dx : array
+        ``(rows, M)``, last axis contiguous, any row stride; ``dx`` may alias ``dy``.
+    w : array or None
+        ``(M,)`` contiguous; None means no scale (``w = 1``).
+    mean, rstd : array
+        ``(rows,)`` float32 checkpoints of the forward.
+    dw_partial, db_partial : array or None
+        ``(P, M)`` float32, one row per block (both of one shape when both
+        are given). ``accumulate=False`` overwrites all P rows (blocks without
+        rows write zeros), True adds.
+    accumulate : bool
+    """
+    t, tw, _ = _types(x, w, None, dy, dx)
+    rows, m = x.shape
+    partial = dw_partial if dw_partial is not None else db_partial
+    if m == 0 or (partial is None and rows == 0):
+        return
+    dw_strides, db_strides = _partial_strides(dw_partial), _partial_strides(db_partial)
+    if dw_partial is not None and db_partial is not None and dw_partial.shape != db_partial.shape:
+        raise ValueError(
+            f"cupy layer_norm: dw_partial {tuple(dw_partial.shape)} and db_partial "
+            f"{tuple(db_partial.shape)} must have one shape"
+        )
+    loader = loader_for(x)
+    v = _rows.vector((dy, x, dx), (w,))
+    c = _rows.cache(v)
+    warp = m <= _rows.warp_max(v)
+    if partial is None:
+        tiles = -(-rows // _rows.WARP_ROWS) if warp else rows
+        grid = min(tiles, BLOCKS_PER_SM * loader.sm_count(x))
+    else:
+        grid = partial.shape[0]
+    n_partials = (dw_partial is not None) + (db_partial is not None)
+    args = [
+        dy,
+        x,
+        _rows.ptr(w),
+        mean,
+        rstd,
+        dx,
+        _rows.ptr(dw_partial),
+        _rows.ptr(db_partial),
+        np.int64(rows),
+        np.int32(m),
+        np.int64(_rows.stride(dy)),
+        np.int64(_rows.stride(x)),
+        np.int64(_rows.stride(dx)),
+        np.int64(_rows.stride(mean)),
+        np.int64(_rows.stride(rstd)),
+        *dw_strides,
+        *db_strides,
+        np.int32(1 if accumulate else 0),
+    ]
+    module = _module(loader, t, tw, tw)
+    if warp:
+        kernel = module.get_function(f"layer_norm_backward_warp<{t},{tw},{v},{c}>")
+        shared = n_partials * _rows.WARP_ROWS * m * 4
+        _rows.raise_shared_limit(kernel, shared)
+        kernel((grid,), (32, _rows.WARP_ROWS), tuple(args), shared_mem=shared)
+        return
+    smem_acc = n_partials > 0 and n_partials * m * 4 <= SMEM_ACC_MAX_BYTES
+    shared = n_partials * m * 4 if smem_acc else 0
+    kernel = module.get_function(f"layer_norm_backward_block<{t},{tw},{v},{c}>")
+    _rows.raise_shared_limit(kernel, shared)
+    args.append(np.int32(1 if smem_acc else 0))
+    kernel(
+        (grid,),
+        (_rows.block_threads(m, v, _rows.BACKWARD_MAX_THREADS),),
+        tuple(args),
+        shared_mem=shared,
+    )
+
+
+def partials(rows: int, m: int, like) -> int:
+    """Rows ``P`` of the partials: ``PARTIALS_PER_SM`` per multiprocessor, at most one per row tile."""
+    tiles = -(-rows // _rows.WARP_ROWS) if m <= _rows.WARP_MAX_M else rows
+    return max(1, min(PARTIALS_PER_SM * loader_for(like).sm_count(like), tiles))
+
+
+def reduce_partials(partial, out) -> None:
+    """``out[:] = partial.sum(0)``: float32 sums in a fixed order, written in ``out``'s dtype.
+
+    Parameters
+    ----------
+    partial : array
+        ``(P, M)`` float32 partial sums, any strides.
+    out : array
+        ``(M,)`` float32, float16 or bfloat16, any stride.
+    """
+    p, m = partial.shape
+    c = _rows.ctype(_OP, "dw/db", out)
+    if m == 0:
+        return
+    module = _module(loader_for(partial), c, c, c)
+    kernel = module.get_function(f"layer_norm_reduce_partials<{c}>")
+    kernel(
+        (-(-m // _rows.REDUCE_THREADS),),
+        (_rows.REDUCE_THREADS,),
+        (
+            partial,
+            out,
+            np.int32(p),
+            np.int32(m),
+            np.int64(_rows.stride(partial, 0)),
+            np.int64(_rows.stride(partial, 1)),
+            np.int64(_rows.stride(out)),
+        ),
+    )

@@ -1,0 +1,99 @@
+r"""Softmax over the last axis in CUDA C (``softmax.cu``), launched through the module-loader interface.
+
+Per row :math:`x` of length :math:`M`:
+
+.. math::
+
+    y = \frac{\exp(x - \max x)}{\sum_j \exp(x_j - \max x)},\qquad
+    dx = y\,\big(dy - \textstyle\sum_j y_j\,dy_j\big)
+
+Geometry as in :mod:`._rows`: a warp per row up to ``WARP_MAX_M``
+elements, else a block per row; each thread keeps part of its row in
+registers and streams the rest (the forward folds streamed elements into a
+running max and rescaled sum, so they are read once for the statistics and
+once for the output); 128-bit accesses where aligned. Accumulation is
+float32; ``-inf`` logits give 0.
+
+The same launchers run on a GPU (CuPy arrays, ``cupy.RawModule``) and on the
+CPU harness (NumPy arrays inside ``xpkernels.testing.cudacpu.emulate()``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from . import _rows
+from ._loader import OPTIONS, loader_for
+
+__all__ = ["backward", "forward", "name_expressions"]
+
+SOURCE = Path(__file__).with_name("softmax.cu")
+_KERNELS = ("forward_warp", "forward_block", "backward_warp", "backward_block")
+
+
+def _type(first: str, a, *outs) -> str:
+    t = _rows.ctype("softmax", first, a)
+    for out in outs:
+        if out.dtype != a.dtype:
+            raise TypeError(
+                f"cupy softmax: every array must have {first}'s dtype {a.dtype}, got {out.dtype}"
+            )
+    return t
+
+
+def _expressions(t: str) -> list[str]:
+    return [
+        f"softmax_{kernel}<{t},{v},{_rows.cache(v)}>"
+        for v in _rows.vectors(t)
+        for kernel in _KERNELS
+    ]
+
+
+def name_expressions() -> list[str]:
+    """Every template instantiation the launchers may compile (for offline compile reports)."""
+    return [e for t in _rows.CTYPES.values() for e in _expressions(t)]
+
+
+def _launch(kind: str, lead, arrays, threads_limit: int) -> None:
+    """Run ``softmax_<kind>_{warp,block}`` over the ``(rows, M)`` ``arrays`` (the kernel's order)."""
+    t = _type("x" if kind == "forward" else "y", lead, *arrays)
+    rows, m = lead.shape
+    if rows == 0 or m == 0:
+        return
+    loader = loader_for(lead)
+    v = _rows.vector(arrays)
+    c = _rows.cache(v)
+    module = loader.module(SOURCE, _expressions(t), OPTIONS)
+    args = (*arrays, np.int64(rows), np.int32(m), *(np.int64(_rows.stride(a)) for a in arrays))
+    if m <= _rows.warp_max(v):
+        kernel = module.get_function(f"softmax_{kind}_warp<{t},{v},{c}>")
+        kernel((-(-rows // _rows.WARP_ROWS),), (32, _rows.WARP_ROWS), args)
+    else:
+        kernel = module.get_function(f"softmax_{kind}_block<{t},{v},{c}>")
+        kernel((rows,), (_rows.block_threads(m, v, threads_limit),), args)
+
+
+def forward(y, x) -> None:
+    """``y = softmax(x)`` per row of 2-D ``(rows, M)`` views.
+
+    Parameters
+    ----------
+    y, x : array
+        ``(rows, M)`` of one dtype, last axis contiguous, any row stride;
+        ``y`` may alias ``x``.
+    """
+    _launch("forward", x, (y, x), _rows.MAX_THREADS)
+
+
+def backward(y, dy, dx) -> None:
+    """``dx = y * (dy - sum(y * dy))`` per row of ``(rows, M)`` views.
+
+    Parameters
+    ----------
+    y, dy, dx : array
+        ``(rows, M)`` of one dtype, last axis contiguous, any row stride;
+        ``dx`` (overwritten) may alias ``dy``.
+    """
+    _launch("backward", y, (y, dy, dx), _rows.BACKWARD_MAX_THREADS)
