@@ -1,6 +1,6 @@
-"""Launch geometry shared by the row kernels of ``layer_norm.cu`` and ``softmax.cu``.
+"""Launch geometry shared by the row kernels (``rms_norm.cu``, ``layer_norm.cu``, ``softmax.cu``).
 
-The same choices as ``rms_norm.py``: rows of up to ``WARP_MAX_M`` elements
+Rows of up to ``WARP_MAX_M`` elements
 get a warp each (``WARP_ROWS`` rows per block), wider rows a block each;
 every thread keeps ``CACHE_ELEMENTS`` elements (``SCALAR_CACHE`` on the
 scalar path) of its row in registers and streams the rest. Accesses are

@@ -27,30 +27,32 @@ from pathlib import Path
 
 import numpy as np
 
-from ._loader import OPTIONS, address, loader_for
+from ._loader import OPTIONS, loader_for
+from ._rows import (
+    BACKWARD_MAX_THREADS,
+    CTYPES,
+    MAX_THREADS,
+    REDUCE_THREADS,
+    WARP_MAX_M,
+    WARP_ROWS,
+    block_threads,
+    cache,
+    ptr,
+    raise_shared_limit,
+    stride,
+    vector,
+    vectors,
+    warp_max,
+)
 
 __all__ = ["backward", "forward", "name_expressions", "partials", "reduce_partials", "supports"]
 
 SOURCE = Path(__file__).with_name("rms_norm.cu")
-CACHE_ELEMENTS = (
-    16  #: elements of a row each thread keeps in registers between the passes (vector path)
-)
-SCALAR_CACHE = 4  #: the same for the scalar path (unaligned rows), whose loads need more registers
-WARP_MAX_M = 32 * CACHE_ELEMENTS  #: longest row served by the warp-per-row kernels (vector path)
-WARP_ROWS = 8  #: rows (warps) per block of the warp-per-row kernels
-MAX_THREADS = 1024  #: threads per block of the block-per-row forward
-BACKWARD_MAX_THREADS = 512  #: threads per block of the block-per-row backward (it keeps x and dy)
 SMEM_ACC_MAX_BYTES = (
     160 * 1024
 )  #: wide-row backward: dw sums in shared memory up to this, else in dw_partial
-DEFAULT_SHARED = 48 * 1024  #: dynamic shared memory usable without raising the kernel's limit
 PARTIALS_PER_SM = 2  #: dw_partial rows (backward blocks) per multiprocessor
 BLOCKS_PER_SM = 32  #: cap of a backward grid without dw_partial
-REDUCE_THREADS = 256
-
-_CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-_ITEMSIZE = {"float": 4, "__half": 2, "__nv_bfloat16": 2}
-_NULL = np.uint64(0)  # a null pointer argument (CuPy passes None as 0xffffffff)
 
 
 def supports(x, w=None, out=None) -> str | None:
@@ -59,7 +61,7 @@ def supports(x, w=None, out=None) -> str | None:
     ``x`` (and ``y``/``dy``/``dx``, passed as ``out``) must share one of
     float32/float16/bfloat16; ``w`` is None, of ``x``'s dtype or float32.
     """
-    if str(x.dtype) not in _CTYPES:
+    if str(x.dtype) not in CTYPES:
         return f"cupy rms_norm: x has dtype {x.dtype}; supported: float32, float16, bfloat16"
     if out is not None and out.dtype != x.dtype:
         return f"cupy rms_norm: the outputs must have x's dtype {x.dtype}, got {out.dtype}"
@@ -75,35 +77,10 @@ def _check(x, w, *outs) -> None:
             raise TypeError(reason)
 
 
-def _stride(a, axis=0) -> int:
-    return a.strides[axis] // a.itemsize
-
-
-def _vector(x, w, rows2d) -> int:
-    """Elements per vector access: 16 bytes' worth when every row start allows it, else 1."""
-    v = 16 // x.itemsize
-    m = x.shape[1]
-    ok = m % v == 0 and all(
-        address(a) % 16 == 0 and (a.shape[0] <= 1 or _stride(a) % v == 0) for a in rows2d
-    )
-    if w is not None:
-        ok = ok and address(w) % (v * w.itemsize) == 0
-    return v if ok else 1
-
-
-def _cache(v: int) -> int:
-    """Vectors of ``v`` elements each thread keeps in registers."""
-    return CACHE_ELEMENTS // v if v > 1 else SCALAR_CACHE
-
-
-def _warp_max(v: int) -> int:
-    return WARP_MAX_M * v * _cache(v) // CACHE_ELEMENTS
-
-
 def _expressions(t: str, tw: str) -> list[str]:
     out = []
-    for v in sorted({1, 16 // _ITEMSIZE[t]}):
-        c = _cache(v)
+    for v in vectors(t):
+        c = cache(v)
         for kernel in ("forward_warp", "forward_block", "backward_warp", "backward_block"):
             out.append(f"rms_norm_{kernel}<{t},{tw},{v},{c}>")
     return out
@@ -111,26 +88,16 @@ def _expressions(t: str, tw: str) -> list[str]:
 
 def name_expressions() -> list[str]:
     """Every template instantiation the launchers may compile (for offline compile reports)."""
-    pairs = [(t, t) for t in _CTYPES.values()] + [(t, "float") for t in ("__half", "__nv_bfloat16")]
+    pairs = [(t, t) for t in CTYPES.values()] + [(t, "float") for t in ("__half", "__nv_bfloat16")]
     out = [e for t, tw in pairs for e in _expressions(t, tw)]
-    return out + [f"rms_norm_reduce_partials<{c}>" for c in _CTYPES.values()]
+    return out + [f"rms_norm_reduce_partials<{c}>" for c in CTYPES.values()]
 
 
 def _kernel(loader, x, w, kernel: str, v: int):
-    t = _CTYPES[str(x.dtype)]
-    tw = t if w is None else _CTYPES[str(w.dtype)]
+    t = CTYPES[str(x.dtype)]
+    tw = t if w is None else CTYPES[str(w.dtype)]
     module = loader.module(SOURCE, _expressions(t, tw), OPTIONS)
-    return module.get_function(f"rms_norm_{kernel}<{t},{tw},{v},{_cache(v)}>")
-
-
-def _block_threads(m: int, v: int, limit: int) -> int:
-    """Threads of a block-per-row kernel: enough to hold the row in registers, within [32, limit]."""
-    threads = -(-m // (v * _cache(v)))
-    return max(32, min(limit, -(-threads // 32) * 32))
-
-
-def _ptr(a):
-    return _NULL if a is None else a
+    return module.get_function(f"rms_norm_{kernel}<{t},{tw},{v},{cache(v)}>")
 
 
 def forward(y, x, w, rstd, *, eps, offset) -> None:
@@ -151,26 +118,26 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
     if rows == 0:
         return
     loader = loader_for(x)
-    v = _vector(x, w, (x, y))
+    v = vector((x, y), (w,))
     args = (
         y,
         x,
-        _ptr(w),
-        _ptr(rstd),
+        ptr(w),
+        ptr(rstd),
         np.int64(rows),
         np.int32(m),
-        np.int64(_stride(y)),
-        np.int64(_stride(x)),
-        np.int64(0 if rstd is None else _stride(rstd)),
+        np.int64(stride(y)),
+        np.int64(stride(x)),
+        np.int64(0 if rstd is None else stride(rstd)),
         np.float32(eps),
         np.float32(offset),
     )
-    if m <= _warp_max(v):
+    if m <= warp_max(v):
         kernel = _kernel(loader, x, w, "forward_warp", v)
         kernel((-(-rows // WARP_ROWS),), (32, WARP_ROWS), args)
     else:
         kernel = _kernel(loader, x, w, "forward_block", v)
-        kernel((rows,), (_block_threads(m, v, MAX_THREADS),), args)
+        kernel((rows,), (block_threads(m, v, MAX_THREADS),), args)
 
 
 def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
@@ -197,34 +164,34 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     if dw_partial is not None and str(dw_partial.dtype) != "float32":
         raise TypeError(f"cupy rms_norm: dw_partial must be float32, got {dw_partial.dtype}")
     loader = loader_for(x)
-    v = _vector(x, w, (dy, x, dx))
+    v = vector((dy, x, dx), (w,))
     if dw_partial is None:
-        tiles = -(-rows // WARP_ROWS) if m <= _warp_max(v) else rows
+        tiles = -(-rows // WARP_ROWS) if m <= warp_max(v) else rows
         grid, partial_strides = min(tiles, BLOCKS_PER_SM * loader.sm_count(x)), (0, 0)
     else:
         grid, partial_strides = (
             dw_partial.shape[0],
-            (_stride(dw_partial, 0), _stride(dw_partial, 1)),
+            (stride(dw_partial, 0), stride(dw_partial, 1)),
         )
     args = [
         dy,
         x,
-        _ptr(w),
+        ptr(w),
         rstd,
         dx,
-        _ptr(dw_partial),
+        ptr(dw_partial),
         np.int64(rows),
         np.int32(m),
-        np.int64(_stride(dy)),
-        np.int64(_stride(x)),
-        np.int64(_stride(dx)),
-        np.int64(_stride(rstd)),
+        np.int64(stride(dy)),
+        np.int64(stride(x)),
+        np.int64(stride(dx)),
+        np.int64(stride(rstd)),
         np.int64(partial_strides[0]),
         np.int64(partial_strides[1]),
         np.float32(offset),
         np.int32(1 if accumulate else 0),
     ]
-    if m <= _warp_max(v):
+    if m <= warp_max(v):
         kernel = _kernel(loader, x, w, "backward_warp", v)
         shared = 0 if dw_partial is None else WARP_ROWS * m * 4
         kernel((grid,), (32, WARP_ROWS), tuple(args), shared_mem=shared)
@@ -232,12 +199,11 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     smem_acc = dw_partial is not None and m * 4 <= SMEM_ACC_MAX_BYTES
     shared = m * 4 if smem_acc else 0
     kernel = _kernel(loader, x, w, "backward_block", v)
-    if shared > DEFAULT_SHARED and kernel.max_dynamic_shared_size_bytes < shared:
-        kernel.max_dynamic_shared_size_bytes = shared
+    raise_shared_limit(kernel, shared)
     args.append(np.int32(1 if smem_acc else 0))
     kernel(
         (grid,),
-        (_block_threads(m, v, min(MAX_THREADS, BACKWARD_MAX_THREADS)),),
+        (block_threads(m, v, min(MAX_THREADS, BACKWARD_MAX_THREADS)),),
         tuple(args),
         shared_mem=shared,
     )
@@ -260,7 +226,7 @@ def reduce_partials(partial, out) -> None:
         ``(M,)`` float32, float16 or bfloat16, any stride.
     """
     p, m = partial.shape
-    if str(out.dtype) not in _CTYPES:
+    if str(out.dtype) not in CTYPES:
         raise TypeError(
             f"cupy rms_norm: dw has dtype {out.dtype}; supported: float32, float16, bfloat16"
         )
@@ -268,9 +234,9 @@ def reduce_partials(partial, out) -> None:
         return
     loader = loader_for(partial)
     module = loader.module(
-        SOURCE, [f"rms_norm_reduce_partials<{c}>" for c in _CTYPES.values()], OPTIONS
+        SOURCE, [f"rms_norm_reduce_partials<{c}>" for c in CTYPES.values()], OPTIONS
     )
-    kernel = module.get_function(f"rms_norm_reduce_partials<{_CTYPES[str(out.dtype)]}>")
+    kernel = module.get_function(f"rms_norm_reduce_partials<{CTYPES[str(out.dtype)]}>")
     kernel(
         (-(-m // REDUCE_THREADS),),
         (REDUCE_THREADS,),
@@ -279,8 +245,8 @@ def reduce_partials(partial, out) -> None:
             out,
             np.int32(p),
             np.int32(m),
-            np.int64(_stride(partial, 0)),
-            np.int64(_stride(partial, 1)),
-            np.int64(_stride(out)),
+            np.int64(stride(partial, 0)),
+            np.int64(stride(partial, 1)),
+            np.int64(stride(out)),
         ),
     )
