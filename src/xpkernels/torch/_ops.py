@@ -1258,8 +1258,20 @@ def merge_attention_states_backward(
     with torch.no_grad():
         do_a, do_b = torch.empty_like(o_a), torch.empty_like(o_b)
         dlse_a, dlse_b = torch.empty_like(m_a), torch.empty_like(m_a)
-        merge_attention_states_backward_out(
-            do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, do_b, dlse_a, dlse_b, backend
+        merge_attention_states_backward_(
+            Duplicated(o, do),
+            m,
+            l,
+            Duplicated(o_a, do_a),
+            m_a,
+            l_a,
+            Duplicated(o_b, do_b),
+            m_b,
+            l_b,
+            dlse_a=dlse_a,
+            dlse_b=dlse_b,
+            dlse=dlse,
+            backend=backend,
         )
     return do_a, do_b, dlse_a, dlse_b
 
