@@ -19,7 +19,10 @@ import pytest
 import xpkernels as xk
 from xpkernels.attention import AttentionCheckpoints
 from xpkernels.buffers import Duplicated
+from xpkernels.testing import harness
 from xpkernels.testing import references as ref
+
+harness.select_triton_interpreter()  # before any Triton kernel is defined
 
 #: Float32 results against float64 references: a few units in the last place of float32,
 #: summed over the keys and head dims of these small shapes.
@@ -37,6 +40,25 @@ def _rel(actual, expected) -> float:
     return float(np.max(diff, initial=0.0)) / max(
         float(np.max(np.abs(expected[finite]), initial=0)), 1.0
     )
+
+
+def _on_triton(arrays):
+    """``arrays`` as torch tensors where the triton backend runs them (CUDA, else the
+    interpreter); skips with the reason when it cannot run here."""
+    torch = pytest.importorskip("torch", reason="the triton backend runs on torch tensors")
+    pytest.importorskip("triton", reason="triton is not installed")
+    from xpkernels.backends.triton import device_problem
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    problem = device_problem(device)
+    if problem:
+        pytest.skip(f"triton: {problem}")
+    return [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays]
+
+
+def _host(a) -> np.ndarray:
+    """``a`` (NumPy array or torch tensor, any device) as a NumPy array."""
+    return a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
 
 
 def _split_options(options, split, sk):
@@ -194,26 +216,23 @@ def test_empty_states_merge_without_nan(backend):
     both, only_a, only_b = (0, 0, 0), (0, 1, 2), (1, 2, 3)
     states = _states(empty_a=(both, only_a), empty_b=(both, only_b))
     if backend == "triton":
-        torch = pytest.importorskip("torch", reason="the triton backend runs on torch tensors")
-        pytest.importorskip("triton", reason="triton is not installed")
-        states = [torch.from_numpy(a) for a in states]
+        states = _on_triton(states)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        o, m, lse_sum = (np.asarray(a) for a in xk.merge_attention_states(*states, backend=backend))
+        o, m, lse_sum = (_host(a) for a in xk.merge_attention_states(*states, backend=backend))
     assert not np.isnan(o).any() and not np.isnan(m).any() and not np.isnan(lse_sum).any()
     assert m[both] == -np.inf and lse_sum[both] == 0 and (o[both] == 0).all()
-    o_a, m_a, l_a, o_b, m_b, l_b = (np.asarray(a) for a in states)
+    o_a, m_a, l_a, o_b, m_b, l_b = (_host(a) for a in states)
     np.testing.assert_array_equal(o[only_a], o_b[only_a])  # w_b = 1 exactly
     assert (m[only_a], lse_sum[only_a]) == (m_b[only_a], l_b[only_a])
     np.testing.assert_array_equal(o[only_b], o_a[only_b])
     # Backward: zero gradients to an empty side, none NaN.
     do = np.ones_like(o)
-    args = [
-        a if backend == "array_api" else __import__("torch").from_numpy(a)
-        for a in (do, o, m, lse_sum)
-    ]
+    args = [do, o, m, lse_sum]
+    if backend == "triton":
+        args = _on_triton(args)
     grads = xk.merge_attention_states_backward(*args, *states, backend=backend)
-    do_a, do_b, dlse_a, dlse_b = (np.asarray(g) for g in grads)
+    do_a, do_b, dlse_a, dlse_b = (_host(g) for g in grads)
     for g in (do_a, do_b, dlse_a, dlse_b):
         assert not np.isnan(g).any()
     assert (do_a[both] == 0).all() and (do_b[both] == 0).all() and dlse_a[only_a] == 0
@@ -370,16 +389,17 @@ def test_gradcheck_float64_through_a_chain_of_merges():
 
 
 def test_torch_autograd_triton_matches_array_api():
-    torch = pytest.importorskip("torch", reason="the triton backend runs on torch tensors")
-    pytest.importorskip("triton", reason="triton is not installed")
     states = _states(seed=8, empty_a=((0, 0, 0),))
     states[0][0, 0, 0] = 0.0
+    tensors = _on_triton(states)
+    import torch
+
     results = []
     for backend in ("array_api", "triton"):
-        leaves = [torch.tensor(a, requires_grad=True) for a in states]
+        leaves = [t.clone().requires_grad_() for t in tensors]
         o, m, lse_sum = xk.merge_attention_states(*leaves, backend=backend)
         loss = (
-            (o * torch.linspace(-1, 1, o.shape[-1])).sum()
+            (o * torch.linspace(-1, 1, o.shape[-1], device=o.device)).sum()
             + torch.where(m.isfinite(), m, 0).sum()
             + lse_sum.sum()
         )
@@ -400,20 +420,50 @@ def test_inplace_front_refuses_tensors_that_require_grad():
 
 
 def test_triton_union_identity_through_the_interpreter():
-    torch = pytest.importorskip("torch", reason="the triton backend runs on torch tensors")
-    pytest.importorskip("triton", reason="triton is not installed")
     q, k, v, _, options = _problem(True, 4, 2, (13, 4), (7, 2), 2, seed=3)
     o_union, ck_union = _attention_state(q, k, v, **options)
     first, second = _split_options(options, 5, k.shape[2])
     o_a, ck_a = _attention_state(q, k[:, :, :5], v[:, :, :5], **first)
     o_b, ck_b = _attention_state(q, k[:, :, 5:], v[:, :, 5:], **second)
     # A BSHD buffer viewed as BHSD for o: strides other than the last are free.
-    o = torch.full((2, 7, 4, 6), float("nan")).permute(0, 2, 1, 3)
-    m, lse_sum = torch.empty(2, 4, 7), torch.empty(2, 4, 7)
-    t = torch.from_numpy
-    xk.merge_attention_states_(
-        o, m, lse_sum, t(o_a), t(ck_a.m), t(ck_a.l), t(o_b), t(ck_b.m), t(ck_b.l), backend="triton"
+    states = _on_triton([o_a, ck_a.m, ck_a.l, o_b, ck_b.m, ck_b.l])
+    fresh = [np.full(shape, np.nan, np.float32) for shape in ((2, 7, 4, 6), (2, 4, 7), (2, 4, 7))]
+    o_bshd, m, lse_sum = _on_triton(fresh)
+    o = o_bshd.permute(0, 2, 1, 3)
+    xk.merge_attention_states_(o, m, lse_sum, *states, backend="triton")
+    assert _rel(_host(o), o_union) <= _TOL32
+    assert _rel(_host(lse_sum), ck_union.l) <= _TOL32
+    assert _rel(_host(m), ck_union.m) <= _TOL32
+
+
+def _torch_leaves(seed):
+    torch = pytest.importorskip("torch", reason="torch autograd needs torch")
+    return [torch.tensor(a, requires_grad=True) for a in _states(seed=seed)]
+
+
+def _loss(o, m, lse_sum):
+    return (o * o).sum() + m.sum() + lse_sum.sum()
+
+
+def test_double_backward_is_refused():
+    leaves = _torch_leaves(10)
+    import torch
+
+    grads = torch.autograd.grad(
+        _loss(*xk.merge_attention_states(*leaves)), leaves, create_graph=True
     )
-    assert _rel(o.numpy(), o_union) <= _TOL32
-    assert _rel(lse_sum.numpy(), ck_union.l) <= _TOL32
-    assert _rel(m.numpy(), ck_union.m) <= _TOL32
+    with pytest.raises(RuntimeError, match=r"xpkernels\.merge_attention_states: double backward"):
+        sum(g.sum() for g in grads).backward()
+
+
+def test_compile_fullgraph_matches_eager():
+    """``torch.compile(fullgraph=True)`` traces through the op (register_fake) and its autograd."""
+    leaves = _torch_leaves(11)
+    import torch
+
+    compiled = torch.compile(lambda *a: _loss(*xk.merge_attention_states(*a)), fullgraph=True)
+    compiled(*leaves).backward()
+    eager = [t.detach().clone().requires_grad_() for t in leaves]
+    _loss(*xk.merge_attention_states(*eager)).backward()
+    for got, want in zip(leaves, eager):
+        torch.testing.assert_close(got.grad, want.grad)

@@ -103,11 +103,12 @@ def _statistic(fn, name, xp, a, rows, o_dtype) -> None:
         raise TypeError(f"{fn}: {name} must be float32{extra}, got {a.dtype}")
 
 
-def _validate_states(fn, xp, sides, outputs):
-    """Check the two input states and the output arrays; returns the rows shape ``(B, H, S)``.
+def _validate_states(fn, xp, sides, tiles, stats):
+    """Check the two input states and the other arrays; returns the rows shape ``(B, H, S)``.
 
     ``sides`` is ``[(o name, o), (m name, m), (l name, l)]`` for side a then
-    side b; ``outputs`` is ``[(o name, o or None), (name, statistic or None)...]``.
+    side b; ``tiles`` and ``stats`` are ``(name, array or None)`` pairs of the
+    other arrays shaped like ``o`` and like ``m``.
     """
     (oa_name, o_a), *_ = sides[0]
     check.rank(fn, oa_name, o_a, 4, "(B, H, S, Dv)")
@@ -124,14 +125,12 @@ def _validate_states(fn, xp, sides, outputs):
         for name, a in ((m_name, m), (l_name, lse_sum)):
             check.rank(fn, name, a, 3, "(B, H, S)")
             _statistic(fn, name, xp, a, rows, o_a.dtype)
-    for name, a in outputs:
-        if a is None:
-            continue
-        if a.ndim == 4:
-            check.shape(fn, name, a, tuple(o_a.shape))
-            check.floating(fn, name, xp, a)
-            check.last_axis_contiguous(fn, name, a)
-        else:
+    for name, a in tiles:
+        check.shape(fn, name, a, tuple(o_a.shape))
+        check.floating(fn, name, xp, a)
+        check.last_axis_contiguous(fn, name, a)
+    for name, a in stats:
+        if a is not None:
             check.rank(fn, name, a, 3, "(B, H, S)")
             _statistic(fn, name, xp, a, rows, o_a.dtype)
     return rows
@@ -201,7 +200,7 @@ def merge_attention_states_(
         check.namespace(fn, name, a)
     check.same_namespace(fn, xp, {**inputs, **outputs}, reference="o_a")
     sides = [[(f"{p}_{s}", inputs[f"{p}_{s}"]) for p in "oml"] for s in "ab"]
-    _validate_states(fn, xp, sides, list(outputs.items()))
+    _validate_states(fn, xp, sides, [("o", o)], [("m", m), ("l", l)])
     if checkpoints is not None:
         if not isinstance(checkpoints, AttentionCheckpoints):
             raise TypeError(
@@ -330,18 +329,9 @@ def merge_attention_states_backward_(
         [("O_a.primal", O_a.primal), ("m_a", m_a), ("l_a", l_a)],
         [("O_b.primal", O_b.primal), ("m_b", m_b), ("l_b", l_b)],
     ]
-    others = [
-        ("O.primal", O.primal),
-        ("O.shadow", O.shadow),
-        ("O_a.shadow", O_a.shadow),
-        ("O_b.shadow", O_b.shadow),
-        ("m", m),
-        ("l", l),
-        ("dlse", dlse),
-        ("dlse_a", dlse_a),
-        ("dlse_b", dlse_b),
-    ]
-    _validate_states(fn, xp, sides, others)
+    tiles = [(name, named[name]) for name in ("O.primal", "O.shadow", "O_a.shadow", "O_b.shadow")]
+    rows = [("m", m), ("l", l), ("dlse", dlse), ("dlse_a", dlse_a), ("dlse_b", dlse_b)]
+    _validate_states(fn, xp, sides, tiles, rows)
     outputs = {
         "O_a.shadow": O_a.shadow,
         "O_b.shadow": O_b.shadow,
