@@ -95,10 +95,7 @@ _BACKWARD_ALIASES = (
 def _statistic(fn, name, xp, a, rows, o_dtype) -> None:
     """``a`` is a ``rows``-shaped float32 array (float64 also accepted for float64 ``o``)."""
     check.shape(fn, name, a, rows)
-    if o_dtype == xp.float64 and a.dtype == xp.float64:
-        check.accumulator(fn, name, xp, a, o_dtype)
-        return
-    if a.dtype != xp.float32:
+    if a.dtype != xp.float32 and not (o_dtype == xp.float64 and a.dtype == xp.float64):
         extra = " (or float64 with float64 o)" if o_dtype == xp.float64 else ""
         raise TypeError(f"{fn}: {name} must be float32{extra}, got {a.dtype}")
 
