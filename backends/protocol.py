@@ -54,6 +54,7 @@ __all__ = [
     "DecodeAttentionModule",
     "FlexAttentionModule",
     "LayerNormModule",
+    "MergeAttentionStatesModule",
     "RMSNormModule",
     "SoftmaxModule",
     "default_splits",
@@ -200,6 +201,18 @@ class FlexAttentionModule(Protocol):
         """``score_mod_grads``: one accumulator or None per captured array; gradients are ADDED."""
 
 
+class MergeAttentionStatesModule(Protocol):
+    """The exact merge of two attention states ``(o, m, l)`` over disjoint key sets."""
+
+    def forward(self, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
+        """An output may be the very same array as the same-named input of either side."""
+
+    def backward(
+        self, do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b
+    ) -> None:
+        """``dlse`` None means zero; ``do_a``/``do_b`` may be ``do``, ``dlse_a``/``dlse_b`` ``dlse``."""
+
+
 # -- Optional hooks: each default below is also the hook's signature -------------------------
 
 
@@ -282,6 +295,7 @@ PRIMITIVES: Mapping[str, Primitive] = {
             ("delta", "dq_accum"),
             ("delta", "dq_accum"),
         ),
+        Primitive("merge_attention_states", MergeAttentionStatesModule),
     )
 }
 OPS = tuple(PRIMITIVES)

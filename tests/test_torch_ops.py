@@ -64,6 +64,15 @@ def _cases(dtype):
     key = register_flex(mods)
     flex = (key, None, 0, None, None)
     fo, fm, fl = ops.flex_attention(q.detach(), k.detach(), v.detach(), [slopes.detach()], *flex)
+
+    def state(grad=False):
+        m_side = torch.randn(1, 4, 5, generator=g).requires_grad_(grad)
+        l_side = (1 + torch.rand(1, 4, 5, generator=g)).requires_grad_(grad)
+        return t(1, 4, 5, 4, grad=grad), m_side, l_side
+
+    states = (*state(grad=True), *state(grad=True))
+    sd = tuple(a.detach() for a in states)
+    mo, mm, ml = ops.merge_attention_states(*sd, None)
     d = {"x": x.detach(), "w": w.detach(), "b": b.detach()}
     qkv = (q.detach(), k.detach(), v.detach())
     cases = [
@@ -136,6 +145,34 @@ def _cases(dtype):
                 [slopes.detach()],
                 [t(4)],
                 *flex,
+            ),
+        ),
+        ("merge_attention_states", ops.merge_attention_states, (*states, None)),
+        (
+            "merge_attention_states_",
+            ops.merge_attention_states_,
+            (t(1, 4, 5, 4), f32(1, 4, 5), f32(1, 4, 5), *sd, None),
+        ),
+        (
+            "merge_attention_states_backward",
+            ops.merge_attention_states_backward,
+            (do, torch.randn(1, 4, 5, generator=g), mo, mm, ml, *sd, None),
+        ),
+        (
+            "merge_attention_states_backward_",
+            ops.merge_attention_states_backward_,
+            (
+                do,
+                None,
+                mo,
+                mm,
+                ml,
+                *sd,
+                t(1, 4, 5, 4),
+                t(1, 4, 5, 4),
+                f32(1, 4, 5),
+                f32(1, 4, 5),
+                None,
             ),
         ),
     ]

@@ -22,5 +22,6 @@ BACKEND = Backend(
         "attention": Capability(dtypes=FLOAT_DTYPES),
         "decode_attention": Capability(dtypes=FLOAT_DTYPES, hooks=("default_splits",)),
         "flex_attention": Capability(dtypes=FLOAT_DTYPES, hooks=("default_tiles",)),
+        "merge_attention_states": Capability(dtypes=FLOAT_DTYPES),
     },
 )

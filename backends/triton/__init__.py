@@ -60,6 +60,7 @@ BACKEND = Backend(
         "decode_attention": Capability(
             dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, hooks=("default_splits",)
         ),
+        "merge_attention_states": Capability(dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM),
     },
     device_problem=device_problem,
 )

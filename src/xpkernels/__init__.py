@@ -1,9 +1,10 @@
 """xpkernels: differentiable fused transformer kernels over caller-owned buffers.
 
-RMSNorm, LayerNorm, softmax, fused attention, split-KV decode attention and
-FlexAttention, each with an in-place forward and an in-place backward, on
-NumPy, CuPy and PyTorch arrays (any Array API namespace). Importing this
-package imports no torch, cupy or triton: every name below is loaded lazily.
+RMSNorm, LayerNorm, softmax, fused attention, split-KV decode attention,
+FlexAttention and the merge of partial attention states, each with an
+in-place forward and an in-place backward, on NumPy, CuPy and PyTorch arrays
+(any Array API namespace). Importing this package imports no torch, cupy or
+triton: every name below is loaded lazily.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ _EXPORTS = {
         "flex_attention_",
         "flex_attention_backward",
         "flex_attention_backward_",
+    ),
+    "merge_attention_states": (
+        "merge_attention_states",
+        "merge_attention_states_",
+        "merge_attention_states_backward",
+        "merge_attention_states_backward_",
     ),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

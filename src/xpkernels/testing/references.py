@@ -34,6 +34,8 @@ __all__ = [
     "score_gradient",
     "attention_backward",
     "decode_attention",
+    "merge_attention_states",
+    "merge_attention_states_backward",
 ]
 
 
@@ -202,3 +204,47 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale):
     keep = attention_keep(batch, 1, smax, k_lengths=lengths)
     o, _, _, _ = attention(q[:, :, None, :], k_cache, v_cache, scale=scale, keep=keep)
     return o[:, :, 0, :]
+
+
+# --------------------------------------------------------------------------- merge_attention_states
+
+
+def _merge_weights(m_a, l_a, m_b, l_b):
+    """``(w_a, w_b, m, l)``: each side's ``exp(lse_side - lse)`` through ``lse = m + log l``."""
+    with np.errstate(divide="ignore", invalid="ignore"):  # log(0) = -inf on empty rows
+        lse_a, lse_b = m_a + np.log(l_a), m_b + np.log(l_b)
+        lse = np.logaddexp(lse_a, lse_b)
+        finite = np.isfinite(lse)
+        w_a = np.where(finite, np.exp(lse_a - np.where(finite, lse, 0)), 0)
+        w_b = np.where(finite, np.exp(lse_b - np.where(finite, lse, 0)), 0)
+        m = np.maximum(m_a, m_b)
+        l_sum = np.where(finite, np.exp(lse - np.where(finite, m, 0)), 0)
+    return w_a.astype(l_a.dtype), w_b.astype(l_b.dtype), m, l_sum.astype(l_a.dtype)
+
+
+def merge_attention_states(o_a, m_a, l_a, o_b, m_b, l_b):
+    """``(o, m, l)`` of attention over two disjoint key sets from each set's ``(o, m, l)``.
+
+    ``o = w_a o_a + w_b o_b`` with ``w = exp(lse_side - lse)``, ``lse = m + log l``; an
+    empty side (``l = 0``) has ``w = 0`` and its ``o`` is not read.
+    """
+    w_a, w_b, m, l_sum = _merge_weights(m_a, l_a, m_b, l_b)
+    o = np.where(w_a[..., None] > 0, w_a[..., None] * o_a, 0)
+    o = o + np.where(w_b[..., None] > 0, w_b[..., None] * o_b, 0)
+    return o.astype(o_a.dtype), m, l_sum
+
+
+def merge_attention_states_backward(o_a, m_a, l_a, o_b, m_b, l_b, do, dlse):
+    """``(do_a, do_b, dlse_a, dlse_b)`` of :func:`merge_attention_states` given ``do`` and ``dlse``.
+
+    ``do_a = w_a do``, ``dlse_a = w_a (rowsum(do * (o_a - o)) + dlse)``; 0 on an empty side.
+    """
+    w_a, w_b, _, _ = _merge_weights(m_a, l_a, m_b, l_b)
+    o, _, _ = merge_attention_states(o_a, m_a, l_a, o_b, m_b, l_b)
+    grads = []
+    for w, o_side in ((w_a, o_a), (w_b, o_b)):
+        seen = w[..., None] > 0
+        dot = np.sum(np.where(seen, do * (o_side - o), 0), axis=-1)
+        grads.append((w[..., None] * do, np.where(w > 0, w * (dot + dlse), 0)))
+    (do_a, dlse_a), (do_b, dlse_b) = grads
+    return do_a, do_b, dlse_a, dlse_b

@@ -37,7 +37,15 @@ _FLOOR = {"float64": 1e-10, "float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
 _FLOAT64_FROM_F32_CHECKPOINTS = 2e-6
 
 FLOORS: dict[tuple[str, str, str], float] = {}
-for _op in ("rms_norm", "layer_norm", "softmax", "attention", "decode_attention", "flex_attention"):
+for _op in (
+    "rms_norm",
+    "layer_norm",
+    "softmax",
+    "attention",
+    "decode_attention",
+    "flex_attention",
+    "merge_attention_states",
+):
     for _dtype, _floor in _FLOOR.items():
         FLOORS[(_op, "forward", _dtype)] = _floor
         FLOORS[(_op, "backward", _dtype)] = 2 * _floor

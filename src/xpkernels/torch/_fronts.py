@@ -162,6 +162,11 @@ def _flex_attention(fn, arrays, options):
     return o
 
 
+def _merge_attention_states(fn, arrays, options):
+    states = (primal(arrays[n]) for n in ("o_a", "m_a", "l_a", "o_b", "m_b", "l_b"))
+    return ops.merge_attention_states(*states, _backend(options))
+
+
 #: Primitive -> its autograd front ``(fn, arrays, options) -> result``.
 FRONTS = {
     "rms_norm": _rms_norm,
@@ -170,4 +175,5 @@ FRONTS = {
     "attention": _attention,
     "decode_attention": _decode_attention,
     "flex_attention": _flex_attention,
+    "merge_attention_states": _merge_attention_states,
 }

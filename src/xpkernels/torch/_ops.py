@@ -48,6 +48,7 @@ from ..buffers import Checkpoints, Duplicated, allocate_checkpoints, grad_shadow
 from ..decode_attention import DecodeAttentionScratch, decode_attention_
 from ..flex_attention import flex_attention_, flex_attention_backward_
 from ..layer_norm import LayerNormCheckpoints, layer_norm_, layer_norm_backward_
+from ..merge_attention_states import merge_attention_states_, merge_attention_states_backward_
 from ..mods import FLOAT, Graph, as_mask_mod, as_score_mod
 from ..rms_norm import RMSNormBackwardScratch, RMSNormCheckpoints, rms_norm_, rms_norm_backward_
 from ..softmax import softmax_, softmax_backward_
@@ -1149,6 +1150,188 @@ def _flex_grad(ctx, do, _dm, _dl):
 
 
 flex_attention.register_autograd(_flex_grad, setup_context=_flex_setup)
+
+
+# --------------------------------------------------------------------------- merge_attention_states
+
+
+@torch.library.custom_op(_name("merge_attention_states_"), mutates_args=("o", "m", "l"))
+def merge_attention_states_out(
+    o: Tensor,
+    m: Tensor,
+    l: Tensor,
+    o_a: Tensor,
+    m_a: Tensor,
+    l_a: Tensor,
+    o_b: Tensor,
+    m_b: Tensor,
+    l_b: Tensor,
+    backend: str | None,
+) -> None:
+    """``merge_attention_states_`` into ``o``, ``m``, ``l``."""
+    with torch.no_grad():
+        merge_attention_states_(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, backend=backend)
+
+
+@merge_attention_states_out.register_fake
+def _(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, backend):
+    return None
+
+
+@torch.library.custom_op(_name("merge_attention_states"), mutates_args=())
+def merge_attention_states(
+    o_a: Tensor,
+    m_a: Tensor,
+    l_a: Tensor,
+    o_b: Tensor,
+    m_b: Tensor,
+    l_b: Tensor,
+    backend: str | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The merge of two attention states: ``(o, m, l)``."""
+    with torch.no_grad():
+        o, m, l = torch.empty_like(o_a), torch.empty_like(m_a), torch.empty_like(m_a)
+        merge_attention_states_(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, backend=backend)
+    return o, m, l
+
+
+@merge_attention_states.register_fake
+def _(o_a, m_a, l_a, o_b, m_b, l_b, backend):
+    return torch.empty_like(o_a), torch.empty_like(m_a), torch.empty_like(m_a)
+
+
+@torch.library.custom_op(
+    _name("merge_attention_states_backward_"), mutates_args=("do_a", "do_b", "dlse_a", "dlse_b")
+)
+def merge_attention_states_backward_out(
+    do: Tensor,
+    dlse: Tensor | None,
+    o: Tensor,
+    m: Tensor,
+    l: Tensor,
+    o_a: Tensor,
+    m_a: Tensor,
+    l_a: Tensor,
+    o_b: Tensor,
+    m_b: Tensor,
+    l_b: Tensor,
+    do_a: Tensor,
+    do_b: Tensor,
+    dlse_a: Tensor,
+    dlse_b: Tensor,
+    backend: str | None,
+) -> None:
+    """``merge_attention_states_backward_`` into ``do_a``, ``do_b``, ``dlse_a``, ``dlse_b``."""
+    with torch.no_grad():
+        merge_attention_states_backward_(
+            Duplicated(o, do),
+            m,
+            l,
+            Duplicated(o_a, do_a),
+            m_a,
+            l_a,
+            Duplicated(o_b, do_b),
+            m_b,
+            l_b,
+            dlse_a=dlse_a,
+            dlse_b=dlse_b,
+            dlse=dlse,
+            backend=backend,
+        )
+
+
+@merge_attention_states_backward_out.register_fake
+def _(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, do_b, dlse_a, dlse_b, backend):
+    return None
+
+
+@torch.library.custom_op(_name("merge_attention_states_backward"), mutates_args=())
+def merge_attention_states_backward(
+    do: Tensor,
+    dlse: Tensor | None,
+    o: Tensor,
+    m: Tensor,
+    l: Tensor,
+    o_a: Tensor,
+    m_a: Tensor,
+    l_a: Tensor,
+    o_b: Tensor,
+    m_b: Tensor,
+    l_b: Tensor,
+    backend: str | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Merge backward: ``(do_a, do_b, dlse_a, dlse_b)``."""
+    with torch.no_grad():
+        do_a, do_b = torch.empty_like(o_a), torch.empty_like(o_b)
+        dlse_a, dlse_b = torch.empty_like(m_a), torch.empty_like(m_a)
+        merge_attention_states_backward_(
+            Duplicated(o, do),
+            m,
+            l,
+            Duplicated(o_a, do_a),
+            m_a,
+            l_a,
+            Duplicated(o_b, do_b),
+            m_b,
+            l_b,
+            dlse_a=dlse_a,
+            dlse_b=dlse_b,
+            dlse=dlse,
+            backend=backend,
+        )
+    return do_a, do_b, dlse_a, dlse_b
+
+
+@merge_attention_states_backward.register_fake
+def _(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, backend):
+    return (
+        torch.empty_like(o_a),
+        torch.empty_like(o_b),
+        torch.empty_like(m_a),
+        torch.empty_like(m_a),
+    )
+
+
+def _merge_setup(ctx, inputs, output):
+    o_a, m_a, l_a, o_b, m_b, l_b, backend = inputs
+    ctx.save_for_backward(o_a, m_a, l_a, o_b, m_b, l_b, *output)
+    ctx.backend = backend
+
+
+def _merge_grad(ctx, do, dm, dl):
+    """Cotangents ``(do, dm, dl)`` of the merged ``(o, m, l)`` to those of both states.
+
+    With ``l = exp(lse - m)``: ``dm dm_merged + dl dl_merged = (dm - l dl) d(max(m_a, m_b))
+    + l dl dlse`` (module docstring of :mod:`xpkernels.merge_attention_states`), so the
+    backward gets ``dlse = l dl``; ``dm - l dl`` goes to ``dm`` of the side holding the max
+    (side a on a tie). Then ``dm_a = dlse_a`` (+ that term) and ``dl_a = dlse_a / l_a``
+    (0 where ``l_a = 0``).
+    """
+    o_a, m_a, l_a, o_b, m_b, l_b, o, m, l = ctx.saved_tensors
+    do = torch.zeros_like(o) if do is None else _last_axis_contiguous(do)
+    dlse = None if dl is None else l * dl
+    do_a, do_b, dlse_a, dlse_b = torch.ops.xpkernels.merge_attention_states_backward(
+        do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, ctx.backend
+    )
+    dm_a, dm_b = dlse_a, dlse_b
+    if dm is not None or dl is not None:
+        at_max = dm if dm is not None else torch.zeros_like(m)
+        if dlse is not None:
+            at_max = at_max - dlse
+        side_a = m_a >= m_b
+        dm_a = dm_a + torch.where(side_a, at_max, 0.0)
+        dm_b = dm_b + torch.where(side_a, 0.0, at_max)
+
+    def per_l(dlse_side, l_side):
+        positive = l_side > 0
+        return torch.where(positive, dlse_side / torch.where(positive, l_side, 1.0), 0.0)
+
+    grads = (do_a, dm_a, per_l(dlse_a, l_a), do_b, dm_b, per_l(dlse_b, l_b))
+    grads = _no_double_backward("merge_attention_states", (do, o_a, m_a, l_a, o_b, m_b, l_b), grads)
+    return (*grads, None)
+
+
+merge_attention_states.register_autograd(_merge_grad, setup_context=_merge_setup)
 
 
 #: Every op registered here, by its name in the ``xpkernels`` namespace.
