@@ -63,6 +63,11 @@ _SCRIPT = textwrap.dedent(
     def decode(q, k_cache, v_cache, lengths):
         return ops.decode_attention(q, k_cache, v_cache, lengths, None, 2, T)
 
+    def merge(o_a, m_a, l_a, o_b, m_b, l_b, do):
+        o, m, l = ops.merge_attention_states(o_a, m_a, l_a, o_b, m_b, l_b, T)
+        return (o, m, l, *ops.merge_attention_states_backward(
+            do, None, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, T))
+
     def opaque(x, w):
         return ops.rms_norm(x, w, 1e-6, 0.0, None)
 
@@ -78,6 +83,9 @@ _SCRIPT = textwrap.dedent(
                                                     f(1, 1, 64, 64, bf16), f(1, 2, 64, 64, bf16),
                                                     i((1,)), i((1,)))),
         "decode_attention": (decode, lambda: (f(2, 4, 64), f(2, 2, 80, 64), f(2, 2, 80, 64), i((2,)))),
+        "merge_attention_states": (merge, lambda: (f(2, 3, 16, 32), f(2, 3, 16), f(2, 3, 16),
+                                                  f(2, 3, 16, 32), f(2, 3, 16), f(2, 3, 16),
+                                                  f(2, 3, 16, 32))),
         "array_api_stays_opaque": (opaque, lambda: (f(4, 32), f(32))),
     }
 
@@ -144,6 +152,7 @@ _KERNELS = {
     "attention": 4,
     "attention_autotuned_bf16": 4,
     "decode_attention": 2,
+    "merge_attention_states": 2,
 }
 
 

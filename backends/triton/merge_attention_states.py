@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import launch_context
+from ._common import launch_context, traced
 
 __all__ = ["backward", "forward"]
 
@@ -233,7 +233,7 @@ def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
     if rows == 0:
         return
     with launch_context(_forward_kernel, o_a):
-        _forward_kernel[grid](
+        traced(_forward_kernel, o_a)[grid](
             o,
             m,
             l,
@@ -270,7 +270,7 @@ def backward(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b
     has_dlse = dlse is not None
     dlse_arg = dlse if has_dlse else m  # never read when HAS_DLSE is False
     with launch_context(_backward_kernel, o_a):
-        _backward_kernel[grid](
+        traced(_backward_kernel, o_a)[grid](
             do,
             dlse_arg,
             o,

@@ -1178,7 +1178,7 @@ def _(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, backend):
     return None
 
 
-@torch.library.custom_op(_name("merge_attention_states"), mutates_args=())
+@functional_op("merge_attention_states")
 def merge_attention_states(
     o_a: Tensor,
     m_a: Tensor,
@@ -1245,7 +1245,7 @@ def _(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, do_b, dlse_a, dlse_
     return None
 
 
-@torch.library.custom_op(_name("merge_attention_states_backward"), mutates_args=())
+@functional_op("merge_attention_states_backward")
 def merge_attention_states_backward(
     do: Tensor,
     dlse: Tensor | None,
