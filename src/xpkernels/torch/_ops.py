@@ -91,6 +91,17 @@ def _no_double_backward(op: str, inputs, grads):
     return tuple(out)
 
 
+def _checkpoints_not_differentiable(ctx, *checkpoints) -> None:
+    """Mark a functional forward's checkpoint outputs as not differentiable.
+
+    The forwards return their checkpoints (``rstd``; ``mean, rstd``; ``m, l``)
+    so that autograd saves them; xpkernels' backward differentiates the first
+    output only. Marked, they have ``requires_grad=False``, as torch marks the
+    indices of ``max``: no gradient can flow into them and be dropped.
+    """
+    ctx.mark_non_differentiable(*checkpoints)
+
+
 def _last_axis_contiguous(t: Tensor) -> Tensor:
     """Autograd may hand a broadcast cotangent (stride 0): give the kernels a stride-1 last axis."""
     return t if t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
@@ -224,6 +235,7 @@ def _rms_norm_setup(ctx, inputs, output):
     x, w, _, offset, backend = inputs
     ctx.save_for_backward(x, w, output[1])
     ctx.offset, ctx.backend = offset, backend
+    _checkpoints_not_differentiable(ctx, output[1])
 
 
 def _rms_norm_grad(ctx, dy, _drstd):
@@ -371,6 +383,7 @@ def _layer_norm_setup(ctx, inputs, output):
     x, w, b, _, backend = inputs
     ctx.save_for_backward(x, w, b, output[1], output[2])
     ctx.backend = backend
+    _checkpoints_not_differentiable(ctx, output[1], output[2])
 
 
 def _layer_norm_grad(ctx, dy, _dmean, _drstd):
@@ -665,6 +678,7 @@ def _attention_setup(ctx, inputs, output):
     o, m, l = output
     ctx.save_for_backward(q, k, v, o, m, l, input_pos_array, q_lengths, k_lengths)
     ctx.options = (causal, scale, input_pos, backend)
+    _checkpoints_not_differentiable(ctx, m, l)
 
 
 def _attention_grad(ctx, do, _dm, _dl):
@@ -1123,6 +1137,7 @@ def _flex_setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, m, l, input_pos_array, *score_arrays)
     ctx.mods = flex_mods(mods)  # keeps the filed mods alive as long as this graph
     ctx.options = (mods, scale, input_pos, backend)
+    _checkpoints_not_differentiable(ctx, m, l)
 
 
 def _flex_grad(ctx, do, _dm, _dl):
@@ -1294,6 +1309,16 @@ def _(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, backend):
 
 def _merge_setup(ctx, inputs, output):
     o_a, m_a, l_a, o_b, m_b, l_b, backend = inputs
+    for side, (o_s, m_s, l_s) in (("a", (o_a, m_a, l_a)), ("b", (o_b, m_b, l_b))):
+        if o_s.requires_grad and not (m_s.requires_grad or l_s.requires_grad):
+            raise RuntimeError(
+                f"xpkernels.merge_attention_states: o_{side} requires grad but m_{side} and "
+                f"l_{side} do not, so the merge's gradient through them would be lost (the "
+                "checkpoints returned by torch.ops.xpkernels.attention are not differentiable). "
+                "Merge under torch.no_grad() and run the backward yourself "
+                "(merge_attention_states_backward_, then attention_backward_ on each part with "
+                "the merged checkpoints), or give states whose m and l require grad"
+            )
     ctx.save_for_backward(o_a, m_a, l_a, o_b, m_b, l_b, *output)
     ctx.backend = backend
 
