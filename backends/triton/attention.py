@@ -1279,12 +1279,12 @@ def _dq_kernel(
 # compiling for sm_90 and reading the cubin's resource usage). Float32 uses
 # IEEE products on CUDA cores, which need far more registers: smaller tiles.
 _FORWARD_TILES = TileTable(
-    default={64: Tile(128, 64, 8, 2), 128: Tile(128, 64, 8, 2), 256: Tile(64, 32, 8, 2)},
+    default={64: Tile(128, 64, 8, 2), 128: Tile(128, 64, 8, 2), 256: Tile(64, 32, 8, 3)},
     wide_default={64: Tile(32, 32, 4, 2), 128: Tile(32, 16, 8, 1), 256: Tile(32, 16, 8, 1)},
     candidates={
         64: (Tile(128, 64, 4, 3), Tile(128, 128, 8, 3), Tile(128, 64, 8, 3), Tile(64, 64, 4, 3)),
         128: (Tile(128, 64, 8, 3), Tile(128, 128, 8, 3), Tile(128, 64, 8, 2), Tile(64, 64, 8, 2)),
-        256: (Tile(64, 32, 8, 2), Tile(64, 64, 8, 2), Tile(128, 32, 8, 2)),
+        256: (Tile(64, 32, 8, 3), Tile(64, 16, 8, 3), Tile(64, 16, 8, 2)),
     },
 )
 # dK/dV: BLOCK_N keys per program, BLOCK_M query rows per step. BLOCK_N is the M
