@@ -12,6 +12,7 @@ import xpkernels as xk
 from xpkernels import Duplicated
 from xpkernels._checks import INDEX_MAX, batch_integers, index_int
 from xpkernels.rms_norm import RMSNormCheckpoints
+from xpkernels.testing.host_reads import HostRead, no_host_reads
 
 rng = np.random.default_rng(7)
 
@@ -196,37 +197,12 @@ def test_rms_norm_backward_refuses_a_strided_weight():
 # ---- capture-safe integer checks and the debug switch ---------------------------------------
 
 
-def _host_read_guard():
-    torch = pytest.importorskip("torch", reason="torch is not installed")
-
-    class NoHostRead(torch.Tensor):
-        """A tensor whose values must not be read on the host (a CUDA graph would freeze them)."""
-
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            name = getattr(func, "__name__", "")
-            if name in {
-                "item",
-                "tolist",
-                "cpu",
-                "numpy",
-                "__bool__",
-                "__int__",
-                "__index__",
-                "__float__",
-            }:
-                raise AssertionError(f"host read of a device value: {name}")
-            return super().__torch_function__(func, types, args, kwargs or {})
-
-    return torch, NoHostRead
-
-
 def test_device_lengths_are_not_read_on_the_host_outside_debug_mode():
-    torch, NoHostRead = _host_read_guard()
-    lengths = torch.tensor([3, 99], dtype=torch.int32).as_subclass(NoHostRead)
+    torch = pytest.importorskip("torch", reason="the host-read guard is a torch tensor subclass")
+    lengths = no_host_reads(torch.tensor([3, 99], dtype=torch.int32))
     batch_integers("f", "k_lengths", torch, lengths, 2, 0, 8, "Sk")
     with xk.debug():
-        with pytest.raises(AssertionError, match="host read"):
+        with pytest.raises(HostRead, match="host read"):
             batch_integers("f", "k_lengths", torch, lengths, 2, 0, 8, "Sk")
 
 

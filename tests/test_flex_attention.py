@@ -20,6 +20,7 @@ from xpkernels.flex_attention import (
     flex_attention_backward,
     flex_attention_backward_,
 )
+from xpkernels.testing.host_reads import HostRead, no_host_reads
 
 backend = importlib.import_module("xpkernels.backends.array_api.flex_attention")
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "flex.md"
@@ -504,47 +505,9 @@ def test_allocating_backward_with_broadcast_keys_and_values():
 
 
 def _no_host_reads():
-    """A torch tensor subclass raising on every host read; integer and bool results stay in it."""
+    """The shipped host-read guard (``xpkernels.testing.host_reads``), with torch."""
     torch = pytest.importorskip("torch", reason="the host-read guard is a torch tensor subclass")
-    forbidden = (
-        "item",
-        "__bool__",
-        "__int__",
-        "__index__",
-        "__float__",
-        "tolist",
-        "cpu",
-        "numpy",
-        "__array__",
-    )
-
-    class HostRead(AssertionError):
-        pass
-
-    def refuse(name):
-        def method(self, *args, **kwargs):
-            raise HostRead(f"host read of a device value: Tensor.{name}")
-
-        return method
-
-    class NoHostReads(torch.Tensor):
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            if getattr(func, "__name__", "") in forbidden:
-                raise HostRead(f"host read of a device value: {func.__name__}")
-            with torch._C.DisableTorchFunctionSubclass():
-                out = func(*args, **(kwargs or {}))
-
-            def wrap(x):
-                if isinstance(x, torch.Tensor) and not x.is_floating_point():
-                    return x.as_subclass(cls)
-                return x
-
-            return tuple(wrap(x) for x in out) if isinstance(out, tuple) else wrap(out)
-
-    for name in forbidden:
-        setattr(NoHostReads, name, refuse(name))
-    return torch, HostRead, lambda t: t.as_subclass(NoHostReads)
+    return torch, HostRead, no_host_reads
 
 
 def test_in_place_calls_read_no_device_value_on_the_host():

@@ -37,6 +37,7 @@ from xpkernels.backends.triton import attention as tri_attention
 from xpkernels.backends.triton import decode_attention as tri_decode
 
 from xpkernels.testing import references as ref
+from xpkernels.testing.host_reads import no_host_reads
 from xpkernels.testing.tolerances import floor
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -574,26 +575,6 @@ def test_front_bottom_right_alignment_on_triton_equals_array_api():
     )
 
 
-class NoHostRead(torch.Tensor):
-    """A tensor whose values must not be read on the host (a CUDA graph would freeze them)."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in {
-            "item",
-            "tolist",
-            "cpu",
-            "numpy",
-            "__bool__",
-            "__int__",
-            "__index__",
-            "__float__",
-        }:
-            raise AssertionError(f"host read of a device value: {name}")
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
 def _record_launches(monkeypatch):
     """On CPU (the interpreter copies every argument to the host) record launches instead of running them."""
     launched = []
@@ -622,7 +603,7 @@ def test_in_place_calls_read_no_device_integer_on_the_host(monkeypatch):
     rng = np.random.default_rng(137)
     q, k, v, do = (torch.from_numpy(a).float().to(DEVICE) for a in _small(rng, 2, 2, 1, 9, 11))
     guarded = {
-        name: torch.tensor(values, device=DEVICE).as_subclass(NoHostRead)
+        name: no_host_reads(torch.tensor(values, device=DEVICE))
         for name, values in (
             ("input_pos", [3, -2]),
             ("q_lengths", [9, 99]),
@@ -638,7 +619,7 @@ def test_in_place_calls_read_no_device_integer_on_the_host(monkeypatch):
     xk.attention_backward_(
         *args, checkpoints=ck, scratch=scratch, causal=True, backend="triton", **guarded
     )
-    lengths = torch.tensor([11, 2**33], device=DEVICE).as_subclass(NoHostRead)
+    lengths = no_host_reads(torch.tensor([11, 2**33], device=DEVICE))
     o_dec = torch.empty(2, 2, 16, device=DEVICE)
     dec_scratch = xk.allocate_scratchspace(xk.decode_attention_, o_dec, q[:, :, 0], k, n_splits=2)
     xk.decode_attention_(o_dec, q[:, :, 0], k, v, lengths, scratch=dec_scratch, backend="triton")

@@ -8,6 +8,8 @@
   max(floor, 2 x the straightforward same-dtype error);
 - :mod:`xpkernels.testing.harness`: targets (backend x namespace x device)
   and the comparison.
+- :mod:`xpkernels.testing.host_reads`: a torch tensor guard that raises when
+  a device value is read on the host (capture safety).
 
 Used by ``conformance/`` (pytest), ``tests/`` and ``python -m xpkernels check``.
 Importing it needs NumPy only: torch, triton and pytest are imported inside
