@@ -42,6 +42,17 @@ __device__ __forceinline__ void store_vec(T* p, const float (&in)[V]) {
     *reinterpret_cast<Vec<T, V>*>(p) = r;
 }
 
+// V elements of the vector p at col, or `fill` in each when p is null.
+template <typename T, int V>
+__device__ __forceinline__ void load_or(const T* p, int col, float fill, float (&out)[V]) {
+    if (p != nullptr) {
+        load_vec<T, V>(p + col, out);
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) out[i] = fill;
+    }
+}
+
 // Sum over the 32 lanes of a full warp; every lane gets the same bits.
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

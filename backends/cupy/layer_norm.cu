@@ -14,19 +14,9 @@
 
 namespace {
 
+using xk::load_or;
 using xk::load_vec;
 using xk::store_vec;
-
-// V elements of the vector p at col, or `fill` in each when p is null.
-template <typename TV, int V>
-__device__ __forceinline__ void load_or(const TV* p, int col, float fill, float (&out)[V]) {
-    if (p != nullptr) {
-        load_vec<TV, V>(p + col, out);
-    } else {
-#pragma unroll
-        for (int i = 0; i < V; ++i) out[i] = fill;
-    }
-}
 
 // y = (x - mean) * rstd * w + b for the V elements at col, with mean = mean0 + shift
 // subtracted in two steps: mean0 + shift rounded to float32 would cost a row of mean

@@ -9,17 +9,13 @@
 
 namespace {
 
+using xk::load_or;
 using xk::load_vec;
 using xk::store_vec;
 
 template <typename TW, int V>
 __device__ __forceinline__ void load_weight(const TW* w, int col, float offset, float (&out)[V]) {
-    if (w != nullptr) {
-        load_vec<TW, V>(w + col, out);
-    } else {
-#pragma unroll
-        for (int i = 0; i < V; ++i) out[i] = 1.0f;
-    }
+    load_or<TW, V>(w, col, 1.0f, out);
 #pragma unroll
     for (int i = 0; i < V; ++i) out[i] += offset;
 }
