@@ -55,6 +55,22 @@ def relative_bias(score, b, h, q_idx, kv_idx, *, table):
     return score + table[h, xm.minimum(xm.maximum(q_idx - kv_idx, -4), 4) + 4]
 
 
+def log_bucket_bias(score, b, h, q_idx, kv_idx, *, table):
+    """T5-style buckets: exact below 2, logarithmic up to 16, written with floor."""
+    rel = abs(q_idx - kv_idx)
+    far = xm.maximum(xm.floor(2 + xm.log(xm.maximum(rel, 1) / 2) / math.log(8) * 6), 2)
+    return score + table[h, xm.minimum(xm.where(rel < 2, rel, far), 7)]
+
+
+def trigonometric(score, b, h, q_idx, kv_idx):
+    return xm.sin(score) + xm.cos(0.5 * score) * xm.tan(0.3 * score) + np.sin(q_idx - kv_idx)
+
+
+def gated_power(score, b, h, q_idx, kv_idx, *, e, w):
+    """Traced exponents (a captured array, the score) and the sigmoid and exp2 helpers."""
+    return (1.5 + xm.sigmoid(score)) ** e[h] + 2.0 ** (w[h] * score) - xm.exp2(-score)
+
+
 # --------------------------------------------------------------------------- tracing
 
 
@@ -80,7 +96,9 @@ def test_mod_is_traced_once_into_a_shared_graph():
     [
         (lambda s, b, h, q, kv: s if q > kv else 0.0, {}, r"as a Python bool"),
         (lambda s, b, h, q, kv: math.exp(s), {}, r"float\(\) or a math\.\* function"),
-        (lambda s, b, h, q, kv: np.sin(s), {}, r"numpy\.sin is not supported"),
+        (lambda s, b, h, q, kv: np.arctan2(s, s), {}, r"numpy\.arctan2 is not supported"),
+        (lambda s, b, h, q, kv: np.clip(s, 0, 1), {}, r"clamp with minimum\(maximum\(x, low\)"),
+        (lambda s, b, h, q, kv: xm.floor(s > 0), {}, r"floor of a condition"),
         (
             lambda s, b, h, q, kv: s + np.ones((4, 4))[q, kv],
             {},
@@ -107,7 +125,6 @@ def test_mod_is_traced_once_into_a_shared_graph():
             {},
             r"bitwise operations on integers are not supported",
         ),
-        (lambda s, b, h, q, kv: s**q, {}, r"needs a constant exponent"),
         (lambda s, b, h, q, kv: s @ s, {}, r"the @ operator is not supported"),
         (lambda s, b, h, q, kv: q > kv, {}, r"a score mod must return a number"),
         (lambda s, b, h, q, kv: s + [1.0], {}, r"a list cannot be used in a mod"),
@@ -190,6 +207,15 @@ SCORES = {
     "alibi>>softcap": lambda: xm.AliBiScore(np.array([0.5, -0.25, 0.125])) >> xm.SoftCapScore(1.5),
     "relpos": lambda: xm.ScoreMod(
         relative_bias, table=np.random.default_rng(3).standard_normal((3, 9))
+    ),
+    "log-bucket": lambda: xm.ScoreMod(
+        log_bucket_bias, table=np.random.default_rng(8).standard_normal((3, 8))
+    ),
+    "trig": lambda: xm.ScoreMod(trigonometric),
+    "power": lambda: xm.ScoreMod(
+        gated_power,
+        e=np.random.default_rng(9).uniform(0.5, 2.0, 3),
+        w=np.random.default_rng(10).uniform(-0.5, 0.5, 3),
     ),
     "pair": lambda: xm.PairFeatureScore(
         lambda qv, kv: [qv[0] * kv[1], xm.sqrt(qv[1] * qv[1] + kv[0] * kv[0] + 1.0)],
@@ -560,3 +586,97 @@ def test_tile_plan_combines_heads_of_a_group():
     plan = xm.TilePlan(4, 4, states)
     np.testing.assert_array_equal(plan.group(0, 0, 2), [[xm.PARTIAL, xm.PARTIAL, xm.FULL]])
     np.testing.assert_array_equal(plan.group(0, 1, 2), [[xm.FULL, xm.SKIP, xm.FULL]])
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_added_operations_agree_with_the_host_on_every_namespace(namespace):
+    """floor, sin/cos/tan, sigmoid, exp2 and traced exponents on kernel tile grids."""
+    rng = np.random.default_rng(11)
+    score = rng.standard_normal((2, 3, 7, 9))
+    cot = rng.standard_normal((2, 3, 7, 9))
+    b, h, _, q_idx, kv_idx = grids(pos=3)
+    like = to_namespace(score, namespace)
+    xp, device = array_api_compat.array_namespace(like), array_api_compat.device(like)
+    for name in ("log-bucket", "trig", "power"):
+        mod = SCORES[name]()
+        expected = xm.score_value(mod, score, q_idx, kv_idx, b, h, input_pos=3)
+        expected_ds, expected_grads = xm.score_grad(
+            mod, score, cot, q_idx, kv_idx, b, h, input_pos=3
+        )
+        arrays = [to_namespace(s.array, namespace) for s in mod.graph.slots]
+        bound = mod.graph.bind(xp, xp.float64, device, arrays)
+        accumulators = [xp.zeros_like(a) for a in arrays]
+        for bi in range(2):
+            grid = xm.tile_grid(
+                xp,
+                device,
+                mod.graph.inputs,
+                b=bi,
+                h0=0,
+                n_h=3,
+                q_pos0=3,
+                q_row0=0,
+                n_q=7,
+                kv0=0,
+                n_kv=9,
+            )
+            values = bound.run(grid, to_namespace(score[bi], namespace))
+            np.testing.assert_allclose(host(values[mod.graph.output]), expected[bi], rtol=1e-12)
+            ds = bound.backprop(values, grid, to_namespace(cot[bi], namespace), accumulators)
+            np.testing.assert_allclose(host(ds), expected_ds[bi], rtol=1e-12, atol=1e-12)
+        for slot, acc in zip(mod.graph.slots, accumulators):
+            np.testing.assert_allclose(
+                host(acc),
+                dict(expected_grads.items())[slot.field],
+                rtol=1e-12,
+                atol=1e-12,
+                err_msg=name,
+            )
+
+
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_floor_gives_integers_nan_zero_and_saturates_past_int64(namespace):
+    values = np.array([1.5, -1.5, 2.0, np.nan, 1e300, -np.inf, np.inf])
+    top = 2**63 - 1024  # the float64 nearest below 2**63
+    expected = [1, -2, 2, 0, top, -(2**63), top]
+    floored = host(xm.floor(to_namespace(values, namespace)))
+    assert floored.dtype == np.int64
+    np.testing.assert_array_equal(floored, expected)
+    mod = xm.ScoreMod(lambda s, b, h, q, kv: math.floor(s) + 0.5)
+    assert [n.op for n in mod.graph.nodes].count("floor") == 1
+    like = to_namespace(values, namespace)
+    xp = array_api_compat.array_namespace(like)
+    bound = mod.graph.bind(xp, xp.float64, array_api_compat.device(like))
+    grid = xm.tile_grid(
+        xp,
+        array_api_compat.device(like),
+        mod.graph.inputs,
+        b=0,
+        h0=0,
+        n_h=1,
+        q_pos0=0,
+        q_row0=0,
+        n_q=1,
+        kv0=0,
+        n_kv=1,
+    )
+    out = host(bound.run(grid, like)[mod.graph.output])
+    np.testing.assert_array_equal(out, np.array(expected, dtype=np.float64) + 0.5)
+    assert [xm.floor(v) for v in (2.7, -0.5, float("nan"), 7)] == [2, -1, 0, 7]
+
+
+def test_floor_of_a_float_must_be_bounded_before_it_indexes():
+    from xpkernels.flex_attention import flex_attention
+
+    q = np.random.default_rng(12).standard_normal((1, 1, 6, 8))
+    mod = xm.ScoreMod(lambda s, b, h, q, kv, *, t: s + t[xm.floor(q * 0.5)], t=np.ones(8))
+    with pytest.raises(ValueError, match="cannot be bounded.*clamp it with minimum/maximum"):
+        flex_attention(q, q, q, score_mod=mod)
+    bounded = xm.ScoreMod(
+        lambda s, b, h, q, kv, *, t: s + t[xm.minimum(xm.maximum(xm.floor(q * 0.5), 0), 7)],
+        t=np.arange(8.0),
+    )
+    np.testing.assert_array_equal(
+        xm.score_value(bounded, 0.0, np.arange(6), 0), [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
+    )
+    assert np.isfinite(flex_attention(q, q, q, score_mod=bounded)).all()

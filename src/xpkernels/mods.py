@@ -13,9 +13,25 @@ this call (``q_idx - input_pos``), for tables laid out per call.
 
 A mod is an ordinary Python function written with Python operators
 (``+ - * / // % **``, comparisons, ``&`` ``|`` ``~`` on conditions) and the
-helpers of this module (:func:`exp`, :func:`log`, :func:`tanh`, :func:`sqrt`,
-:func:`abs`, :func:`minimum`, :func:`maximum`, :func:`where`,
-:func:`logical_and`, :func:`logical_or`, :func:`logical_not`). Arrays it reads
+helpers of this module (:func:`exp`, :func:`exp2`, :func:`log`, :func:`sqrt`,
+:func:`sin`, :func:`cos`, :func:`tan`, :func:`tanh`, :func:`sigmoid`,
+:func:`abs`, :func:`floor`, :func:`minimum`, :func:`maximum`, :func:`where`,
+:func:`logical_and`, :func:`logical_or`, :func:`logical_not`). The NumPy
+functions of the same names trace too (``np.exp``, ``np.exp2``, ``np.log``,
+``np.sqrt``, ``np.sin``, ``np.cos``, ``np.tan``, ``np.tanh``, ``np.abs``,
+``np.floor``, ``np.minimum``, ``np.maximum``, ``np.where``,
+``np.logical_and/or/not``, and the ufuncs behind the operators, such as
+``np.add`` and ``np.power``), as does ``math.floor``. :func:`floor` is the one
+way from a float to an integer: its result can index a captured array, which
+writes a T5-style log-bucket relative bias directly::
+
+    def t5_bias(score, b, h, q_idx, kv_idx, *, table):   # table (H, 32)
+        rel = abs(q_idx - kv_idx)                          # exact buckets below 8,
+        far = maximum(floor(8 + log(maximum(rel, 1) / 8) / log(16) * 24), 8)
+        return score + table[h, minimum(where(rel < 8, rel, far), 31)]  # log ones to 128
+
+Exponents may be traced (``2.0 ** x``, ``x ** table[h]``); an integer power
+with a traced exponent is a float. Arrays it reads
 are passed by keyword and indexed with one integer expression per axis::
 
     def relative_bias(score, b, h, q_idx, kv_idx, *, table):
@@ -58,10 +74,16 @@ from ._memory import same_memory
 __all__ = [
     "TraceError",
     "exp",
+    "exp2",
     "log",
     "tanh",
     "sqrt",
+    "sin",
+    "cos",
+    "tan",
+    "sigmoid",
     "abs",
+    "floor",
     "minimum",
     "maximum",
     "where",
@@ -161,7 +183,7 @@ _SYMBOLS = {
 }
 _ARITHMETIC = ("add", "sub", "mul", "floordiv", "mod")
 _ORDER = ("lt", "le", "gt", "ge")
-_FLOAT_UNARY = ("exp", "log", "tanh", "sqrt")
+_FLOAT_UNARY = ("exp", "exp2", "log", "tanh", "sqrt", "sin", "cos", "tan", "sigmoid")
 
 
 class Graph:
@@ -534,10 +556,8 @@ def _binary(op, x, y):
     if op in _ORDER:
         return t.node(op, (a._id, b._id), None, BOOL)
     if op == "pow":
-        if t.nodes[b._id].op != "const":
-            raise TraceError("operator ** needs a constant exponent (x ** 2, x ** 0.5)")
-        exponent = t.nodes[b._id].value
-        int_result = ka == INT and kb == INT and exponent >= 0
+        exponent = t.nodes[b._id]
+        int_result = ka == INT and kb == INT and exponent.op == "const" and exponent.value >= 0
         return t.node(op, (a._id, b._id), None, INT if int_result else FLOAT)
     kind = FLOAT if op == "div" or FLOAT in (ka, kb) else INT
     return t.node(op, (a._id, b._id), None, kind)
@@ -554,6 +574,8 @@ def _unary(op, x):
         return t.node(op, (x._id,), None, BOOL)
     if kind == BOOL:
         raise TraceError(f"{op} of a condition: turn it into a number with where(cond, 1, 0)")
+    if op == "floor":
+        return x if kind == INT else t.node(op, (x._id,), None, INT)
     return t.node(op, (x._id,), None, FLOAT if op in _FLOAT_UNARY else kind)
 
 
@@ -684,6 +706,9 @@ class Sym:
     def __invert__(self):
         return _unary("not", self)
 
+    def __floor__(self):
+        return _unary("floor", self)
+
     __hash__ = None  # type: ignore[assignment]
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -691,14 +716,18 @@ class Sym:
         if method != "__call__" or kwargs or rule is None:
             raise TraceError(
                 f"numpy.{ufunc.__name__} is not supported in a mod; use the helpers of "
-                "xpkernels.mods (exp, log, tanh, sqrt, abs, minimum, maximum, where, "
-                "logical_and/or/not)"
+                "xpkernels.mods (exp, exp2, log, sqrt, sin, cos, tan, tanh, sigmoid, abs, floor, "
+                "minimum, maximum, where, logical_and/or/not)"
             )
         return rule(*inputs)
 
     def __array_function__(self, func, types, args, kwargs):
         if func.__name__ == "where" and not kwargs and len(args) == 3:
             return where(*args)
+        if func.__name__ == "clip":
+            raise TraceError(
+                "numpy.clip is not supported in a mod; clamp with minimum(maximum(x, low), high)"
+            )
         raise TraceError(f"numpy.{func.__name__} is not supported in a mod")
 
     def __getattr__(self, name):
@@ -741,7 +770,6 @@ _UNSUPPORTED = {
     "__rdivmod__": "divmod()",
     "__round__": "round()",
     "__trunc__": "math.trunc()",
-    "__floor__": "math.floor()",
     "__ceil__": "math.ceil()",
 }
 for _name, _description in _UNSUPPORTED.items():
@@ -876,6 +904,69 @@ sqrt = _elementwise("sqrt", math.sqrt)
 sqrt.__doc__ = "Square root (traced inside a mod, elementwise outside)."
 abs = _elementwise("abs", builtins.abs)
 abs.__doc__ = "Absolute value (traced inside a mod, elementwise outside)."
+exp2 = _elementwise("exp2", lambda x: 2.0**x)
+exp2.__doc__ = "``2 ** x`` (traced inside a mod, elementwise outside)."
+sin = _elementwise("sin", math.sin)
+sin.__doc__ = "Sine (traced inside a mod, elementwise outside)."
+cos = _elementwise("cos", math.cos)
+cos.__doc__ = "Cosine (traced inside a mod, elementwise outside)."
+tan = _elementwise("tan", math.tan)
+tan.__doc__ = "Tangent (traced inside a mod, elementwise outside)."
+
+
+def _sigmoid(x):
+    """``1 / (1 + e ** -x)`` on a concrete number or array (0 and 1 at the infinities)."""
+    if isinstance(x, (bool, int, float, np.number)):
+        return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+    return 1.0 / (1.0 + _concrete("exp", math.exp, -x))
+
+
+def sigmoid(x):
+    """The logistic function ``1 / (1 + e ** -x)`` (traced inside a mod, elementwise outside)."""
+    if isinstance(x, Sym):
+        return _unary("sigmoid", x)
+    return _sigmoid(x)
+
+
+#: Floats past int64 saturate when :func:`floor` turns them into integers: the float64
+#: nearest below 2**63 is 2**63 - 1024.
+_FLOOR_HIGH = float(2**63 - 1024)
+
+
+def _floor_int(xp, x):
+    """``floor(x)`` as int64 on namespace ``xp``: NaN gives 0, values past int64 saturate."""
+    if xp.isdtype(x.dtype, "integral"):
+        return x
+    x = xp.floor(x)
+    x = xp.where(xp.isnan(x), xp.zeros_like(x), x)
+    x = xp.clip(x, float(INT64_MIN), _FLOOR_HIGH)
+    return xp.astype(x, xp.int64)
+
+
+def floor(x):
+    """The largest integer ``<= x``, as an integer (traced inside a mod, elementwise outside).
+
+    The one conversion from a float to an integer in a mod, so its result can
+    index a captured array (bound it with :func:`minimum` / :func:`maximum`
+    first: a float's range is not known). NaN gives 0 and values past int64
+    saturate, on every backend.
+    """
+    if isinstance(x, Sym):
+        return _unary("floor", x)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return _floor_int(array_api_compat.array_namespace(x), x)
+    if array_api_compat.is_array_api_obj(x):
+        return _floor_int(array_api_compat.array_namespace(x), x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    return (
+        int(math.floor(x))
+        if math.isfinite(x)
+        else 0
+        if x != x
+        else (INT64_MAX if x > 0 else INT64_MIN)
+    )
 
 
 def minimum(x, y):
@@ -941,9 +1032,14 @@ _UFUNCS = {
     "negative": lambda a: _unary("neg", a),
     "absolute": lambda a: _unary("abs", a),
     "exp": exp,
+    "exp2": exp2,
     "log": log,
     "tanh": tanh,
     "sqrt": sqrt,
+    "sin": sin,
+    "cos": cos,
+    "tan": tan,
+    "floor": floor,
     "minimum": minimum,
     "maximum": maximum,
 }
@@ -1032,9 +1128,17 @@ _EVAL: dict[str, Callable[..., Any]] = {
     "neg": lambda xp, a: xp.negative(a),
     "abs": lambda xp, a: xp.abs(a),
     "exp": lambda xp, a: xp.exp(a),
+    "exp2": lambda xp, a: xp.pow(
+        xp.asarray(2.0, dtype=a.dtype, device=array_api_compat.device(a)), a
+    ),
     "log": lambda xp, a: xp.log(a),
     "tanh": lambda xp, a: xp.tanh(a),
     "sqrt": lambda xp, a: xp.sqrt(a),
+    "sin": lambda xp, a: xp.sin(a),
+    "cos": lambda xp, a: xp.cos(a),
+    "tan": lambda xp, a: xp.tan(a),
+    "sigmoid": lambda xp, a: 1.0 / (1.0 + xp.exp(-a)),
+    "floor": _floor_int,
     "minimum": lambda xp, a, b: xp.minimum(a, b),
     "maximum": lambda xp, a, b: xp.maximum(a, b),
     "where": lambda xp, c, a, b: xp.where(c, a, b),
@@ -1289,8 +1393,14 @@ class BoundGraph:
             if want[1]:
                 out.append((args[1], -g * xp.floor_divide(arg(0), arg(1))))
             return out
-        if op == "pow" and want[0]:
-            return [(args[0], g * (arg(1) * xp.pow(arg(0), arg(1) - 1.0)))]
+        if op == "pow":
+            out = [(args[0], g * (arg(1) * xp.pow(arg(0), arg(1) - 1.0)))] if want[0] else []
+            if want[1]:
+                # d/dy x**y = x**y log x; 0 where x**y is 0 (x = 0, y > 0), not 0 * -inf
+                power = values[i]
+                safe = xp.where(power == 0.0, xp.ones_like(power), arg(0))
+                out.append((args[1], xp.where(power == 0.0, self._zero, g * power * xp.log(safe))))
+            return out
         if op == "neg":
             return [(args[0], -g)]
         if op == "abs":
@@ -1303,6 +1413,16 @@ class BoundGraph:
             return [(args[0], g * (1.0 - values[i] * values[i]))]
         if op == "sqrt":
             return [(args[0], g * 0.5 / values[i])]
+        if op == "exp2":
+            return [(args[0], g * (math.log(2.0) * values[i]))]
+        if op == "sin":
+            return [(args[0], g * xp.cos(arg(0)))]
+        if op == "cos":
+            return [(args[0], -g * xp.sin(arg(0)))]
+        if op == "tan":
+            return [(args[0], g * (1.0 + values[i] * values[i]))]
+        if op == "sigmoid":
+            return [(args[0], g * (values[i] * (1.0 - values[i])))]
         if op in ("minimum", "maximum"):
             first = (
                 xp.less_equal(arg(0), arg(1))
