@@ -12,7 +12,10 @@
 #    *-cupy-cuda), in parallel when pytest-xdist is there;
 # 3. runs bench/gpu.py (ceilings, norms, softmax, attention, decode);
 # and writes into OUT_DIR: device.log (everything printed), conformance.xml
-# (JUnit), gpu.json (the figures) and environment.txt.
+# (JUnit), gpu.json (the figures) and environment.txt. The last screen it
+# prints is the summary: each primitive's rate and share of its ceiling, its
+# speed-up over PyTorch's op and over torch.compile, and PASS/FAIL against the
+# DESIGN section 8 targets.
 #
 # --dry-run runs the same steps on CPU: conformance is only collected, and the
 # benchmarks run on tiny CPU tensors through the Triton interpreter, so the
@@ -119,8 +122,11 @@ PY
     fi
 
     step "torch: CUDA-graph capture and replay of a training step"; timeout 150 "$PYTHON" bench/torch_cuda_graph.py --out "$OUT" $([[ $DRY_RUN -eq 1 ]] && echo --dry-run) || status=1
-    step "done: conformance $conformance_rc, benchmarks $bench_rc"
     ls -l "$OUT"
+    step "done: conformance $conformance_rc, benchmarks $bench_rc"
+    if [[ -f "$OUT/gpu.json" ]]; then
+        "$PYTHON" bench/gpu.py --summary "$OUT/gpu.json" || status=1
+    fi
     return $status
 }
 

@@ -412,6 +412,101 @@ def decode_section(bench: Bench) -> None:
     print(f"  decode n_splits = {scratch.o_partial.shape[2]}", flush=True)
 
 
+#: DESIGN section 8 targets: (section, pass) -> minimum share of the copy bandwidth (%).
+BANDWIDTH_TARGETS = {
+    ("rows", "forward"): 90.0,
+    ("rows", "backward"): 80.0,
+    ("decode", "forward"): 85.0,
+}
+#: Attention targets, bfloat16 at head dim 128 without a mask: pass -> minimum TFLOP/s.
+ATTENTION_TARGETS = {"forward": 500.0, "backward": 300.0}
+
+
+def target_of(e: Entry) -> tuple[str, float] | None:
+    """``("%copy" or "TFLOP/s", minimum)`` that DESIGN section 8 sets for ``e``, or None."""
+    if (e.section, e.pass_) in BANDWIDTH_TARGETS:
+        return "%copy", BANDWIDTH_TARGETS[(e.section, e.pass_)]
+    if e.op == "attention" and e.dtype == "bfloat16" and e.shape[-1] == 128:
+        return "TFLOP/s", ATTENTION_TARGETS[e.pass_]
+    return None
+
+
+def verdict(e: Entry, dry: bool) -> str:
+    """PASS / FAIL against :func:`target_of`; ``-`` without a target, ``dry`` in a dry run."""
+    target = target_of(e)
+    if e.error:
+        return "ERROR"
+    if target is None:
+        return "-"
+    if dry:
+        return "dry"
+    kind, minimum = target
+    value = e.pct_of_ceiling if kind == "%copy" else e.rate
+    return "PASS" if value is not None and value >= minimum else "FAIL"
+
+
+def _speedup(e: Entry, name: str | None) -> str:
+    """Our speed over baseline ``name`` (above 1: faster), or ``-``."""
+    b = e.baselines.get(name) if name else None
+    if not b or "rate" not in b or not e.rate:
+        return "-"
+    return f"{e.rate / b['rate']:.2f}x"
+
+
+def summary_rows(entries: list[Entry], dry: bool) -> list[dict]:
+    """One row per entry: its figure, the share of its ceiling, speed-ups over PyTorch's op and
+    over ``torch.compile`` (Liger-style fused PyTorch), and the verdict against its target."""
+    rows = []
+    for e in entries:
+        eager = next((n for n in e.baselines if n != "torch.compile"), None)
+        target = target_of(e)
+        rows.append(
+            {
+                "op": e.op,
+                "pass": e.pass_,
+                "dtype": e.dtype,
+                "shape": "x".join(str(n) for n in e.shape),
+                "rate": "-" if e.rate is None else f"{e.rate:.1f} {e.unit}",
+                "ceiling": "-"
+                if e.pct_of_ceiling is None
+                else f"{e.pct_of_ceiling:.0f}% {e.ceiling}",
+                "vs_torch": _speedup(e, eager),
+                "torch_op": eager or "-",
+                "vs_compile": _speedup(e, "torch.compile"),
+                "target": "-" if target is None else f">= {target[1]:g} {target[0]}",
+                "verdict": verdict(e, dry),
+            }
+        )
+    return rows
+
+
+def format_summary(rows: list[dict]) -> str:
+    """The summary as one aligned table (a screen: one line per entry)."""
+    columns = [
+        ("op", "op"),
+        ("pass", "pass"),
+        ("dtype", "dtype"),
+        ("shape", "shape"),
+        ("rate", "rate"),
+        ("ceiling", "of ceiling"),
+        ("vs_torch", "vs torch op"),
+        ("vs_compile", "vs compile"),
+        ("target", "target"),
+        ("verdict", ""),
+    ]
+    table = [[title for _, title in columns]] + [[r[key] for key, _ in columns] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table]
+    verdicts = [r["verdict"] for r in rows]
+    lines.append(
+        f"targets: {verdicts.count('PASS')} PASS, {verdicts.count('FAIL')} FAIL"
+        + (f", {verdicts.count('ERROR')} ERROR" if "ERROR" in verdicts else "")
+        + (" (dry run: nothing judged)" if "dry" in verdicts else "")
+        + "; speed-ups above 1 are faster than the baseline"
+    )
+    return "\n".join(lines)
+
+
 def environment(bench: Bench) -> dict:
     torch = bench.torch
     import triton
@@ -435,7 +530,12 @@ def environment(bench: Bench) -> dict:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="folder for gpu.json")
+    parser.add_argument("--out", help="folder for gpu.json (required unless --summary)")
+    parser.add_argument(
+        "--summary",
+        metavar="GPU_JSON",
+        help="print the summary table of a gpu.json written by an earlier run, and exit",
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -454,11 +554,20 @@ def parse_args(argv):
         default=60.0,
         help="seconds of torch.compile for the norm baselines; then none",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.out is None and args.summary is None:
+        parser.error("--out is required (or --summary GPU_JSON)")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.summary:
+        with open(args.summary) as f:
+            report = json.load(f)
+        print(f"summary of {args.summary} ({report['environment']['device']}):")
+        print(format_summary(report["summary"]))
+        return 0
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
@@ -483,6 +592,9 @@ def main(argv=None) -> int:
     decode_section(bench)
     bench.free()
     failed = [e for e in bench.entries if e.error]
+    summary = summary_rows(bench.entries, bench.dry)
+    print("\nsummary (DESIGN section 8 targets):")
+    print(format_summary(summary), flush=True)
     report = {
         "environment": environment(bench),
         "ceilings": bench.ceilings,
@@ -491,6 +603,7 @@ def main(argv=None) -> int:
         "seconds": round(time.monotonic() - started, 1),
         "entries": [asdict(e) for e in bench.entries],
         "failed": [f"{e.op} {e.pass_} {e.dtype} {e.shape}" for e in failed],
+        "summary": summary,
     }
     path = os.path.join(args.out, "gpu.json")
     with open(path, "w") as f:

@@ -51,6 +51,10 @@ def test_device_script_dry_run_writes_every_entry(tmp_path):
     assert ("decode_attention", "forward", "bfloat16") in seen
     for e in report["entries"]:
         assert e["ms"] > 0 and e["rate"] > 0 and e["formula"], e["op"]
+    assert len(report["summary"]) == len(report["entries"])
+    assert {r["verdict"] for r in report["summary"]} <= {"dry", "-"}
+    tail = run.stdout.strip().splitlines()[-(len(report["entries"]) + 3) :]
+    assert tail[0].startswith("summary of ") and "(dry run: nothing judged)" in tail[-1]
 
 
 def test_device_script_rejects_bad_arguments(tmp_path):
@@ -64,3 +68,75 @@ def test_device_script_rejects_bad_arguments(tmp_path):
     )
     assert run.returncode == 2
     assert "usage: bash bench/device.sh OUT_DIR [--dry-run]" in run.stderr
+
+
+def _gpu_module():
+    spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "bench" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_bench"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_summary_judges_each_entry_against_its_target():
+    gpu = _gpu_module()
+
+    def entry(section, op, pass_, shape, unit, rate, pct, baselines):
+        e = gpu.Entry(section, op, pass_, "bfloat16", shape, unit, "f", 1.0, "copy")
+        e.rate, e.pct_of_ceiling, e.baselines = rate, pct, baselines
+        return e
+
+    entries = [
+        entry(
+            "rows",
+            "rms_norm",
+            "forward",
+            (8, 4096),
+            "GB/s",
+            4000.0,
+            91.0,
+            {"F.rms_norm": {"rate": 2000.0}, "torch.compile": {"rate": 3200.0}},
+        ),
+        entry("rows", "rms_norm", "backward", (8, 4096), "GB/s", 3000.0, 79.0, {}),
+        entry(
+            "attention",
+            "attention",
+            "forward",
+            (4, 32, 4096, 128),
+            "TFLOP/s",
+            510.0,
+            60.0,
+            {"F.sdpa": {"rate": 600.0}},
+        ),
+        entry("attention", "attention", "backward", (4, 32, 4096, 128), "TFLOP/s", 250.0, 30.0, {}),
+        entry(
+            "attention",
+            "attention-causal",
+            "forward",
+            (4, 32, 4096, 128),
+            "TFLOP/s",
+            100.0,
+            10.0,
+            {},
+        ),
+        entry("attention", "attention", "forward", (4, 32, 4096, 64), "TFLOP/s", 100.0, 10.0, {}),
+        entry(
+            "decode",
+            "decode_attention",
+            "forward",
+            (16, 32, 8, 32768, 128),
+            "GB/s",
+            4100.0,
+            86.0,
+            {"F.sdpa(enable_gqa)": {"error": "boom"}},
+        ),
+    ]
+    rows = gpu.summary_rows(entries, dry=False)
+    assert [r["verdict"] for r in rows] == ["PASS", "FAIL", "PASS", "FAIL", "-", "-", "PASS"]
+    assert (rows[0]["vs_torch"], rows[0]["vs_compile"]) == ("2.00x", "1.25x")
+    assert rows[2]["vs_torch"] == "0.85x" and rows[6]["vs_torch"] == "-"
+    assert rows[0]["target"] == ">= 90 %copy" and rows[3]["target"] == ">= 300 TFLOP/s"
+    text = gpu.format_summary(rows)
+    assert len(text.splitlines()) == len(entries) + 2
+    assert "targets: 3 PASS, 2 FAIL" in text
+    assert {r["verdict"] for r in gpu.summary_rows(entries, dry=True)} == {"dry", "-"}
