@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from xpkernels.cli import bench
@@ -234,3 +235,12 @@ def test_a_retiming_that_fails_is_reported_as_the_rows_error(monkeypatch, capsys
             "re-timing: MemoryError: no room the second time"
         )
     assert "op/forward/xpkernels: 200% -> - (failed)" in out
+
+
+def test_kept_pairs_of_each_flex_mask():
+    assert bench._kept_pairs(4, "causal") == 10
+    assert bench._kept_pairs(5, 1) == 1 + 2 + 2 + 2 + 2  # each query and the key before it
+    docs = bench._document_ids(100, 4)
+    assert docs.shape == (100,) and list(np.unique(docs)) == [0, 1, 2, 3]
+    assert (np.diff(docs) >= 0).all()
+    assert bench._kept_pairs(100, docs) == sum(int(n) ** 2 for n in np.bincount(docs))

@@ -201,6 +201,7 @@ def test_bench_quick_writes_every_row_as_json(tmp_path):
         "decode_attention",
         "flex causal mask",
         "flex window 32",
+        "flex 3 documents",
         "flex no mods",
     }
     assert "\r" not in err  # no progress bar when stderr is not a terminal
@@ -220,6 +221,8 @@ def test_bench_quick_writes_every_row_as_json(tmp_path):
         expected_rate = row["work"] / row["median_s"] / (1e9 if row["unit"] == "GB/s" else 1e12)
         assert row["rate"] == pytest.approx(expected_rate)
     by_key = {(r["op"], r["pass"], r["impl"]): r for r in rows}
+    if HAS_TORCH:
+        assert "--quick: the torch.compile(flex_attention) rows are skipped" in out
     for pass_ in ("forward", "backward"):
         sparse = by_key[("flex window 32", pass_, "xpkernels")]
         dense = by_key[("flex window 32", pass_, "xpkernels dense")]

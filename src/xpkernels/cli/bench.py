@@ -8,8 +8,11 @@ calls it), or PyTorch's own CPU op (``F.rms_norm``, ``F.layer_norm``,
 its timed runs (after one warm-up run), the rate its median implies -- GB/s
 for the memory-bound primitives, TFLOP/s for attention -- with the byte or
 FLOP formula printed under the table, and the ratio of its median to that of
-a baseline row measured in the same run (PyTorch's op; for FlexAttention the
-dense path or xpkernels' attention).
+a baseline row measured in the same run (PyTorch's op; for FlexAttention
+forward ``torch.compile(flex_attention)`` with its block mask, except under
+``--quick``, where compiling would dominate; for FlexAttention backward, which
+PyTorch lacks on CPU, our dense path; for flex without mods, xpkernels'
+attention).
 
 A row whose spread ``(max - min) / median`` exceeds :data:`SPREAD_LIMIT` is
 flagged and re-timed once together with the other side(s) of its ratio, the
@@ -20,8 +23,9 @@ skipped for want of them. The progress bar draws only when stderr is a
 terminal.
 
 Default shapes are those of the performance targets: norms and softmax
-``(8192, 4096)`` float32, attention ``B=1, H=8, S=2048, D=64`` float32,
-FlexAttention ``S=4096``; ``--quick`` shrinks everything to seconds.
+``(8192, 4096)`` float32, attention and FlexAttention ``B=1, H=8, S=2048,
+D=64`` float32 (flex with a causal, a 256-key sliding-window and a 4-document
+mask); ``--quick`` shrinks everything to seconds.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -54,13 +59,13 @@ SHAPES = {
         "rows": (8192, 4096),
         "attention": {"B": 1, "H": 8, "S": 2048, "D": 64},
         "decode": {"B": 8, "H": 32, "Hkv": 8, "S": 4096, "D": 64},
-        "flex": {"B": 1, "H": 2, "S": 4096, "D": 64, "window": 256},
+        "flex": {"B": 1, "H": 8, "S": 2048, "D": 64, "window": 256, "documents": 4},
     },
     True: {
         "rows": (256, 1024),
         "attention": {"B": 1, "H": 2, "S": 256, "D": 64},
         "decode": {"B": 2, "H": 4, "Hkv": 2, "S": 512, "D": 64},
-        "flex": {"B": 1, "H": 2, "S": 256, "D": 32, "window": 32},
+        "flex": {"B": 1, "H": 2, "S": 256, "D": 32, "window": 32, "documents": 3},
     },
 }
 
@@ -440,40 +445,66 @@ def _decode_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -> l
 # --------------------------------------------------------------------------- flex attention
 
 
-def _kept_pairs(s: int, window: int | None) -> int:
-    """(query, key) pairs a causal (``window=None``) or sliding-window mask keeps at Sq = Sk = s."""
-    if window is None:
+def _document_ids(s: int, documents: int) -> np.ndarray:
+    """Document id of each of ``s`` positions: ``documents`` documents of uneven lengths."""
+    cuts = np.sort(np.random.default_rng(5).choice(np.arange(1, s), documents - 1, replace=False))
+    return np.searchsorted(cuts, np.arange(s), side="right").astype(np.int64)
+
+
+def _kept_pairs(s: int, mask) -> int:
+    """(query, key) pairs ``mask`` keeps at Sq = Sk = s: "causal", a window length, or the
+    document ids of a document mask."""
+    if isinstance(mask, np.ndarray):
+        return int(np.sum(np.bincount(mask) ** 2))
+    if mask == "causal":
         return s * (s + 1) // 2
-    full = min(s, window + 1)
-    return full * (full + 1) // 2 + (s - full) * (window + 1)
+    full = min(s, mask + 1)
+    return full * (full + 1) // 2 + (s - full) * (mask + 1)
 
 
-def _flex_benches(shape, attention_shape, arrays: _Arrays, repeats: int) -> list[Bench]:
-    """Block-sparse vs dense for two band masks at ``shape``; no-mod flex vs attention."""
+def _flex_benches(
+    shape, attention_shape, arrays: _Arrays, repeats: int, compiled_torch: bool
+) -> list[Bench]:
+    """Three masks at ``shape``: block-sparse against ``torch.compile(flex_attention)`` with its
+    block mask (``compiled_torch``; else against our dense path), and against our dense path
+    backward (PyTorch has no CPU backward); no-mod flex against attention."""
     benches = []
     b, h, s, d, w = (shape[n] for n in ("B", "H", "S", "D", "window"))
     shape_text = f"{b}x{h}x{s}x{d}"
     rng = np.random.default_rng(4)
     inputs = [rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4)]
-    masks: tuple[tuple[str, int | None], ...] = (
-        ("flex causal mask", None),
+    masks: tuple[tuple[str, Any], ...] = (
+        ("flex causal mask", "causal"),
         (f"flex window {w}", w),
+        (f"flex {shape['documents']} documents", _document_ids(s, shape["documents"])),
     )
-    for label, window in masks:
-        mask = "causal" if window is None else window
-        pairs = _kept_pairs(s, window)
+    for label, mask in masks:
+        pairs = _kept_pairs(s, mask)
         for pass_ in ("forward", "backward"):
             work = 4 * b * h * d * pairs * (2.5 if pass_ == "backward" else 1.0)
             formula = (
                 f"FLOPs = {'2.5 * ' if pass_ == 'backward' else ''}4*B*H*D*pairs, pairs = the "
                 f"(query, key) pairs the mask keeps = {pairs:,} (B={b}, H={h}, Sq=Sk={s}, D={d}; "
-                "the same for both paths)"
+                "the same for every path)"
             )
             sides = [
                 (impl, _xpk_flex_setup(arrays, inputs, pass_, mask=mask, block_sparse=sparse))
                 for impl, sparse in (("xpkernels", True), ("xpkernels dense", False))
             ]
-            benches += compare(label, pass_, shape_text, "TFLOP/s", work, formula, repeats, *sides)
+            if pass_ == "forward" and compiled_torch:
+                theirs = ("torch.compile", _torch_flex_setup(inputs, mask))
+                for side in sides:
+                    benches += compare(
+                        label, pass_, shape_text, "TFLOP/s", work, formula, repeats, side
+                    )
+                    benches[-1].row.baseline = f"{label}/{pass_}/{theirs[0]}"
+                benches += compare(
+                    label, pass_, shape_text, "TFLOP/s", work, formula, repeats, theirs
+                )
+            else:
+                benches += compare(
+                    label, pass_, shape_text, "TFLOP/s", work, formula, repeats, *sides
+                )
     b, h, s, d = (attention_shape[n] for n in ("B", "H", "S", "D"))
     shape_text = f"{b}x{h}x{s}x{d}"
     rng = np.random.default_rng(2)
@@ -489,17 +520,61 @@ def _flex_benches(shape, attention_shape, arrays: _Arrays, repeats: int) -> list
     return benches
 
 
+def _torch_flex_setup(inputs, mask):
+    """``torch.compile(flex_attention)`` forward with the block mask of ``mask`` (as in
+    :func:`_kept_pairs`); compiling happens in the setup and the warm-up run, never timed."""
+
+    def setup():
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        q, k, v = (_torch_tensor(a) for a in inputs[:3])
+        s = q.shape[2]
+        if isinstance(mask, np.ndarray):
+            docs = torch.from_numpy(mask)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return docs[q_idx] == docs[kv_idx]
+        elif mask == "causal":
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return kv_idx <= q_idx
+        else:
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (kv_idx <= q_idx) & (q_idx - kv_idx <= mask)
+
+        block_mask = create_block_mask(mask_mod, None, None, s, s, device="cpu")
+        compiled = torch.compile(flex_attention)
+
+        def forward():
+            with torch.no_grad():
+                return compiled(q, k, v, block_mask=block_mask)
+
+        return forward
+
+    return setup
+
+
 def _xpk_flex_setup(arrays: _Arrays, inputs, pass_, mask=None, block_sparse=True):
-    """Flex over ``inputs`` (q, k, v, do) with ``mask``: None, "causal" or a window length."""
+    """Flex over ``inputs`` (q, k, v, do) with ``mask``: None, "causal", a window length or
+    document ids."""
 
     def setup():
         from xpkernels.flex_attention import flex_attention_, flex_attention_backward_
-        from xpkernels.mods import CausalMask, SlidingWindowMask
+        from xpkernels.mods import CausalMask, DocumentMask, SlidingWindowMask
 
         q, k, v, do = (arrays.convert(a) for a in inputs)
-        mask_mod = (
-            None if mask is None else CausalMask() if mask == "causal" else SlidingWindowMask(mask)
-        )
+        if isinstance(mask, np.ndarray):
+            mask_mod = DocumentMask(arrays.convert(mask))
+        else:
+            mask_mod = (
+                None
+                if mask is None
+                else CausalMask()
+                if mask == "causal"
+                else SlidingWindowMask(mask)
+            )
         opts = {"mask_mod": mask_mod, "block_sparse": block_sparse}
         o = arrays.empty_like(q)
         ck = allocate_checkpoints(flex_attention_, q, k, v)
@@ -523,6 +598,7 @@ _TORCH_OPS = {
     "softmax": "torch.softmax",
     "attention": "F.scaled_dot_product_attention",
     "decode_attention": "F.scaled_dot_product_attention (enable_gqa)",
+    "flex_attention": "torch.compile(flex_attention)",
 }
 
 
@@ -570,7 +646,15 @@ def _benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[
                     )
                     if bench.row.op == "attention"
                 ]
-            benches += _flex_benches(shapes["flex"], shapes["attention"], arrays, attn_repeats)
+            compiled_torch = with_torch and not quick
+            if with_torch and quick:
+                skipped.append(
+                    "--quick: the torch.compile(flex_attention) rows are skipped (compiling "
+                    "takes about a minute per mask); flex forward rows compare with our dense path"
+                )
+            benches += _flex_benches(
+                shapes["flex"], shapes["attention"], arrays, attn_repeats, compiled_torch
+            )
     if with_torch and library == "torch":  # the autograd path: xpkernels.torch.bench
         from ..torch.bench import autograd_benches
 
