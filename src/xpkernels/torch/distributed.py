@@ -365,43 +365,33 @@ def _forward(ring: _Ring, q, k, v, causal, scale, backend):
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(ring.size):
         source = (ring.rank - step) % ring.size
-        requests: list = []
-        if step < ring.size - 1:
-            requests, (k_next, v_next) = ring.shift([k_cur, v_cur])
+        last = step == ring.size - 1
+        requests, received = ([], []) if last else ring.shift([k_cur, v_cur])
         rows, keys, block_causal = _block(ring.rank, source, causal, chunk)
         q_rows, k_keys, v_keys = _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys)
         if step == 0:  # the own shard: every row, so it starts the running state
-            checkpoints = AttentionCheckpoints(m=m, l=l)
-            attention_(
-                o,
-                q_rows,
-                k_keys,
-                v_keys,
-                causal=block_causal,
-                scale=scale,
-                checkpoints=checkpoints,
-                backend=backend,
-            )
+            o_block, part = o, AttentionCheckpoints(m=m, l=l)
         else:
             o_block = o.new_empty((batch, heads, q_rows.shape[2], v.shape[3]))
             part = AttentionCheckpoints(*(torch.empty_like(_rows(m, rows)) for _ in range(2)))
-            attention_(
-                o_block,
-                q_rows,
-                k_keys,
-                v_keys,
-                causal=block_causal,
-                scale=scale,
-                checkpoints=part,
-                backend=backend,
-            )
+        attention_(
+            o_block,
+            q_rows,
+            k_keys,
+            v_keys,
+            causal=block_causal,
+            scale=scale,
+            checkpoints=part,
+            backend=backend,
+        )
+        if step > 0:
             o_run, m_run, l_run = _rows(o, rows), _rows(m, rows), _rows(l, rows)
             merge_attention_states_(
                 o_run, m_run, l_run, o_run, m_run, l_run, o_block, part.m, part.l, backend=backend
             )
         _wait(requests)
-        if requests:
-            k_cur, v_cur = k_next, v_next
+        if not last:
+            k_cur, v_cur = received
     return o.to(q.dtype), m, l
 
 
@@ -412,14 +402,14 @@ def _backward(ring: _Ring, do, q, k, v, o, m, l, causal, scale, backend):
     do = do.contiguous()
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     k_cur, v_cur = k.contiguous(), v.contiguous()
-    dk_done = dv_done = torch.empty(0)
+    finished: list[Tensor] = []  # the total dk, dv so far of the shard held at the previous step
     for step in range(ring.size):
         source = (ring.rank - step) % ring.size
         sending = []
         if step < ring.size - 1:
             sending += [k_cur, v_cur]
         if step > 0:  # the previous shard's finished dk/dv go on; this shard's arrive
-            sending += [dk_done, dv_done]
+            sending += finished
         requests, received = ring.shift(sending) if sending else ([], [])
         rows, keys, block_causal = _block(ring.rank, source, causal, chunk)
         dk_local = torch.zeros(k_cur.shape, dtype=acc, device=k.device)
@@ -443,11 +433,12 @@ def _backward(ring: _Ring, do, q, k, v, o, m, l, causal, scale, backend):
         if step > 0:
             dk_local.add_(received[-2])
             dv_local.add_(received[-1])
-        dk_done, dv_done = dk_local, dv_local
+        finished = [dk_local, dv_local]
     if ring.size > 1:  # the last shard's totals go home: the successor owns it
-        requests, (dk_done, dv_done) = ring.shift([dk_done, dv_done])
+        requests, finished = ring.shift(finished)
         _wait(requests)
-    return dq.to(q.dtype), dk_done.to(k.dtype), dv_done.to(v.dtype)
+    dk, dv = finished
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
