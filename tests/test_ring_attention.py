@@ -35,13 +35,15 @@ from xpkernels.torch.distributed import (  # noqa: E402
 #: Seconds a spawn of workers may take (start-up included) before it counts as a hang.
 _DEADLINE = 120.0
 
-#: (dtype, causal, heads, kv_heads): every dtype x causal pair, grouped-query and multi-head.
+#: (dtype, causal, heads, kv_heads, kv_seq): every dtype x causal pair, grouped-query and
+#: multi-head, over 16 queries and as many keys -- and, without causal, half as many keys
+#: (shards of two different sequences, as in cross-attention).
 _CONFIGS = [
-    (dtype, causal, heads, kv_heads)
+    (dtype, causal, heads, kv_heads, 16)
     for dtype in ("float64", "float32")
     for causal in (False, True)
     for heads, kv_heads in ((4, 2), (2, 2))
-]
+] + [("float32", False, 4, 1, 8)]
 
 
 def _floor(pass_: str, dtype: str) -> float:
@@ -56,10 +58,10 @@ def _floor(pass_: str, dtype: str) -> float:
     return floor("attention", pass_, dtype)
 
 
-def _problem(seed, dtype, heads, kv_heads, seq=16, batch=2, d=8, dv=6):
+def _problem(seed, dtype, heads, kv_heads, kv_seq, seq=16, batch=2, d=8, dv=6):
     """Whole-sequence q, k, v and the output cotangent, the same on every rank."""
     g = torch.Generator().manual_seed(seed)
-    shapes = [(batch, heads, seq, d), (batch, kv_heads, seq, d), (batch, kv_heads, seq, dv)]
+    shapes = [(batch, heads, seq, d), (batch, kv_heads, kv_seq, d), (batch, kv_heads, kv_seq, dv)]
     shapes.append((batch, heads, seq, dv))
     return [
         torch.randn(s, generator=g, dtype=torch.float64).to(getattr(torch, dtype)) for s in shapes
@@ -82,30 +84,32 @@ def _single_process(q, k, v, do, causal):
     return [o.detach()] + [t.grad for t in leaves]
 
 
-def _check_config(seed, dtype, causal, heads, kv_heads):
-    q, k, v, do = _problem(seed, dtype, heads, kv_heads)
+def _check_config(seed, dtype, causal, heads, kv_heads, kv_seq, group=None):
+    """Ring attention over ``group`` equals whole-sequence attention on this rank's shard."""
+    q, k, v, do = _problem(seed, dtype, heads, kv_heads, kv_seq)
     want = _sdpa_float64(q, k, v, do, causal)
     single = _single_process(q, k, v, do, causal)
     # The ring's shards come from shard_sequence on whole-sequence leaves: their gradients
     # (zero outside this rank's shard) check that the layout helpers are differentiable.
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    o_shard = ring_attention(*(shard_sequence(t, causal=causal) for t in leaves), causal=causal)
-    o_shard.backward(shard_sequence(do, causal=causal))
-    got = [unshard_sequence(o_shard.detach(), causal=causal)]
-    got += [shard_sequence(t.grad, causal=causal) for t in leaves]
-    want = [want[0]] + [shard_sequence(g, causal=causal) for g in want[1:]]
-    single = [single[0]] + [shard_sequence(g, causal=causal) for g in single[1:]]
+    layout = {"group": group, "causal": causal}
+    o_shard = ring_attention(*(shard_sequence(t, **layout) for t in leaves), **layout)
+    o_shard.backward(shard_sequence(do, **layout))
+    got = [unshard_sequence(o_shard.detach(), **layout)]
+    got += [shard_sequence(t.grad, **layout) for t in leaves]
+    want = [want[0]] + [shard_sequence(g, **layout) for g in want[1:]]
+    single = [single[0]] + [shard_sequence(g, **layout) for g in single[1:]]
     for name, ring, exact, same_dtype in zip(("o", "dq", "dk", "dv"), got, want, single):
         assert ring.dtype == getattr(torch, dtype), (name, ring.dtype)
         pass_ = "forward" if name == "o" else "backward"
         single_error = max_error(same_dtype.numpy(), exact.numpy())
         allowed = max(_floor(pass_, dtype), 2 * single_error)
         ring_error = max_error(ring.numpy(), exact.numpy())
-        label = f"{name} {dtype} causal={causal} H={heads} Hkv={kv_heads}"
+        label = f"{name} {dtype} causal={causal} H={heads} Hkv={kv_heads} Sk={kv_seq}"
         assert ring_error <= allowed, f"{label}: error {ring_error:.3g} > allowed {allowed:.3g}"
         assert max_error(ring.numpy(), same_dtype.numpy()) <= allowed, label
-    positions = shard_sequence(torch.arange(q.shape[2]), dim=0, causal=causal)
     for t in leaves:  # the whole-sequence leaves' gradients are 0 outside this rank's shard
+        positions = shard_sequence(torch.arange(t.shape[2]), dim=0, **layout)
         outside = t.grad.clone()
         outside[:, :, positions] = 0
         assert not outside.any()
@@ -156,7 +160,12 @@ def _worker(rank, world, store, checks):
         if "errors" in checks:
             _check_errors()
         for seed, config in enumerate(_CONFIGS):
-            _check_config(seed, *config)
+            if "multi-head" in checks or config[2] != config[3]:
+                _check_config(seed, *config)
+        if "subgroups" in checks:  # rings over ranks {0, 2} and {1, 3}: group ranks != global
+            pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            for causal in (False, True):
+                _check_config(7, "float64", causal, 4, 2, 16, group=pairs[rank % 2])
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -180,11 +189,11 @@ def _spawn(world, tmp_path, checks=()):
 
 
 def test_two_processes_equal_one(tmp_path):
-    _spawn(2, tmp_path, checks=("layout", "errors"))
+    _spawn(2, tmp_path, checks=("layout", "errors", "multi-head"))
 
 
 def test_four_processes_equal_one(tmp_path):
-    _spawn(4, tmp_path, checks=("layout",))
+    _spawn(4, tmp_path, checks=("layout", "subgroups"))  # grouped-query configurations only
 
 
 # --------------------------------------------------------------------------- local checks
