@@ -134,7 +134,8 @@ def _check_layout():
 
 
 def _check_errors():
-    """Errors that need an initialized group: devices the group cannot send, and bad shards."""
+    """Errors that need an initialized group: devices the group cannot send, bad shards, a
+    bad group, double backward."""
     q = torch.zeros(1, 2, 4, 8)
     meta = torch.zeros(1, 2, 4, 8, device="meta")
     with pytest.raises(TypeError, match=r"ring_attention: q is on device type 'meta'.*gloo"):
@@ -149,6 +150,16 @@ def _check_errors():
         unshard_sequence(torch.zeros(1, 1, 3, 1), causal=True)
     with pytest.raises(TypeError, match="ring_attention: group must be a torch.distributed"):
         ring_attention(q, q, q, group="world")
+    leaf = torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+    (dq,) = torch.autograd.grad(ring_attention(leaf, leaf, leaf).sum(), leaf, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"xpkernels\.ring_attention: double backward"):
+        dq.sum().backward()
+    shard = torch.ones(1, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.ones(1, 2, 8, 8, dtype=torch.float64, requires_grad=True)  # dy needs grad
+    loss = (unshard_sequence(shard) * weight).sum()
+    (ds,) = torch.autograd.grad(loss, shard, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"xpkernels\.unshard_sequence: double backward"):
+        ds.sum().backward()
 
 
 def _worker(rank, world, store, checks):

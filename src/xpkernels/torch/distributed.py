@@ -48,8 +48,9 @@ visits is then, for its query shard,
   back query chunk and fully masked for the front one: attention of the
   back query chunk over the whole shard;
 
-so every rank computes the same ``2c x 2c / 2`` score entries per step, and
-half of the causal work of a plain split is never done.
+so every rank computes the same ``2 c^2`` score entries at every step (with
+contiguous shards, rank 0 would idle after its first step while the last
+rank computed full blocks).
 
 Partial outputs, the merged output and ``dq``/``dk``/``dv`` accumulate (and
 ``dk``/``dv`` travel) in float32 (float64 for float64 inputs); the
@@ -63,7 +64,6 @@ import operator
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .. import _checks as check
 from ..attention import (
@@ -76,6 +76,7 @@ from ..attention import (
 from ..buffers import Duplicated, record_forward
 from ..merge_attention_states import merge_attention_states_
 from ..registry import _explicit_choice
+from ._ops import _no_double_backward
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence"]
 
@@ -226,12 +227,14 @@ class _Unshard(torch.autograd.Function):
         return torch.cat([pieces[i] for i in sorted(pieces)], dim=axis)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy: Tensor):
         group, rank, size, axis, causal = ctx.layout
-        dy = dy.contiguous()
-        dist.all_reduce(dy, group=group)
-        return _local_shard(dy, axis, rank, size, causal), None, None, None, None, None
+        with torch.no_grad():
+            total = dy.contiguous()
+            dist.all_reduce(total, group=group)
+            dx = _local_shard(total, axis, rank, size, causal)
+        (dx,) = _no_double_backward("unshard_sequence", (dy,), (dx,))
+        return dx, None, None, None, None, None
 
 
 def unshard_sequence(x, *, group=None, dim=2, causal=False) -> Tensor:
@@ -450,11 +453,12 @@ class _RingAttention(torch.autograd.Function):
         return o
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, do: Tensor):
         q, k, v, o, m, l = ctx.saved_tensors
         ring, causal, scale, backend = ctx.options
-        dq, dk, dv = _backward(ring, do, q, k, v, o, m, l, causal, scale, backend)
+        with torch.no_grad():  # the fronts refuse inputs that require grad in grad mode
+            grads = _backward(ring, do, q, k, v, o, m, l, causal, scale, backend)
+        dq, dk, dv = _no_double_backward("ring_attention", (do, q, k, v), grads)
         return dq, dk, dv, None, None, None, None
 
 
@@ -507,7 +511,7 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, backend=Non
     TypeError
         Non-tensors; mismatched dtypes; tensors on different devices or on
         a device type the group's backend does not communicate; ``causal``
-        not a bool.
+        not a bool; ``group`` not a process group.
 
     Shapes
     ------
