@@ -177,6 +177,9 @@ def _worker(rank, world, store, checks):
             pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
             for causal in (False, True):
                 _check_config(7, "float64", causal, 4, 2, 16, group=pairs[rank % 2])
+            q = torch.zeros(1, 2, 4, 8)
+            with pytest.raises(ValueError, match="ring_attention: group: this process is not a"):
+                ring_attention(q, q, q, group=pairs[(rank + 1) % 2])
         dist.barrier()
     finally:
         dist.destroy_process_group()

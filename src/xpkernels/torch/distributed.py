@@ -90,14 +90,16 @@ def _group(fn: str, group):
         )
     if group is None:
         group = dist.group.WORLD
+    elif group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns to non-members
+        raise ValueError(
+            f"{fn}: group: this process is not a member of the process group (new_group "
+            "returned it a placeholder); call with the group of ranks this process belongs to"
+        )
     elif not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"{fn}: group must be a torch.distributed ProcessGroup or None, got {group!r}"
         )
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(f"{fn}: group: this process is not a member of the process group")
-    return group, rank, dist.get_world_size(group)
+    return group, dist.get_rank(group), dist.get_world_size(group)
 
 
 def _device_types(group) -> tuple[str, ...] | None:
@@ -187,8 +189,9 @@ def shard_sequence(x, *, group=None, dim=2, causal=False) -> Tensor:
     Raises
     ------
     ValueError
-        No initialized process group (``group``); ``S`` not a multiple of
-        ``W`` (``2W`` when causal); ``dim`` out of range.
+        No initialized process group, or ``group`` not one of this
+        process; ``S`` not a multiple of ``W`` (``2W`` when causal); ``dim``
+        out of range.
     TypeError
         ``x`` not a tensor, ``dim`` not an int, ``causal`` not a bool.
 
@@ -264,8 +267,8 @@ def unshard_sequence(x, *, group=None, dim=2, causal=False) -> Tensor:
     Raises
     ------
     ValueError
-        No initialized process group (``group``); a causal shard of odd
-        length; ``dim`` out of range.
+        No initialized process group, or ``group`` not one of this
+        process; a causal shard of odd length; ``dim`` out of range.
     TypeError
         ``x`` not a tensor or not on a device the group's backend
         communicates, ``dim`` not an int, ``causal`` not a bool.
@@ -505,9 +508,10 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, backend=Non
     Raises
     ------
     ValueError
-        No initialized process group (``group``); wrong ranks or shapes of
-        ``q``, ``k``, ``v`` (as :func:`xpkernels.attention_`); causal shards
-        of different or odd lengths.
+        No initialized process group, or ``group`` not one of this
+        process; wrong ranks or shapes of ``q``, ``k``, ``v`` (as
+        :func:`xpkernels.attention_`); causal shards of different or odd
+        lengths.
     TypeError
         Non-tensors; mismatched dtypes; tensors on different devices or on
         a device type the group's backend does not communicate; ``causal``
