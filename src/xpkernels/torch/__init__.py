@@ -14,6 +14,9 @@ single ops.
   ``torch.nn.RMSNorm`` / ``torch.nn.LayerNorm``, same arguments and
   ``state_dict`` keys) and ``Attention`` (q/k/v/o projections, grouped-query
   heads, causal, optional score and mask mods).
+- :mod:`xpkernels.torch.distributed`: ``ring_attention`` (context parallelism:
+  one sequence sharded over the ranks of a process group) and its sharding
+  helpers; imported on its own (``import xpkernels.torch.distributed``).
 - :data:`ops`: ``torch.ops.xpkernels``, the op namespace.
 """
 
