@@ -90,9 +90,17 @@ def kv_tile(
     k_ptrs = k_base + key_off * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
     v_ptrs = v_base + key_off * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :]
     if MASKED:
-        key_ok = (n0 + offs_n) < k_len
-        k = tl.load(k_ptrs, mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        # Mask on the key axis alone where the head dim fills the tile, so a masked
+        # tile is loaded by the same 16-byte vectors as a full one.
+        key_ok = ((n0 + offs_n) < k_len)[:, None]
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=key_ok, other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=key_ok & (offs_d[None, :] < D), other=0.0)
+        if EVEN_DV:
+            v = tl.load(v_ptrs, mask=key_ok, other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=key_ok & (offs_dv[None, :] < DV), other=0.0)
     else:
         if EVEN_D:
             k = tl.load(k_ptrs)

@@ -323,6 +323,31 @@ def _query_tile_program(Sq, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
     return pid_m, pid // n_tiles
 
 
+@triton.jit
+def _load_rows(base, row_off, stride, offs_m, offs_d, row_ok, D, EVEN: tl.constexpr):
+    """Rows ``row_off + offs_m`` (all ``offs_d`` columns) of a row-major tile, zero where not ``row_ok``.
+
+    The mask is on the sequence axis only when ``EVEN`` (the tile is the head
+    dim), so each row is loaded by 16-byte vectors; otherwise it also covers
+    the padded head-dim columns.
+    """
+    ptrs = base + row_off * stride + offs_m[:, None] * stride + offs_d[None, :]
+    if EVEN:
+        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    return tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _store_rows(base, stride, offs_n, offs_d, row_ok, D, x, EVEN: tl.constexpr):
+    """Store ``x`` to rows ``offs_n`` of ``base`` where ``row_ok``; the head-dim mask only if not ``EVEN``."""
+    ptrs = base + offs_n[:, None] * stride + offs_d[None, :]
+    x = x.to(base.dtype.element_ty)
+    if EVEN:
+        tl.store(ptrs, x, mask=row_ok[:, None])
+    else:
+        tl.store(ptrs, x, mask=row_ok[:, None] & (offs_d[None, :] < D))
+
+
 _SIZES = ["H", "GROUP", "Sq", "Sk", "pos_scalar", "D", "DV"]
 
 
@@ -394,12 +419,10 @@ def _forward_kernel(
     rows = start_m + offs_m
     row_ok = rows < q_len
 
-    q_base = q_ptr + b64 * stride_qb + h.to(tl.int64) * stride_qh + start_m.to(tl.int64) * stride_qm
-    q = tl.load(
-        q_base + offs_m[:, None] * stride_qm + offs_d[None, :],
-        mask=row_ok[:, None] & (offs_d[None, :] < D),
-        other=0.0,
-    ).to(DOT_TYPE)
+    q_base = q_ptr + b64 * stride_qb + h.to(tl.int64) * stride_qh
+    q = _load_rows(q_base, start_m.to(tl.int64), stride_qm, offs_m, offs_d, row_ok, D, EVEN_D).to(
+        DOT_TYPE
+    )
     k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
 
@@ -466,11 +489,7 @@ def _forward_kernel(
     o = tl.where(live[:, None], o, 0.0)
     in_bounds = rows < Sq
     o_base = o_ptr + b64 * stride_ob + h.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_om
-    tl.store(
-        o_base + offs_m[:, None] * stride_om + offs_dv[None, :],
-        o.to(o_ptr.dtype.element_ty),
-        mask=in_bounds[:, None] & (offs_dv[None, :] < DV),
-    )
+    _store_rows(o_base, stride_om, offs_m, offs_dv, in_bounds, DV, o, EVEN_DV)
     if STORE_STATS:
         m_out = tl.where(live, m_i * LN2_CONST, float("-inf"))
         m_out = tl.where(l_i == l_i, m_out, float("nan"))
@@ -502,6 +521,7 @@ def _delta_kernel(
     Sq,
     DV,  # query heads, query length, value head dim
     HAS_QLEN: tl.constexpr,
+    EVEN_DV: tl.constexpr,  # DV == BLOCK_DV
     BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr,  # row tile, padded value head dim
 ):
@@ -518,27 +538,11 @@ def _delta_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = (start_m + offs_m) < q_len
-    mask = row_ok[:, None] & (offs_dv[None, :] < DV)
-    o = tl.load(
-        o_ptr
-        + b * stride_ob
-        + h * stride_oh
-        + start_m.to(tl.int64) * stride_om
-        + offs_m[:, None] * stride_om
-        + offs_dv[None, :],
-        mask=mask,
-        other=0.0,
-    )
-    do = tl.load(
-        do_ptr
-        + b * stride_dob
-        + h * stride_doh
-        + start_m.to(tl.int64) * stride_dom
-        + offs_m[:, None] * stride_dom
-        + offs_dv[None, :],
-        mask=mask,
-        other=0.0,
-    )
+    row_off = start_m.to(tl.int64)
+    o_base = o_ptr + b * stride_ob + h * stride_oh
+    o = _load_rows(o_base, row_off, stride_om, offs_m, offs_dv, row_ok, DV, EVEN_DV)
+    do_base = do_ptr + b * stride_dob + h * stride_doh
+    do = _load_rows(do_base, row_off, stride_dom, offs_m, offs_dv, row_ok, DV, EVEN_DV)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     delta_base = delta_ptr + b * stride_deb + h * stride_deh + start_m.to(tl.int64) * stride_dem
     tl.store(delta_base + offs_m * stride_dem, delta, mask=(start_m + offs_m) < Sq)
@@ -553,20 +557,6 @@ def _row_stats(m_base, l_base, delta_base, stride_mm, stride_lm, stride_dem, off
     lse2 = tl.where(seen, m * LOG2E_CONST + tl.log2(tl.where(seen, l, 1.0)), float("inf"))
     delta = tl.load(delta_base + offs_m * stride_dem, mask=row_ok, other=0.0)
     return lse2, delta
-
-
-@triton.jit
-def _load_rows(base, row_off, stride, offs_m, offs_d, row_ok, D, EVEN: tl.constexpr):
-    """Rows ``row_off + offs_m`` (all ``offs_d`` columns) of a row-major tile, zero where not ``row_ok``.
-
-    The mask is on the sequence axis only when ``EVEN`` (the tile is the head
-    dim), so each row is loaded by 16-byte vectors; otherwise it also covers
-    the padded head-dim columns.
-    """
-    ptrs = base + row_off * stride + offs_m[:, None] * stride + offs_d[None, :]
-    if EVEN:
-        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
-    return tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
 
 
 @triton.jit
@@ -936,17 +926,6 @@ def _dkdv_kernel(
 
 
 @triton.jit
-def _store_rows(base, stride, offs_n, offs_d, row_ok, D, x, EVEN: tl.constexpr):
-    """Store ``x`` to rows ``offs_n`` of ``base`` where ``row_ok``; the head-dim mask only if not ``EVEN``."""
-    ptrs = base + offs_n[:, None] * stride + offs_d[None, :]
-    x = x.to(base.dtype.element_ty)
-    if EVEN:
-        tl.store(ptrs, x, mask=row_ok[:, None])
-    else:
-        tl.store(ptrs, x, mask=row_ok[:, None] & (offs_d[None, :] < D))
-
-
-@triton.jit
 def _dq_step(
     dq,
     q,
@@ -1170,26 +1149,11 @@ def _dq_kernel(
     rows = start_m + offs_m
     row_ok = rows < q_len
 
-    q = tl.load(
-        q_ptr
-        + b64 * stride_qb
-        + h64 * stride_qh
-        + row_off * stride_qm
-        + offs_m[:, None] * stride_qm
-        + offs_d[None, :],
-        mask=row_ok[:, None] & (offs_d[None, :] < D),
-        other=0.0,
-    ).to(DOT_TYPE)
-    do = tl.load(
-        do_ptr
-        + b64 * stride_dob
-        + h64 * stride_doh
-        + row_off * stride_dom
-        + offs_m[:, None] * stride_dom
-        + offs_dv[None, :],
-        mask=row_ok[:, None] & (offs_dv[None, :] < DV),
-        other=0.0,
-    ).to(q.dtype)
+    q_base = q_ptr + b64 * stride_qb + h64 * stride_qh
+    q = _load_rows(q_base, row_off, stride_qm, offs_m, offs_d, row_ok, D, EVEN_D).to(DOT_TYPE)
+    do_base = do_ptr + b64 * stride_dob + h64 * stride_doh
+    do = _load_rows(do_base, row_off, stride_dom, offs_m, offs_dv, row_ok, DV, EVEN_DV)
+    do = do.to(q.dtype)
     lse2, delta = _row_stats(
         m_ptr + b64 * stride_mb + h64 * stride_mh + row_off * stride_mm,
         l_ptr + b64 * stride_lb + h64 * stride_lh + row_off * stride_lm,
@@ -1262,16 +1226,8 @@ def _dq_kernel(
     )
 
     dq = tl.where(row_ok[:, None], dq * scale, 0.0)
-    tl.store(
-        dq_ptr
-        + b64 * stride_dqb
-        + h64 * stride_dqh
-        + row_off * stride_dqm
-        + offs_m[:, None] * stride_dqm
-        + offs_d[None, :],
-        dq.to(dq_ptr.dtype.element_ty),
-        mask=(rows < Sq)[:, None] & (offs_d[None, :] < D),
-    )
+    dq_base = dq_ptr + b64 * stride_dqb + h64 * stride_dqh + row_off * stride_dqm
+    _store_rows(dq_base, stride_dqm, offs_m, offs_d, rows < Sq, D, dq, EVEN_D)
 
 
 # Tiles per head-dim class (64, 128, 256), chosen so that the sm_90 build of
@@ -1302,12 +1258,12 @@ _DKDV_TILES = TileTable(
 )
 # dQ: BLOCK_M query rows per program, BLOCK_N keys per step.
 _DQ_TILES = TileTable(
-    default={64: Tile(64, 64, 4, 3), 128: Tile(128, 64, 8, 2), 256: Tile(32, 32, 8, 2)},
+    default={64: Tile(64, 64, 4, 3), 128: Tile(128, 64, 8, 2), 256: Tile(32, 32, 4, 2)},
     wide_default={64: Tile(32, 32, 4, 2), 128: Tile(16, 16, 4, 1), 256: Tile(16, 16, 8, 1)},
     candidates={
         64: (Tile(128, 64, 8, 3), Tile(64, 64, 4, 3), Tile(128, 32, 4, 3)),
         128: (Tile(128, 32, 8, 3), Tile(128, 64, 8, 2), Tile(64, 64, 8, 3)),
-        256: (Tile(32, 32, 8, 2), Tile(32, 64, 8, 2), Tile(32, 32, 4, 2)),
+        256: (Tile(32, 32, 4, 2), Tile(32, 64, 8, 2)),
     },
 )
 _TUNE_KEY = ["Sq", "Sk", "BLOCK_D", "BLOCK_DV", "CAUSAL"]
@@ -1485,6 +1441,7 @@ def backward(
                 Sq,
                 DV,
                 HAS_QLEN=meta["HAS_QLEN"],
+                EVEN_DV=even["EVEN_DV"],
                 BLOCK_M=delta_rows,
                 BLOCK_DV=meta["BLOCK_DV"],
             )
