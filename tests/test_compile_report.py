@@ -36,7 +36,7 @@ def _report():
 #: Cases compiled in CI: one of each kernel family at the benchmark shapes
 #: (every attention kernel at D=128 causal, the forward at D=64, decode, the
 #: fused and streaming norm backwards with their dW reduction, a streaming
-#: forward and a fused softmax backward): 13 kernels, about 2 minutes on 2 shared CPU cores.
+#: forward and a fused softmax backward): 15 kernels, about 2 minutes on 2 shared CPU cores.
 CI_CASES = [
     "attention.fwd.D128.causal",
     "attention.bwd.D128.causal",
@@ -44,6 +44,7 @@ CI_CASES = [
     "decode.D128",
     "rms_norm.bwd.32768x4096",
     "rms_norm.bwd.4096x65536",
+    "layer_norm.bwd.4096x65536",
     "layer_norm.fwd.4096x65536",
     "softmax.bwd.32768x4096",
 ]
@@ -59,6 +60,8 @@ CI_KERNELS = [
     "rms_norm.bwd.32768x4096/_reduce_partials_kernel",
     "rms_norm.bwd.4096x65536/_backward_streaming",
     "rms_norm.bwd.4096x65536/_reduce_partials_kernel",
+    "layer_norm.bwd.4096x65536/_backward_streaming",
+    "layer_norm.bwd.4096x65536/_reduce_partials_kernel",
     "layer_norm.fwd.4096x65536/_forward_streaming",
     "softmax.bwd.32768x4096/_backward_fused",
 ]
@@ -209,3 +212,20 @@ def test_sm90_compile_report_holds_the_baseline(tmp_path):
     assert forward["facts"]["num_stages"] == tile.num_stages
     assert {"q_ptr", "k_ptr", "stride_qm"} <= set(forward["facts"]["divisible16"])
     assert forward["targets"]["wgmma"] == "PASS"
+    # the persistent norm backwards launch one whole wave: SMs x the programs an SM holds,
+    # sized from BACKWARD_REGISTERS, which must cover what the compiled kernel uses
+    from xpkernels.backends.triton import _common, layer_norm, rms_norm
+
+    sms = report["environment"]["sm_count_assumed"]
+    for row_id, row in rows.items():
+        op, kernel = row_id.split(".")[0], row_id.split("/")[1]
+        modules = {"rms_norm": rms_norm, "layer_norm": layer_norm}
+        if op not in modules or kernel not in ("_backward_fused", "_backward_streaming"):
+            continue
+        table = modules[op].BACKWARD_REGISTERS
+        registers = table[kernel == "_backward_streaming"]
+        facts = row["facts"]
+        assert facts["regs"] <= registers, (row_id, facts["regs"], registers)
+        resident = _common.resident_programs(registers, facts["num_warps"])
+        assert resident == facts["ctas_per_sm"], (row_id, resident, facts["ctas_per_sm"])
+        assert row["grid"] == [sms * resident], (row_id, row["grid"])

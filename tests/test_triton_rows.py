@@ -406,6 +406,15 @@ def test_partials_count(rows, m):
         assert p == min(tiles, _common.CPU_PROGRAMS)
 
 
+@pytest.mark.parametrize(
+    "registers,warps,resident",
+    [(98, 16, 1), (64, 16, 2), (65, 16, 1), (40, 4, 2), (255, 16, 1), (128, 8, 2)],
+)
+def test_resident_programs_from_registers(registers, warps, resident):
+    """Registers round up to units of 8 per thread; 65536 per SM; capped at MAX_PROGRAMS_PER_SM."""
+    assert _common.resident_programs(registers, warps) == resident
+
+
 # ---------------------------------------------------------------- interpreter guard
 
 

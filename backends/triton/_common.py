@@ -52,6 +52,7 @@ __all__ = [
     "fill_empty_row_checkpoints",
     "launch_context",
     "partial_programs",
+    "resident_programs",
     "reduce_partials",
     "row_config",
     "traced",
@@ -76,8 +77,10 @@ TILE_BYTES = {"forward": 16384, "backward": 8192}
 #: 127 registers per thread and none spills.
 ELEMENTS_PER_THREAD = {"forward": 16, "backward": 8}
 MAX_WARPS = 16
-#: Programs per SM for the partial-sum backward on CUDA, and the program count on CPU.
-PROGRAMS_PER_SM = 2
+#: Registers of one SM (sm_80 and sm_90), allocated per thread in units of 8.
+SM_REGISTERS = 65536
+#: Most programs per SM a partial-sum backward launches on CUDA, and its program count on CPU.
+MAX_PROGRAMS_PER_SM = 2
 CPU_PROGRAMS = 4
 
 
@@ -147,11 +150,24 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def partial_programs(rows: int, m: int, like) -> int:
+def resident_programs(registers: int, num_warps: int) -> int:
+    """Programs of ``num_warps`` warps using ``registers`` per thread that one SM holds at once.
+
+    Registers bound the row kernels' occupancy (their shared memory is a few
+    KiB); capped at :data:`MAX_PROGRAMS_PER_SM`, never below one.
+    """
+    allocated = -(-registers // 8) * 8
+    return max(1, min(MAX_PROGRAMS_PER_SM, SM_REGISTERS // (allocated * 32 * num_warps)))
+
+
+def partial_programs(rows: int, m: int, like, registers: dict[bool, int]) -> int:
     """Programs (and partial-sum rows ``P``) of a backward that reduces ``dW``/``dB``.
 
-    A multiple of the SM count on CUDA, a few on CPU, never more than the
-    tiles of ``rows`` rows and never fewer than one.
+    On CUDA, one whole wave: the SM count times the programs one SM holds
+    (:func:`resident_programs` of the kernel's registers and warps), so no
+    program waits for another to finish and no partial row is added for
+    nothing. A few on CPU. Never more than the tiles of ``rows`` rows, never
+    fewer than one.
 
     Parameters
     ----------
@@ -161,6 +177,10 @@ def partial_programs(rows: int, m: int, like) -> int:
         Row length.
     like : torch.Tensor
         The backward's input ``x`` (device and dtype).
+    registers : dict of bool to int
+        Registers per thread of the kernel's sm_90 build, by whether it
+        streams (``RowConfig.streaming``); ``tests/test_compile_report.py``
+        holds them against the compiled kernels.
 
     Returns
     -------
@@ -169,7 +189,8 @@ def partial_programs(rows: int, m: int, like) -> int:
     config = row_config(m, like.element_size(), "backward")
     if like.device.type == "cuda":
         index = like.device.index if like.device.index is not None else torch.cuda.current_device()
-        cap = PROGRAMS_PER_SM * _sm_count(index)
+        per_sm = resident_programs(registers[config.streaming], config.num_warps)
+        cap = per_sm * _sm_count(index)
     else:
         cap = CPU_PROGRAMS
     return max(1, min(cap, config.tiles(rows)))

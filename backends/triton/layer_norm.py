@@ -35,6 +35,11 @@ from ._common import (
 
 __all__ = ["backward", "forward", "partials", "reduce_partials"]
 
+#: Registers per thread of the backward kernels' sm_90 builds at the benchmark shapes in
+#: bfloat16, by whether the kernel streams (False: fused, True: streaming); they size the
+#: persistent grid to one wave (``_common.partial_programs``).
+BACKWARD_REGISTERS = {False: 64, True: 98}
+
 
 @triton.jit
 def _forward_fused(
@@ -415,7 +420,7 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
 def partials(rows: int, m: int, like) -> int:
     """Rows ``P`` of ``dw_partial`` and ``db_partial`` for a backward over ``rows`` rows of ``m``.
 
-    One per program: a multiple of the SM count on CUDA (capped by the row
-    tiles), a few on CPU.
+    One per program: one wave of the SM count times the programs an SM holds
+    on CUDA (capped by the row tiles), a few on CPU.
     """
-    return partial_programs(rows, m, like)
+    return partial_programs(rows, m, like, BACKWARD_REGISTERS)

@@ -31,6 +31,11 @@ from ._common import (
 
 __all__ = ["backward", "forward", "partials", "reduce_partials"]
 
+#: Registers per thread of the backward kernels' sm_90 builds at the benchmark shapes in
+#: bfloat16, by whether the kernel streams (False: fused, True: streaming); they size the
+#: persistent grid to one wave (``_common.partial_programs``).
+BACKWARD_REGISTERS = {False: 64, True: 64}
+
 
 @triton.jit
 def _weight(w_ptr, cols, col_ok, offset):
@@ -348,7 +353,7 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
 def partials(rows: int, m: int, like) -> int:
     """Rows ``P`` of ``dw_partial`` for a backward over ``rows`` rows of length ``m`` like ``like``.
 
-    One per program: a multiple of the SM count on CUDA (capped by the row
-    tiles), a few on CPU.
+    One per program: one wave of the SM count times the programs an SM holds
+    on CUDA (capped by the row tiles), a few on CPU.
     """
-    return partial_programs(rows, m, like)
+    return partial_programs(rows, m, like, BACKWARD_REGISTERS)
