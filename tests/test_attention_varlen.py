@@ -276,6 +276,7 @@ def test_triton_reads_no_prefix_sum_on_the_host(monkeypatch):
     torch = pytest.importorskip("torch")
     _torch_target("float32")
     from xpkernels.backends.triton import attention_varlen as tri_varlen
+
     from xpkernels.testing.host_reads import no_host_reads
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
