@@ -37,8 +37,10 @@ Values of ``cu_seqlens`` (starting at 0, non-decreasing, ending at the packed
 length) and of ``max_seqlen_q``/``max_seqlen_k`` (at least the longest
 sequence) are checked in the front on host arrays (NumPy) and, for device
 arrays, only in debug mode (:func:`xpkernels.debug`): reading a device array
-would sync it. The kernels never read out of bounds whatever the values:
-starts and ends are clamped into ``[0, T]`` and lengths to ``max_seqlen``.
+would sync it. The kernels never read or write out of bounds whatever the
+values: starts and ends are clamped into ``[0, T]``. Unchecked bad values
+give unspecified results: on Triton, rows of a sequence past ``max_seqlen``
+and tokens no sequence covers are left unwritten.
 
 ``max_seqlen_q`` / ``max_seqlen_k`` size the Triton launch grid (one program
 per query tile of the longest sequence, per sequence, per head), as in
