@@ -43,6 +43,13 @@ clamped the same way on the host, so no value wraps, none is read on the host,
 and none leads a load out of bounds. Causal rows before key 0 (negative
 ``input_pos``) see no key.
 
+Packed variable-length batches (:mod:`.attention_varlen`) run these same
+kernels with the compile-time flag ``VARLEN``: a 2-D grid over the tiles of
+the longest sequence, the ``(B + 1,)`` prefix sums in the slots of the
+length arrays, and each sequence's first token as the batch offset (see
+:func:`_sequence_context`). ``VARLEN=False`` compiles to the kernels above,
+unchanged.
+
 Non-finite inputs reach exactly the rows that see them. Masked scores are
 selected to ``-inf`` (never added to), the row max ignores NaN (as the GPU's
 ``max.f32`` does) so a NaN score makes ``exp2(s - m)`` and the row's sum NaN,

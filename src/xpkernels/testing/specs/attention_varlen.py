@@ -84,7 +84,7 @@ def _inputs(case, rng):
 
 def _padded(a, lengths):
     """Packed ``(T, H, X)`` as a zero-padded ``(B, H, max(lengths), X)`` batch."""
-    out = np.zeros((len(lengths), a.shape[1], max(max(lengths), 1), a.shape[2]))
+    out = np.zeros((len(lengths), a.shape[1], max(max(lengths), 1), a.shape[2]), dtype=a.dtype)
     start = 0
     for b, n in enumerate(lengths):
         out[b, :, :n] = a[start : start + n].transpose(1, 0, 2)
