@@ -51,6 +51,7 @@ __all__ = [
     "Primitive",
     "Support",
     "AttentionModule",
+    "AttentionVarlenModule",
     "DecodeAttentionModule",
     "FlexAttentionModule",
     "LayerNormModule",
@@ -161,6 +162,53 @@ class AttentionModule(Protocol):
         input_pos,
         q_lengths,
         k_lengths,
+    ) -> None:
+        """``delta``, ``dq_accum``: the scratch, None for a field the backend does not declare."""
+
+
+class AttentionVarlenModule(Protocol):
+    """Attention over packed variable-length sequences; ``m``, ``l`` are ``(H, Tq)``."""
+
+    def forward(
+        self,
+        o,
+        q,
+        k,
+        v,
+        m,
+        l,
+        *,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+        causal,
+        input_pos,
+    ) -> None: ...
+
+    def backward(
+        self,
+        do,
+        q,
+        k,
+        v,
+        o,
+        m,
+        l,
+        dq,
+        dk,
+        dv,
+        delta,
+        dq_accum,
+        *,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+        causal,
+        input_pos,
     ) -> None:
         """``delta``, ``dq_accum``: the scratch, None for a field the backend does not declare."""
 
@@ -282,6 +330,13 @@ PRIMITIVES: Mapping[str, Primitive] = {
         Primitive("layer_norm", LayerNormModule, _PARTIAL_HOOKS, ("dw_partial", "db_partial")),
         Primitive("softmax", SoftmaxModule),
         Primitive("attention", AttentionModule, {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
+        Primitive(
+            "attention_varlen",
+            AttentionVarlenModule,
+            {},
+            ("delta", "dq_accum"),
+            ("delta", "dq_accum"),
+        ),
         Primitive(
             "decode_attention",
             DecodeAttentionModule,

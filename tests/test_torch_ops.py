@@ -176,6 +176,30 @@ def _cases(dtype):
             ),
         ),
     ]
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 5], [0, 4, 6]))
+    pq, pk, pv = t(5, 4, 8, grad=True), t(6, 2, 8, grad=True), t(6, 2, 4, grad=True)
+    packed = (pq.detach(), pk.detach(), pv.detach())
+    vl = (cu_q, cu_k, 3, 4, True, None, 0, None, None)
+    vo, vm, vls = ops.attention_varlen(*packed, *vl)
+    dvo, vgrads = t(5, 4, 4), (t(5, 4, 8), t(6, 2, 8), t(6, 2, 4), torch.empty(4, 5, dtype=acc))
+    cases += [
+        ("attention_varlen", ops.attention_varlen, (pq, pk, pv, *vl)),
+        (
+            "attention_varlen_",
+            ops.attention_varlen_,
+            (t(5, 4, 4), *packed, f32(4, 5), f32(4, 5), *vl),
+        ),
+        (
+            "attention_varlen_backward",
+            ops.attention_varlen_backward,
+            (dvo, *packed, vo, vm, vls, *vl),
+        ),
+        (
+            "attention_varlen_backward_",
+            ops.attention_varlen_backward_,
+            (dvo, *packed, vo, vm, vls, *vgrads, torch.empty(5, 4, 8, dtype=acc), *vl),
+        ),
+    ]
     return cases, mods
 
 

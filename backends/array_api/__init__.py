@@ -20,6 +20,7 @@ BACKEND = Backend(
         "layer_norm": _NORM,
         "softmax": Capability(dtypes=FLOAT_DTYPES),
         "attention": Capability(dtypes=FLOAT_DTYPES),
+        "attention_varlen": Capability(dtypes=FLOAT_DTYPES),
         "decode_attention": Capability(dtypes=FLOAT_DTYPES, hooks=("default_splits",)),
         "flex_attention": Capability(dtypes=FLOAT_DTYPES, hooks=("default_tiles",)),
         "merge_attention_states": Capability(dtypes=FLOAT_DTYPES),

@@ -57,6 +57,9 @@ BACKEND = Backend(
         "attention": Capability(
             dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",)
         ),
+        "attention_varlen": Capability(
+            dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",)
+        ),
         "decode_attention": Capability(
             dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, hooks=("default_splits",)
         ),

@@ -43,6 +43,13 @@ clamped the same way on the host, so no value wraps, none is read on the host,
 and none leads a load out of bounds. Causal rows before key 0 (negative
 ``input_pos``) see no key.
 
+Packed variable-length batches (:mod:`.attention_varlen`) run these same
+kernels with the compile-time flag ``VARLEN``: a 2-D grid over the tiles of
+the longest sequence, the ``(B + 1,)`` prefix sums in the slots of the
+length arrays, and each sequence's first token as the batch offset (see
+:func:`_sequence_context`). ``VARLEN=False`` compiles to the kernels above,
+unchanged.
+
 Non-finite inputs reach exactly the rows that see them. Masked scores are
 selected to ``-inf`` (never added to), the row max ignores NaN (as the GPU's
 ``max.f32`` does) so a NaN score makes ``exp2(s - m)`` and the row's sum NaN,
@@ -286,6 +293,55 @@ def _row_context(
 
 
 @triton.jit
+def _sequence_context(
+    b,
+    q_len_ptr,
+    k_len_ptr,
+    pos_ptr,
+    pos_scalar,
+    Sq,
+    Sk,
+    HAS_QLEN: tl.constexpr,
+    HAS_KLEN: tl.constexpr,
+    POS_ARRAY: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """``(q_row0, k_row0, q_len, k_len, pos0, q_rows, k_rows)`` of batch or sequence ``b``.
+
+    ``q_row0``/``k_row0`` (int64) index the batch axis of q-side and k-side
+    tensors: ``b`` itself, or with ``VARLEN`` the first token of sequence
+    ``b`` (the host then passes each tensor's token stride as its batch
+    stride). ``q_rows``/``k_rows`` bound the rows a program may store:
+    ``Sq``/``Sk``, or the sequence's own lengths with ``VARLEN``, whose
+    pointers ``q_len_ptr``/``k_len_ptr`` are the ``(B + 1,)`` prefix sums and
+    ``Sq``/``Sk`` the packed lengths: starts and ends are clamped into
+    ``[0, S]`` (so no value reads out of bounds), the position as in
+    :func:`_row_context`.
+    """
+    if VARLEN:
+        q_start = _clamped(q_len_ptr, b, 0, Sq)
+        q_len = _clamped(q_len_ptr, b + 1, q_start, Sq) - q_start
+        k_start = _clamped(k_len_ptr, b, 0, Sk)
+        k_len = _clamped(k_len_ptr, b + 1, k_start, Sk) - k_start
+        pos0 = pos_scalar
+        if POS_ARRAY:
+            pos0 = _clamped(pos_ptr, b, -Sq, Sk)
+        q_row0 = q_start.to(tl.int64)
+        k_row0 = k_start.to(tl.int64)
+        q_rows = q_len
+        k_rows = k_len
+    else:
+        q_len, k_len, pos0 = _row_context(
+            b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY
+        )
+        q_row0 = b.to(tl.int64)
+        k_row0 = q_row0
+        q_rows = Sq
+        k_rows = Sk
+    return q_row0, k_row0, q_len, k_len, pos0, q_rows, k_rows
+
+
+@triton.jit
 def _key_bounds(
     start_m, q_len, k_len, pos0, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
@@ -308,19 +364,28 @@ def _key_bounds(
 
 
 @triton.jit
-def _query_tile_program(Sq, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+def _query_tile_program(
+    Sq, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr = False
+):
     """``(query tile, batch * head)`` of this program in a 1-D grid of ``tiles * B * H``.
 
     Consecutive programs share a head (and so its K/V in L2). Causal tiles
     run last-first: the tiles with the most keys start earliest, which
-    shortens the tail of the launch.
+    shortens the tail of the launch. With ``VARLEN`` the grid is 2-D,
+    ``(tiles of max_seqlen_q, B * H)`` (``Sq`` is then the packed length).
     """
-    n_tiles = tl.cdiv(Sq, BLOCK_M)
-    pid = tl.program_id(0)
-    pid_m = pid % n_tiles
+    if VARLEN:
+        n_tiles = tl.num_programs(0)
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+    else:
+        n_tiles = tl.cdiv(Sq, BLOCK_M)
+        pid = tl.program_id(0)
+        pid_m = pid % n_tiles
+        pid_bh = pid // n_tiles
     if CAUSAL:
         pid_m = n_tiles - 1 - pid_m
-    return pid_m, pid // n_tiles
+    return pid_m, pid_bh
 
 
 @triton.jit
@@ -401,16 +466,26 @@ def _forward_kernel(
     BLOCK_DV: tl.constexpr,  # padded head dims
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # query and key tile
+    VARLEN: tl.constexpr = False,  # packed sequences (see _sequence_context)
 ):
     """One query tile of one (batch, head): ``o`` and, with ``STORE_STATS``, ``m`` and ``l``."""
-    pid_m, pid_bh = _query_tile_program(Sq, CAUSAL, BLOCK_M)
+    pid_m, pid_bh = _query_tile_program(Sq, CAUSAL, BLOCK_M, VARLEN)
     b = pid_bh // H
     h = pid_bh % H
     kvh = h // GROUP
-    q_len, k_len, pos0 = _row_context(
-        b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY
+    bq, bk, q_len, k_len, pos0, q_rows, _ = _sequence_context(
+        b,
+        q_len_ptr,
+        k_len_ptr,
+        pos_ptr,
+        pos_scalar,
+        Sq,
+        Sk,
+        HAS_QLEN,
+        HAS_KLEN,
+        POS_ARRAY,
+        VARLEN,
     )
-    b64 = b.to(tl.int64)
     start_m = pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -419,12 +494,12 @@ def _forward_kernel(
     rows = start_m + offs_m
     row_ok = rows < q_len
 
-    q_base = q_ptr + b64 * stride_qb + h.to(tl.int64) * stride_qh
+    q_base = q_ptr + bq * stride_qb + h.to(tl.int64) * stride_qh
     q = _load_rows(q_base, start_m.to(tl.int64), stride_qm, offs_m, offs_d, row_ok, D, EVEN_D).to(
         DOT_TYPE
     )
-    k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+    k_base = k_ptr + bk * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + bk * stride_vb + kvh.to(tl.int64) * stride_vh
 
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -487,8 +562,8 @@ def _forward_kernel(
     live = row_ok & (l_i != 0.0)  # a NaN sum (a row that saw NaN) stays live: o, m, l NaN
     o = acc / tl.where(live, l_i, 1.0)[:, None]
     o = tl.where(live[:, None], o, 0.0)
-    in_bounds = rows < Sq
-    o_base = o_ptr + b64 * stride_ob + h.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_om
+    in_bounds = rows < q_rows
+    o_base = o_ptr + bq * stride_ob + h.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_om
     _store_rows(o_base, stride_om, offs_m, offs_dv, in_bounds, DV, o, EVEN_DV)
     if STORE_STATS:
         m_out = tl.where(live, m_i * LN2_CONST, float("-inf"))
@@ -496,8 +571,8 @@ def _forward_kernel(
         l_out = tl.where(live, l_i, 0.0)
         h64 = h.to(tl.int64)
         row_off = start_m.to(tl.int64)
-        m_base = m_ptr + b64 * stride_mb + h64 * stride_mh + row_off * stride_mm
-        l_base = l_ptr + b64 * stride_lb + h64 * stride_lh + row_off * stride_lm
+        m_base = m_ptr + bq * stride_mb + h64 * stride_mh + row_off * stride_mm
+        l_base = l_ptr + bq * stride_lb + h64 * stride_lh + row_off * stride_lm
         tl.store(m_base + offs_m * stride_mm, m_out, mask=in_bounds)
         tl.store(l_base + offs_m * stride_lm, l_out, mask=in_bounds)
 
@@ -524,16 +599,27 @@ def _delta_kernel(
     EVEN_DV: tl.constexpr,  # DV == BLOCK_DV
     BLOCK_M: tl.constexpr,
     BLOCK_DV: tl.constexpr,  # row tile, padded value head dim
+    VARLEN: tl.constexpr = False,  # q_len_ptr: (B + 1,) prefix sums; grid (tiles, B * H)
 ):
     """``delta = rowsum(do * o)`` in float32; 0 for rows ``>= q_lengths[b]``."""
-    n_tiles = tl.cdiv(Sq, BLOCK_M)
-    pid_m = tl.program_id(0) % n_tiles
-    pid_bh = tl.program_id(0) // n_tiles
-    b = (pid_bh // H).to(tl.int64)
+    if VARLEN:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        seq = pid_bh // H
+        q_start = _clamped(q_len_ptr, seq, 0, Sq)
+        q_len = _clamped(q_len_ptr, seq + 1, q_start, Sq) - q_start
+        b = q_start.to(tl.int64)
+        q_rows = q_len
+    else:
+        n_tiles = tl.cdiv(Sq, BLOCK_M)
+        pid_m = tl.program_id(0) % n_tiles
+        pid_bh = tl.program_id(0) // n_tiles
+        b = (pid_bh // H).to(tl.int64)
+        q_len = Sq
+        if HAS_QLEN:
+            q_len = _clamped(q_len_ptr, b, 0, Sq)
+        q_rows = Sq
     h = (pid_bh % H).to(tl.int64)
-    q_len = Sq
-    if HAS_QLEN:
-        q_len = _clamped(q_len_ptr, b, 0, Sq)
     start_m = pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -545,7 +631,7 @@ def _delta_kernel(
     do = _load_rows(do_base, row_off, stride_dom, offs_m, offs_dv, row_ok, DV, EVEN_DV)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     delta_base = delta_ptr + b * stride_deb + h * stride_deh + start_m.to(tl.int64) * stride_dem
-    tl.store(delta_base + offs_m * stride_dem, delta, mask=(start_m + offs_m) < Sq)
+    tl.store(delta_base + offs_m * stride_dem, delta, mask=(start_m + offs_m) < q_rows)
 
 
 @triton.jit
@@ -801,17 +887,31 @@ def _dkdv_kernel(
     BLOCK_DV: tl.constexpr,  # padded head dims
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # query tile, key tile
+    VARLEN: tl.constexpr = False,  # packed sequences; grid (key tiles of max_seqlen_k, B * Hkv)
 ):
     """One key tile of one (batch, kv head): dK and dV, summed over the GQA group."""
-    n_tiles = tl.cdiv(Sk, BLOCK_N)
-    pid_n = tl.program_id(0) % n_tiles
-    pid_bkv = tl.program_id(0) // n_tiles
+    if VARLEN:
+        pid_n = tl.program_id(0)
+        pid_bkv = tl.program_id(1)
+    else:
+        n_tiles = tl.cdiv(Sk, BLOCK_N)
+        pid_n = tl.program_id(0) % n_tiles
+        pid_bkv = tl.program_id(0) // n_tiles
     b = pid_bkv // HKV
     kvh = pid_bkv % HKV
-    q_len, k_len, pos0 = _row_context(
-        b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY
+    bq, bk, q_len, k_len, pos0, _, k_rows = _sequence_context(
+        b,
+        q_len_ptr,
+        k_len_ptr,
+        pos_ptr,
+        pos_scalar,
+        Sq,
+        Sk,
+        HAS_QLEN,
+        HAS_KLEN,
+        POS_ARRAY,
+        VARLEN,
     )
-    b64 = b.to(tl.int64)
     start_n = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -820,8 +920,8 @@ def _dkdv_kernel(
     key_pos = start_n + offs_n
     key_ok = key_pos < k_len
 
-    k_tile = b64 * stride_kb + kvh.to(tl.int64) * stride_kh + start_n.to(tl.int64) * stride_kn
-    v_tile = b64 * stride_vb + kvh.to(tl.int64) * stride_vh + start_n.to(tl.int64) * stride_vn
+    k_tile = bk * stride_kb + kvh.to(tl.int64) * stride_kh + start_n.to(tl.int64) * stride_kn
+    v_tile = bk * stride_vb + kvh.to(tl.int64) * stride_vh + start_n.to(tl.int64) * stride_vn
     k = _load_rows(k_ptr + k_tile, 0, stride_kn, offs_n, offs_d, key_ok, D, EVEN_D).to(DOT_TYPE)
     v = _load_rows(v_ptr + v_tile, 0, stride_vn, offs_n, offs_dv, key_ok, DV, EVEN_DV).to(k.dtype)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -842,11 +942,11 @@ def _dkdv_kernel(
     g = 0
     while g < GROUP:
         h = (kvh * GROUP + g).to(tl.int64)
-        q_base = q_ptr + b64 * stride_qb + h * stride_qh
-        do_base = do_ptr + b64 * stride_dob + h * stride_doh
-        m_base = m_ptr + b64 * stride_mb + h * stride_mh
-        l_base = l_ptr + b64 * stride_lb + h * stride_lh
-        delta_base = delta_ptr + b64 * stride_deb + h * stride_deh
+        q_base = q_ptr + bq * stride_qb + h * stride_qh
+        do_base = do_ptr + bq * stride_dob + h * stride_doh
+        m_base = m_ptr + bq * stride_mb + h * stride_mh
+        l_base = l_ptr + bq * stride_lb + h * stride_lh
+        delta_base = delta_ptr + bq * stride_deb + h * stride_deh
         if CAUSAL:
             dk, dv = _dkdv_tiles(
                 dk,
@@ -916,11 +1016,11 @@ def _dkdv_kernel(
 
     dk = tl.where(key_ok[:, None], dk * scale, 0.0)
     dv = tl.where(key_ok[:, None], dv, 0.0)
-    in_bounds = key_pos < Sk
+    in_bounds = key_pos < k_rows
     kvh64 = kvh.to(tl.int64)
     key_off = start_n.to(tl.int64)
-    dk_base = dk_ptr + b64 * stride_dkb + kvh64 * stride_dkh + key_off * stride_dkn
-    dv_base = dv_ptr + b64 * stride_dvb + kvh64 * stride_dvh + key_off * stride_dvn
+    dk_base = dk_ptr + bk * stride_dkb + kvh64 * stride_dkh + key_off * stride_dkn
+    dv_base = dv_ptr + bk * stride_dvb + kvh64 * stride_dvh + key_off * stride_dvn
     _store_rows(dk_base, stride_dkn, offs_n, offs_d, in_bounds, D, dk, EVEN_D)
     _store_rows(dv_base, stride_dvn, offs_n, offs_dv, in_bounds, DV, dv, EVEN_DV)
 
@@ -1129,16 +1229,26 @@ def _dq_kernel(
     BLOCK_DV: tl.constexpr,  # padded head dims
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # query tile, key tile
+    VARLEN: tl.constexpr = False,  # packed sequences (see _sequence_context)
 ):
     """One query tile of one (batch, head): dQ."""
-    pid_m, pid_bh = _query_tile_program(Sq, CAUSAL, BLOCK_M)
+    pid_m, pid_bh = _query_tile_program(Sq, CAUSAL, BLOCK_M, VARLEN)
     b = pid_bh // H
     h = pid_bh % H
     kvh = h // GROUP
-    q_len, k_len, pos0 = _row_context(
-        b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY
+    bq, bk, q_len, k_len, pos0, q_rows, _ = _sequence_context(
+        b,
+        q_len_ptr,
+        k_len_ptr,
+        pos_ptr,
+        pos_scalar,
+        Sq,
+        Sk,
+        HAS_QLEN,
+        HAS_KLEN,
+        POS_ARRAY,
+        VARLEN,
     )
-    b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     start_m = pid_m * BLOCK_M
     row_off = start_m.to(tl.int64)
@@ -1149,23 +1259,23 @@ def _dq_kernel(
     rows = start_m + offs_m
     row_ok = rows < q_len
 
-    q_base = q_ptr + b64 * stride_qb + h64 * stride_qh
+    q_base = q_ptr + bq * stride_qb + h64 * stride_qh
     q = _load_rows(q_base, row_off, stride_qm, offs_m, offs_d, row_ok, D, EVEN_D).to(DOT_TYPE)
-    do_base = do_ptr + b64 * stride_dob + h64 * stride_doh
+    do_base = do_ptr + bq * stride_dob + h64 * stride_doh
     do = _load_rows(do_base, row_off, stride_dom, offs_m, offs_dv, row_ok, DV, EVEN_DV)
     do = do.to(q.dtype)
     lse2, delta = _row_stats(
-        m_ptr + b64 * stride_mb + h64 * stride_mh + row_off * stride_mm,
-        l_ptr + b64 * stride_lb + h64 * stride_lh + row_off * stride_lm,
-        delta_ptr + b64 * stride_deb + h64 * stride_deh + row_off * stride_dem,
+        m_ptr + bq * stride_mb + h64 * stride_mh + row_off * stride_mm,
+        l_ptr + bq * stride_lb + h64 * stride_lh + row_off * stride_lm,
+        delta_ptr + bq * stride_deb + h64 * stride_deh + row_off * stride_dem,
         stride_mm,
         stride_lm,
         stride_dem,
         offs_m,
         row_ok,
     )
-    k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+    k_base = k_ptr + bk * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + bk * stride_vb + kvh.to(tl.int64) * stride_vh
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     q_pos = pos0 + rows
@@ -1226,8 +1336,8 @@ def _dq_kernel(
     )
 
     dq = tl.where(row_ok[:, None], dq * scale, 0.0)
-    dq_base = dq_ptr + b64 * stride_dqb + h64 * stride_dqh + row_off * stride_dqm
-    _store_rows(dq_base, stride_dqm, offs_m, offs_d, rows < Sq, D, dq, EVEN_D)
+    dq_base = dq_ptr + bq * stride_dqb + h64 * stride_dqh + row_off * stride_dqm
+    _store_rows(dq_base, stride_dqm, offs_m, offs_d, rows < q_rows, D, dq, EVEN_D)
 
 
 # Tiles per head-dim class (64, 128, 256), chosen so that the sm_90 build of

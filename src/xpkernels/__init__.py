@@ -30,6 +30,12 @@ _EXPORTS = {
     "layer_norm": ("layer_norm", "layer_norm_", "layer_norm_backward", "layer_norm_backward_"),
     "softmax": ("softmax", "softmax_", "softmax_backward", "softmax_backward_"),
     "attention": ("attention", "attention_", "attention_backward", "attention_backward_"),
+    "attention_varlen": (
+        "attention_varlen",
+        "attention_varlen_",
+        "attention_varlen_backward",
+        "attention_varlen_backward_",
+    ),
     "decode_attention": ("decode_attention", "decode_attention_"),
     "flex_attention": (
         "flex_attention",

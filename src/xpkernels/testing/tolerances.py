@@ -42,6 +42,7 @@ for _op in (
     "layer_norm",
     "softmax",
     "attention",
+    "attention_varlen",
     "decode_attention",
     "flex_attention",
     "merge_attention_states",

@@ -18,6 +18,7 @@ from .. import _checks as check
 from ..buffers import primal
 from ..registry import _explicit_choice
 from . import _ops
+from ._varlen import front as _attention_varlen
 
 __all__ = ["FRONTS"]
 
@@ -173,6 +174,7 @@ FRONTS = {
     "layer_norm": _layer_norm,
     "softmax": _softmax,
     "attention": _attention,
+    "attention_varlen": _attention_varlen,
     "decode_attention": _decode_attention,
     "flex_attention": _flex_attention,
     "merge_attention_states": _merge_attention_states,

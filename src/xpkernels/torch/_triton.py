@@ -55,7 +55,7 @@ def _routes_to_triton(primitive: str, args) -> bool:
     if not tensors or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     head_dim = None
-    if primitive in ("attention", "decode_attention"):
+    if primitive in ("attention", "attention_varlen", "decode_attention"):
         head_dim = max(t.shape[-1] for t in tensors if t.dtype.is_floating_point)
     arrays = {f"arg{i}": t for i, t in enumerate(tensors)}
     try:

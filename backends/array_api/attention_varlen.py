@@ -1,0 +1,163 @@
+"""Packed variable-length attention on the Array API: attention's tiles, one sequence at a time.
+
+Each sequence is a slice of the packed arrays; permuted to ``(1, H, S, D)``
+it is a view (no copy), and :mod:`.attention`'s forward and backward run on
+those views, writing the output, checkpoints and shadows in place. The
+prefix sums are read on the host (as attention's lengths are), clamped so
+that the sequences are ordered, disjoint and within the packed lengths --
+whatever their values, nothing is read or written out of bounds -- and any
+query or key row that no sequence covers (only possible for unchecked
+device prefix sums) is written as fully masked: ``o = 0``, ``m = -inf``,
+``l = 0``, zero gradients. ``max_seqlen_q``/``max_seqlen_k`` are not used.
+"""
+
+from __future__ import annotations
+
+import math
+
+import array_api_compat
+
+from . import attention
+
+__all__ = ["forward", "backward"]
+
+
+def _spans(cu, total: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` per sequence from prefix sums ``cu``, clamped ordered and within ``[0, total]``."""
+    spans, end = [], 0
+    for b in range(cu.shape[0] - 1):
+        start = min(total, max(end, int(cu[b])))
+        end = min(total, max(start, int(cu[b + 1])))
+        spans.append((start, end))
+    return spans
+
+
+def _gaps(spans, total: int) -> list[tuple[int, int]]:
+    """The ranges of ``[0, total)`` that no span covers."""
+    gaps, end = [], 0
+    for start, stop in (*spans, (total, total)):
+        if start > end:
+            gaps.append((end, start))
+        end = max(end, stop)
+    return gaps
+
+
+def _heads_first(xp, a, start: int, end: int):
+    """Tokens ``[start, end)`` of a packed ``(T, H, D)`` array as a ``(1, H, S, D)`` view."""
+    return xp.expand_dims(xp.permute_dims(a[start:end, ...], (1, 0, 2)), axis=0)
+
+
+def _rows(xp, a, start: int, end: int):
+    """Columns ``[start, end)`` of an ``(H, T)`` array as a ``(1, H, S)`` view."""
+    return xp.expand_dims(a[:, start:end], axis=0)
+
+
+def _position(input_pos, b: int):
+    return input_pos if isinstance(input_pos, int) else int(input_pos[b])
+
+
+def forward(
+    o,
+    q,
+    k,
+    v,
+    m,
+    l,
+    *,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    causal,
+    input_pos,
+) -> None:
+    """Write ``o`` (and ``m``, ``l`` unless None) for validated packed inputs, sequence by sequence.
+
+    ``o``: (Tq, H, Dv); ``q``: (Tq, H, D); ``k``: (Tk, Hkv, D); ``v``: (Tk,
+    Hkv, Dv); ``m``, ``l``: (H, Tq) float32 or None; ``cu_seqlens_q``,
+    ``cu_seqlens_k``: (B + 1,) int32; ``input_pos`` an int or a (B,) array.
+    """
+    xp = array_api_compat.array_namespace(o, q, k, v)
+    q_spans = _spans(cu_seqlens_q, q.shape[0])
+    k_spans = _spans(cu_seqlens_k, k.shape[0])
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(q_spans, k_spans)):
+        if q1 == q0:
+            continue
+        attention.forward(
+            _heads_first(xp, o, q0, q1),
+            _heads_first(xp, q, q0, q1),
+            _heads_first(xp, k, k0, k1),
+            _heads_first(xp, v, k0, k1),
+            None if m is None else _rows(xp, m, q0, q1),
+            None if l is None else _rows(xp, l, q0, q1),
+            scale=scale,
+            causal=causal,
+            input_pos=_position(input_pos, b),
+            q_lengths=None,
+            k_lengths=None,
+        )
+    for g0, g1 in _gaps(q_spans, q.shape[0]):
+        o[g0:g1, ...] = 0.0
+        if m is not None:
+            m[:, g0:g1] = -math.inf
+            l[:, g0:g1] = 0.0
+
+
+def backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    m,
+    l,
+    dq,
+    dk,
+    dv,
+    delta,
+    dq_accum,
+    *,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    causal,
+    input_pos,
+) -> None:
+    """Overwrite ``dq``, ``dk``, ``dv`` in full, sequence by sequence.
+
+    ``delta`` (H, Tq) and ``dq_accum`` (Tq, H, D) are attention's scratch,
+    viewed per sequence. Shapes and options as :func:`forward`.
+    """
+    xp = array_api_compat.array_namespace(do, q, k, v, o)
+    q_spans = _spans(cu_seqlens_q, q.shape[0])
+    k_spans = _spans(cu_seqlens_k, k.shape[0])
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(q_spans, k_spans)):
+        if q1 == q0 and k1 == k0:
+            continue
+        attention.backward(
+            _heads_first(xp, do, q0, q1),
+            _heads_first(xp, q, q0, q1),
+            _heads_first(xp, k, k0, k1),
+            _heads_first(xp, v, k0, k1),
+            _heads_first(xp, o, q0, q1),
+            _rows(xp, m, q0, q1),
+            _rows(xp, l, q0, q1),
+            _heads_first(xp, dq, q0, q1),
+            _heads_first(xp, dk, k0, k1),
+            _heads_first(xp, dv, k0, k1),
+            _rows(xp, delta, q0, q1),
+            _heads_first(xp, dq_accum, q0, q1),
+            scale=scale,
+            causal=causal,
+            input_pos=_position(input_pos, b),
+            q_lengths=None,
+            k_lengths=None,
+        )
+    for g0, g1 in _gaps(q_spans, q.shape[0]):
+        dq[g0:g1, ...] = 0.0
+    for g0, g1 in _gaps(k_spans, k.shape[0]):
+        dk[g0:g1, ...] = 0.0
+        dv[g0:g1, ...] = 0.0

@@ -1,0 +1,382 @@
+"""Packed variable-length attention: conformance declaration.
+
+Inputs are packed ``q (Tq, H, D)``, ``k (Tk, Hkv, D)``, ``v (Tk, Hkv, Dv)``
+with int32 prefix sums ``cu_seqlens_q``/``cu_seqlens_k`` (and a ``(B,)``
+``input_pos`` where a case gives one). The float64 reference scatters the
+sequences into a padded ``(B, H, S, D)`` batch, runs the materialised
+attention reference with ``q_lengths``/``k_lengths`` masks (no tiling) and
+gathers the rows back; so the contract checked is "each sequence alone".
+PyTorch has no varlen attention op: no torch oracle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import xpkernels as xk
+from xpkernels.attention_varlen import AttentionVarlenBackwardScratch, AttentionVarlenCheckpoints
+from xpkernels.buffers import Duplicated
+from xpkernels.testing import references as ref
+from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
+
+
+def _case(ident, q_lens, k_lens, interpreter=True, quick=False, **params):
+    base = {"H": 2, "Hkv": 2, "D": 16, "Dv": None, "causal": False, "scale": None, "input_pos": 0}
+    unknown = set(params) - set(base)
+    if unknown:
+        raise TypeError(f"attention_varlen case {ident}: unknown parameters {sorted(unknown)}")
+    p = {**base, **params, "q_lens": tuple(q_lens), "k_lens": tuple(k_lens)}
+    if p["input_pos"] == "bottom_right":  # the last query of each sequence sees its last key
+        p["input_pos"] = [sk - sq for sq, sk in zip(q_lens, k_lens)]
+    return Case(ident, p, interpreter=interpreter, quick=quick)
+
+
+CASES = [
+    _case("b3-gqa2-empty-queries", (5, 0, 17), (9, 4, 20), quick=True, H=4, Hkv=2),
+    _case("causal-top-left-sq-ne-sk", (7, 1, 20), (12, 1, 9), causal=True),
+    _case("causal-bottom-right", (7, 3, 20), (12, 9, 30), causal=True, input_pos="bottom_right"),
+    _case("empty-keys-one-token", (1, 4, 1, 2), (0, 1, 3, 0), causal=True, input_pos=[0, 0, 2, 1]),
+    _case("mqa4-dv-ne-d", (10, 30), (25, 3), H=4, Hkv=1, D=24, Dv=8),
+    _case("scale-0.3-b1", (33,), (18,), causal=True, scale=0.3, input_pos=-4),
+    _case(
+        "d64-causal-b4",
+        (100, 37, 0, 250),
+        (130, 37, 64, 250),
+        interpreter=False,
+        H=4,
+        Hkv=2,
+        D=64,
+        causal=True,
+        input_pos="bottom_right",
+    ),
+]
+
+
+def _cu(lengths) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
+
+
+def _dims(p):
+    return p["H"], p["Hkv"], p["D"], p["Dv"] or p["D"]
+
+
+def _scale(p):
+    return p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(p["D"])
+
+
+def _inputs(case, rng):
+    p = case.params
+    heads, kv_heads, d, dv = _dims(p)
+    tq, tk = sum(p["q_lens"]), sum(p["k_lens"])
+    arrays = {
+        "q": rng.standard_normal((tq, heads, d)),
+        "k": rng.standard_normal((tk, kv_heads, d)),
+        "v": rng.standard_normal((tk, kv_heads, dv)),
+        "cu_seqlens_q": _cu(p["q_lens"]),
+        "cu_seqlens_k": _cu(p["k_lens"]),
+    }
+    if not isinstance(p["input_pos"], int):
+        arrays["input_pos"] = np.asarray(p["input_pos"], dtype=np.int64)
+    return arrays
+
+
+def _padded(a, lengths):
+    """Packed ``(T, H, X)`` as a zero-padded ``(B, H, max(lengths), X)`` batch."""
+    out = np.zeros((len(lengths), a.shape[1], max(max(lengths), 1), a.shape[2]), dtype=a.dtype)
+    start = 0
+    for b, n in enumerate(lengths):
+        out[b, :, :n] = a[start : start + n].transpose(1, 0, 2)
+        start += n
+    return out
+
+
+def _packed(a, lengths):
+    """The inverse of :func:`_padded` for ``(B, H, S, X)`` or ``(B, H, S)`` arrays: ``(T, H, X)`` / ``(H, T)``."""
+    parts = [a[b, :, :n] for b, n in enumerate(lengths)]
+    if a.ndim == 3:
+        return np.concatenate(parts, axis=1)
+    return np.concatenate([part.transpose(1, 0, 2) for part in parts], axis=0)
+
+
+def _keep(p):
+    q_lens, k_lens = p["q_lens"], p["k_lens"]
+    return ref.attention_keep(
+        len(q_lens),
+        max(max(q_lens), 1),
+        max(max(k_lens), 1),
+        causal=p["causal"],
+        input_pos=p["input_pos"],
+        q_lengths=q_lens,
+        k_lengths=k_lens,
+    )
+
+
+def _reference(case, inputs):
+    p = case.params
+    q, k, v = (
+        _padded(inputs[n], p[side])
+        for n, side in (("q", "q_lens"), ("k", "k_lens"), ("v", "k_lens"))
+    )
+    o, m, l_sum, _ = ref.attention(q, k, v, scale=_scale(p), keep=_keep(p))
+    lens = p["q_lens"]
+    return {"o": _packed(o, lens)}, {"m": _packed(m, lens), "l": _packed(l_sum, lens)}
+
+
+def _cotangents(case, rng):
+    p = case.params
+    heads, _, _, dv = _dims(p)
+    return {"o": rng.standard_normal((sum(p["q_lens"]), heads, dv))}
+
+
+def _reference_backward(case, inputs, cotangents):
+    p = case.params
+    q, k, v = (
+        _padded(inputs[n], p[side])
+        for n, side in (("q", "q_lens"), ("k", "k_lens"), ("v", "k_lens"))
+    )
+    do = _padded(cotangents["o"], p["q_lens"])
+    dq, dk, dv = ref.attention_backward(q, k, v, do, scale=_scale(p), keep=_keep(p))
+    return {
+        "q": _packed(dq, p["q_lens"]),
+        "k": _packed(dk, p["k_lens"]),
+        "v": _packed(dv, p["k_lens"]),
+    }
+
+
+def _allocate_outputs(case, arrays, target, dtype):
+    p = case.params
+    heads, _, _, dv = _dims(p)
+    return {"o": target.full((sum(p["q_lens"]), heads, dv), np.nan, dtype)}
+
+
+def _allocate_checkpoints(case, arrays):
+    return xk.allocate_checkpoints(xk.attention_varlen_, arrays["q"], arrays["k"], arrays["v"])
+
+
+def _options(case, arrays):
+    p = case.params
+    return {
+        "causal": p["causal"],
+        "scale": p["scale"],
+        "input_pos": arrays.get("input_pos", p["input_pos"]),
+    }
+
+
+def _prefix_sums(arrays):
+    return arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
+
+
+def _forward_(case, arrays, outs, checkpoints, backend):
+    xk.attention_varlen_(
+        outs["o"],
+        arrays["q"],
+        arrays["k"],
+        arrays["v"],
+        *_prefix_sums(arrays),
+        **_options(case, arrays),
+        checkpoints=checkpoints,
+        backend=backend,
+    )
+
+
+def _forward(case, arrays, checkpoints, backend):
+    o = xk.attention_varlen(
+        arrays["q"],
+        arrays["k"],
+        arrays["v"],
+        *_prefix_sums(arrays),
+        **_options(case, arrays),
+        checkpoints=checkpoints,
+        backend=backend,
+    )
+    return {"o": o}
+
+
+def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
+    O = Duplicated(outs["o"], cotangents["o"])
+    Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
+    scratch = xk.allocate_scratchspace(xk.attention_varlen_backward_, O, Q, K, V, backend=backend)
+    xk.attention_varlen_backward_(
+        O,
+        Q,
+        K,
+        V,
+        *_prefix_sums(arrays),
+        checkpoints=checkpoints,
+        scratch=scratch,
+        **_options(case, arrays),
+        backend=backend,
+    )
+
+
+def _backward(case, arrays, outs, cotangents, checkpoints, backend):
+    dq, dk, dv = xk.attention_varlen_backward(
+        cotangents["o"],
+        arrays["q"],
+        arrays["k"],
+        arrays["v"],
+        outs["o"],
+        *_prefix_sums(arrays),
+        checkpoints=checkpoints,
+        **_options(case, arrays),
+        backend=backend,
+    )
+    return {"q": dq, "k": dk, "v": dv}
+
+
+def _errors():
+    q_lens, k_lens = (3, 0, 5), (4, 2, 2)
+    tq, tk = sum(q_lens), sum(k_lens)
+
+    def ints(values, dtype="int32"):
+        return lambda t: t.asarray(np.asarray(values, dtype=dtype))
+
+    def make(t):
+        q = t.full((tq, 4, 16), 0.5, "float32")
+        k = t.full((tk, 2, 16), 0.5, "float32")
+        v = t.full((tk, 2, 8), 0.5, "float32")
+        return q, k, v, t.full((tq, 4, 8), 0.0, "float32")
+
+    def forward(cu_q=ints(_cu(q_lens)), cu_k=ints(_cu(k_lens)), **options):
+        def call(t):
+            q, k, v, o = make(t)
+            resolved = {n: f(t) if callable(f) else f for n, f in options.items()}
+            xk.attention_varlen_(o, q, k, v, cu_q(t), cu_k(t), **resolved)
+
+        return call
+
+    def backward(scratch):
+        def call(t):
+            q, k, v, o = make(t)
+            ck = xk.allocate_checkpoints(xk.attention_varlen_, q, k, v)
+            cu_q, cu_k = ints(_cu(q_lens))(t), ints(_cu(k_lens))(t)
+            xk.attention_varlen_(o, q, k, v, cu_q, cu_k, checkpoints=ck)
+            O = Duplicated(o, t.full(o.shape, 1.0, "float32"))
+            Q, K, V = (Duplicated(a, t.full(a.shape, 0.0, "float32")) for a in (q, k, v))
+            xk.attention_varlen_backward_(
+                O, Q, K, V, cu_q, cu_k, checkpoints=ck, scratch=scratch(t)
+            )
+
+        return call
+
+    return [
+        ErrorCase(
+            "cu-q-decreasing",
+            forward(cu_q=ints([0, 3, 2, 8])),
+            ValueError,
+            r"cu_seqlens_q must be non-decreasing, got cu_seqlens_q\[2\] = 2 < cu_seqlens_q\[1\] = 3",
+            values=True,
+        ),
+        ErrorCase(
+            "cu-k-not-starting-at-0",
+            forward(cu_k=ints([1, 4, 6, 8])),
+            ValueError,
+            r"cu_seqlens_k must start at 0, got cu_seqlens_k\[0\] = 1",
+            values=True,
+        ),
+        ErrorCase(
+            "cu-q-last-not-Tq",
+            forward(cu_q=ints([0, 3, 3, 7])),
+            ValueError,
+            r"cu_seqlens_q must end at the packed length Tq = 8 of the queries, got cu_seqlens_q\[-1\] = 7",
+            values=True,
+        ),
+        ErrorCase(
+            "cu-k-int64",
+            forward(cu_k=ints(_cu(k_lens), "int64")),
+            TypeError,
+            r"cu_seqlens_k must have dtype int32 \(prefix sums\), got .*int64",
+        ),
+        ErrorCase(
+            "cu-q-float",
+            forward(cu_q=lambda t: t.full((4,), 0.0, "float32")),
+            TypeError,
+            r"cu_seqlens_q must have dtype int32",
+        ),
+        ErrorCase(
+            "batch-mismatch",
+            forward(cu_k=ints([0, 4, 8])),
+            ValueError,
+            r"cu_seqlens_k must have the B \+ 1 = 4 entries of cu_seqlens_q .*got 3",
+        ),
+        ErrorCase(
+            "cu-q-rank",
+            forward(cu_q=ints([[0, 3, 3, 8]])),
+            ValueError,
+            r"cu_seqlens_q must be a \(B \+ 1,\) array of prefix sums, got shape \(1, 4\)",
+        ),
+        ErrorCase(
+            "max-seqlen-q-too-small",
+            forward(max_seqlen_q=4),
+            ValueError,
+            r"max_seqlen_q must be at least the longest sequence \(5\), got 4",
+            values=True,
+        ),
+        ErrorCase(
+            "k-rank",
+            lambda t: xk.attention_varlen_(
+                *(lambda q, k, v, o: (o, q, t.xp.expand_dims(k, axis=0), v))(*make(t)),
+                ints(_cu(q_lens))(t),
+                ints(_cu(k_lens))(t),
+            ),
+            ValueError,
+            r"k must have shape \(Tk, Hkv, D\) \(rank 3\)",
+        ),
+        ErrorCase(
+            "gqa-heads",
+            lambda t: xk.attention_varlen_(
+                t.full((tq, 3, 8), 0.0, "float32"),
+                t.full((tq, 3, 16), 0.5, "float32"),
+                t.full((tk, 2, 16), 0.5, "float32"),
+                t.full((tk, 2, 8), 0.5, "float32"),
+                ints(_cu(q_lens))(t),
+                ints(_cu(k_lens))(t),
+            ),
+            ValueError,
+            r"the H=3 query heads of q must be a multiple of the Hkv=2 kv heads",
+        ),
+        ErrorCase(
+            "checkpoint-shape",
+            forward(
+                checkpoints=lambda t: AttentionVarlenCheckpoints(
+                    t.full((tq, 4), 0.0, "float32"), t.full((tq, 4), 0.0, "float32")
+                )
+            ),
+            ValueError,
+            r"checkpoints.m must have shape \(4, 8\)",
+        ),
+        ErrorCase(
+            "scratch-delta-shape",
+            backward(
+                lambda t: AttentionVarlenBackwardScratch(
+                    t.full((tq, 4), 0.0, "float32"), t.full((tq, 4, 16), 0.0, "float32")
+                )
+            ),
+            ValueError,
+            r"scratch.delta must have shape \(4, 8\)",
+        ),
+    ]
+
+
+SPEC = OpSpec(
+    name="attention_varlen",
+    outputs=("o",),
+    cases=tuple(CASES),
+    inputs=_inputs,
+    reference=_reference,
+    allocate_outputs=_allocate_outputs,
+    forward_=_forward_,
+    forward=_forward,
+    errors=_errors,
+    checkpoint_names=("m", "l"),
+    allocate_checkpoints=_allocate_checkpoints,
+    backward=Backward(
+        grad_names=("q", "k", "v"),
+        cotangents=_cotangents,
+        reference=_reference_backward,
+        inplace=_backward_,
+        allocating=_backward,
+    ),
+)
