@@ -5,8 +5,9 @@ interface of :mod:`._loader`, so the same launchers and ``.cu`` files run on
 a GPU through ``cupy.RawModule`` (NVRTC) and on the CPU through
 :mod:`xpkernels.testing.cudacpu` (``with cudacpu.emulate(): ...``). Only CuPy
 is imported on the GPU path: no torch, no triton. So far ``rms_norm``,
-``layer_norm`` and ``softmax`` have CUDA C kernels; routing sends the other
-ops on CuPy arrays to the array_api backend (warned once).
+``layer_norm``, ``softmax`` and ``decode_attention`` have CUDA C kernels;
+routing sends the other ops on CuPy arrays to the array_api backend (warned
+once).
 
 Routing reads :data:`BACKEND`, which serves two kinds of calls:
 
@@ -32,6 +33,8 @@ from . import _loader
 
 _DTYPES = ("float32", "float16", "bfloat16")
 _NORM = Capability(dtypes=_DTYPES, hooks=("partials", "reduce_partials"))
+#: Largest decode head dim (``decode_attention.MAX_HEAD_DIM``; not imported, which would load NumPy).
+_DECODE_HEAD_DIM = 256
 _NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
 
 
@@ -96,6 +99,9 @@ BACKEND = Backend(
         "rms_norm": _NORM,
         "layer_norm": _NORM,
         "softmax": Capability(dtypes=_DTYPES),
+        "decode_attention": Capability(
+            dtypes=_DTYPES, max_head_dim=_DECODE_HEAD_DIM, hooks=("default_splits",)
+        ),
     },
     device_problem=device_problem,
 )
