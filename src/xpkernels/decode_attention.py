@@ -151,25 +151,30 @@ def _check_block_table(fn, xp, block_table, batch) -> None:
     check.shape(fn, "block_table", block_table, (batch, block_table.shape[1]))
 
 
-def _check_pages_used(fn, xp, block_table, lengths, num_pages, page_size) -> None:
-    """ValueError when a page some sequence uses (``j < lengths[b]``) lies outside ``[0, num_pages)``.
+def _check_pages_used(fn, xp, block_table, lengths, window, num_pages, page_size) -> None:
+    """ValueError when a page the query reads lies outside ``[0, num_pages)``.
 
-    Entries past a sequence's last page are never read and may hold anything.
-    Values are read only on host arrays or in debug mode (capture safety).
+    The pages read hold the keys the query sees (``j < lengths[b]``, and
+    ``j >= lengths[b] - window`` under a window); the other entries may hold
+    anything. Values are read only on host arrays or in
+    debug mode (capture safety).
     """
     batch, max_pages = block_table.shape
     if batch * max_pages == 0 or not (check.is_host_array(block_table) or debug_enabled()):
         return
     first_keys = xp.arange(max_pages, dtype=xp.int64, device=device(block_table)) * page_size
-    used = first_keys[None, :] < xp.astype(lengths, xp.int64)[:, None]
+    stop = xp.astype(lengths, xp.int64)[:, None]
+    used = first_keys[None, :] < stop
+    if window is not None:
+        used = used & (first_keys[None, :] + page_size > stop - window)
     bad = used & ((block_table < 0) | (block_table >= num_pages))
     if bool(xp.any(bad)):
         entries = block_table[bad]
         raise ValueError(
-            f"{fn}: block_table entries of the pages in use (key j of batch b in page "
-            f"block_table[b, j // page_size], j < lengths[b]) must lie in [0, {num_pages - 1}] "
-            f"(num_pages={num_pages}), got values in [{int(xp.min(entries))}, "
-            f"{int(xp.max(entries))}]"
+            f"{fn}: block_table entries of the pages read (key j of batch b in page "
+            f"block_table[b, j // page_size] for the keys the query sees) must lie in "
+            f"[0, {num_pages - 1}] (num_pages={num_pages}), got values in "
+            f"[{int(xp.min(entries))}, {int(xp.max(entries))}]"
         )
 
 
@@ -210,13 +215,13 @@ def _validate(
         )
     bound = "Smax" if block_table is None else "max_pages * page_size"
     check.batch_integers(fn, "lengths", xp, lengths, batch, 0, smax, bound)
-    if block_table is not None:
-        _check_pages_used(fn, xp, block_table, lengths, k_cache.shape[0], k_cache.shape[2])
     scale = 1.0 / math.sqrt(d) if scale is None else check.positive_finite(fn, "scale", scale)
     if softcap is not None:
         softcap = check.positive_finite(fn, "softcap", softcap)
     if window is not None:
         window = check.index_int(fn, "window", window, 1)
+    if block_table is not None:
+        _check_pages_used(fn, xp, block_table, lengths, window, k_cache.shape[0], k_cache.shape[2])
     if n_splits is not None:
         n_splits = _n_splits(fn, n_splits)
         _bound_splits(fn, "n_splits", n_splits, smax)
@@ -306,9 +311,9 @@ def decode_attention_(
     block_table : array, optional
         ``(B, max_pages)`` int32: key ``j`` of batch ``b`` is slot
         ``j % page_size`` of page ``block_table[b, j // page_size]``. The
-        entries of the pages in use must lie in ``[0, num_pages)``: checked
-        on host arrays and in debug mode, clamped by the kernels otherwise;
-        entries past a sequence's last page are never read. None: the caches
+        entries of the pages read (those holding keys the query sees) must
+        lie in ``[0, num_pages)``: checked on host arrays and in debug mode,
+        clamped by the kernels otherwise; the other entries may hold anything. None: the caches
         are contiguous.
     scale : float, optional
         Score scale, finite and > 0; None means ``1 / sqrt(D)``.
