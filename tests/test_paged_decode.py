@@ -96,6 +96,10 @@ def test_triton_paged_equals_contiguous_after_gathering(
     paged = xk.decode_attention(tq, tk_pages, tv_pages, tlengths, block_table=ttable, **options)
     contiguous = xk.decode_attention(tq, tk, tv, tlengths, **options)
     np.testing.assert_allclose(paged.numpy(), contiguous.numpy(), rtol=TOL, atol=TOL)
+    want = ref.decode_attention(
+        q.astype(np.float64), k, v, np.asarray(lengths), scale=0.25, softcap=softcap, window=window
+    )
+    np.testing.assert_allclose(paged.numpy(), want, rtol=0, atol=1e-5)
 
 
 def test_entries_of_pages_never_read_may_hold_anything():
