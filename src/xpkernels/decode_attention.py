@@ -313,16 +313,16 @@ def decode_attention_(
         ``j % page_size`` of page ``block_table[b, j // page_size]``. The
         entries of the pages read (those holding keys the query sees) must
         lie in ``[0, num_pages)``: checked on host arrays and in debug mode,
-        clamped by the kernels otherwise; the other entries may hold anything. None: the caches
-        are contiguous.
+        clamped by the kernels otherwise; the other entries may hold
+        anything. None: the caches are contiguous.
     scale : float, optional
         Score scale, finite and > 0; None means ``1 / sqrt(D)``.
     softcap : float, optional
-        Finite and > 0: each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``.
-        None: no capping.
+        Finite and > 0: each scaled score ``s`` becomes
+        ``softcap * tanh(s / softcap)``. None: no capping.
     window : int, optional
-        >= 1: the query sees only the last ``window`` keys, ``j > lengths[b] - 1 - window``.
-        None: every key before ``lengths[b]``.
+        >= 1: the query sees only the last ``window`` keys,
+        ``j > lengths[b] - 1 - window``. None: every key before ``lengths[b]``.
     scratch : DecodeAttentionScratch, optional
         From ``allocate_scratchspace(decode_attention_, o, q, k_cache, ...)``;
         its ``o_partial.shape[2]`` is the number of splits. None allocates it
