@@ -149,9 +149,21 @@ class _Cache:
             p1 = min(last_page, p0 + per_tile)
             index = self.pages[p0:p1]
             lo, hi = max(start, p0 * size) - p0 * size, min(stop, p1 * size) - p0 * size
-            k_tile = xp.reshape(xp.take(k[:, g, ...], index, axis=0), (-1, k.shape[3]))
-            v_tile = xp.reshape(xp.take(v[:, g, ...], index, axis=0), (-1, v.shape[3]))
+            k_tile = xp.reshape(_gather(xp, k, index, g), (-1, k.shape[3]))
+            v_tile = xp.reshape(_gather(xp, v, index, g), (-1, v.shape[3]))
             yield k_tile[lo:hi, :], v_tile[lo:hi, :]
+
+
+def _gather(xp, pages, index, g):
+    """``pages[index, g]``: the pages ``index`` of kv head ``g``, ``(len(index), page_size, D)``.
+
+    NumPy and torch index the strided head view directly; ``take`` of that
+    view would first copy all of it (every page) in NumPy, so it serves only
+    the other namespaces, where integer-array indexing may be missing.
+    """
+    if array_api_compat.is_numpy_array(pages) or array_api_compat.is_torch_array(pages):
+        return pages[xp.astype(index, xp.int64), g, ...]
+    return xp.take(pages[:, g, ...], index, axis=0)
 
 
 def _split(
