@@ -216,7 +216,22 @@ class AttentionVarlenModule(Protocol):
 class DecodeAttentionModule(Protocol):
     """Split-KV decode attention (forward only)."""
 
-    def forward(self, o, q, k, v, lengths, o_partial, m_partial, l_partial, *, scale) -> None: ...
+    def forward(
+        self,
+        o,
+        q,
+        k,
+        v,
+        lengths,
+        o_partial,
+        m_partial,
+        l_partial,
+        *,
+        scale,
+        softcap,
+        window,
+        block_table,
+    ) -> None: ...
 
 
 class FlexAttentionModule(Protocol):

@@ -113,11 +113,15 @@ def _cases(dtype):
             (do, *qkv, o, m, l, t(1, 4, 5, 8), t(1, 2, 6, 8), t(1, 2, 6, 4), None, None, *att),
         ),
         # No input requires grad: opcheck's AOT test runs a backward, which raises (forward only).
-        ("decode_attention", ops.decode_attention, (qd, kc, vc, lengths, None, 3, None)),
+        (
+            "decode_attention",
+            ops.decode_attention,
+            (qd, kc, vc, lengths, None, None, None, None, 3, None),
+        ),
         (
             "decode_attention_",
             ops.decode_attention_,
-            (t(2, 4, 4), qd, kc, vc, lengths, None, None, None, None, 2, None),
+            (t(2, 4, 4), qd, kc, vc, lengths, None, None, None, None, None, None, None, 2, None),
         ),
         ("flex_attention", ops.flex_attention, (q, k, v, [slopes], *flex)),
         (

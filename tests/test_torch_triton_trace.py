@@ -61,7 +61,7 @@ _SCRIPT = textwrap.dedent(
         return o, dq, dk, dv
 
     def decode(q, k_cache, v_cache, lengths):
-        return ops.decode_attention(q, k_cache, v_cache, lengths, None, 2, T)
+        return ops.decode_attention(q, k_cache, v_cache, lengths, None, None, None, None, 2, T)
 
     def merge(o_a, m_a, l_a, o_b, m_b, l_b, do):
         o, m, l = ops.merge_attention_states(o_a, m_a, l_a, o_b, m_b, l_b, T)

@@ -297,7 +297,8 @@ from xpkernels.backends.triton import attention as A, decode_attention as DA
 LIMIT = 227 * 1024
 common = dict(HAS_QLEN=True, HAS_KLEN=True, POS_ARRAY=True, PRECISION="tf32",
               DOT_TYPE=triton.language.bfloat16, BLOCK_D=128, BLOCK_DV=128, CAUSAL=True,
-              STORE_STATS=True, EVEN_D=False, EVEN_DV=True, BLOCK_G=16, BLOCK_S=16)
+              STORE_STATS=True, EVEN_D=False, EVEN_DV=True, BLOCK_G=16, BLOCK_S=16,
+              PAGED=True, PAGE_SIZE=16, HAS_WINDOW=True, HAS_SOFTCAP=True)
 kernels = [
     (A._forward_kernel, A._FORWARD_TILES.default[128]),
     (A._dkdv_kernel, A._DKDV_TILES.default[128]),
@@ -315,11 +316,11 @@ for fn, tile in kernels:
             signature[name] = "constexpr"
         elif name in ("m_ptr", "l_ptr", "delta_ptr", "o_part_ptr", "m_part_ptr", "l_part_ptr"):
             signature[name] = "*fp32"
-        elif name in ("q_len_ptr", "k_len_ptr", "pos_ptr", "lengths_ptr"):
+        elif name in ("q_len_ptr", "k_len_ptr", "pos_ptr", "lengths_ptr", "bt_ptr"):
             signature[name] = "*i32"
         elif name.endswith("_ptr"):
             signature[name] = "*bf16"
-        elif name in ("scale", "qk_scale"):
+        elif name in ("scale", "qk_scale", "softcap"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"

@@ -11,7 +11,13 @@ and V once at full bandwidth:
    chunk's score max ``m_s``, natural-log units), ``l_partial``
    (``l_s = sum exp(s - m_s)``) and ``o_partial`` (the unnormalised
    ``sum exp(s - m_s) v``). Only the last, partial tile of a chunk evaluates a
-   mask; an empty chunk writes ``o = 0, m = -inf, l = 0``.
+   mask; an empty chunk writes ``o = 0, m = -inf, l = 0``. Options, each a
+   compile-time flag so the plain contiguous kernel is unchanged: a paged
+   cache (``PAGED``: keys found through the block table, one lookup per tile
+   when pages hold whole tiles, else one per key; page indices clamped to
+   ``[0, num_pages)``), a sliding window (``HAS_WINDOW``: the chunks cut only
+   the keys the query sees, the tile holding the window's first key is
+   masked below it) and a score cap (``HAS_SOFTCAP``).
 2. ``_combine_kernel``: one program per (batch, query head) merges the splits,
 
 .. math::
@@ -33,6 +39,7 @@ import triton.language as tl
 from ._attn_common import (
     LN2_CONST,
     LOG2E,
+    LOG2E_CONST,
     RANGE_LOOPS,
     Tile,
     TileTable,
@@ -57,6 +64,111 @@ MAX_SPLITS = 128
 
 
 @triton.jit
+def _tanh(x):
+    """``tanh(x)`` from one ``exp2`` of a non-positive argument (no overflow, exact sign)."""
+    t = tl.exp2(-2.0 * LOG2E_CONST * tl.abs(x))
+    r = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0.0, -r, r)
+
+
+@triton.jit
+def _kv_tile(
+    k_base,
+    v_base,
+    bt_row,
+    n0,
+    stride_kp,
+    stride_vp,
+    stride_kn,
+    stride_vn,
+    stride_btp,
+    offs_n,
+    offs_d,
+    offs_dv,
+    lo,
+    length,
+    Smax,
+    num_pages,
+    D,
+    DV,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The K and V tiles of keys ``n0 + offs_n``; ``MASKED`` zero-fills keys outside ``[lo, length)``.
+
+    Contiguous caches (``PAGED`` false, no window) load as attention does. Pages:
+    key ``j`` is slot ``j % PAGE_SIZE`` of page ``block_table[b, j // PAGE_SIZE]``
+    (clamped to ``[0, num_pages)``), looked up once per tile when a tile lies
+    within one page (``PAGE_SIZE % BLOCK_N == 0``; tiles start at multiples
+    of ``BLOCK_N``), else once per key.
+    """
+    if not PAGED and not HAS_WINDOW:
+        k, v = kv_tile(
+            k_base,
+            v_base,
+            n0,
+            stride_kn,
+            stride_vn,
+            offs_n,
+            offs_d,
+            offs_dv,
+            length,
+            D,
+            DV,
+            MASKED,
+            EVEN_D,
+            EVEN_DV,
+        )
+    else:
+        keys = n0 + offs_n
+        if PAGED:
+            if PAGE_SIZE % BLOCK_N == 0:
+                page = tl.load(bt_row + (n0 // PAGE_SIZE).to(tl.int64) * stride_btp)
+                page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+                slots = (n0 % PAGE_SIZE + offs_n).to(tl.int64)
+                k_rows = k_base + page * stride_kp + slots[:, None] * stride_kn
+                v_rows = v_base + page * stride_vp + slots[:, None] * stride_vn
+            else:
+                # A tile spans pages: one block-table entry per key (keys past Smax read none).
+                pages = tl.load(
+                    bt_row + (keys // PAGE_SIZE).to(tl.int64) * stride_btp,
+                    mask=keys < Smax,
+                    other=0,
+                )
+                pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)
+                slots = (keys % PAGE_SIZE).to(tl.int64)
+                k_rows = k_base + pages[:, None] * stride_kp + slots[:, None] * stride_kn
+                v_rows = v_base + pages[:, None] * stride_vp + slots[:, None] * stride_vn
+        else:
+            key_off = tl.cast(n0, tl.int64)
+            k_rows = k_base + key_off * stride_kn + offs_n[:, None] * stride_kn
+            v_rows = v_base + key_off * stride_vn + offs_n[:, None] * stride_vn
+        k_ptrs = k_rows + offs_d[None, :]
+        v_ptrs = v_rows + offs_dv[None, :]
+        if MASKED:
+            key_ok = keys < length
+            if HAS_WINDOW:
+                key_ok = key_ok & (keys >= lo)
+            k = tl.load(k_ptrs, mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        else:
+            if EVEN_D:
+                k = tl.load(k_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
+            if EVEN_DV:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _decode_step(
     acc,
     m_i,
@@ -64,41 +176,71 @@ def _decode_step(
     q,
     k_base,
     v_base,
+    bt_row,
     n0,
+    stride_kp,
+    stride_vp,
     stride_kn,
     stride_vn,
+    stride_btp,
     offs_n,
     offs_d,
     offs_dv,
+    lo,
     length,
+    Smax,
+    num_pages,
     qk_scale,
+    softcap,
     D,
     DV,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """Online-softmax update by the key tile at ``n0``; ``MASKED`` checks keys ``< length``."""
-    k, v = kv_tile(
+    """Online-softmax update by the key tile at ``n0``; ``MASKED`` checks keys in ``[lo, length)``."""
+    k, v = _kv_tile(
         k_base,
         v_base,
+        bt_row,
         n0,
+        stride_kp,
+        stride_vp,
         stride_kn,
         stride_vn,
+        stride_btp,
         offs_n,
         offs_d,
         offs_dv,
+        lo,
         length,
+        Smax,
+        num_pages,
         D,
         DV,
         MASKED,
         EVEN_D,
         EVEN_DV,
+        PAGED,
+        PAGE_SIZE,
+        HAS_WINDOW,
+        BLOCK_N,
     )
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+    if HAS_SOFTCAP:
+        s = softcap * _tanh(s / softcap)
     if MASKED:
-        s = tl.where(((n0 + offs_n) < length)[None, :], s, float("-inf"))
+        keys = n0 + offs_n
+        key_ok = keys < length
+        if HAS_WINDOW:
+            key_ok = key_ok & (keys >= lo)
+        s = tl.where(key_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -116,27 +258,39 @@ def _decode_tiles(
     q,
     k_base,
     v_base,
+    bt_row,
+    stride_kp,
+    stride_vp,
     stride_kn,
     stride_vn,
+    stride_btp,
     offs_n,
     offs_d,
     offs_dv,
     n_lo,
     n_hi,
+    lo,
     length,
+    Smax,
+    num_pages,
     qk_scale,
+    softcap,
     D,
     DV,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """:func:`_decode_step` over the key tiles ``[n_lo, n_hi)`` (``RANGE_LOOPS`` as in attention).
 
-    Every tile holds at least one key ``< length``, so the running max is
-    finite after the first tile (no ``-inf - -inf``).
+    Every tile holds at least one key in ``[lo, length)``, so the running max
+    is finite after the first tile (no ``-inf - -inf``).
     """
     if RANGE_LOOPS:
         for n0 in range(n_lo, n_hi, BLOCK_N):
@@ -147,20 +301,33 @@ def _decode_tiles(
                 q,
                 k_base,
                 v_base,
+                bt_row,
                 n0,
+                stride_kp,
+                stride_vp,
                 stride_kn,
                 stride_vn,
+                stride_btp,
                 offs_n,
                 offs_d,
                 offs_dv,
+                lo,
                 length,
+                Smax,
+                num_pages,
                 qk_scale,
+                softcap,
                 D,
                 DV,
                 MASKED,
                 EVEN_D,
                 EVEN_DV,
                 PRECISION,
+                PAGED,
+                PAGE_SIZE,
+                HAS_WINDOW,
+                HAS_SOFTCAP,
+                BLOCK_N,
             )
     else:
         n0 = n_lo
@@ -172,31 +339,58 @@ def _decode_tiles(
                 q,
                 k_base,
                 v_base,
+                bt_row,
                 n0,
+                stride_kp,
+                stride_vp,
                 stride_kn,
                 stride_vn,
+                stride_btp,
                 offs_n,
                 offs_d,
                 offs_dv,
+                lo,
                 length,
+                Smax,
+                num_pages,
                 qk_scale,
+                softcap,
                 D,
                 DV,
                 MASKED,
                 EVEN_D,
                 EVEN_DV,
                 PRECISION,
+                PAGED,
+                PAGE_SIZE,
+                HAS_WINDOW,
+                HAS_SOFTCAP,
+                BLOCK_N,
             )
             n0 += BLOCK_N
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["HKV", "GROUP", "Smax", "n_splits", "D", "DV"])
+@triton.jit(
+    do_not_specialize=[
+        "HKV",
+        "GROUP",
+        "Smax",
+        "n_splits",
+        "D",
+        "DV",
+        "stride_btb",
+        "stride_btp",
+        "num_pages",
+        "window",
+    ]
+)
 def _split_kernel(
     q_ptr,
     k_ptr,
-    v_ptr,  # (B,H,D) queries, (B,Hkv,Smax,D) and (B,Hkv,Smax,DV) caches
+    v_ptr,  # (B,H,D) queries; (B,Hkv,Smax,D) and (B,Hkv,Smax,DV) caches, or their pages
     lengths_ptr,  # (B,) valid keys per batch
+    bt_ptr,  # (B, max_pages) int32 block table (PAGED; never read otherwise)
     o_part_ptr,
     m_part_ptr,
     l_part_ptr,  # (B,H,S,DV), (B,H,S), (B,H,S) float32 scratch
@@ -204,10 +398,12 @@ def _split_kernel(
     stride_qh,  # q strides (last axis contiguous)
     stride_kb,
     stride_kh,
-    stride_kn,  # k cache strides
+    stride_kn,  # k cache strides (batch, or page when PAGED; head; key slot)
     stride_vb,
     stride_vh,
-    stride_vn,  # v cache strides
+    stride_vn,  # v cache strides, the same way
+    stride_btb,
+    stride_btp,  # block table strides
     stride_opb,
     stride_oph,
     stride_ops,  # o_partial strides
@@ -220,14 +416,21 @@ def _split_kernel(
     HKV,
     GROUP,
     Smax,
-    n_splits,  # kv heads, query heads per kv head, cache length, splits
+    n_splits,  # kv heads, query heads per kv head, (logical) cache length, splits
+    num_pages,  # pages of k/v (PAGED): block-table entries are clamped to [0, num_pages)
+    window,  # keys the query sees (HAS_WINDOW)
     qk_scale,  # scale * log2(e)
+    softcap,  # softcap * log2(e) (HAS_SOFTCAP)
     D,
     DV,  # head dims
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
     PRECISION: tl.constexpr,  # tl.dot input precision
     DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
+    PAGED: tl.constexpr,  # k/v are pages addressed through the block table
+    PAGE_SIZE: tl.constexpr,  # keys per page (PAGED)
+    HAS_WINDOW: tl.constexpr,  # the query sees only the last `window` keys
+    HAS_SOFTCAP: tl.constexpr,  # scores are capped by softcap * tanh(s / softcap)
     BLOCK_G: tl.constexpr,  # query heads of a group, padded to >= 16 rows for tl.dot
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,  # padded head dims
@@ -240,10 +443,21 @@ def _split_kernel(
     kvh = pid_bkv % HKV
     # Read at int64 and clamped to [0, Smax]: no length wraps or leads a load past the cache.
     length = tl.minimum(tl.maximum(tl.load(lengths_ptr + b).to(tl.int64), 0), Smax).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
-    start = pid_s * chunk
+    # The keys the query sees, [lo, length), cut into chunks of whole tiles from lo's tile.
+    if HAS_WINDOW:
+        lo = tl.maximum(length - window, 0)
+    else:
+        lo = length * 0
+    lo_tile = (lo // BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(length - lo_tile, n_splits), BLOCK_N) * BLOCK_N
+    start = lo_tile + pid_s * chunk
     end = tl.minimum(start + chunk, length)
-    full_end = start + (tl.maximum(end - start, 0) // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW:
+        # The tile holding lo is masked below it; the tiles after it are whole.
+        head_end = tl.minimum(tl.maximum(start, tl.cdiv(lo, BLOCK_N) * BLOCK_N), end)
+    else:
+        head_end = start
+    full_end = head_end + (tl.maximum(end - head_end, 0) // BLOCK_N) * BLOCK_N
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
@@ -256,12 +470,54 @@ def _split_kernel(
         mask=head_ok[:, None] & (offs_d[None, :] < D),
         other=0.0,
     ).to(DOT_TYPE)
-    k_base = k_ptr + b * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + b * stride_vb + kvh.to(tl.int64) * stride_vh
+    if PAGED:
+        k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    else:
+        k_base = k_ptr + b * stride_kb + kvh.to(tl.int64) * stride_kh
+        v_base = v_ptr + b * stride_vb + kvh.to(tl.int64) * stride_vh
+    bt_row = bt_ptr + b * stride_btb
 
     acc = tl.zeros((BLOCK_G, BLOCK_DV), dtype=tl.float32)
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    if HAS_WINDOW:
+        acc, m_i, l_i = _decode_tiles(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            bt_row,
+            stride_kb,
+            stride_vb,
+            stride_kn,
+            stride_vn,
+            stride_btp,
+            offs_n,
+            offs_d,
+            offs_dv,
+            start,
+            head_end,
+            lo,
+            length,
+            Smax,
+            num_pages,
+            qk_scale,
+            softcap,
+            D,
+            DV,
+            True,
+            EVEN_D,
+            EVEN_DV,
+            PRECISION,
+            PAGED,
+            PAGE_SIZE,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+            BLOCK_N,
+        )
     acc, m_i, l_i = _decode_tiles(
         acc,
         m_i,
@@ -269,21 +525,33 @@ def _split_kernel(
         q,
         k_base,
         v_base,
+        bt_row,
+        stride_kb,
+        stride_vb,
         stride_kn,
         stride_vn,
+        stride_btp,
         offs_n,
         offs_d,
         offs_dv,
-        start,
+        head_end,
         full_end,
+        lo,
         length,
+        Smax,
+        num_pages,
         qk_scale,
+        softcap,
         D,
         DV,
         False,
         EVEN_D,
         EVEN_DV,
         PRECISION,
+        PAGED,
+        PAGE_SIZE,
+        HAS_WINDOW,
+        HAS_SOFTCAP,
         BLOCK_N,
     )
     acc, m_i, l_i = _decode_tiles(
@@ -293,21 +561,33 @@ def _split_kernel(
         q,
         k_base,
         v_base,
+        bt_row,
+        stride_kb,
+        stride_vb,
         stride_kn,
         stride_vn,
+        stride_btp,
         offs_n,
         offs_d,
         offs_dv,
         full_end,
         end,
+        lo,
         length,
+        Smax,
+        num_pages,
         qk_scale,
+        softcap,
         D,
         DV,
         True,
         EVEN_D,
         EVEN_DV,
         PRECISION,
+        PAGED,
+        PAGE_SIZE,
+        HAS_WINDOW,
+        HAS_SOFTCAP,
         BLOCK_N,
     )
 
@@ -414,12 +694,28 @@ _SPLIT_TILES = TileTable(
     },
 )
 _split_tuned = autotuned(
-    _split_kernel, _SPLIT_TILES, ["n_splits", "BLOCK_G", "BLOCK_D", "BLOCK_DV"]
+    _split_kernel,
+    _SPLIT_TILES,
+    ["n_splits", "BLOCK_G", "BLOCK_D", "BLOCK_DV", "PAGED", "PAGE_SIZE", "HAS_WINDOW"],
 )
 _COMBINE_SPLITS = 16
 
 
-def forward(o, q, k, v, lengths, o_partial, m_partial, l_partial, *, scale) -> None:
+def forward(
+    o,
+    q,
+    k,
+    v,
+    lengths,
+    o_partial,
+    m_partial,
+    l_partial,
+    *,
+    scale,
+    softcap=None,
+    window=None,
+    block_table=None,
+) -> None:
     """Decode attention into ``o``, through the split scratch buffers.
 
     Parameters
@@ -430,21 +726,33 @@ def forward(o, q, k, v, lengths, o_partial, m_partial, l_partial, *, scale) -> N
         ``(B, H, D)`` one query per head, at position ``lengths[b] - 1``.
     k, v : torch.Tensor
         ``(B, Hkv, Smax, D)`` and ``(B, Hkv, Smax, Dv)`` caches; keys
-        ``[0, lengths[b])`` are attended.
+        ``[0, lengths[b])`` are attended. With ``block_table``: the pages
+        ``(num_pages, Hkv, page_size, D)`` and ``(num_pages, Hkv, page_size, Dv)``.
     lengths : torch.Tensor
-        ``(B,)`` integers of any width, clamped to ``[0, Smax]`` in the kernel.
+        ``(B,)`` integers of any width, clamped to ``[0, Smax]`` in the kernel
+        (``Smax = max_pages * page_size`` for pages).
     o_partial, m_partial, l_partial : torch.Tensor
         ``(B, H, S, Dv)``, ``(B, H, S)``, ``(B, H, S)`` float32 scratch,
         overwritten; ``S = n_splits``.
     scale : float
         Multiplies ``q k^T``.
+    softcap : float or None
+        Caps each scaled score ``s`` to ``softcap * tanh(s / softcap)``.
+    window : int or None
+        The query sees only keys ``j >= lengths[b] - window``; splits cut
+        those keys, and no split visits a tile before them.
+    block_table : torch.Tensor or None
+        ``(B, max_pages)`` int32: key ``j`` is slot ``j % page_size`` of page
+        ``block_table[b, j // page_size]``, clamped to ``[0, num_pages)`` in the kernel.
 
     Shapes
     ------
-    Every tensor's last axis has stride 1; other strides are free.
+    Every float tensor's last axis has stride 1; other strides are free.
     """
     B, H, D = q.shape
-    Hkv, Smax, DV = k.shape[1], k.shape[2], v.shape[-1]
+    Hkv, DV = k.shape[1], v.shape[-1]
+    paged = block_table is not None
+    Smax = block_table.shape[1] * k.shape[2] if paged else k.shape[2]
     n_splits = o_partial.shape[2]
     if B == 0 or H == 0:
         return
@@ -454,21 +762,28 @@ def forward(o, q, k, v, lengths, o_partial, m_partial, l_partial, *, scale) -> N
         "EVEN_DV": dim_block(DV) == DV,
         "PRECISION": dot_precision(q.dtype),
         "DOT_TYPE": dot_type(q.dtype),
+        "PAGED": paged,
+        "PAGE_SIZE": k.shape[2] if paged else 1,
+        "HAS_WINDOW": window is not None,
+        "HAS_SOFTCAP": softcap is not None,
         "BLOCK_G": max(16, triton.next_power_of_2(group)),
         "BLOCK_D": dim_block(D),
         "BLOCK_DV": dim_block(DV),
     }
+    table = block_table if paged else lengths  # never read when not paged
     args = (
         q,
         k,
         v,
         lengths,
+        table,
         o_partial,
         m_partial,
         l_partial,
         *q.stride()[:2],
         *k.stride()[:3],
         *v.stride()[:3],
+        *(block_table.stride() if paged else (0, 0)),
         *o_partial.stride()[:3],
         *m_partial.stride(),
         *l_partial.stride(),
@@ -476,7 +791,10 @@ def forward(o, q, k, v, lengths, o_partial, m_partial, l_partial, *, scale) -> N
         group,
         Smax,
         n_splits,
+        k.shape[0] if paged else 1,
+        0 if window is None else window,
         scale * LOG2E,
+        1.0 if softcap is None else softcap * LOG2E,
         D,
         DV,
     )

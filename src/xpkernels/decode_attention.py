@@ -18,15 +18,30 @@ merged by a log-sum-exp combine:
     M = \max_s m_s, \qquad
     o = \frac{\sum_s e^{m_s - M}\, o_s}{\sum_s e^{m_s - M}\, l_s}
 
+Two options shape the scores: ``softcap`` replaces each scaled score by
+``softcap * tanh(s_j / softcap)`` (as flash-attention and FlashInfer define
+it), and a sliding ``window`` keeps only the last ``window`` keys,
+``j > lengths[b] - 1 - window``.
+
+**Paged cache.** Given ``block_table``, the caches are pages:
+``k_pages (num_pages, Hkv, page_size, D)`` and ``v_pages (num_pages, Hkv,
+page_size, Dv)``, and key ``j`` of batch ``b`` lives in page
+``block_table[b, j // page_size]``, slot ``j % page_size``; the logical cache
+holds ``max_pages * page_size`` keys. The result equals decode attention
+over the contiguous cache gathered from the pages. Splits cut the logical
+key range the query sees.
+
 ``lengths[b] == 0`` gives ``o = 0``. Forward only: there are no checkpoints.
 Accumulation is in float32 (float64 for float64 inputs).
 
-``n_splits`` lies in ``[1, max(1, Smax)]``: a split holds whole keys, so more
-splits than cache entries could only add splits that never hold one (and cost
-their launch and combine for nothing); larger values are refused. The kernels
-clamp ``lengths`` to ``[0, Smax]`` at int64 width without reading device
-values on the host, so no value of a device ``lengths`` array can make them
-read outside the cache.
+``n_splits`` lies in ``[1, max(1, Smax)]`` (``Smax = max_pages * page_size``
+for pages): a split holds whole keys, so more splits than cache entries could
+only add splits that never hold one (and cost their launch and combine for
+nothing); larger values are refused. The kernels clamp ``lengths`` to
+``[0, Smax]`` at int64 width and block-table entries to ``[0, num_pages)``
+without reading device values on the host, so no value of a device
+``lengths`` or ``block_table`` array can make them read outside the cache
+(host values, and device values in debug mode, are checked instead).
 """
 
 from __future__ import annotations
@@ -35,8 +50,11 @@ import math
 import operator
 from typing import Any, NamedTuple
 
+from array_api_compat import device
+
 from . import _autograd
 from . import _checks as check
+from ._debug import debug_enabled
 from .buffers import empty, empty_accumulator, primal, scratchspace_for
 from .registry import resolve
 
@@ -79,35 +97,114 @@ def _n_splits(fn, n_splits) -> int:
     return value
 
 
-def _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits):
-    xp = check.namespace(fn, "q", q)
-    check.same_namespace(
-        fn, xp, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "o": o, "lengths": lengths}
-    )
-    check.rank(fn, "q", q, 3, "(B, H, D)")
-    check.rank(fn, "k_cache", k_cache, 4, "(B, Hkv, Smax, D)")
-    check.rank(fn, "v_cache", v_cache, 4, "(B, Hkv, Smax, Dv)")
+def _names(block_table) -> tuple[str, str]:
+    """What the second and third arrays are called in messages: the caches, or the pages."""
+    return ("k_cache", "v_cache") if block_table is None else ("k_pages", "v_pages")
+
+
+def _cache_shapes(fn, q, k_cache, v_cache, block_table):
+    """``(kv_heads, smax, dv)`` of validated caches (``smax``: the logical keys of a paged cache)."""
+    k_name, v_name = _names(block_table)
     batch, heads, d = q.shape
-    kv_heads, smax, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    if block_table is None:
+        check.rank(fn, k_name, k_cache, 4, "(B, Hkv, Smax, D)")
+        check.rank(fn, v_name, v_cache, 4, "(B, Hkv, Smax, Dv)")
+        lead = (batch, k_cache.shape[1], k_cache.shape[2])
+    else:
+        check.rank(fn, k_name, k_cache, 4, "(num_pages, Hkv, page_size, D)")
+        check.rank(fn, v_name, v_cache, 4, "(num_pages, Hkv, page_size, Dv)")
+        lead = tuple(k_cache.shape[:3])
+        num_pages, _, page_size = lead
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(
+                f"{fn}: k_pages must hold num_pages >= 1 pages of page_size >= 1 keys, got "
+                f"shape {tuple(k_cache.shape)}"
+            )
+    kv_heads, dv = k_cache.shape[1], v_cache.shape[3]
     if d < 1:
         raise ValueError(f"{fn}: q must have head dim D >= 1, got shape {tuple(q.shape)}")
-    check.shape(fn, "k_cache", k_cache, (batch, kv_heads, smax, d))
+    check.shape(fn, k_name, k_cache, (*lead, d))
     if kv_heads < 1 or heads % kv_heads != 0:
         raise ValueError(
             f"{fn}: the H={heads} query heads of q must be a multiple of the Hkv={kv_heads} kv "
-            f"heads of k_cache (grouped-query attention), got q {tuple(q.shape)} and "
-            f"k_cache {tuple(k_cache.shape)}"
+            f"heads of {k_name}, got q {tuple(q.shape)} and {k_name} {tuple(k_cache.shape)}"
         )
     if dv < 1:
         raise ValueError(
-            f"{fn}: v_cache must have head dim Dv >= 1, got shape {tuple(v_cache.shape)}"
+            f"{fn}: {v_name} must have head dim Dv >= 1, got shape {tuple(v_cache.shape)}"
         )
-    check.shape(fn, "v_cache", v_cache, (batch, kv_heads, smax, dv))
+    check.shape(fn, v_name, v_cache, (*lead, dv))
+    smax = lead[2] if block_table is None else block_table.shape[1] * lead[2]
+    return kv_heads, smax, dv
+
+
+def _check_block_table(fn, xp, block_table, batch) -> None:
+    """TypeError/ValueError unless ``block_table`` is a ``(B, max_pages)`` int32 array."""
+    if not hasattr(block_table, "shape"):
+        raise TypeError(
+            f"{fn}: block_table must be a ({batch}, max_pages) int32 array, got "
+            f"{type(block_table).__name__}"
+        )
+    if block_table.dtype != xp.int32:
+        raise TypeError(f"{fn}: block_table must have dtype int32, got {block_table.dtype}")
+    check.rank(fn, "block_table", block_table, 2, "(B, max_pages)")
+    check.shape(fn, "block_table", block_table, (batch, block_table.shape[1]))
+
+
+def _check_pages_used(fn, xp, block_table, lengths, window, num_pages, page_size) -> None:
+    """ValueError when a page the query reads lies outside ``[0, num_pages)``.
+
+    The pages read hold the keys the query sees (``j < lengths[b]``, and
+    ``j >= lengths[b] - window`` under a window); the other entries may hold
+    anything. Values are read only on host arrays or in
+    debug mode (capture safety).
+    """
+    batch, max_pages = block_table.shape
+    if batch * max_pages == 0 or not (check.is_host_array(block_table) or debug_enabled()):
+        return
+    first_keys = xp.arange(max_pages, dtype=xp.int64, device=device(block_table)) * page_size
+    stop = xp.astype(lengths, xp.int64)[:, None]
+    used = first_keys[None, :] < stop
+    if window is not None:
+        used = used & (first_keys[None, :] + page_size > stop - window)
+    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    if bool(xp.any(bad)):
+        entries = block_table[bad]
+        raise ValueError(
+            f"{fn}: block_table entries of the pages read (key j of batch b in page "
+            f"block_table[b, j // page_size] for the keys the query sees) must lie in "
+            f"[0, {num_pages - 1}] (num_pages={num_pages}), got values in "
+            f"[{int(xp.min(entries))}, {int(xp.max(entries))}]"
+        )
+
+
+def _validate(
+    fn, o, q, k_cache, v_cache, lengths, scale, softcap, window, block_table, scratch, n_splits
+):
+    k_name, v_name = _names(block_table)
+    xp = check.namespace(fn, "q", q)
+    check.same_namespace(
+        fn,
+        xp,
+        {
+            "q": q,
+            k_name: k_cache,
+            v_name: v_cache,
+            "o": o,
+            "lengths": lengths,
+            "block_table": block_table,
+        },
+    )
+    check.rank(fn, "q", q, 3, "(B, H, D)")
+    batch, heads, d = q.shape
+    if block_table is not None:
+        _check_block_table(fn, xp, block_table, batch)
+    kv_heads, smax, dv = _cache_shapes(fn, q, k_cache, v_cache, block_table)
     check.floating(fn, "q", xp, q)
-    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, a in ((k_name, k_cache), (v_name, v_cache)):
         if a.dtype != q.dtype:
             raise TypeError(f"{fn}: {name} must have q's dtype {q.dtype}, got {a.dtype}")
-    for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, a in (("q", q), (k_name, k_cache), (v_name, v_cache)):
         check.last_axis_contiguous(fn, name, a)
     check.floating(fn, "o", xp, o)
     check.shape(fn, "o", o, (batch, heads, dv))
@@ -116,8 +213,15 @@ def _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits):
         raise TypeError(
             f"{fn}: lengths must be a ({batch},) integer array, got {type(lengths).__name__}"
         )
-    check.batch_integers(fn, "lengths", xp, lengths, batch, 0, smax, "Smax")
+    bound = "Smax" if block_table is None else "max_pages * page_size"
+    check.batch_integers(fn, "lengths", xp, lengths, batch, 0, smax, bound)
     scale = 1.0 / math.sqrt(d) if scale is None else check.positive_finite(fn, "scale", scale)
+    if softcap is not None:
+        softcap = check.positive_finite(fn, "softcap", softcap)
+    if window is not None:
+        window = check.index_int(fn, "window", window, 1)
+    if block_table is not None:
+        _check_pages_used(fn, xp, block_table, lengths, window, k_cache.shape[0], k_cache.shape[2])
     if n_splits is not None:
         n_splits = _n_splits(fn, n_splits)
         _bound_splits(fn, "n_splits", n_splits, smax)
@@ -130,9 +234,17 @@ def _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits):
         outputs.update({f"scratch.{name}": a for name, a in scratch._asdict().items()})
     check.writable(fn, outputs)
     check.no_overlap(
-        fn, outputs, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "lengths": lengths}
+        fn,
+        outputs,
+        {
+            "q": q,
+            k_name: k_cache,
+            v_name: v_cache,
+            "lengths": lengths,
+            "block_table": block_table,
+        },
     )
-    return scale, n_splits
+    return scale, softcap, window, n_splits, smax
 
 
 def _check_scratch(fn, xp, scratch, q, dv, n_splits) -> None:
@@ -165,33 +277,60 @@ def _check_scratch(fn, xp, scratch, q, dv, n_splits) -> None:
 
 
 def decode_attention_(
-    o, q, k_cache, v_cache, lengths, *, scale=None, scratch=None, n_splits=None, backend=None
+    o,
+    q,
+    k_cache,
+    v_cache,
+    lengths,
+    *,
+    block_table=None,
+    scale=None,
+    softcap=None,
+    window=None,
+    scratch=None,
+    n_splits=None,
+    backend=None,
 ) -> None:
-    """Decode attention, in place: ``o[b, h]`` attends to ``k_cache/v_cache[b, g, :lengths[b]]``.
+    """Decode attention, in place: ``o[b, h]`` attends to the first ``lengths[b]`` keys of batch ``b``.
 
     Parameters
     ----------
     o : array
         Output, written in full (zeros where ``lengths[b] == 0``); any float dtype.
     q : array or Duplicated
-        The new queries, one per batch and head.
+        The new queries, one per batch and head, at position ``lengths[b] - 1``.
     k_cache, v_cache : array or Duplicated
-        The caches; entries at or past ``lengths[b]`` are ignored. One float
+        The caches, or with ``block_table`` the pages ``k_pages`` and
+        ``v_pages``; keys at or past ``lengths[b]`` are ignored. One float
         dtype with ``q``.
     lengths : array
-        ``(B,)`` int32/int64 in ``[0, Smax]``: valid cache entries per batch.
-        Host values are checked; a device array's values only in debug mode
-        (the kernels clamp them to ``[0, Smax]``).
+        ``(B,)`` int32/int64 in ``[0, Smax]`` (``Smax = max_pages * page_size``
+        for pages): valid keys per batch. Host values are checked; a device
+        array's values only in debug mode (the kernels clamp them to
+        ``[0, Smax]``).
+    block_table : array, optional
+        ``(B, max_pages)`` int32: key ``j`` of batch ``b`` is slot
+        ``j % page_size`` of page ``block_table[b, j // page_size]``. The
+        entries of the pages read (those holding keys the query sees) must
+        lie in ``[0, num_pages)``: checked on host arrays and in debug mode,
+        clamped by the kernels otherwise; the other entries may hold
+        anything. None: the caches are contiguous.
     scale : float, optional
         Score scale, finite and > 0; None means ``1 / sqrt(D)``.
+    softcap : float, optional
+        Finite and > 0: each scaled score ``s`` becomes
+        ``softcap * tanh(s / softcap)``. None: no capping.
+    window : int, optional
+        >= 1: the query sees only the last ``window`` keys,
+        ``j > lengths[b] - 1 - window``. None: every key before ``lengths[b]``.
     scratch : DecodeAttentionScratch, optional
         From ``allocate_scratchspace(decode_attention_, o, q, k_cache, ...)``;
         its ``o_partial.shape[2]`` is the number of splits. None allocates it
         for this call.
     n_splits : int, optional
-        Slices of the cache, in ``[1, max(1, Smax)]`` (more than ``lengths[b]``
-        is fine: the extra splits are empty). None: the scratch's, else the
-        backend's default for this cache.
+        Slices of the keys the query sees, in ``[1, max(1, Smax)]`` (more
+        than it sees is fine: the extra splits are empty). None: the
+        scratch's, else the backend's default for this cache.
     backend : str, optional
         Explicit backend; see :mod:`xpkernels.registry`.
 
@@ -206,7 +345,9 @@ def decode_attention_(
     ------
     q : ``(B, H, D)``; k_cache : ``(B, Hkv, Smax, D)``; v_cache :
     ``(B, Hkv, Smax, Dv)``; o : ``(B, H, Dv)``; lengths : ``(B,)``; with
-    ``H % Hkv == 0``. Last axes contiguous; other axes may have any stride
+    ``H % Hkv == 0``. Paged: k_pages ``(num_pages, Hkv, page_size, D)``,
+    v_pages ``(num_pages, Hkv, page_size, Dv)``, block_table
+    ``(B, max_pages)``. Last axes contiguous; other axes may have any stride
     (a ``(B, Smax, Hkv, D)`` cache viewed as BHSD works without copies).
 
     Scratch
@@ -215,10 +356,15 @@ def decode_attention_(
     ``(B, H, n_splits)``. Float32 (float64 for float64 inputs).
     """
     fn = "decode_attention_"
-    _autograd.check_inplace(fn, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "o": o})
+    k_name, v_name = _names(block_table)
+    _autograd.check_inplace(fn, {"q": q, k_name: k_cache, v_name: v_cache, "o": o})
     q, k_cache, v_cache = primal(q), primal(k_cache), primal(v_cache)
-    scale, n_splits = _validate(fn, o, q, k_cache, v_cache, lengths, scale, scratch, n_splits)
-    arrays = {"o": o, "q": q, "k_cache": k_cache, "v_cache": v_cache, "lengths": lengths}
+    scale, softcap, window, n_splits, smax = _validate(
+        fn, o, q, k_cache, v_cache, lengths, scale, softcap, window, block_table, scratch, n_splits
+    )
+    arrays = {"o": o, "q": q, k_name: k_cache, v_name: v_cache, "lengths": lengths}
+    if block_table is not None:
+        arrays["block_table"] = block_table
     if scratch is not None:
         arrays.update({f"scratch.{name}": a for name, a in zip(scratch._fields, scratch)})
     route = resolve(
@@ -227,10 +373,26 @@ def decode_attention_(
     if scratch is None:
         if n_splits is None:
             n_splits = route.hook("default_splits")(
-                q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache
+                q.shape[0], k_cache.shape[1], _seen_keys(smax, window), k_cache
             )
         scratch = _allocate(q, v_cache.shape[3], n_splits)
-    route.impl.forward(o, q, k_cache, v_cache, lengths, *scratch, scale=scale)
+    route.impl.forward(
+        o,
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        *scratch,
+        scale=scale,
+        softcap=softcap,
+        window=window,
+        block_table=block_table,
+    )
+
+
+def _seen_keys(smax: int, window: int | None) -> int:
+    """Most keys one query sees: the cache's ``smax``, or fewer under a ``window``."""
+    return smax if window is None else min(smax, window)
 
 
 def _allocate(q, dv, n_splits) -> DecodeAttentionScratch:
@@ -244,15 +406,28 @@ def _allocate(q, dv, n_splits) -> DecodeAttentionScratch:
 
 @scratchspace_for(decode_attention_)
 def allocate_decode_attention_scratch(
-    o, q, k_cache=None, v_cache=None, lengths=None, *, n_splits=None, backend=None, **options
+    o,
+    q,
+    k_cache=None,
+    v_cache=None,
+    lengths=None,
+    *,
+    block_table=None,
+    window=None,
+    n_splits=None,
+    backend=None,
+    **options,
 ) -> DecodeAttentionScratch:
     """Allocate ``decode_attention_``'s scratch for output ``o`` ``(B, H, Dv)`` and queries ``q`` ``(B, H, D)``.
 
-    ``n_splits`` None asks the backend for its default, which needs ``k_cache``;
-    with ``k_cache`` given, ``n_splits`` must be at most ``max(1, Smax)``.
+    ``n_splits`` None asks the backend for its default, which needs ``k_cache``
+    (with ``block_table`` for pages, and the call's ``window``); with
+    ``k_cache`` given, ``n_splits`` must be at most ``max(1, Smax)``.
     Float32, or float64 when ``q`` is float64.
     """
     fn = "allocate_scratchspace(decode_attention_)"
+    k_name = _names(block_table)[0]
+    layout = "(B, Hkv, Smax, D)" if block_table is None else "(num_pages, Hkv, page_size, D)"
     q = primal(q)
     xp = check.namespace(fn, "q", q)
     check.rank(fn, "q", q, 3, "(B, H, D)")
@@ -260,30 +435,46 @@ def allocate_decode_attention_scratch(
     check.namespace(fn, "o", o)
     check.rank(fn, "o", o, 3, "(B, H, Dv)")
     check.shape(fn, "o", o, (*q.shape[:2], o.shape[2]))
+    if k_cache is None:
+        if n_splits is None:
+            raise TypeError(
+                f"{fn}: pass n_splits=, or {k_name} so the backend can choose the number of splits"
+            )
+        return _allocate(q, o.shape[2], _n_splits(fn, n_splits))
+    k_cache = primal(k_cache)
+    check.namespace(fn, k_name, k_cache)
+    check.rank(fn, k_name, k_cache, 4, layout)
+    if block_table is None:
+        smax = k_cache.shape[2]
+    else:
+        _check_block_table(fn, xp, block_table, q.shape[0])
+        smax = block_table.shape[1] * k_cache.shape[2]
     if n_splits is not None:
         n_splits = _n_splits(fn, n_splits)
-        if k_cache is not None:
-            k_cache = primal(k_cache)
-            check.namespace(fn, "k_cache", k_cache)
-            check.rank(fn, "k_cache", k_cache, 4, "(B, Hkv, Smax, D)")
-            _bound_splits(fn, "n_splits", n_splits, k_cache.shape[2])
+        _bound_splits(fn, "n_splits", n_splits, smax)
     else:
-        if k_cache is None:
-            raise TypeError(
-                f"{fn}: pass n_splits=, or k_cache so the backend can choose the number of splits"
-            )
-        k_cache = primal(k_cache)
-        check.namespace(fn, "k_cache", k_cache)
-        check.rank(fn, "k_cache", k_cache, 4, "(B, Hkv, Smax, D)")
-        route = resolve("decode_attention", {"q": q, "k_cache": k_cache}, backend=backend)
+        if window is not None:
+            window = check.index_int(fn, "window", window, 1)
+        route = resolve("decode_attention", {"q": q, k_name: k_cache}, backend=backend)
         n_splits = route.hook("default_splits")(
-            q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache
+            q.shape[0], k_cache.shape[1], _seen_keys(smax, window), k_cache
         )
     return _allocate(q, o.shape[2], n_splits)
 
 
 def decode_attention(
-    q, k_cache, v_cache, lengths, *, scale=None, scratch=None, n_splits=None, backend=None
+    q,
+    k_cache,
+    v_cache,
+    lengths,
+    *,
+    block_table=None,
+    scale=None,
+    softcap=None,
+    window=None,
+    scratch=None,
+    n_splits=None,
+    backend=None,
 ):
     """Decode attention into a new ``(B, H, Dv)`` array of ``q``'s dtype; see :func:`decode_attention_`.
 
@@ -294,15 +485,31 @@ def decode_attention(
         ``xpkernels::decode_attention`` op, whose backward raises: it is forward only.
     """
     fn = "decode_attention"
+    k_name, v_name = _names(block_table)
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "lengths": lengths}
-    options = {"scale": scale, "scratch": scratch, "n_splits": n_splits, "backend": backend}
+    if block_table is not None:
+        arrays["block_table"] = block_table
+    options = {
+        "scale": scale,
+        "softcap": softcap,
+        "window": window,
+        "scratch": scratch,
+        "n_splits": n_splits,
+        "backend": backend,
+    }
     if (o := _autograd.record(fn, arrays, options)) is not _autograd.NOT_RECORDED:
         return o
     q, v_cache = primal(q), primal(v_cache)
     check.namespace(fn, "q", q)
     check.rank(fn, "q", q, 3, "(B, H, D)")
-    check.namespace(fn, "v_cache", v_cache)
-    check.rank(fn, "v_cache", v_cache, 4, "(B, Hkv, Smax, Dv)")
+    check.namespace(fn, v_name, v_cache)
+    check.rank(
+        fn,
+        v_name,
+        v_cache,
+        4,
+        "(B, Hkv, Smax, Dv)" if block_table is None else "(num_pages, Hkv, page_size, Dv)",
+    )
     o = empty(q, (*q.shape[:2], v_cache.shape[3]), q.dtype)
     decode_attention_(
         o,
@@ -310,7 +517,10 @@ def decode_attention(
         k_cache,
         v_cache,
         lengths,
+        block_table=block_table,
         scale=scale,
+        softcap=softcap,
+        window=window,
         scratch=scratch,
         n_splits=n_splits,
         backend=backend,

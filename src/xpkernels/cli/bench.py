@@ -428,7 +428,29 @@ def _decode_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -> l
 
         return forward
 
+    def paged_setup(page_size=16):  # the same cache in shuffled pages, read through a block table
+        import xpkernels as xk
+
+        table = rng.permutation(b * s // page_size).reshape(b, -1).astype(np.int32)
+        pages = [np.empty((table.size, hkv, page_size, d), np.float32) for _ in range(2)]
+        for p, c in zip(pages, (k_np, v_np)):
+            p[table] = np.moveaxis(c.reshape(b, hkv, -1, page_size, d), 2, 1)
+        q, k, v, bt = (arrays.convert(a) for a in (q_np, *pages, table))
+        lengths, o = arrays.integers([s] * b), arrays.empty_like(q)
+        scratch = allocate_scratchspace(xk.decode_attention_, o, q, k, v, lengths, block_table=bt)
+        return lambda: xk.decode_attention_(o, q, k, v, lengths, block_table=bt, scratch=scratch)
+
     theirs = ("torch", torch_setup) if with_torch else None
+    paged = Row(
+        "decode_attention",
+        "forward",
+        "xpkernels paged16",
+        shape_text,
+        "GB/s",
+        work,
+        formula + "; paged16: the cache in 16-key pages, block table shuffled",
+        "decode_attention/forward/xpkernels",
+    )
     return compare(
         "decode_attention",
         "forward",
@@ -439,7 +461,7 @@ def _decode_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -> l
         repeats,
         ("xpkernels", xpk_setup),
         theirs,
-    )
+    ) + [Bench(paged, paged_setup, repeats)]
 
 
 # --------------------------------------------------------------------------- flex attention

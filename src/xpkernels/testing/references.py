@@ -34,6 +34,7 @@ __all__ = [
     "score_gradient",
     "attention_backward",
     "decode_attention",
+    "gather_pages",
     "merge_attention_states",
     "merge_attention_states_backward",
 ]
@@ -198,12 +199,35 @@ def attention_backward(q, k, v, do, *, scale, keep):
     return dq, group_sum(dk, kv_heads), group_sum(dv_rep, kv_heads)
 
 
-def decode_attention(q, k_cache, v_cache, lengths, *, scale):
-    """``o (B, H, Dv)``: one query per head over the first ``lengths[b]`` cache entries (0 when empty)."""
+def decode_attention(q, k_cache, v_cache, lengths, *, scale, softcap=None, window=None):
+    """``o (B, H, Dv)``: one query per head over the first ``lengths[b]`` cache entries (0 when empty).
+
+    ``softcap`` replaces each scaled score ``s`` by ``softcap * tanh(s / softcap)``;
+    ``window`` keeps only the keys ``j > lengths[b] - 1 - window``.
+    """
     batch, smax = q.shape[0], k_cache.shape[2]
     keep = attention_keep(batch, 1, smax, k_lengths=lengths)
-    o, _, _, _ = attention(q[:, :, None, :], k_cache, v_cache, scale=scale, keep=keep)
-    return o[:, :, 0, :]
+    if window is not None:
+        keep &= np.arange(smax)[None, None, :] > np.asarray(lengths)[:, None, None] - 1 - window
+    if softcap is None:
+        o, _, _, _ = attention(q[:, :, None, :], k_cache, v_cache, scale=scale, keep=keep)
+        return o[:, :, 0, :]
+    group = q.shape[1] // k_cache.shape[1]
+    s = np.einsum("bhd,bhjd->bhj", q, repeat_kv(k_cache, group)) * scale
+    probs, _, _ = masked_softmax(np.tanh(s / softcap) * softcap, keep)
+    return np.einsum("bhj,bhjd->bhd", probs, repeat_kv(v_cache, group))
+
+
+def gather_pages(pages, block_table):
+    """``(B, Hkv, max_pages * page_size, ...)``: the contiguous cache of ``pages`` ``(num_pages, Hkv, page_size, ...)``.
+
+    Key ``j`` of batch ``b`` is slot ``j % page_size`` of page ``block_table[b, j // page_size]``.
+    """
+    table = np.asarray(block_table)
+    gathered = pages[table]  # (B, max_pages, Hkv, page_size, ...)
+    batch, max_pages, kv_heads, page_size = gathered.shape[:4]
+    cache = np.moveaxis(gathered, 1, 2)
+    return cache.reshape(batch, kv_heads, max_pages * page_size, *gathered.shape[4:])
 
 
 # --------------------------------------------------------------------------- merge_attention_states

@@ -116,12 +116,16 @@ def _decode_attention(fn, arrays, options):
         )
     q, k_cache, v_cache = (primal(arrays[n]) for n in ("q", "k_cache", "v_cache"))
     n_splits = options["n_splits"]
+    softcap, window = options["softcap"], options["window"]
     return ops.decode_attention(
         q,
         k_cache,
         v_cache,
         arrays["lengths"],
+        arrays.get("block_table"),
         _scale(fn, options["scale"]),
+        None if softcap is None else float(softcap),
+        None if window is None else operator.index(window),
         None if n_splits is None else operator.index(n_splits),
         _backend(options),
     )

@@ -719,14 +719,20 @@ def decode_attention_out(
     k_cache: Tensor,
     v_cache: Tensor,
     lengths: Tensor,
+    block_table: Tensor | None,
     o_partial: Tensor | None,
     m_partial: Tensor | None,
     l_partial: Tensor | None,
     scale: float | None,
+    softcap: float | None,
+    window: int | None,
     n_splits: int | None,
     backend: str | None,
 ) -> None:
-    """``decode_attention_`` into ``o`` (through the caller's scratch when given, all three or none)."""
+    """``decode_attention_`` into ``o`` (through the caller's scratch when given, all three or none).
+
+    With ``block_table``, ``k_cache`` and ``v_cache`` are the pages of a paged cache.
+    """
     with torch.no_grad():
         scratch = None
         if o_partial is not None:
@@ -737,7 +743,10 @@ def decode_attention_out(
             k_cache,
             v_cache,
             lengths,
+            block_table=block_table,
             scale=scale,
+            softcap=softcap,
+            window=window,
             scratch=scratch,
             n_splits=n_splits,
             backend=backend,
@@ -745,7 +754,22 @@ def decode_attention_out(
 
 
 @decode_attention_out.register_fake
-def _(o, q, k_cache, v_cache, lengths, o_partial, m_partial, l_partial, scale, n_splits, backend):
+def _(
+    o,
+    q,
+    k_cache,
+    v_cache,
+    lengths,
+    block_table,
+    o_partial,
+    m_partial,
+    l_partial,
+    scale,
+    softcap,
+    window,
+    n_splits,
+    backend,
+):
     return None
 
 
@@ -755,21 +779,34 @@ def decode_attention(
     k_cache: Tensor,
     v_cache: Tensor,
     lengths: Tensor,
+    block_table: Tensor | None,
     scale: float | None,
+    softcap: float | None,
+    window: int | None,
     n_splits: int | None,
     backend: str | None,
 ) -> Tensor:
-    """Decode attention (forward only): ``o (B, H, Dv)``."""
+    """Decode attention (forward only): ``o (B, H, Dv)``; pages in ``k_cache``/``v_cache`` with ``block_table``."""
     with torch.no_grad():
         o = q.new_empty((*q.shape[:2], v_cache.shape[3]))
         decode_attention_(
-            o, q, k_cache, v_cache, lengths, scale=scale, n_splits=n_splits, backend=backend
+            o,
+            q,
+            k_cache,
+            v_cache,
+            lengths,
+            block_table=block_table,
+            scale=scale,
+            softcap=softcap,
+            window=window,
+            n_splits=n_splits,
+            backend=backend,
         )
     return o
 
 
 @decode_attention.register_fake
-def _(q, k_cache, v_cache, lengths, scale, n_splits, backend):
+def _(q, k_cache, v_cache, lengths, block_table, scale, softcap, window, n_splits, backend):
     return q.new_empty((*q.shape[:2], v_cache.shape[3]))
 
 
@@ -806,7 +843,7 @@ def _decode_setup(ctx, inputs, output):
 def _decode_grad(ctx, do):
     q, k_cache, v_cache = ctx.saved_tensors
     dq, dk, dv = torch.ops.xpkernels.decode_attention_backward(do, q, k_cache, v_cache)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 decode_attention.register_autograd(_decode_grad, setup_context=_decode_setup)

@@ -1,9 +1,14 @@
 """Decode attention conformance declaration (forward only).
 
 The float64 reference attends naively to the first ``lengths[b]`` cache
-entries; the PyTorch oracle is ``F.scaled_dot_product_attention`` of one query
-with a boolean key mask (``enable_gqa``), whose NaN rows for ``lengths[b] == 0``
-count as 0.
+entries (the last ``window`` of them under a window, scores capped under a
+softcap); a paged case's reference runs on the contiguous cache gathered
+from its pages (:func:`xpkernels.testing.references.gather_pages`), and its
+block table is a shuffled permutation of the pages (one spare page is never
+referenced). The PyTorch oracle is ``F.scaled_dot_product_attention`` of one
+query with a boolean key mask (``enable_gqa``), whose NaN rows for
+``lengths[b] == 0`` count as 0, over pages gathered by torch indexing; with a
+softcap (which SDPA lacks) it is a naive softmax written in torch.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ def _case(ident, interpreter=False, quick=False, **params):
         "n_splits": None,
         "layout": "bhsd",
         "score": None,
+        "page_size": None,
+        "softcap": None,
+        "window": None,
     }
     unknown = set(params) - set(base)
     if unknown:
@@ -63,6 +71,92 @@ CASES = [
         lengths=[3000, 2049, 1],
         n_splits=5,
     ),
+    _case("softcap-contiguous", True, H=4, Hkv=2, Smax=40, lengths=[40, 17], softcap=1.5),
+    # Window 9 of lengths 40 and 23: the window's first key sits mid-tile, and 5 splits cut it.
+    _case("window-contiguous-splits5", True, Smax=40, lengths=[40, 23], window=9, n_splits=5),
+    _case("window-wider-than-length", True, Smax=24, lengths=[5, 24], window=30),
+    # Paged caches: Smax is max_pages * page_size; lengths ragged, 0, and page multiples.
+    _case(
+        "paged-page1-gqa2",
+        True,
+        True,
+        B=3,
+        H=4,
+        Hkv=2,
+        Smax=40,
+        lengths=[0, 37, 40],
+        page_size=1,
+        n_splits=3,
+    ),
+    _case("paged-page8-mqa4", True, B=3, H=4, Hkv=1, Smax=48, lengths=[48, 8, 21], page_size=8),
+    _case(
+        "paged-page16-ragged-splits3",
+        True,
+        B=4,
+        H=4,
+        Hkv=2,
+        Smax=64,
+        lengths=[0, 16, 33, 64],
+        page_size=16,
+        n_splits=3,
+    ),
+    _case("paged-page64", True, Smax=128, D=40, Dv=16, lengths=[64, 100], page_size=64),
+    _case("paged-page128-splits2", True, Smax=256, lengths=[256, 70], page_size=128, n_splits=2),
+    _case(
+        "paged-page16-softcap",
+        True,
+        H=4,
+        Hkv=2,
+        Smax=48,
+        lengths=[48, 20],
+        page_size=16,
+        softcap=2.0,
+    ),
+    _case(
+        "paged-page16-window-splits2",
+        True,
+        B=3,
+        Smax=64,
+        lengths=[64, 7, 0],
+        page_size=16,
+        window=20,
+        n_splits=2,
+    ),
+    _case(
+        "paged-page1-window-softcap",
+        True,
+        Smax=30,
+        lengths=[30, 12],
+        page_size=1,
+        window=9,
+        softcap=1.0,
+    ),
+    # Pages laid out (num_pages, page_size, Hkv, D), as vLLM stores them, viewed as
+    # (num_pages, Hkv, page_size, D).
+    _case(
+        "paged-page16-bshd-pages-gqa2",
+        True,
+        H=4,
+        Hkv=2,
+        Smax=64,
+        D=64,
+        lengths=[50, 64],
+        page_size=16,
+        layout="bshd",
+    ),
+    _case(
+        "paged-page16-long-window-splits5",
+        B=3,
+        H=8,
+        Hkv=2,
+        Smax=3008,
+        D=64,
+        lengths=[3000, 2049, 1],
+        page_size=16,
+        window=1000,
+        softcap=30.0,
+        n_splits=5,
+    ),
 ]
 
 
@@ -78,6 +172,19 @@ def _inputs(case, rng):
     p = case.params
     batch, heads, kv_heads, smax, d, dv = _dims(p)
     q = rng.standard_normal((batch, heads, d))
+    lengths = np.asarray(p["lengths"], dtype=np.int64)
+    page_size = p["page_size"]
+    if page_size is not None:
+        max_pages = smax // page_size
+        num_pages = batch * max_pages + 1  # one spare page no table entry names
+        table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages)
+        return {
+            "q": q,
+            "k_cache": rng.standard_normal((num_pages, kv_heads, page_size, d)),
+            "v_cache": rng.standard_normal((num_pages, kv_heads, page_size, dv)),
+            "lengths": lengths,
+            "block_table": table.astype(np.int32),
+        }
     k = rng.standard_normal((batch, kv_heads, smax, d))
     if p["score"] is not None:
         q, k = _aligned_scores(rng, q.shape, k.shape, p["score"], _scale(p))
@@ -85,7 +192,7 @@ def _inputs(case, rng):
         "q": q,
         "k_cache": k,
         "v_cache": rng.standard_normal((batch, kv_heads, smax, dv)),
-        "lengths": np.asarray(p["lengths"], dtype=np.int64),
+        "lengths": lengths,
     }
 
 
@@ -95,13 +202,26 @@ def _arrange(case, arrays, target):
     return {**arrays, **{name: _bshd(target, arrays[name]) for name in ("k_cache", "v_cache")}}
 
 
+def _contiguous(inputs):
+    """The inputs' ``(k_cache, v_cache)``; a paged case's gathered from its pages."""
+    k, v = inputs["k_cache"], inputs["v_cache"]
+    if "block_table" not in inputs:
+        return k, v
+    table = inputs["block_table"]
+    return ref.gather_pages(k, table), ref.gather_pages(v, table)
+
+
 def _reference(case, inputs):
+    p = case.params
+    k, v = _contiguous(inputs)
     o = ref.decode_attention(
         inputs["q"],
-        inputs["k_cache"],
-        inputs["v_cache"],
+        k,
+        v,
         inputs["lengths"],
-        scale=_scale(case.params),
+        scale=_scale(p),
+        softcap=p["softcap"],
+        window=p["window"],
     )
     return {"o": o}, {}
 
@@ -112,16 +232,29 @@ def _torch_reference(case, inputs, cotangents):
 
     p = case.params
     q = torch.tensor(inputs["q"])[:, :, None, :]
+    k, v = torch.tensor(inputs["k_cache"]), torch.tensor(inputs["v_cache"])
+    if "block_table" in inputs:
+        table = torch.tensor(inputs["block_table"]).long()
+        k, v = (
+            torch.flatten(torch.movedim(a[table], 1, 2), 2, 3)  # (B, Hkv, max_pages * page_size, D)
+            for a in (k, v)
+        )
     lengths = torch.tensor(inputs["lengths"])
-    keep = torch.arange(p["Smax"])[None, :] < lengths[:, None]
-    o = F.scaled_dot_product_attention(
-        q,
-        torch.tensor(inputs["k_cache"]),
-        torch.tensor(inputs["v_cache"]),
-        attn_mask=keep[:, None, None, :],
-        scale=_scale(p),
-        enable_gqa=True,
-    )[:, :, 0, :]
+    keys = torch.arange(p["Smax"])[None, :]
+    keep = keys < lengths[:, None]
+    if p["window"] is not None:
+        keep &= keys > lengths[:, None] - 1 - p["window"]
+    if p["softcap"] is None:
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep[:, None, None, :], scale=_scale(p), enable_gqa=True
+        )[:, :, 0, :]
+    else:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        s = (q @ k.transpose(-1, -2))[:, :, 0, :] * _scale(p)
+        s = p["softcap"] * torch.tanh(s / p["softcap"])
+        probs = torch.softmax(s.masked_fill(~keep[:, None, :], float("-inf")), dim=-1)
+        o = (probs[:, :, None, :] @ v)[:, :, 0, :]
     return {"o": torch.where((lengths > 0)[:, None, None], o, 0.0).numpy()}, {}
 
 
@@ -132,6 +265,7 @@ def _allocate_outputs(case, arrays, target, dtype):
 
 def _forward_(case, arrays, outs, checkpoints, backend):
     p = case.params
+    block_table = arrays.get("block_table")
     scratch = xk.allocate_scratchspace(
         xk.decode_attention_,
         outs["o"],
@@ -139,6 +273,8 @@ def _forward_(case, arrays, outs, checkpoints, backend):
         arrays["k_cache"],
         arrays["v_cache"],
         arrays["lengths"],
+        block_table=block_table,
+        window=p["window"],
         n_splits=p["n_splits"],
         backend=backend,
     )
@@ -148,7 +284,10 @@ def _forward_(case, arrays, outs, checkpoints, backend):
         arrays["k_cache"],
         arrays["v_cache"],
         arrays["lengths"],
+        block_table=block_table,
         scale=p["scale"],
+        softcap=p["softcap"],
+        window=p["window"],
         scratch=scratch,
         backend=backend,
     )
@@ -161,7 +300,10 @@ def _forward(case, arrays, checkpoints, backend):
         arrays["k_cache"],
         arrays["v_cache"],
         arrays["lengths"],
+        block_table=arrays.get("block_table"),
         scale=p["scale"],
+        softcap=p["softcap"],
+        window=p["window"],
         n_splits=p["n_splits"],
         backend=backend,
     )
@@ -185,7 +327,11 @@ def _error_cases():
         }
 
     def call(**replace):
-        options = {n: replace.pop(n) for n in ("scale", "n_splits", "scratch") if n in replace}
+        options = {
+            n: replace.pop(n)
+            for n in ("scale", "n_splits", "scratch", "window", "softcap")
+            if n in replace
+        }
 
         def run(t):
             a = make(t)
@@ -339,6 +485,136 @@ def _error_cases():
             TypeError,
             r"pass n_splits=, or k_cache",
         ),
+        ErrorCase("window-zero", call(window=0), ValueError, r"window must lie in \[1, "),
+        ErrorCase("window-float", call(window=2.0), TypeError, r"window must be an int"),
+        ErrorCase("softcap-zero", call(softcap=0.0), ValueError, r"softcap must be finite and > 0"),
+        ErrorCase(
+            "softcap-nan", call(softcap=float("nan")), ValueError, r"softcap must be finite and > 0"
+        ),
+        *_paged_error_cases(),
+    ]
+
+
+def _paged_error_cases():
+    """Bad paged calls: 5 pages of 4 keys, a (2, 3) block table (Smax = 12)."""
+    shape_q, shape_pages = (2, 4, 16), (5, 2, 4, 16)
+
+    def make(t):
+        return {
+            "o": t.full(shape_q, 0.0, "float32"),
+            "q": t.full(shape_q, 0.5, "float32"),
+            "k_cache": t.full(shape_pages, 0.5, "float32"),
+            "v_cache": t.full(shape_pages, 0.5, "float32"),
+            "lengths": t.asarray(np.asarray([12, 5], dtype=np.int64)),
+            "block_table": t.asarray(np.asarray([[4, 0, 2], [1, 3, 0]], dtype=np.int32)),
+        }
+
+    def call(window=None, **replace):
+        def run(t):
+            a = make(t)
+            a.update({n: f(t) for n, f in replace.items()})
+            xk.decode_attention_(
+                a["o"],
+                a["q"],
+                a["k_cache"],
+                a["v_cache"],
+                a["lengths"],
+                block_table=a["block_table"],
+                window=window,
+            )
+
+        return run
+
+    def table(values, dtype=np.int32):
+        return lambda t: t.asarray(np.asarray(values, dtype=dtype))
+
+    def pages(shape):
+        return lambda t: t.full(shape, 0.5, "float32")
+
+    return [
+        ErrorCase(
+            "paged-block-table-int64",
+            call(block_table=table([[4, 0, 2], [1, 3, 0]], np.int64)),
+            TypeError,
+            r"block_table must have dtype int32",
+        ),
+        ErrorCase(
+            "paged-block-table-float",
+            call(block_table=lambda t: t.full((2, 3), 1.0, "float32")),
+            TypeError,
+            r"block_table must have dtype int32",
+        ),
+        ErrorCase(
+            "paged-block-table-rank1",
+            call(block_table=table([4, 0, 2])),
+            ValueError,
+            r"block_table must have shape \(B, max_pages\) \(rank 2\)",
+        ),
+        ErrorCase(
+            "paged-block-table-batch",
+            call(block_table=table([[4, 0, 2]])),
+            ValueError,
+            r"block_table must have shape \(2, 3\)",
+        ),
+        ErrorCase(
+            "paged-block-table-namespace",
+            call(block_table=lambda t: _other_namespace_array(t, np.zeros((2, 3)))),
+            TypeError,
+            r"block_table is a .* array but q is a .* array",
+        ),
+        ErrorCase(
+            "paged-k-pages-rank3",
+            call(k_cache=pages((5, 2, 64))),
+            ValueError,
+            r"k_pages must have shape \(num_pages, Hkv, page_size, D\) \(rank 4\)",
+        ),
+        ErrorCase(
+            "paged-no-pages",
+            call(k_cache=pages((0, 2, 4, 16)), v_cache=pages((0, 2, 4, 16))),
+            ValueError,
+            r"k_pages must hold num_pages >= 1 pages of page_size >= 1 keys",
+        ),
+        ErrorCase(
+            "paged-v-pages-num-pages",
+            call(v_cache=pages((6, 2, 4, 16))),
+            ValueError,
+            r"v_pages must have shape \(5, 2, 4, 16\)",
+        ),
+        ErrorCase(
+            "paged-v-pages-page-size",
+            call(v_cache=pages((5, 2, 8, 16))),
+            ValueError,
+            r"v_pages must have shape \(5, 2, 4, 16\)",
+        ),
+        ErrorCase(
+            "paged-v-pages-kv-heads",
+            call(v_cache=pages((5, 1, 4, 16))),
+            ValueError,
+            r"v_pages must have shape \(5, 2, 4, 16\)",
+        ),
+        ErrorCase(
+            "paged-lengths-above-max-pages-times-page-size",
+            call(lengths=table([13, 5], np.int64)),
+            ValueError,
+            r"lengths must lie in \[0, 12\] \(max_pages \* page_size\), got values in \[5, 13\]",
+            values=True,
+        ),
+        ErrorCase(
+            "paged-block-table-entry-past-num-pages",
+            call(block_table=table([[4, 0, 5], [1, 3, 0]])),
+            ValueError,
+            r"block_table entries of the pages read .* must lie in \[0, 4\] \(num_pages=5\), "
+            r"got values in \[5, 5\]",
+            values=True,
+        ),
+        ErrorCase(
+            "paged-block-table-entry-negative",
+            call(block_table=table([[4, 0, 2], [-1, 3, 0]])),
+            ValueError,
+            r"block_table entries of the pages read .* must lie in \[0, 4\]",
+            values=True,
+        ),
+        ErrorCase("paged-window-zero", call(window=0), ValueError, r"window must lie in \[1, "),
     ]
 
 
