@@ -229,3 +229,13 @@ def test_sm90_compile_report_holds_the_baseline(tmp_path):
         resident = _common.resident_programs(registers, facts["num_warps"])
         assert resident == facts["ctas_per_sm"], (row_id, resident, facts["ctas_per_sm"])
         assert row["grid"] == [sms * resident], (row_id, row["grid"])
+    # decode's default splits fill whole waves of the compiled occupancy
+    from xpkernels.backends.triton import decode_attention
+
+    split = rows["decode.D128/_split_kernel"]
+    per_sm = decode_attention.SPLIT_PROGRAMS_PER_SM[128]
+    assert split["facts"]["ctas_per_sm"] == per_sm, split["facts"]["ctas_per_sm"]
+    (grid,) = split["grid"]
+    slots = sms * per_sm
+    assert grid / (-(-grid // slots) * slots) >= decode_attention.WAVE_FILL, (grid, slots)
+    assert grid <= 2 * slots, (grid, slots)  # the fewest splits that fill: not many waves

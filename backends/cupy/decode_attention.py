@@ -43,6 +43,8 @@ BLOCKS_PER_SM = 4
 MIN_SPLIT_KEYS = 256
 #: Most splits :func:`default_splits` returns.
 MAX_SPLITS = 128
+#: Share of its waves' block slots a default grid must fill (more splits add combine work).
+WAVE_FILL = 0.9
 _INDEX_TYPES = {"int32": "int", "int64": "long long"}
 
 
@@ -84,8 +86,8 @@ def default_splits(batch: int, kv_heads: int, max_len: int, like) -> int:
     """Splits per cache filling whole waves of ``BLOCKS_PER_SM`` blocks per SM.
 
     Among the split counts allowed (at most one per ``MIN_SPLIT_KEYS`` keys
-    and at most ``MAX_SPLITS``), the one whose grid leaves the fewest block
-    slots of its last wave idle, the smallest on ties.
+    and at most ``MAX_SPLITS``), the fewest whose grid fills its waves to at
+    least ``WAVE_FILL`` (else the fullest).
     """
     slots = BLOCKS_PER_SM * loader_for(like).sm_count(like)
     blocks = max(batch * kv_heads, 1)
@@ -95,7 +97,8 @@ def default_splits(batch: int, kv_heads: int, max_len: int, like) -> int:
         grid = blocks * s
         return grid / (-(-grid // slots) * slots)
 
-    return max(range(1, cap + 1), key=lambda s: (filled(s), -s))
+    full = [s for s in range(1, cap + 1) if filled(s) >= WAVE_FILL]
+    return full[0] if full else max(range(1, cap + 1), key=lambda s: (filled(s), -s))
 
 
 def _strides(a, axes) -> list:

@@ -47,6 +47,7 @@ from ._attn_common import (
     dim_block,
     dot_precision,
     dot_type,
+    head_class,
     kv_tile,
     launch,
     sm_count,
@@ -55,8 +56,12 @@ from ._common import launch_context, traced
 
 __all__ = ["default_splits", "forward"]
 
-#: Programs per streaming multiprocessor the default split count aims for.
-PROGRAMS_PER_SM = 4
+#: Split programs one SM holds at once, by head-dim class, for 2-byte inputs at the
+#: default tile (the sm_90 build's occupancy: registers and shared memory; the offline
+#: compile test holds the D=64 and D=128 entries against the compiled kernels).
+SPLIT_PROGRAMS_PER_SM = {64: 6, 128: 3, 256: 2}
+#: Share of its waves' program slots a default grid must fill (more splits add combine work).
+WAVE_FILL = 0.9
 #: Fewest keys a default split holds (shorter chunks cost more to combine than they save).
 MIN_SPLIT_KEYS = 256
 #: Most splits :func:`default_splits` returns.
@@ -827,13 +832,22 @@ def forward(
 
 
 def default_splits(batch: int, kv_heads: int, max_len: int, like) -> int:
-    """Splits per (batch, kv head) for a cache of ``max_len`` keys on ``like``'s device.
+    """Splits per (batch, kv head) for a cache of ``max_len`` keys like ``like`` (the K cache).
 
-    Enough for ``PROGRAMS_PER_SM`` programs per streaming multiprocessor
-    (one on CPU), at most one per ``MIN_SPLIT_KEYS`` keys and at most
-    ``MAX_SPLITS``; at least 1.
+    The grid of ``batch * kv_heads * splits`` programs is sized to whole
+    waves: among the split counts allowed (at most one per ``MIN_SPLIT_KEYS``
+    keys and at most ``MAX_SPLITS``), the fewest whose grid fills its waves to
+    at least :data:`WAVE_FILL` (else the fullest), where a wave is the SM
+    count times :data:`SPLIT_PROGRAMS_PER_SM` (one SM on CPU).
     """
+    per_sm = SPLIT_PROGRAMS_PER_SM[head_class(dim_block(like.shape[-1]))]
+    slots = per_sm * sm_count(like)
     programs = max(batch * kv_heads, 1)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count(like), programs)
-    by_length = max(1, triton.cdiv(max_len, MIN_SPLIT_KEYS))
-    return max(1, min(wanted, by_length, MAX_SPLITS))
+    cap = max(1, min(MAX_SPLITS, triton.cdiv(max_len, MIN_SPLIT_KEYS)))
+
+    def filled(splits: int) -> float:
+        grid = programs * splits
+        return grid / (triton.cdiv(grid, slots) * slots)
+
+    full = [splits for splits in range(1, cap + 1) if filled(splits) >= WAVE_FILL]
+    return full[0] if full else max(range(1, cap + 1), key=lambda splits: (filled(splits), -splits))
