@@ -433,8 +433,12 @@ def test_every_cupy_source_compiles_with_nvrtc_without_warnings_or_spills():
                 assert k["spill_store_bytes"] == 0 and k["spill_load_bytes"] == 0, (
                     f"{arch} {name}: {k}"
                 )
-                # 16-byte vectors: <T, ..., V, C> with V * sizeof(T) == 16
-                if re.search(r"<(float,(\w+,)*4|__(half|nv_bfloat16),(\w+,)*8),\d+>$", name):
+                # row kernels with 16-byte vectors: <T, ..., V, C> with V * sizeof(T) == 16
+                # (decode reads a row as 32 coalesced elements per instruction, no vectors)
+                row_kernel = name.startswith(("rms_norm_", "layer_norm_", "softmax_"))
+                if row_kernel and re.search(
+                    r"<(float,(\w+,)*4|__(half|nv_bfloat16),(\w+,)*8),\d+>$", name
+                ):
                     assert k["global_load_bits"] == 128 and k["global_store_bits"] == 128, (
                         f"{name}: {k}"
                     )
