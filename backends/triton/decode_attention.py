@@ -71,7 +71,7 @@ MAX_SPLITS = 128
 @triton.jit
 def _tanh(x):
     """``tanh(x)`` from one ``exp2`` of a non-positive argument (no overflow, exact sign)."""
-    t = tl.exp2(-2.0 * LOG2E_CONST * tl.abs(x))
+    t = tl.exp2(tl.abs(x) * (-2.0 * LOG2E_CONST))
     r = (1.0 - t) / (1.0 + t)
     return tl.where(x < 0.0, -r, r)
 
