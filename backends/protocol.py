@@ -264,6 +264,62 @@ class FlexAttentionModule(Protocol):
         """``score_mod_grads``: one accumulator or None per captured array; gradients are ADDED."""
 
 
+class FlexAttentionVarlenModule(Protocol):
+    """FlexAttention over packed variable-length sequences; ``m``, ``l`` are ``(H, Tq)``.
+
+    ``planner(b, n_q, n_kv)`` returns the tile plan of sequence ``b`` alone
+    (``n_q`` queries, ``n_kv`` keys, at its own position).
+    """
+
+    def forward(
+        self,
+        o,
+        q,
+        k,
+        v,
+        m,
+        l,
+        *,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+        input_pos,
+        score_mod,
+        mask_mod,
+        planner,
+    ) -> None: ...
+
+    def backward(
+        self,
+        do,
+        q,
+        k,
+        v,
+        o,
+        m,
+        l,
+        dq,
+        dk,
+        dv,
+        delta,
+        dq_accum,
+        *,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+        input_pos,
+        score_mod,
+        mask_mod,
+        planner,
+        score_mod_grads,
+    ) -> None:
+        """``score_mod_grads``: one accumulator or None per captured array; gradients are ADDED."""
+
+
 class MergeAttentionStatesModule(Protocol):
     """The exact merge of two attention states ``(o, m, l)`` over disjoint key sets."""
 
@@ -361,6 +417,13 @@ PRIMITIVES: Mapping[str, Primitive] = {
         Primitive(
             "flex_attention",
             FlexAttentionModule,
+            {"default_tiles": default_tiles},
+            ("delta", "dq_accum"),
+            ("delta", "dq_accum"),
+        ),
+        Primitive(
+            "flex_attention_varlen",
+            FlexAttentionVarlenModule,
             {"default_tiles": default_tiles},
             ("delta", "dq_accum"),
             ("delta", "dq_accum"),

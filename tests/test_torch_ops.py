@@ -204,6 +204,42 @@ def _cases(dtype):
             (dvo, *packed, vo, vm, vls, *vgrads, torch.empty(5, 4, 8, dtype=acc), *vl),
         ),
     ]
+    fv = (key, 3, 4, None, 0, None, None)
+    fvo, fvm, fvl = ops.flex_attention_varlen(*packed, cu_q, cu_k, [slopes.detach()], *fv)
+    cases += [
+        (
+            "flex_attention_varlen",
+            ops.flex_attention_varlen,
+            (pq, pk, pv, cu_q, cu_k, [slopes], *fv),
+        ),
+        (
+            "flex_attention_varlen_",
+            ops.flex_attention_varlen_,
+            (t(5, 4, 4), *packed, f32(4, 5), f32(4, 5), cu_q, cu_k, [slopes.detach()], *fv),
+        ),
+        (
+            "flex_attention_varlen_backward",
+            ops.flex_attention_varlen_backward,
+            (dvo, *packed, fvo, fvm, fvl, cu_q, cu_k, [slopes.detach()], *fv),
+        ),
+        (
+            "flex_attention_varlen_backward_",
+            ops.flex_attention_varlen_backward_,
+            (
+                dvo,
+                *packed,
+                fvo,
+                fvm,
+                fvl,
+                *vgrads[:3],
+                cu_q,
+                cu_k,
+                [slopes.detach()],
+                [t(4)],
+                *fv,
+            ),
+        ),
+    ]
     return cases, mods
 
 

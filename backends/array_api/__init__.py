@@ -23,6 +23,7 @@ BACKEND = Backend(
         "attention_varlen": Capability(dtypes=FLOAT_DTYPES),
         "decode_attention": Capability(dtypes=FLOAT_DTYPES, hooks=("default_splits",)),
         "flex_attention": Capability(dtypes=FLOAT_DTYPES, hooks=("default_tiles",)),
+        "flex_attention_varlen": Capability(dtypes=FLOAT_DTYPES, hooks=("default_tiles",)),
         "merge_attention_states": Capability(dtypes=FLOAT_DTYPES),
     },
 )

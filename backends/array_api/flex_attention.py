@@ -81,8 +81,9 @@ def _with_column(xp, a, column, acc):
 class _Tiles:
     """What every tile of one call shares: namespace, dtypes, sizes, bound graphs."""
 
-    def __init__(self, xp, q, k, v, *, scale, input_pos, score_mod, mask_mod, plan):
+    def __init__(self, xp, q, k, v, *, scale, input_pos, score_mod, mask_mod, plan, first_batch):
         self.xp = xp
+        self.first_batch = first_batch
         self.acc = acc_dtype(xp, q.dtype)
         self.device = array_api_compat.device(q)
         self.batch, self.heads, self.n_q, self.d = q.shape
@@ -143,7 +144,7 @@ class _Tiles:
             xp,
             self.device,
             self.names,
-            b=b,
+            b=self.first_batch + b,
             h0=g * self.group,
             n_h=self.group,
             q_pos0=self.positions[b] + r0,
@@ -168,7 +169,9 @@ class _Tiles:
         return xp.reshape(s3, tuple(s.shape)), values, grid
 
 
-def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) -> None:
+def forward(
+    o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan, first_batch=0
+) -> None:
     """Write ``o`` (and the checkpoints ``m``, ``l`` unless None) for validated inputs.
 
     Parameters
@@ -182,6 +185,9 @@ def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) ->
         caller's device array of them (values never read on the host).
     score_mod, mask_mod : xpkernels.mods.Graph or None
     plan : xpkernels.mods.TilePlan
+    first_batch : int
+        The index the mods see as ``b`` for batch 0 (packed calls run one
+        sequence at a time, each at its own index).
     """
     xp = array_api_compat.array_namespace(o, q, k, v)
     t = _Tiles(
@@ -194,6 +200,7 @@ def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) ->
         score_mod=score_mod,
         mask_mod=mask_mod,
         plan=plan,
+        first_batch=first_batch,
     )
     for b in range(t.batch):
         for g in range(t.kv_heads):
@@ -308,6 +315,7 @@ def backward(
     mask_mod,
     plan,
     score_mod_grads,
+    first_batch=0,
 ) -> None:
     """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
 
@@ -327,6 +335,7 @@ def backward(
         score_mod=score_mod,
         mask_mod=mask_mod,
         plan=plan,
+        first_batch=first_batch,
     )
     for b in range(t.batch):
         _row_dots(t, do, o, delta, b)

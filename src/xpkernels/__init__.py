@@ -43,6 +43,12 @@ _EXPORTS = {
         "flex_attention_backward",
         "flex_attention_backward_",
     ),
+    "flex_attention_varlen": (
+        "flex_attention_varlen",
+        "flex_attention_varlen_",
+        "flex_attention_varlen_backward",
+        "flex_attention_varlen_backward_",
+    ),
     "merge_attention_states": (
         "merge_attention_states",
         "merge_attention_states_",

@@ -202,10 +202,9 @@ class _Options(NamedTuple):
     max_seqlen_k: int
 
 
-def _validate_options(
-    fn, xp, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, input_pos
-):
-    tq, tk, d = q.shape[0], k.shape[0], q.shape[2]
+def _packing(fn, xp, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """``(B, max_seqlen_q, max_seqlen_k)`` of checked prefix sums and longest-sequence bounds."""
+    tq, tk = q.shape[0], k.shape[0]
     batch = _cu_seqlens(fn, "cu_seqlens_q", xp, cu_seqlens_q, tq, "Tq")
     batch_k = _cu_seqlens(fn, "cu_seqlens_k", xp, cu_seqlens_k, tk, "Tk")
     if batch_k != batch:
@@ -213,20 +212,29 @@ def _validate_options(
             f"{fn}: cu_seqlens_k must have the B + 1 = {batch + 1} entries of cu_seqlens_q "
             f"(one sequence of keys per sequence of queries), got {batch_k + 1}"
         )
-    scale = 1.0 / math.sqrt(d) if scale is None else check.positive_finite(fn, "scale", scale)
-    return _Options(
-        scale,
-        _input_pos(fn, xp, input_pos, batch),
+    return (
+        batch,
         _max_seqlen(fn, "max_seqlen_q", xp, max_seqlen_q, cu_seqlens_q, tq),
         _max_seqlen(fn, "max_seqlen_k", xp, max_seqlen_k, cu_seqlens_k, tk),
     )
 
 
-def _checkpoint_arrays(fn, xp, checkpoints, q, reference="q"):
+def _validate_options(
+    fn, xp, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, input_pos
+):
+    batch, max_q, max_k = _packing(
+        fn, xp, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    )
+    d = q.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else check.positive_finite(fn, "scale", scale)
+    return _Options(scale, _input_pos(fn, xp, input_pos, batch), max_q, max_k)
+
+
+def _checkpoint_arrays(fn, xp, checkpoints, q, reference="q", forward="attention_varlen_"):
     if not isinstance(checkpoints, AttentionVarlenCheckpoints):
         raise TypeError(
             f"{fn}: checkpoints must be the AttentionVarlenCheckpoints from "
-            f"allocate_checkpoints(attention_varlen_, q, k, v), got {type(checkpoints).__name__}"
+            f"allocate_checkpoints({forward}, q, k, v), got {type(checkpoints).__name__}"
         )
     rows = (q.shape[1], q.shape[0])
     check.same_namespace(
@@ -469,11 +477,11 @@ def attention_varlen(
     return o
 
 
-def _scratch_arrays(fn, xp, scratch, q):
+def _scratch_arrays(fn, xp, scratch, q, backward="attention_varlen_backward_"):
     if not isinstance(scratch, AttentionVarlenBackwardScratch):
         raise TypeError(
             f"{fn}: scratch must be the AttentionVarlenBackwardScratch from "
-            "allocate_scratchspace(attention_varlen_backward_, O, Q, K, V), "
+            f"allocate_scratchspace({backward}, O, Q, K, V), "
             f"got {type(scratch).__name__}"
         )
     check.same_namespace(

@@ -151,10 +151,9 @@ class _Call:
     """A validated flex call: mods as graphs, the tile plan and everything the backend receives."""
 
     def __init__(
-        self, fn, xp, q, k, v, *, score_mod, mask_mod, block_mask, block_sparse, scale, input_pos
+        self, fn, xp, dims, *, score_mod, mask_mod, block_mask, block_sparse, scale, input_pos
     ):
-        batch, heads, n_q, d = q.shape
-        n_kv = k.shape[2]
+        batch, heads, kv_heads, n_q, n_kv, d = dims
         self.scale = (
             1.0 / math.sqrt(d) if scale is None else check.positive_finite(fn, "scale", scale)
         )
@@ -192,7 +191,7 @@ class _Call:
             if self.mask is None or _is_true(self.mask.graph)
             else self.mask.graph.clamping(clamps[id(self.mask)])
         )
-        self.group = heads // k.shape[1]
+        self.group = heads // kv_heads
 
     def recorded(self) -> dict:
         """The options of the forward that its backward must repeat (recorded in checkpoints)."""
@@ -219,15 +218,18 @@ class _Call:
             out["input_pos"] = self.positions
         return out
 
-    def plan(self, route, n_q, n_kv):
+    def plan(self, route, n_q, n_kv, batch=None):
         """The tile plan: the BlockMask's tiles, else the backend's default tiles.
 
-        Device positions are not read: a mask reading ``q_idx`` is then
-        evaluated on every tile (no band skipping).
+        ``batch`` plans batch (sequence) ``batch`` alone, at its own position;
+        None plans every batch. Device positions are not read: a mask reading
+        ``q_idx`` is then evaluated on every tile (no band skipping).
         """
         masked = self.mask_graph is not None
         tile_m, tile_n = route.hook("default_tiles")(n_q, n_kv, self.group, masked)
         positions, sparse = self.host_positions, self.block_sparse
+        if positions is not None and batch is not None:
+            positions = (positions[batch if len(positions) > 1 else 0],)
         if positions is None:
             positions = (0,)
             sparse = sparse and not (masked and self.mask_graph.uses("q_idx"))
@@ -242,6 +244,10 @@ class _Call:
             tile_n=tile_n,
         )
 
+    def planner(self, route):
+        """``plan(b, n_q, n_kv)``: the tile plan of sequence ``b`` alone, for packed calls."""
+        return lambda b, n_q, n_kv: self.plan(route, n_q, n_kv, batch=b)
+
     def options(self, route, n_q, n_kv) -> dict:
         """Keyword options of the backend's forward/backward."""
         return {
@@ -251,6 +257,12 @@ class _Call:
             "mask_mod": self.mask_graph,
             "plan": self.plan(route, n_q, n_kv),
         }
+
+
+def _dims(q, k) -> tuple:
+    """``(B, H, Hkv, Sq, Sk, D)`` of a flex call."""
+    batch, heads, n_q, d = q.shape
+    return batch, heads, k.shape[1], n_q, k.shape[2], d
 
 
 def _is_input(graph, name) -> bool:
@@ -441,9 +453,7 @@ def flex_attention_(
     call = _Call(
         fn,
         xp,
-        q,
-        k,
-        v,
+        _dims(q, k),
         score_mod=score_mod,
         mask_mod=mask_mod,
         block_mask=block_mask,
@@ -666,9 +676,7 @@ def flex_attention_backward_(
     call = _Call(
         fn,
         xp,
-        q,
-        k,
-        v,
+        _dims(q, k),
         score_mod=score_mod,
         mask_mod=mask_mod,
         block_mask=block_mask,

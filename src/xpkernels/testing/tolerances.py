@@ -45,6 +45,7 @@ for _op in (
     "attention_varlen",
     "decode_attention",
     "flex_attention",
+    "flex_attention_varlen",
     "merge_attention_states",
 ):
     for _dtype, _floor in _FLOOR.items():
@@ -55,7 +56,7 @@ for _op in (
     FLOORS[(_op, "backward", "float64")] = _FLOAT64_FROM_F32_CHECKPOINTS
 # Attention sums products over D and over up to thousands of keys per row, twice in the
 # backward (dS = P * (dO V^T - delta), then dS K and dS^T Q): float32 floors 2.5x the rows'.
-for _op in ("attention", "decode_attention", "flex_attention"):
+for _op in ("attention", "decode_attention", "flex_attention", "flex_attention_varlen"):
     FLOORS[(_op, "forward", "float32")] = 5e-5
     FLOORS[(_op, "backward", "float32")] = 1e-4
     # The float32 m and l checkpoints enter every probability exp(s - m) / l of the

@@ -18,6 +18,7 @@ from .. import _checks as check
 from ..buffers import primal
 from ..registry import _explicit_choice
 from . import _ops
+from ._flex_varlen import front as _flex_attention_varlen
 from ._varlen import front as _attention_varlen
 
 __all__ = ["FRONTS"]
@@ -137,21 +138,28 @@ def _traced_flex_key(score_mod, mask_mod, block_mask, block_sparse) -> int:
     return _ops.register_flex(mods, keep=True)
 
 
-def _flex_attention(fn, arrays, options):
-    _no_checkpoints(fn, options)
-    q, k, v = (primal(arrays[n]) for n in ("q", "k", "v"))
+def _flex_key(fn, options, block_mask) -> tuple:
+    """``(key, score_arrays, mods)``: the call's mods filed for the flex ops under ``key``.
+
+    The filing holds ``mods`` weakly: the caller keeps ``mods`` alive until
+    the op has run (its autograd graph then holds them).
+    """
     block_sparse = options["block_sparse"]
     if not isinstance(block_sparse, bool):
         raise TypeError(f"{fn}: block_sparse must be a bool, got {block_sparse!r}")
-    score_mod, mask_mod, block_mask = (options[n] for n in ("score_mod", "mask_mod", "block_mask"))
+    score_mod, mask_mod = options["score_mod"], options["mask_mod"]
     if torch.compiler.is_compiling():
         # Filed once, when the graph is traced; the graph holds the key as a constant.
         key = _traced_flex_key(score_mod, mask_mod, block_mask, block_sparse)
-        score_arrays = _ops.score_arrays(score_mod)
-    else:
-        mods = _ops.FlexMods(score_mod, mask_mod, block_mask, block_sparse)
-        key = _ops.register_flex(mods)
-        score_arrays = mods.arrays()
+        return key, _ops.score_arrays(score_mod), None
+    mods = _ops.FlexMods(score_mod, mask_mod, block_mask, block_sparse)
+    return _ops.register_flex(mods), mods.arrays(), mods
+
+
+def _flex_attention(fn, arrays, options):
+    _no_checkpoints(fn, options)
+    q, k, v = (primal(arrays[n]) for n in ("q", "k", "v"))
+    key, score_arrays, mods = _flex_key(fn, options, options["block_mask"])
     input_pos, input_pos_array = _positions(fn, options["input_pos"])
     o, _, _ = ops.flex_attention(
         q,
@@ -164,6 +172,7 @@ def _flex_attention(fn, arrays, options):
         input_pos_array,
         _backend(options),
     )
+    del mods  # held until the op ran
     return o
 
 
@@ -181,5 +190,6 @@ FRONTS = {
     "attention_varlen": _attention_varlen,
     "decode_attention": _decode_attention,
     "flex_attention": _flex_attention,
+    "flex_attention_varlen": _flex_attention_varlen,
     "merge_attention_states": _merge_attention_states,
 }

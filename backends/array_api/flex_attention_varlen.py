@@ -1,0 +1,147 @@
+"""Packed variable-length FlexAttention on the Array API: flex's tiles, one sequence at a time.
+
+As :mod:`.attention_varlen` for attention: each sequence is a ``(1, H, S, D)``
+view of the packed arrays, and :mod:`.flex_attention`'s forward and backward
+run on those views with the sequence's own tile plan (from the front's
+``planner``), its own ``input_pos`` and ``first_batch = b``, so the mods see
+the sequence index as ``b`` and positions counted from the sequence's
+start. The prefix sums are read on the host and clamped (ordered, disjoint,
+within the packed lengths); rows no sequence covers are fully masked (``o =
+0``, ``m = -inf``, ``l = 0``, zero gradients). The score mod's array
+gradients are added sequence after sequence. ``max_seqlen_q`` and
+``max_seqlen_k`` are not used.
+"""
+
+from __future__ import annotations
+
+import math
+
+import array_api_compat
+
+from . import flex_attention
+from .attention_varlen import _gaps, _heads_first, _rows, _spans
+from .flex_attention import default_tiles
+
+__all__ = ["forward", "backward", "default_tiles"]
+
+
+def _position(input_pos, b: int):
+    """Sequence ``b``'s ``input_pos`` as flex takes it: a 1-tuple of int, or a ``(1,)`` array view."""
+    if isinstance(input_pos, tuple):
+        return (input_pos[b if len(input_pos) > 1 else 0],)
+    return input_pos[b : b + 1]
+
+
+def forward(
+    o,
+    q,
+    k,
+    v,
+    m,
+    l,
+    *,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    input_pos,
+    score_mod,
+    mask_mod,
+    planner,
+) -> None:
+    """Write ``o`` (and ``m``, ``l`` unless None) for validated packed inputs, sequence by sequence.
+
+    ``o``: (Tq, H, Dv); ``q``: (Tq, H, D); ``k``: (Tk, Hkv, D); ``v``: (Tk,
+    Hkv, Dv); ``m``, ``l``: (H, Tq) float32 or None; ``input_pos``: a tuple
+    of ints (one per sequence, or one shared) or a (B,) device array.
+    """
+    xp = array_api_compat.array_namespace(o, q, k, v)
+    q_spans = _spans(cu_seqlens_q, q.shape[0])
+    k_spans = _spans(cu_seqlens_k, k.shape[0])
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(q_spans, k_spans)):
+        if q1 == q0:
+            continue
+        flex_attention.forward(
+            _heads_first(xp, o, q0, q1),
+            _heads_first(xp, q, q0, q1),
+            _heads_first(xp, k, k0, k1),
+            _heads_first(xp, v, k0, k1),
+            None if m is None else _rows(xp, m, q0, q1),
+            None if l is None else _rows(xp, l, q0, q1),
+            scale=scale,
+            input_pos=_position(input_pos, b),
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            plan=planner(b, q1 - q0, k1 - k0),
+            first_batch=b,
+        )
+    for g0, g1 in _gaps(q_spans, q.shape[0]):
+        o[g0:g1, ...] = 0.0
+        if m is not None:
+            m[:, g0:g1] = -math.inf
+            l[:, g0:g1] = 0.0
+
+
+def backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    m,
+    l,
+    dq,
+    dk,
+    dv,
+    delta,
+    dq_accum,
+    *,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    input_pos,
+    score_mod,
+    mask_mod,
+    planner,
+    score_mod_grads,
+) -> None:
+    """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
+
+    ``delta`` (H, Tq) and ``dq_accum`` (Tq, H, D) are flex's scratch, viewed
+    per sequence. Other arguments as :func:`forward`.
+    """
+    xp = array_api_compat.array_namespace(do, q, k, v, o)
+    q_spans = _spans(cu_seqlens_q, q.shape[0])
+    k_spans = _spans(cu_seqlens_k, k.shape[0])
+    for b, ((q0, q1), (k0, k1)) in enumerate(zip(q_spans, k_spans)):
+        if q1 == q0 and k1 == k0:
+            continue
+        flex_attention.backward(
+            _heads_first(xp, do, q0, q1),
+            _heads_first(xp, q, q0, q1),
+            _heads_first(xp, k, k0, k1),
+            _heads_first(xp, v, k0, k1),
+            _heads_first(xp, o, q0, q1),
+            _rows(xp, m, q0, q1),
+            _rows(xp, l, q0, q1),
+            _heads_first(xp, dq, q0, q1),
+            _heads_first(xp, dk, k0, k1),
+            _heads_first(xp, dv, k0, k1),
+            _rows(xp, delta, q0, q1),
+            _heads_first(xp, dq_accum, q0, q1),
+            scale=scale,
+            input_pos=_position(input_pos, b),
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            plan=planner(b, q1 - q0, k1 - k0),
+            score_mod_grads=score_mod_grads,
+            first_batch=b,
+        )
+    for g0, g1 in _gaps(q_spans, q.shape[0]):
+        dq[g0:g1, ...] = 0.0
+    for g0, g1 in _gaps(k_spans, k.shape[0]):
+        dk[g0:g1, ...] = 0.0
+        dv[g0:g1, ...] = 0.0
