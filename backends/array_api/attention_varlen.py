@@ -81,27 +81,18 @@ def forward(
     xp = array_api_compat.array_namespace(o, q, k, v)
     q_spans = _spans(cu_seqlens_q, q.shape[0])
     k_spans = _spans(cu_seqlens_k, k.shape[0])
-    for b, ((q0, q1), (k0, k1)) in enumerate(zip(q_spans, k_spans)):
-        if q1 == q0:
+    for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
+        if q_span[1] == q_span[0]:
             continue
         attention.forward(
-            _heads_first(xp, o, q0, q1),
-            _heads_first(xp, q, q0, q1),
-            _heads_first(xp, k, k0, k1),
-            _heads_first(xp, v, k0, k1),
-            None if m is None else _rows(xp, m, q0, q1),
-            None if l is None else _rows(xp, l, q0, q1),
+            *forward_views(xp, (o, q, k, v, m, l), q_span, k_span),
             scale=scale,
             causal=causal,
             input_pos=_position(input_pos, b),
             q_lengths=None,
             k_lengths=None,
         )
-    for g0, g1 in _gaps(q_spans, q.shape[0]):
-        o[g0:g1, ...] = 0.0
-        if m is not None:
-            m[:, g0:g1] = -math.inf
-            l[:, g0:g1] = 0.0
+    clear_forward_gaps(o, m, l, q_spans)
 
 
 def backward(
@@ -134,30 +125,71 @@ def backward(
     xp = array_api_compat.array_namespace(do, q, k, v, o)
     q_spans = _spans(cu_seqlens_q, q.shape[0])
     k_spans = _spans(cu_seqlens_k, k.shape[0])
-    for b, ((q0, q1), (k0, k1)) in enumerate(zip(q_spans, k_spans)):
-        if q1 == q0 and k1 == k0:
+    arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)
+    for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
+        if q_span[1] == q_span[0] and k_span[1] == k_span[0]:
             continue
         attention.backward(
-            _heads_first(xp, do, q0, q1),
-            _heads_first(xp, q, q0, q1),
-            _heads_first(xp, k, k0, k1),
-            _heads_first(xp, v, k0, k1),
-            _heads_first(xp, o, q0, q1),
-            _rows(xp, m, q0, q1),
-            _rows(xp, l, q0, q1),
-            _heads_first(xp, dq, q0, q1),
-            _heads_first(xp, dk, k0, k1),
-            _heads_first(xp, dv, k0, k1),
-            _rows(xp, delta, q0, q1),
-            _heads_first(xp, dq_accum, q0, q1),
+            *backward_views(xp, arrays, q_span, k_span),
             scale=scale,
             causal=causal,
             input_pos=_position(input_pos, b),
             q_lengths=None,
             k_lengths=None,
         )
-    for g0, g1 in _gaps(q_spans, q.shape[0]):
+    clear_backward_gaps(dq, dk, dv, q_spans, k_spans)
+
+
+def forward_views(xp, arrays, q_span, k_span) -> tuple:
+    """Sequence views of the forward's ``(o, q, k, v, m, l)``: ``(1, H, S, X)`` and ``(1, H, S)``.
+
+    ``m``, ``l`` may be None (inference).
+    """
+    o, q, k, v, m, l = arrays
+    (q0, q1), (k0, k1) = q_span, k_span
+    return (
+        _heads_first(xp, o, q0, q1),
+        _heads_first(xp, q, q0, q1),
+        _heads_first(xp, k, k0, k1),
+        _heads_first(xp, v, k0, k1),
+        None if m is None else _rows(xp, m, q0, q1),
+        None if l is None else _rows(xp, l, q0, q1),
+    )
+
+
+def backward_views(xp, arrays, q_span, k_span) -> tuple:
+    """Sequence views of the backward's ``(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)``."""
+    do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum = arrays
+    (q0, q1), (k0, k1) = q_span, k_span
+    return (
+        _heads_first(xp, do, q0, q1),
+        _heads_first(xp, q, q0, q1),
+        _heads_first(xp, k, k0, k1),
+        _heads_first(xp, v, k0, k1),
+        _heads_first(xp, o, q0, q1),
+        _rows(xp, m, q0, q1),
+        _rows(xp, l, q0, q1),
+        _heads_first(xp, dq, q0, q1),
+        _heads_first(xp, dk, k0, k1),
+        _heads_first(xp, dv, k0, k1),
+        _rows(xp, delta, q0, q1),
+        _heads_first(xp, dq_accum, q0, q1),
+    )
+
+
+def clear_forward_gaps(o, m, l, q_spans) -> None:
+    """Query rows no sequence covers are fully masked: ``o = 0``, ``m = -inf``, ``l = 0``."""
+    for g0, g1 in _gaps(q_spans, o.shape[0]):
+        o[g0:g1, ...] = 0.0
+        if m is not None:
+            m[:, g0:g1] = -math.inf
+            l[:, g0:g1] = 0.0
+
+
+def clear_backward_gaps(dq, dk, dv, q_spans, k_spans) -> None:
+    """Rows no sequence covers get zero gradients."""
+    for g0, g1 in _gaps(q_spans, dq.shape[0]):
         dq[g0:g1, ...] = 0.0
-    for g0, g1 in _gaps(k_spans, k.shape[0]):
+    for g0, g1 in _gaps(k_spans, dk.shape[0]):
         dk[g0:g1, ...] = 0.0
         dv[g0:g1, ...] = 0.0

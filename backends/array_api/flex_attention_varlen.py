@@ -14,12 +14,16 @@ gradients are added sequence after sequence. ``max_seqlen_q`` and
 
 from __future__ import annotations
 
-import math
-
 import array_api_compat
 
 from . import flex_attention
-from .attention_varlen import _gaps, _heads_first, _rows, _spans
+from .attention_varlen import (
+    _spans,
+    backward_views,
+    clear_backward_gaps,
+    clear_forward_gaps,
+    forward_views,
+)
 from .flex_attention import default_tiles
 
 __all__ = ["forward", "backward", "default_tiles"]
@@ -59,28 +63,19 @@ def forward(
     xp = array_api_compat.array_namespace(o, q, k, v)
     q_spans = _spans(cu_seqlens_q, q.shape[0])
     k_spans = _spans(cu_seqlens_k, k.shape[0])
-    for b, ((q0, q1), (k0, k1)) in enumerate(zip(q_spans, k_spans)):
-        if q1 == q0:
+    for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
+        if q_span[1] == q_span[0]:
             continue
         flex_attention.forward(
-            _heads_first(xp, o, q0, q1),
-            _heads_first(xp, q, q0, q1),
-            _heads_first(xp, k, k0, k1),
-            _heads_first(xp, v, k0, k1),
-            None if m is None else _rows(xp, m, q0, q1),
-            None if l is None else _rows(xp, l, q0, q1),
+            *forward_views(xp, (o, q, k, v, m, l), q_span, k_span),
             scale=scale,
             input_pos=_position(input_pos, b),
             score_mod=score_mod,
             mask_mod=mask_mod,
-            plan=planner(b, q1 - q0, k1 - k0),
+            plan=planner(b, q_span[1] - q_span[0], k_span[1] - k_span[0]),
             first_batch=b,
         )
-    for g0, g1 in _gaps(q_spans, q.shape[0]):
-        o[g0:g1, ...] = 0.0
-        if m is not None:
-            m[:, g0:g1] = -math.inf
-            l[:, g0:g1] = 0.0
+    clear_forward_gaps(o, m, l, q_spans)
 
 
 def backward(
@@ -116,32 +111,18 @@ def backward(
     xp = array_api_compat.array_namespace(do, q, k, v, o)
     q_spans = _spans(cu_seqlens_q, q.shape[0])
     k_spans = _spans(cu_seqlens_k, k.shape[0])
-    for b, ((q0, q1), (k0, k1)) in enumerate(zip(q_spans, k_spans)):
-        if q1 == q0 and k1 == k0:
+    arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)
+    for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
+        if q_span[1] == q_span[0] and k_span[1] == k_span[0]:
             continue
         flex_attention.backward(
-            _heads_first(xp, do, q0, q1),
-            _heads_first(xp, q, q0, q1),
-            _heads_first(xp, k, k0, k1),
-            _heads_first(xp, v, k0, k1),
-            _heads_first(xp, o, q0, q1),
-            _rows(xp, m, q0, q1),
-            _rows(xp, l, q0, q1),
-            _heads_first(xp, dq, q0, q1),
-            _heads_first(xp, dk, k0, k1),
-            _heads_first(xp, dv, k0, k1),
-            _rows(xp, delta, q0, q1),
-            _heads_first(xp, dq_accum, q0, q1),
+            *backward_views(xp, arrays, q_span, k_span),
             scale=scale,
             input_pos=_position(input_pos, b),
             score_mod=score_mod,
             mask_mod=mask_mod,
-            plan=planner(b, q1 - q0, k1 - k0),
+            plan=planner(b, q_span[1] - q_span[0], k_span[1] - k_span[0]),
             score_mod_grads=score_mod_grads,
             first_batch=b,
         )
-    for g0, g1 in _gaps(q_spans, q.shape[0]):
-        dq[g0:g1, ...] = 0.0
-    for g0, g1 in _gaps(k_spans, k.shape[0]):
-        dk[g0:g1, ...] = 0.0
-        dv[g0:g1, ...] = 0.0
+    clear_backward_gaps(dq, dk, dv, q_spans, k_spans)

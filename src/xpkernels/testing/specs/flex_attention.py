@@ -500,7 +500,7 @@ def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
         **options,
         backend=backend,
     )
-    _write_params(case, mod_grad, grads["params"])
+    write_params(_param_layout(case.params), mod_grad, grads["params"])
 
 
 def _backward(case, arrays, outs, cotangents, checkpoints, backend):
@@ -519,7 +519,7 @@ def _backward(case, arrays, outs, cotangents, checkpoints, backend):
     )
     xp = _namespace(arrays["params"])
     params = xp.empty_like(arrays["params"])
-    _write_params(case, mod_grad, params)
+    write_params(_param_layout(case.params), mod_grad, params)
     return {"q": dq, "k": dk, "v": dv, "params": params}
 
 
@@ -652,14 +652,17 @@ def _mod_grad(case, options):
     return grad_shadow(options["score_mod"], feature_grads=case.params["score"] == "pair-grads")
 
 
-def _write_params(case, mod_grad, out) -> None:
-    """Copy the mod's gradient accumulators into the flat ``params`` gradient ``out``."""
+def write_params(layout, mod_grad, out) -> None:
+    """Copy the mod's gradient accumulators into the flat ``params`` gradient ``out``.
+
+    ``layout`` lists ``(grad_shadow field, shape)`` in ``params`` order.
+    """
     if mod_grad is None:
         return
     xp = _namespace(out)
     fields = dict(mod_grad.items())
     offset = 0
-    for name, shape in _param_layout(case.params):
+    for name, shape in layout:
         size = math.prod(shape)
         out[offset : offset + size] = xp.astype(xp.reshape(fields[name], (size,)), out.dtype)
         offset += size

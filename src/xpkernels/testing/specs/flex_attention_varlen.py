@@ -30,6 +30,7 @@ from xpkernels.flex_attention_varlen import (
 from xpkernels.testing import references as ref
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 from xpkernels.testing.specs.attention_varlen import _cu, _packed, _padded
+from xpkernels.testing.specs.flex_attention import _namespace, _reshape, write_params
 
 _BASE = {
     "H": 2,
@@ -126,12 +127,6 @@ def _param_layout(p):
         "temp": [("temp", (len(p["q_lens"]),))],
         "relpos": [("table", (p["H"], 2 * _RELATIVE + 1))],
     }.get(p["score"], [])
-
-
-def _reshape(a, shape):
-    import array_api_compat
-
-    return array_api_compat.array_namespace(a).reshape(a, shape)
 
 
 def _mods(p, arrays):
@@ -308,25 +303,6 @@ def _mod_grad(case, options):
     return grad_shadow(options["score_mod"]) if _param_layout(case.params) else None
 
 
-def _namespace(a):
-    import array_api_compat
-
-    return array_api_compat.array_namespace(a)
-
-
-def _write_params(case, mod_grad, out) -> None:
-    """Copy the mod's gradient accumulators into the flat ``params`` gradient ``out``."""
-    if mod_grad is None:
-        return
-    xp = _namespace(out)
-    fields = dict(mod_grad.items())
-    offset = 0
-    for name, shape in _param_layout(case.params):
-        size = math.prod(shape)
-        out[offset : offset + size] = xp.astype(xp.reshape(fields[name], (size,)), out.dtype)
-        offset += size
-
-
 def _forward_(case, arrays, outs, checkpoints, backend):
     flex_attention_varlen_(
         outs["o"],
@@ -371,7 +347,7 @@ def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
         **options,
         backend=backend,
     )
-    _write_params(case, mod_grad, grads["params"])
+    write_params(_param_layout(case.params), mod_grad, grads["params"])
 
 
 def _backward(case, arrays, outs, cotangents, checkpoints, backend):
@@ -391,7 +367,7 @@ def _backward(case, arrays, outs, cotangents, checkpoints, backend):
     )
     xp = _namespace(arrays["params"])
     params = xp.empty_like(arrays["params"])
-    _write_params(case, mod_grad, params)
+    write_params(_param_layout(case.params), mod_grad, params)
     return {"q": dq, "k": dk, "v": dv, "params": params}
 
 
