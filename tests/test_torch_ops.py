@@ -25,7 +25,7 @@ from xpkernels.mods import (
     SlidingWindowMask,
     minimum,
 )
-from xpkernels.torch._ops import FlexMods, register_flex
+from xpkernels.torch._flex import FlexMods, register_flex
 
 ops = torch.ops.xpkernels
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)

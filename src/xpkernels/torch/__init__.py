@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _flex_varlen, _ops, _varlen, nn
+from . import _flex, _flex_varlen, _ops, _varlen, nn
 
 __all__ = ["nn", "ops", "OPS"]
 
@@ -32,4 +32,4 @@ __all__ = ["nn", "ops", "OPS"]
 ops = torch.ops.xpkernels
 
 #: Every op this package registers, by its name in the namespace (``"rms_norm"``, ``"rms_norm_"``...).
-OPS = tuple(sorted(_ops.OPS + _varlen.OPS + _flex_varlen.OPS))
+OPS = tuple(sorted(_ops.OPS + _flex.OPS + _varlen.OPS + _flex_varlen.OPS))

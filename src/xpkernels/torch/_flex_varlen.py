@@ -1,7 +1,7 @@
 """The ``xpkernels`` torch ops of packed FlexAttention (:mod:`xpkernels.flex_attention_varlen`).
 
-As the flex ops of :mod:`xpkernels.torch._ops`: the mods travel as an
-integer key (:func:`~xpkernels.torch._ops.register_flex`) and the score
+As the flex ops of :mod:`xpkernels.torch._flex`: the mods travel as an
+integer key (:func:`~xpkernels.torch._flex.register_flex`) and the score
 mod's captured float arrays as ``score_arrays``, which receive gradients.
 ``xpkernels::flex_attention_varlen_`` (out variant),
 ``xpkernels::flex_attention_varlen`` (functional, ``(o, m, l)``),
@@ -18,14 +18,14 @@ from torch import Tensor
 from ..attention_varlen import AttentionVarlenCheckpoints
 from ..buffers import Duplicated, allocate_checkpoints, primal
 from ..flex_attention_varlen import flex_attention_varlen_, flex_attention_varlen_backward_
-from . import _ops
+from . import _flex
+from ._flex import _score_grads
 from ._ops import (
     _checkpoints_not_differentiable,
     _input_pos,
     _last_axis_contiguous,
     _name,
     _no_double_backward,
-    _score_grads,
     _written,
 )
 
@@ -39,7 +39,7 @@ def _rows(q: Tensor, v: Tensor):
 
 def _options(mods: int, score_arrays, input_pos, input_pos_array, max_q, max_k, scale, backend):
     """Keyword arguments of the packed flex fronts, the score mod bound to ``score_arrays``."""
-    filed = _ops.flex_mods(mods)
+    filed = _flex.flex_mods(mods)
     return {
         "score_mod": filed.bound(score_arrays),
         "mask_mod": filed.mask_mod,
@@ -314,7 +314,7 @@ def _setup(ctx, inputs, output):
     q, k, v, cu_q, cu_k, score_arrays, mods, max_q, max_k, scale, pos, pos_array, backend = inputs
     o, m, l = output
     ctx.save_for_backward(q, k, v, o, m, l, cu_q, cu_k, pos_array, *score_arrays)
-    ctx.mods = _ops.flex_mods(mods)  # keeps the filed mods alive as long as this graph
+    ctx.mods = _flex.flex_mods(mods)  # keeps the filed mods alive as long as this graph
     ctx.options = (mods, max_q, max_k, scale, pos, backend)
     _checkpoints_not_differentiable(ctx, m, l)
 

@@ -17,7 +17,7 @@ import torch
 from .. import _checks as check
 from ..buffers import primal
 from ..registry import _explicit_choice
-from . import _ops
+from . import _flex
 from ._flex_varlen import front as _flex_attention_varlen
 from ._varlen import front as _attention_varlen
 
@@ -134,8 +134,8 @@ def _decode_attention(fn, arrays, options):
 
 @torch._dynamo.assume_constant_result
 def _traced_flex_key(score_mod, mask_mod, block_mask, block_sparse) -> int:
-    mods = _ops.FlexMods(score_mod, mask_mod, block_mask, block_sparse)
-    return _ops.register_flex(mods, keep=True)
+    mods = _flex.FlexMods(score_mod, mask_mod, block_mask, block_sparse)
+    return _flex.register_flex(mods, keep=True)
 
 
 def _flex_key(fn, options, block_mask) -> tuple:
@@ -151,9 +151,9 @@ def _flex_key(fn, options, block_mask) -> tuple:
     if torch.compiler.is_compiling():
         # Filed once, when the graph is traced; the graph holds the key as a constant.
         key = _traced_flex_key(score_mod, mask_mod, block_mask, block_sparse)
-        return key, _ops.score_arrays(score_mod), None
-    mods = _ops.FlexMods(score_mod, mask_mod, block_mask, block_sparse)
-    return _ops.register_flex(mods), mods.arrays(), mods
+        return key, _flex.score_arrays(score_mod), None
+    mods = _flex.FlexMods(score_mod, mask_mod, block_mask, block_sparse)
+    return _flex.register_flex(mods), mods.arrays(), mods
 
 
 def _flex_attention(fn, arrays, options):
