@@ -351,9 +351,9 @@ def test_captured_arrays_must_live_with_q():
 
 
 def test_the_user_guide_runs():
-    """Every Python block of docs/flex.md in order: mods, built-ins, training, block masks."""
+    """Every Python block of docs/flex.md in order: mods, built-ins, training, block masks, packing."""
     blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.DOTALL)
-    assert len(blocks) >= 4
+    assert len(blocks) >= 5
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, str(DOCS), "exec"), namespace)
