@@ -21,7 +21,9 @@ Measures, in order:
    ``F.scaled_dot_product_attention``;
 4. decode attention ``B=16, H=32, Hkv=8, S=32768, D=128`` bfloat16: GB/s of
    the K and V cache read, next to ``F.scaled_dot_product_attention`` with
-   ``enable_gqa``.
+   ``enable_gqa``; then the same cache in shuffled 16-key pages read through
+   a block table (paged decode), next to gathering the pages and
+   ``F.scaled_dot_product_attention`` and to the contiguous decode.
 
 Every xpkernels call is made through the public in-place functions with
 ``backend="triton"`` and preallocated buffers (checkpoints, scratch), so a
@@ -410,6 +412,77 @@ def decode_section(bench: Bench) -> None:
         },
     )
     print(f"  decode n_splits = {scratch.o_partial.shape[2]}", flush=True)
+    paged_decode_case(bench, q, k_cache, v_cache, lengths, scratch)
+
+
+#: Keys per page of the paged-decode entry (DESIGN section 8: >= 80% of copy at 16).
+PAGE_SIZE = 16
+
+
+def paged_decode_case(bench: Bench, q, k_cache, v_cache, lengths, contiguous_scratch) -> None:
+    """The decode cache in shuffled ``PAGE_SIZE``-key pages, read through a block table."""
+    import torch.nn.functional as F
+
+    import xpkernels as xk
+
+    torch = bench.torch
+    B, Hkv, S, D = k_cache.shape
+    pages_per_seq = S // PAGE_SIZE
+    table = torch.randperm(B * pages_per_seq, device=bench.device)
+    table = table.to(torch.int32).reshape(B, pages_per_seq)
+    k_pages, v_pages = (
+        torch.empty(B * pages_per_seq, Hkv, PAGE_SIZE, D, dtype=c.dtype, device=bench.device)
+        for c in (k_cache, v_cache)
+    )
+    for pages, cache in ((k_pages, k_cache), (v_pages, v_cache)):
+        # page table[b, j] holds keys j * PAGE_SIZE ... of batch b
+        pages[table.long()] = cache.reshape(B, Hkv, pages_per_seq, PAGE_SIZE, D).transpose(1, 2)
+    o = torch.empty_like(q)
+    scratch = xk.allocate_scratchspace(
+        xk.decode_attention_, o, q, k_pages, v_pages, lengths, block_table=table, backend="triton"
+    )
+    H = q.shape[1]
+    amount = 2 * B * Hkv * S * D * 2 + 2 * B * H * D * 2 + B * pages_per_seq * 4
+
+    def gathered_sdpa():
+        k, v = (
+            pages[table.long()].transpose(1, 2).reshape(B, Hkv, S, D)
+            for pages in (k_pages, v_pages)
+        )
+        return F.scaled_dot_product_attention(q[:, :, None, :], k, v, enable_gqa=True)
+
+    o_contiguous = torch.empty_like(q)
+    bench.run(
+        Entry(
+            "paged",
+            "decode_attention-paged16",
+            "forward",
+            "bfloat16",
+            (B, H, Hkv, S, D),
+            "GB/s",
+            "2*B*Hkv*S*D*2 (K and V pages read, bf16) + 2*B*H*D*2 (q read, o written) "
+            f"+ B*(S/{PAGE_SIZE})*4 (int32 block table); pages of {PAGE_SIZE} keys, "
+            "table shuffled",
+            amount,
+            "copy",
+        ),
+        lambda: xk.decode_attention_(
+            o, q, k_pages, v_pages, lengths, block_table=table, scratch=scratch, backend="triton"
+        ),
+        {
+            "gather+F.sdpa": gathered_sdpa,
+            "xpkernels contiguous": lambda: xk.decode_attention_(
+                o_contiguous,
+                q,
+                k_cache,
+                v_cache,
+                lengths,
+                scratch=contiguous_scratch,
+                backend="triton",
+            ),
+        },
+    )
+    print(f"  paged decode n_splits = {scratch.o_partial.shape[2]}", flush=True)
 
 
 #: DESIGN section 8 targets: (section, pass) -> minimum share of the copy bandwidth (%).
@@ -417,6 +490,7 @@ BANDWIDTH_TARGETS = {
     ("rows", "forward"): 90.0,
     ("rows", "backward"): 80.0,
     ("decode", "forward"): 85.0,
+    ("paged", "forward"): 80.0,
 }
 #: Attention targets, bfloat16 at head dim 128 without a mask: pass -> minimum TFLOP/s.
 ATTENTION_TARGETS = {"forward": 500.0, "backward": 300.0}

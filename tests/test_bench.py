@@ -244,3 +244,52 @@ def test_kept_pairs_of_each_flex_mask():
     assert docs.shape == (100,) and list(np.unique(docs)) == [0, 1, 2, 3]
     assert (np.diff(docs) >= 0).all()
     assert bench._kept_pairs(100, docs) == sum(int(n) ** 2 for n in np.bincount(docs))
+
+
+def test_varlen_pairs_count_each_sequence_alone():
+    assert bench._varlen_pairs((3, 0, 2), causal=False) == 9 + 0 + 4
+    assert bench._varlen_pairs((3, 0, 2), causal=True) == 6 + 0 + 3
+
+
+def test_padded_batch_holds_the_packed_sequences_and_attends_alike():
+    import xpkernels as xk
+
+    lengths = (5, 0, 9, 1)
+    rng = np.random.default_rng(0)
+    packed = [rng.standard_normal((sum(lengths), 2, 8)) for _ in range(4)]
+    padded = bench._padded(packed[0], lengths)
+    assert padded.shape == (4, 9, 2, 8)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    for b, n in enumerate(lengths):
+        np.testing.assert_array_equal(padded[b, :n], packed[0][starts[b] : starts[b] + n])
+        assert not padded[b, n:].any()
+    cu = starts.astype(np.int32)
+    for causal in (False, True):
+        (q, k, v, _), opts = bench._padded_inputs(bench._Arrays("numpy"), packed, lengths, causal)
+        assert q.shape == (4, 2, 9, 8)
+        want = xk.attention_varlen(*packed[:3], cu, cu, causal=causal)
+        got = xk.attention(q, k, v, **opts)
+        for b, n in enumerate(lengths):
+            np.testing.assert_allclose(
+                np.moveaxis(got[b, :, :n], 0, 1), want[starts[b] : starts[b] + n], atol=1e-12
+            )
+            assert not got[b, :, n:].any()  # the padded queries are masked, not computed
+
+
+def test_varlen_rows_compare_packed_with_padded_at_the_same_work():
+    benches, _ = bench._benches(True, ["attention_varlen"], "numpy", 1)
+    rows = {b.row.key: b.row for b in benches}
+    lengths = bench.SHAPES[True]["varlen"]["lengths"]
+    h, d = bench.SHAPES[True]["varlen"]["H"], bench.SHAPES[True]["varlen"]["D"]
+    for op, causal in (("attention_varlen", False), ("attention_varlen (causal)", True)):
+        for pass_, factor in (("forward", 1.0), ("backward", 2.5)):
+            ours, padded = rows[f"{op}/{pass_}/xpkernels"], rows[f"{op}/{pass_}/xpkernels padded"]
+            assert ours.baseline == padded.key and padded.baseline is None
+            assert (
+                ours.work
+                == padded.work
+                == factor * 4 * h * d * bench._varlen_pairs(lengths, causal)
+            )
+    assert len(rows) == 8
+    for b in benches:
+        assert bench.measure(b).error is None, b.row.key

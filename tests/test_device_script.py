@@ -49,6 +49,7 @@ def test_device_script_dry_run_writes_every_entry(tmp_path):
         for pass_ in ("forward", "backward"):
             assert (op, pass_, "bfloat16") in seen
     assert ("decode_attention", "forward", "bfloat16") in seen
+    assert ("decode_attention-paged16", "forward", "bfloat16") in seen
     for e in report["entries"]:
         assert e["ms"] > 0 and e["rate"] > 0 and e["formula"], e["op"]
     assert len(report["summary"]) == len(report["entries"])
@@ -130,13 +131,45 @@ def test_summary_judges_each_entry_against_its_target():
             86.0,
             {"F.sdpa(enable_gqa)": {"error": "boom"}},
         ),
+        # paged decode: its own 80% target, below the contiguous decode's 85%
+        entry(
+            "paged",
+            "decode_attention-paged16",
+            "forward",
+            (16, 32, 8, 32768, 128),
+            "GB/s",
+            3900.0,
+            82.0,
+            {"gather+F.sdpa": {"rate": 1950.0}},
+        ),
+        entry(
+            "paged",
+            "decode_attention-paged16",
+            "forward",
+            (16, 32, 8, 32768, 128),
+            "GB/s",
+            3700.0,
+            79.0,
+            {},
+        ),
     ]
     rows = gpu.summary_rows(entries, dry=False)
-    assert [r["verdict"] for r in rows] == ["PASS", "FAIL", "PASS", "FAIL", "-", "-", "PASS"]
+    assert [r["verdict"] for r in rows] == [
+        "PASS",
+        "FAIL",
+        "PASS",
+        "FAIL",
+        "-",
+        "-",
+        "PASS",
+        "PASS",
+        "FAIL",
+    ]
+    assert rows[7]["target"] == ">= 80 %copy" and rows[7]["vs_torch"] == "2.00x"
     assert (rows[0]["vs_torch"], rows[0]["vs_compile"]) == ("2.00x", "1.25x")
     assert rows[2]["vs_torch"] == "0.85x" and rows[6]["vs_torch"] == "-"
     assert rows[0]["target"] == ">= 90 %copy" and rows[3]["target"] == ">= 300 TFLOP/s"
     text = gpu.format_summary(rows)
     assert len(text.splitlines()) == len(entries) + 2
-    assert "targets: 3 PASS, 2 FAIL" in text
+    assert "targets: 4 PASS, 3 FAIL" in text
     assert {r["verdict"] for r in gpu.summary_rows(entries, dry=True)} == {"dry", "-"}

@@ -16,6 +16,7 @@ import warnings
 
 import numpy as np
 import pytest
+from xpkernels.backends.array_api import decode_attention as decode_impl
 
 import xpkernels as xk
 from xpkernels.testing import references as ref
@@ -72,6 +73,75 @@ def test_array_api_paged_equals_contiguous_after_gathering(
     options = {"window": window, "softcap": softcap, "n_splits": n_splits}
     paged = xk.decode_attention(q, k_pages, v_pages, lengths, block_table=table, **options)
     contiguous = xk.decode_attention(q, k, v, lengths, **options)
+    np.testing.assert_allclose(paged, contiguous, rtol=TOL, atol=TOL)
+    want = ref.decode_attention(
+        q.astype(np.float64), k, v, lengths, scale=0.25, softcap=softcap, window=window
+    )
+    np.testing.assert_allclose(paged, want, rtol=0, atol=1e-5)
+
+
+#: Key tiles of 24 keys at D = Dv = 16 (``TILE_ELEMENTS // max(group, D, Dv)``).
+SMALL_TILES = 24 * 16
+
+# (page_size, max_pages, lengths, window, softcap, n_splits) under 24-key tiles: pages of
+# 1, 8 and 16 keys are gathered (24, 3 and 1 pages a tile, several tiles a split; with 8
+# splits of 12 keys a tile holds the 13 pages a split can meet), pages of 64 and 128 keys
+# are read in 24-key slices; lengths off the page multiples, windows starting mid-page.
+TILED_SHAPES = [
+    (1, 90, [0, 89, 61], None, None, 1),
+    (1, 90, [90, 77, 5], None, 2.0, 8),
+    (8, 12, [95, 41, 3], 30, 2.0, 2),
+    (16, 8, [127, 100, 17], None, 1.5, 1),
+    (64, 3, [150, 70, 0], 50, None, 2),
+    (128, 2, [255, 130, 1], None, None, 3),
+]
+
+#: How the pages are held: C-contiguous NumPy pages (``take`` of their ``(num_pages * Hkv,
+#: page_size * D)`` rows into a reused buffer), NumPy pages with the heads outermost in
+#: memory (not C-contiguous: fresh gathers), torch tensors (``index_select`` into a reused buffer) and
+#: array-api-strict arrays (``take`` of the head view).
+LAYOUTS = ["numpy rows", "numpy strided", "torch", "array_api_strict"]
+
+
+def _held(layout, *arrays):
+    if layout == "torch":
+        pytest.importorskip("torch", reason="torch is not installed")
+        return _torch(*arrays)
+    if layout == "array_api_strict":
+        xs = pytest.importorskip("array_api_strict", reason="array-api-strict is not installed")
+        return [xs.asarray(a) for a in arrays]
+    return list(arrays)
+
+
+def _strided(pages):
+    """``pages`` (num_pages, Hkv, page_size, D) as a view of (Hkv, num_pages, page_size, D) storage."""
+    return np.moveaxis(np.ascontiguousarray(np.moveaxis(pages, 1, 0)), 0, 1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("page_size,max_pages,lengths,window,softcap,n_splits", TILED_SHAPES)
+def test_array_api_paged_tiles_equal_contiguous(
+    monkeypatch, layout, page_size, max_pages, lengths, window, softcap, n_splits
+):
+    """Several gathered (or sliced) tiles a split, each layout's gather: the contiguous result."""
+    monkeypatch.setattr(decode_impl, "TILE_ELEMENTS", SMALL_TILES)
+    rng = np.random.default_rng(100 + page_size)
+    batch, heads, kv_heads = len(lengths), 4, 2
+    k_pages, v_pages, table, k, v = _paged(rng, batch, kv_heads, page_size, max_pages)
+    if layout == "numpy strided":
+        k_pages, v_pages = _strided(k_pages), _strided(v_pages)
+    if layout.startswith("numpy"):
+        by_rows = decode_impl._Gather(np, k_pages, 2).by_rows
+        assert by_rows is (layout == "numpy rows")
+    q = rng.standard_normal((batch, heads, 16)).astype(np.float32)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    options = {"window": window, "softcap": softcap, "n_splits": n_splits}
+    hq, hk_pages, hv_pages, htable, hk, hv, hlengths = _held(
+        layout, q, k_pages, v_pages, table, k, v, lengths
+    )
+    paged = xk.decode_attention(hq, hk_pages, hv_pages, hlengths, block_table=htable, **options)
+    contiguous = xk.decode_attention(hq, hk, hv, hlengths, **options)
+    paged, contiguous = np.asarray(paged), np.asarray(contiguous)
     np.testing.assert_allclose(paged, contiguous, rtol=TOL, atol=TOL)
     want = ref.decode_attention(
         q.astype(np.float64), k, v, lengths, scale=0.25, softcap=softcap, window=window

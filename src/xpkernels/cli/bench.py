@@ -12,7 +12,9 @@ a baseline row measured in the same run (PyTorch's op; for FlexAttention
 forward ``torch.compile(flex_attention)`` with its block mask, except under
 ``--quick``, where compiling would dominate; for FlexAttention backward, which
 PyTorch lacks on CPU, our dense path; for flex without mods, xpkernels'
-attention).
+attention; for packed variable-length attention, xpkernels' attention over
+the same sequences padded to the longest, the padding masked by
+``q_lengths`` / ``k_lengths``; for paged decode, the contiguous decode).
 
 A row whose spread ``(max - min) / median`` exceeds :data:`SPREAD_LIMIT` is
 flagged and re-timed once together with the other side(s) of its ratio, the
@@ -25,7 +27,9 @@ terminal.
 Default shapes are those of the performance targets: norms and softmax
 ``(8192, 4096)`` float32, attention and FlexAttention ``B=1, H=8, S=2048,
 D=64`` float32 (flex with a causal, a 256-key sliding-window and a 4-document
-mask); ``--quick`` shrinks everything to seconds.
+mask), varlen ``H=8, D=64`` over four sequences of 1900, 1100, 700 and 300
+tokens, decode ``B=8, H=32, Hkv=8, S=4096, D=64`` (also in shuffled 16-key
+pages); ``--quick`` shrinks everything to seconds.
 """
 
 from __future__ import annotations
@@ -59,12 +63,14 @@ SHAPES = {
         "rows": (8192, 4096),
         "attention": {"B": 1, "H": 8, "S": 2048, "D": 64},
         "decode": {"B": 8, "H": 32, "Hkv": 8, "S": 4096, "D": 64},
+        "varlen": {"H": 8, "D": 64, "lengths": (1900, 1100, 700, 300)},
         "flex": {"B": 1, "H": 8, "S": 2048, "D": 64, "window": 256, "documents": 4},
     },
     True: {
         "rows": (256, 1024),
         "attention": {"B": 1, "H": 2, "S": 256, "D": 64},
         "decode": {"B": 2, "H": 4, "Hkv": 2, "S": 512, "D": 64},
+        "varlen": {"H": 2, "D": 32, "lengths": (200, 57, 129)},
         "flex": {"B": 1, "H": 2, "S": 256, "D": 32, "window": 32, "documents": 3},
     },
 }
@@ -464,6 +470,114 @@ def _decode_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -> l
     ) + [Bench(paged, paged_setup, repeats)]
 
 
+# --------------------------------------------------------------------------- varlen
+
+
+def _varlen_pairs(lengths, causal: bool) -> int:
+    """(query, key) pairs attention over each sequence alone computes: ``L^2`` per sequence, or
+    ``L (L + 1) / 2`` causal."""
+    return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+
+
+def _varlen_benches(shape, arrays: _Arrays, repeats: int) -> list[Bench]:
+    """Packed sequences of mixed lengths against the same sequences padded to the longest and
+    given to attention with ``q_lengths = k_lengths`` (the padding is masked, not computed):
+    the same pairs, so the ratio is the cost of packing against padding. Both hold the tokens
+    of a sequence with the heads inside (packed ``(T, H, D)``, padded ``(B, Smax, H, D)``
+    viewed as ``(B, H, Smax, D)``), so the layout is the same too."""
+    h, d, lengths = shape["H"], shape["D"], tuple(shape["lengths"])
+    rng = np.random.default_rng(6)
+    packed = [rng.standard_normal((sum(lengths), h, d), dtype=np.float32) for _ in range(4)]
+    shape_text = f"{h}x({'+'.join(map(str, lengths))})x{d}"
+    benches = []
+    for causal in (False, True):
+        op = "attention_varlen (causal)" if causal else "attention_varlen"
+        pairs = _varlen_pairs(lengths, causal)
+        for pass_ in ("forward", "backward"):
+            work = 4 * h * d * pairs * (2.5 if pass_ == "backward" else 1.0)
+            formula = (
+                f"FLOPs = {'2.5 * ' if pass_ == 'backward' else ''}4*H*D*pairs, pairs = "
+                f"sum over sequences of {'L*(L+1)/2' if causal else 'L^2'} = {pairs:,} (H={h}, "
+                f"D={d}, L = {', '.join(map(str, lengths))}; padded: B={len(lengths)}, "
+                f"Smax={max(lengths)}, q_lengths = k_lengths = L, the same pairs)"
+            )
+            benches += compare(
+                op,
+                pass_,
+                shape_text,
+                "TFLOP/s",
+                work,
+                formula,
+                repeats,
+                ("xpkernels", _xpk_varlen_setup(arrays, packed, lengths, causal, pass_)),
+                ("xpkernels padded", _xpk_padded_setup(arrays, packed, lengths, causal, pass_)),
+            )
+    return benches
+
+
+def _xpk_varlen_setup(arrays: _Arrays, packed, lengths, causal, pass_):
+    """``attention_varlen_`` (or its backward) over the packed ``(T, H, D)`` q, k, v (and do)."""
+
+    def setup():
+        import xpkernels as xk
+
+        q, k, v, do = (arrays.convert(a) for a in packed)
+        cu = arrays.convert(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        o = arrays.empty_like(q)
+        ck = allocate_checkpoints(xk.attention_varlen_, q, k, v)
+        xk.attention_varlen_(o, q, k, v, cu, cu, causal=causal, checkpoints=ck)
+        if pass_ == "forward":
+            return lambda: xk.attention_varlen_(o, q, k, v, cu, cu, causal=causal, checkpoints=ck)
+        O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
+        scratch = allocate_scratchspace(xk.attention_varlen_backward_, O, Q, K, V)
+        return lambda: xk.attention_varlen_backward_(
+            O, Q, K, V, cu, cu, checkpoints=ck, scratch=scratch, causal=causal
+        )
+
+    return setup
+
+
+def _padded(packed: np.ndarray, lengths) -> np.ndarray:
+    """Packed ``(T, H, D)`` tokens as ``(B, H, Smax, D)``: a view of ``(B, Smax, H, D)`` zeros
+    holding sequence ``b`` in its first ``lengths[b]`` positions."""
+    out = np.zeros((len(lengths), max(lengths), *packed.shape[1:]), dtype=packed.dtype)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    for b, n in enumerate(lengths):
+        out[b, :n] = packed[starts[b] : starts[b] + n]
+    return out
+
+
+def _padded_inputs(arrays: _Arrays, packed, lengths, causal):
+    """``(q, k, v, do)`` of the padded batch, ``(B, H, Smax, D)`` views, and attention's options
+    for it (the padding masked by ``q_lengths = k_lengths = lengths``)."""
+    import array_api_compat
+
+    held = [arrays.convert(_padded(a, lengths)) for a in packed]
+    xp = array_api_compat.array_namespace(held[0])
+    n = arrays.integers(list(lengths))
+    views = tuple(xp.permute_dims(a, (0, 2, 1, 3)) for a in held)
+    return views, {"causal": causal, "q_lengths": n, "k_lengths": n}
+
+
+def _xpk_padded_setup(arrays: _Arrays, packed, lengths, causal, pass_):
+    """``attention_`` (or its backward) over the padded batch of :func:`_padded_inputs`."""
+
+    def setup():
+        import xpkernels as xk
+
+        (q, k, v, do), opts = _padded_inputs(arrays, packed, lengths, causal)
+        o = arrays.empty_like(q)
+        ck = allocate_checkpoints(xk.attention_, q, k, v)
+        xk.attention_(o, q, k, v, checkpoints=ck, **opts)
+        if pass_ == "forward":
+            return lambda: xk.attention_(o, q, k, v, checkpoints=ck, **opts)
+        O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
+        scratch = allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
+        return lambda: xk.attention_backward_(O, Q, K, V, checkpoints=ck, scratch=scratch, **opts)
+
+    return setup
+
+
 # --------------------------------------------------------------------------- flex attention
 
 
@@ -659,6 +773,8 @@ def _benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[
             benches += _attention_benches(shapes["attention"], arrays, attn_repeats, with_torch)
         elif op == "decode_attention":
             benches += _decode_benches(shapes["decode"], arrays, row_repeats, with_torch)
+        elif op == "attention_varlen":
+            benches += _varlen_benches(shapes["varlen"], arrays, attn_repeats)
         elif op == "flex_attention":
             if "attention" not in chosen:  # the baseline of the no-mod rows
                 benches += [
