@@ -158,6 +158,12 @@ def test_missing_torch_is_named_and_its_rows_skipped(monkeypatch):
     ]
 
 
+def test_a_primitive_without_rows_is_named():
+    benches, skipped = bench._benches(True, ["merge_attention_states"], "numpy", 1)
+    assert benches == []
+    assert skipped == ["merge_attention_states: bench has no rows for this primitive"]
+
+
 #: Runs ``bench`` in a fresh interpreter where ``import torch`` fails as if torch were not installed.
 NO_TORCH = """
 import importlib.abc, sys

@@ -515,24 +515,61 @@ def _varlen_benches(shape, arrays: _Arrays, repeats: int) -> list[Bench]:
     return benches
 
 
-def _xpk_varlen_setup(arrays: _Arrays, packed, lengths, causal, pass_):
-    """``attention_varlen_`` (or its backward) over the packed ``(T, H, D)`` q, k, v (and do)."""
+def _flex_varlen_benches(shape, arrays: _Arrays, repeats: int) -> list[Bench]:
+    """``flex_attention_varlen`` with ``CausalMask()`` against ``attention_varlen(causal=True)``
+    over the same packed sequences: the cost of running the mask graph (and skipping tiles from
+    its band) instead of attention's built-in causal masking."""
+    h, d, lengths = shape["H"], shape["D"], tuple(shape["lengths"])
+    rng = np.random.default_rng(7)
+    packed = [rng.standard_normal((sum(lengths), h, d), dtype=np.float32) for _ in range(4)]
+    shape_text = f"{h}x({'+'.join(map(str, lengths))})x{d}"
+    pairs = _varlen_pairs(lengths, True)
+    benches = []
+    for pass_ in ("forward", "backward"):
+        work = 4 * h * d * pairs * (2.5 if pass_ == "backward" else 1.0)
+        formula = (
+            f"FLOPs = {'2.5 * ' if pass_ == 'backward' else ''}4*H*D*pairs, pairs = sum over "
+            f"sequences of L*(L+1)/2 = {pairs:,} (H={h}, D={d}, L = "
+            f"{', '.join(map(str, lengths))}); baseline: attention_varlen(causal=True)"
+        )
+        benches += compare(
+            "flex_attention_varlen (causal)",
+            pass_,
+            shape_text,
+            "TFLOP/s",
+            work,
+            formula,
+            repeats,
+            ("xpkernels", _xpk_varlen_setup(arrays, packed, lengths, True, pass_, flex=True)),
+            ("xpkernels attention_varlen", _xpk_varlen_setup(arrays, packed, lengths, True, pass_)),
+        )
+    return benches
+
+
+def _xpk_varlen_setup(arrays: _Arrays, packed, lengths, causal, pass_, flex=False):
+    """``attention_varlen_`` (or its backward) over the packed ``(T, H, D)`` q, k, v (and do);
+    ``flex``: ``flex_attention_varlen_`` with ``CausalMask()`` (``causal`` must be True)."""
 
     def setup():
         import xpkernels as xk
+        from xpkernels.mods import CausalMask
 
         q, k, v, do = (arrays.convert(a) for a in packed)
         cu = arrays.convert(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
         o = arrays.empty_like(q)
-        ck = allocate_checkpoints(xk.attention_varlen_, q, k, v)
-        xk.attention_varlen_(o, q, k, v, cu, cu, causal=causal, checkpoints=ck)
+        if flex:
+            forward, backward = xk.flex_attention_varlen_, xk.flex_attention_varlen_backward_
+            options = {"mask_mod": CausalMask()}
+        else:
+            forward, backward = xk.attention_varlen_, xk.attention_varlen_backward_
+            options = {"causal": causal}
+        ck = allocate_checkpoints(forward, q, k, v)
+        forward(o, q, k, v, cu, cu, checkpoints=ck, **options)
         if pass_ == "forward":
-            return lambda: xk.attention_varlen_(o, q, k, v, cu, cu, causal=causal, checkpoints=ck)
+            return lambda: forward(o, q, k, v, cu, cu, checkpoints=ck, **options)
         O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
-        scratch = allocate_scratchspace(xk.attention_varlen_backward_, O, Q, K, V)
-        return lambda: xk.attention_varlen_backward_(
-            O, Q, K, V, cu, cu, checkpoints=ck, scratch=scratch, causal=causal
-        )
+        scratch = allocate_scratchspace(backward, O, Q, K, V)
+        return lambda: backward(O, Q, K, V, cu, cu, checkpoints=ck, scratch=scratch, **options)
 
     return setup
 
@@ -775,6 +812,8 @@ def _benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[
             benches += _decode_benches(shapes["decode"], arrays, row_repeats, with_torch)
         elif op == "attention_varlen":
             benches += _varlen_benches(shapes["varlen"], arrays, attn_repeats)
+        elif op == "flex_attention_varlen":
+            benches += _flex_varlen_benches(shapes["varlen"], arrays, attn_repeats)
         elif op == "flex_attention":
             if "attention" not in chosen:  # the baseline of the no-mod rows
                 benches += [
@@ -793,6 +832,8 @@ def _benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[
             benches += _flex_benches(
                 shapes["flex"], shapes["attention"], arrays, attn_repeats, compiled_torch
             )
+        else:
+            skipped.append(f"{op}: bench has no rows for this primitive")
     if with_torch and library == "torch":  # the autograd path: xpkernels.torch.bench
         from ..torch.bench import autograd_benches
 
