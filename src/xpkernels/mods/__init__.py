@@ -56,23 +56,35 @@ the same benefit from a :class:`BlockMask` (:func:`build_block_mask`).
 """
 
 # Names outside __all__ are imported as ``name as name``: the rest of xpkernels uses them.
-from .library import BOOL as BOOL
-from .library import FLOAT as FLOAT
-from .library import FULL as FULL
-from .library import INPUTS as INPUTS
-from .library import INT as INT
-from .library import INT64_MAX as INT64_MAX
-from .library import INT64_MIN as INT64_MIN
-from .library import PARTIAL as PARTIAL
-from .library import SKIP as SKIP
+from .bands import FULL as FULL
+from .bands import PARTIAL as PARTIAL
+from .bands import SKIP as SKIP
+from .bands import TilePlan as TilePlan
+from .bands import band_states as band_states
+from .bands import plan_tiles as plan_tiles
+from .block_mask import BlockMask, build_block_mask
+from .block_mask import positions_of as positions_of
+from .host import mask_value, score_grad, score_value
+from .interpret import BoundGraph as BoundGraph
+from .interpret import Grid as Grid
+from .interpret import scatter_add as scatter_add
+from .interpret import tile_grid as tile_grid
+from .ir import BOOL as BOOL
+from .ir import FLOAT as FLOAT
+from .ir import INPUTS as INPUTS
+from .ir import INT as INT
+from .ir import INT64_MAX as INT64_MAX
+from .ir import INT64_MIN as INT64_MIN
+from .ir import Graph
+from .ir import Node as Node
+from .ir import Slot as Slot
+from .ir import is_host_array as is_host_array
 from .library import (
     AliBiScore,
     BiasScore,
-    BlockMask,
     CausalMask,
     DocumentMask,
     FullMask,
-    Graph,
     MaskMod,
     NoOpScore,
     PairFeatureScore,
@@ -81,9 +93,19 @@ from .library import (
     ScoreModGrad,
     SlidingWindowMask,
     SoftCapScore,
+    prefix_lm,
+)
+from .library import AndMask as AndMask
+from .library import CallShape as CallShape
+from .library import OrMask as OrMask
+from .library import ScoreChain as ScoreChain
+from .library import as_mask_mod as as_mask_mod
+from .library import as_score_mod as as_score_mod
+from .trace import CapturedArray as CapturedArray
+from .trace import Sym as Sym
+from .trace import (
     TraceError,
     abs,
-    build_block_mask,
     cos,
     exp,
     exp2,
@@ -92,12 +114,8 @@ from .library import (
     logical_and,
     logical_not,
     logical_or,
-    mask_value,
     maximum,
     minimum,
-    prefix_lm,
-    score_grad,
-    score_value,
     sigmoid,
     sin,
     sqrt,
@@ -105,26 +123,7 @@ from .library import (
     tanh,
     where,
 )
-from .library import AndMask as AndMask
-from .library import BoundGraph as BoundGraph
-from .library import CallShape as CallShape
-from .library import CapturedArray as CapturedArray
-from .library import Grid as Grid
-from .library import Node as Node
-from .library import OrMask as OrMask
-from .library import ScoreChain as ScoreChain
-from .library import Slot as Slot
-from .library import Sym as Sym
-from .library import TilePlan as TilePlan
-from .library import _scalar as _scalar
-from .library import as_mask_mod as as_mask_mod
-from .library import as_score_mod as as_score_mod
-from .library import band_states as band_states
-from .library import is_host_array as is_host_array
-from .library import plan_tiles as plan_tiles
-from .library import positions_of as positions_of
-from .library import scatter_add as scatter_add
-from .library import tile_grid as tile_grid
+from .trace import _scalar as _scalar
 
 __all__ = [
     "TraceError",
