@@ -1,0 +1,389 @@
+"""Running a graph on any Array API namespace, forward and in reverse mode.
+
+:class:`Grid` and :func:`tile_grid` (the index inputs of one evaluation),
+:class:`BoundGraph` (evaluation and reverse mode) and :func:`scatter_add`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+from typing import Any
+
+import array_api_compat
+
+from .ir import _EVAL, _ORDER, BOOL, FLOAT, INT, is_host_array
+
+
+class Grid:
+    """The index inputs of one evaluation: arrays broadcastable to one shape.
+
+    ``ranges[name] = (axis, start, length)`` says that input ``name`` is
+    ``start + arange(length)`` along grid axis ``axis`` (``axis`` None: the
+    single value ``start``). Captured arrays indexed by such inputs are read
+    and differentiated through plain slices instead of gathers and scatters.
+    """
+
+    def __init__(self, values: dict, ranges: dict | None = None, rank: int = 0):
+        self.values = values
+        self.ranges = ranges or {}
+        self.rank = rank
+
+
+def tile_grid(xp, device, names, *, b, h0, n_h, q_pos0, q_row0, n_q, kv0, n_kv) -> Grid:
+    """The rank-3 ``(heads, queries, keys)`` grid of one kernel tile, for the inputs in ``names``.
+
+    Parameters
+    ----------
+    xp, device
+        Namespace and device of the kernel's arrays.
+    names : collection of str
+        Index inputs the graphs read.
+    b : int
+        Batch index. ``h0``, ``n_h``: first query head and count.
+    q_pos0 : int or 0-d int64 array
+        Position of the tile's first query (an array: a device value, not read on the host).
+    q_row0, n_q : int
+        Row of the tile's first query, and its query count.
+    kv0, n_kv : int
+        First key position and key count.
+    """
+    spans = {
+        "b": (None, b, 1),
+        "h": (0, h0, n_h),
+        "q_idx": (1, q_pos0, n_q),
+        "q_row": (1, q_row0, n_q),
+        "kv_idx": (2, kv0, n_kv),
+    }
+    values, ranges = {}, {}
+    for name in names:
+        if name == "score":
+            continue
+        axis, start, length = spans[name]
+        if axis is None:
+            values[name] = xp.asarray(start, dtype=xp.int64, device=device)
+            ranges[name] = spans[name]
+            continue
+        shape = [1, 1, 1]
+        shape[axis] = length
+        if isinstance(start, int):
+            ranges[name] = spans[name]
+            row = xp.arange(start, start + length, dtype=xp.int64, device=device)
+        else:
+            row = start + xp.arange(length, dtype=xp.int64, device=device)
+        values[name] = xp.reshape(row, tuple(shape))
+    return Grid(values, ranges, 3)
+
+
+def _unbroadcast(xp, g, shape):
+    """Sum ``g`` down to ``shape`` (undo broadcasting)."""
+    shape = tuple(shape)
+    if tuple(g.shape) == shape:
+        return g
+    extra = g.ndim - len(shape)
+    if extra > 0:
+        g = xp.sum(g, axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    if axes:
+        g = xp.sum(g, axis=axes, keepdims=True)
+    return g
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def scatter_add(xp, target, index, values) -> None:
+    """``target.flat[index] += values`` with repeated indices summed, in pure Array API operations.
+
+    Sorts the indices once, takes differences of a float64 running sum at
+    each index's first and last occurrence, and adds the resulting dense run
+    to the contiguous slice of ``target`` the indices span (host indices:
+    read on the host) or to all of ``target`` (device indices are never read
+    on the host; they lie inside ``target``). ``target`` must be
+    C-contiguous (its reshape to 1-D is a view).
+    """
+    index = xp.reshape(index, (-1,))
+    values = xp.reshape(values, (-1,))
+    if index.shape[0] == 0:
+        return
+    if is_host_array(index):
+        lo, hi = int(xp.min(index)), int(xp.max(index))
+    else:
+        lo, hi = 0, math.prod(target.shape) - 1
+    order = xp.argsort(index)
+    sorted_index = xp.take(index, order)
+    sums = xp.cumulative_sum(xp.astype(xp.take(values, order), xp.float64), include_initial=True)
+    positions = xp.arange(
+        lo, hi + 1, dtype=sorted_index.dtype, device=array_api_compat.device(index)
+    )
+    last = xp.searchsorted(sorted_index, positions, side="right")
+    first = xp.searchsorted(sorted_index, positions, side="left")
+    run = xp.take(sums, last) - xp.take(sums, first)
+    flat = xp.reshape(target, (-1,))
+    flat[lo : hi + 1] += xp.astype(run, target.dtype)
+
+
+class BoundGraph:
+    """A :class:`Graph` bound to a namespace, a float dtype and its captured arrays.
+
+    :meth:`run` evaluates every node over a :class:`Grid`; :meth:`backprop`
+    runs the reverse mode from a cotangent of the output, returning the
+    score's cotangent and adding the captured arrays' gradients into their
+    accumulators.
+    """
+
+    def __init__(self, graph, xp, float_dtype, device, arrays=None):
+        self.graph, self.xp, self.float_dtype, self.device = graph, xp, float_dtype, device
+        self.arrays = [s.array for s in graph.slots] if arrays is None else list(arrays)
+        self._flat: dict[int, Any] = {}
+        dtypes = {BOOL: xp.bool, INT: xp.int64, FLOAT: float_dtype}
+        self._consts = {
+            i: xp.asarray(n.value, dtype=dtypes[n.kind], device=device)
+            for i, n in enumerate(graph.nodes)
+            if n.op == "const"
+        }
+        self._zero = xp.asarray(0.0, dtype=float_dtype, device=device)
+        self._active: dict[tuple, frozenset] = {}
+
+    def _float(self, value, kind):
+        return value if kind == FLOAT else self.xp.astype(value, self.float_dtype)
+
+    def run(self, grid: Grid, score=None) -> list:
+        """Values of every node (output: ``values[graph.output]``); ``score`` feeds the score."""
+        xp, nodes = self.xp, self.graph.nodes
+        values: list = [None] * len(nodes)
+        for i, node in enumerate(nodes):
+            op = node.op
+            if op == "input":
+                values[i] = score if node.value == "score" else grid.values[node.value]
+            elif op == "const":
+                values[i] = self._consts[i]
+            elif op == "gather":
+                values[i] = self._gather(i, node, values, grid)
+            else:
+                args = [values[a] for a in node.args]
+                kinds = [nodes[a].kind for a in node.args]
+                if node.kind == FLOAT or (op in _ORDER + ("eq", "ne") and FLOAT in kinds):
+                    start = 1 if op == "where" else 0
+                    args[start:] = [self._float(v, k) for v, k in zip(args[start:], kinds[start:])]
+                values[i] = _EVAL[op](xp, *args)
+        return values
+
+    def _slices(self, i, grid):
+        """``(slices, grid axis per array axis)`` reading gather ``i`` as a plain slice, or None."""
+        slices, axes = [], []
+        for form in self.graph.forms[i]:
+            if form is None:
+                return None
+            if form[0] == "const":
+                slices.append(slice(form[1], form[1] + 1))
+                axes.append(None)
+                continue
+            span = grid.ranges.get(form[1])
+            if span is None:
+                return None
+            axis, start, length = span
+            slices.append(slice(start + form[2], start + form[2] + length))
+            axes.append(axis)
+        used = [a for a in axes if a is not None]
+        if len(set(used)) != len(used):
+            return None
+        return tuple(slices), axes
+
+    def _grid_shape(self, axes, lengths, rank):
+        shape = [1] * rank
+        for axis, n in zip(axes, lengths):
+            if axis is not None:
+                shape[axis] = n
+        return tuple(shape)
+
+    def _gather(self, i, node, values, grid):
+        xp = self.xp
+        array = self.arrays[node.value]
+        plan = self._slices(i, grid)
+        if plan is not None:
+            slices, axes = plan
+            block = array[slices]
+            lengths = [s.stop - s.start for s in slices]
+            kept = [(a, n) for a, n in zip(axes, lengths) if a is not None]
+            block = xp.reshape(block, tuple(n for _, n in kept))
+            order = sorted(range(len(kept)), key=lambda k: kept[k][0])
+            if order != list(range(len(kept))):
+                block = xp.permute_dims(block, tuple(order))
+            out = xp.reshape(block, self._grid_shape(axes, lengths, grid.rank))
+        else:
+            flat_index = self._flat_index(i, node, values)
+            out = xp.reshape(
+                xp.take(self._flat_array(node.value), xp.reshape(flat_index, (-1,))),
+                tuple(flat_index.shape),
+            )
+        return self._float(out, node.kind) if node.kind == FLOAT else out
+
+    def _flat_array(self, slot):
+        if slot not in self._flat:
+            self._flat[slot] = self.xp.reshape(self.arrays[slot], (-1,))
+        return self._flat[slot]
+
+    def _flat_index(self, i, node, values):
+        shape = tuple(self.arrays[node.value].shape)
+        flat = None
+        for axis, (a, stride) in enumerate(zip(node.args, _contiguous_strides(shape))):
+            index = values[a]
+            if (i, axis) in self.graph.clamped:
+                index = self.xp.clip(index, 0, shape[axis] - 1)
+            term = index * stride
+            flat = term if flat is None else flat + term
+        return flat
+
+    def _active_nodes(self, grads) -> frozenset:
+        key = tuple(g is not None for g in grads)
+        if key not in self._active:
+            active = set()
+            for i, node in enumerate(self.graph.nodes):
+                if node.op == "input":
+                    hit = node.value == "score"
+                elif node.op == "gather":
+                    hit = grads[node.value] is not None
+                else:
+                    hit = node.kind == FLOAT and builtins.any(a in active for a in node.args)
+                if hit:
+                    active.add(i)
+            self._active[key] = frozenset(active)
+        return self._active[key]
+
+    def backprop(self, values, grid, cotangent, grads):
+        """Reverse mode from ``cotangent`` (d loss / d output) through the values of :meth:`run`.
+
+        Parameters
+        ----------
+        values : list
+            From :meth:`run` on the same grid.
+        grid : Grid
+        cotangent : array
+            Broadcastable to the output's shape.
+        grads : sequence of array or None
+            One per slot: an accumulator shaped like the captured array
+            (gradients are ADDED), or None for no gradient.
+
+        Returns
+        -------
+        array or None
+            d loss / d score (None when the output does not depend on the score).
+        """
+        xp, nodes = self.xp, self.graph.nodes
+        active = self._active_nodes(grads)
+        out = self.graph.output
+        if out not in active:
+            return None
+        cots = {out: _unbroadcast(xp, cotangent, values[out].shape)}
+        d_score = None
+        for i in range(out, -1, -1):
+            g = cots.pop(i, None)
+            if g is None:
+                continue
+            node = nodes[i]
+            if node.op == "input":
+                d_score = g
+            elif node.op == "gather":
+                self._scatter(i, node, values, grid, g, grads[node.value])
+            else:
+                for a, contribution in self._local(i, node, values, g, active):
+                    contribution = _unbroadcast(xp, contribution, values[a].shape)
+                    cots[a] = cots[a] + contribution if a in cots else contribution
+        return d_score
+
+    def _local(self, i, node, values, g, active):
+        """``(arg, d loss / d arg)`` for the active args of node ``i`` given its cotangent ``g``."""
+        xp, nodes = self.xp, self.graph.nodes
+        op, args = node.op, node.args
+
+        def arg(k):
+            return self._float(values[args[k]], nodes[args[k]].kind)
+
+        want = [a in active for a in args]
+        if op == "add":
+            return [(a, g) for a, w in zip(args, want) if w]
+        if op == "sub":
+            return [(a, g if k == 0 else -g) for k, (a, w) in enumerate(zip(args, want)) if w]
+        if op == "mul":
+            return [(args[k], g * arg(1 - k)) for k in (0, 1) if want[k]]
+        if op == "div":
+            out = [(args[0], g / arg(1))] if want[0] else []
+            if want[1]:
+                out.append((args[1], -g * values[i] / arg(1)))
+            return out
+        if op == "mod":
+            out = [(args[0], g)] if want[0] else []
+            if want[1]:
+                out.append((args[1], -g * xp.floor_divide(arg(0), arg(1))))
+            return out
+        if op == "pow":
+            out = [(args[0], g * (arg(1) * xp.pow(arg(0), arg(1) - 1.0)))] if want[0] else []
+            if want[1]:
+                # d/dy x**y = x**y log x; 0 where x**y is 0 (x = 0, y > 0), not 0 * -inf
+                power = values[i]
+                safe = xp.where(power == 0.0, xp.ones_like(power), arg(0))
+                out.append((args[1], xp.where(power == 0.0, self._zero, g * power * xp.log(safe))))
+            return out
+        if op == "neg":
+            return [(args[0], -g)]
+        if op == "abs":
+            return [(args[0], g * xp.sign(arg(0)))]
+        if op == "exp":
+            return [(args[0], g * values[i])]
+        if op == "log":
+            return [(args[0], g / arg(0))]
+        if op == "tanh":
+            return [(args[0], g * (1.0 - values[i] * values[i]))]
+        if op == "sqrt":
+            return [(args[0], g * 0.5 / values[i])]
+        if op == "exp2":
+            return [(args[0], g * (math.log(2.0) * values[i]))]
+        if op == "sin":
+            return [(args[0], g * xp.cos(arg(0)))]
+        if op == "cos":
+            return [(args[0], -g * xp.sin(arg(0)))]
+        if op == "tan":
+            return [(args[0], g * (1.0 + values[i] * values[i]))]
+        if op == "sigmoid":
+            return [(args[0], g * (values[i] * (1.0 - values[i])))]
+        if op in ("minimum", "maximum"):
+            first = (
+                xp.less_equal(arg(0), arg(1))
+                if op == "minimum"
+                else xp.greater_equal(arg(0), arg(1))
+            )
+            out = [(args[0], xp.where(first, g, self._zero))] if want[0] else []
+            if want[1]:
+                out.append((args[1], xp.where(first, self._zero, g)))
+            return out
+        if op == "where":
+            cond = values[args[0]]
+            out = [(args[1], xp.where(cond, g, self._zero))] if want[1] else []
+            if want[2]:
+                out.append((args[2], xp.where(cond, self._zero, g)))
+            return out
+        return []
+
+    def _scatter(self, i, node, values, grid, g, acc):
+        if acc is None:
+            return
+        xp = self.xp
+        plan = self._slices(i, grid)
+        if plan is None:
+            scatter_add(xp, acc, self._flat_index(i, node, values), g)
+            return
+        slices, axes = plan
+        lengths = [s.stop - s.start for s in slices]
+        kept = [(a, n) for a, n in zip(axes, lengths) if a is not None]
+        by_axis = sorted(range(len(kept)), key=lambda k: kept[k][0])
+        block = xp.reshape(g, tuple(kept[k][1] for k in by_axis))
+        back = sorted(range(len(kept)), key=lambda k: by_axis[k])
+        if back != list(range(len(kept))):
+            block = xp.permute_dims(block, tuple(back))
+        acc[slices] += xp.astype(xp.reshape(block, tuple(lengths)), acc.dtype)
