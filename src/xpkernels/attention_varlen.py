@@ -75,6 +75,7 @@ from .buffers import (
     primal,
     record_forward,
     scratchspace_for,
+    with_new_shadows,
 )
 from .registry import resolve
 
@@ -706,11 +707,8 @@ def attention_varlen_backward(
     dq, dk, dv : arrays shaped and typed like ``q``, ``k``, ``v``.
     """
     fn = "attention_varlen_backward"
-    q, k, v, o = primal(q), primal(k), primal(v), primal(o)
-    arrays = {}
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        check.namespace(fn, name, a)
-        arrays[name] = Duplicated(a, empty(a, a.shape, a.dtype))
+    arrays = with_new_shadows(fn, {"q": q, "k": k, "v": v})
+    o = primal(o)
     attention_varlen_backward_(
         Duplicated(o, do),
         arrays["q"],

@@ -49,6 +49,7 @@ __all__ = [
     "empty",
     "empty_float32",
     "empty_accumulator",
+    "with_new_shadows",
     "record_forward",
     "forget_forward",
     "check_forward",
@@ -197,6 +198,24 @@ def empty(like, shape, dtype):
     if debug_enabled() and xp.isdtype(dtype, "real floating"):
         return xp.full(tuple(shape), math.nan, dtype=dtype, device=device)
     return xp.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def with_new_shadows(fn: str, arrays: Mapping[str, Any]) -> dict:
+    """``name -> Duplicated(primal, new shadow)`` for the allocating backward fronts.
+
+    Each shadow is :func:`empty` of its primal's shape and dtype: C-contiguous,
+    never ``empty_like`` (a broadcast view has zero strides). ``arrays`` maps
+    argument names to arrays or Duplicated (their primals are taken); a
+    non-array raises TypeError naming the argument.
+    """
+    from . import _checks as check
+
+    out = {}
+    for name, a in arrays.items():
+        a = primal(a)
+        check.namespace(fn, name, a)
+        out[name] = Duplicated(a, empty(a, tuple(a.shape), a.dtype))
+    return out
 
 
 def empty_float32(like, shape):

@@ -68,6 +68,7 @@ from .buffers import (
     primal,
     record_forward,
     scratchspace_for,
+    with_new_shadows,
 )
 from .registry import resolve
 
@@ -795,12 +796,8 @@ def flex_attention_backward(
     dq, dk, dv : arrays shaped and typed like ``q``, ``k``, ``v``.
     """
     fn = "flex_attention_backward"
-    q, k, v, o = primal(q), primal(k), primal(v), primal(o)
-    shadows = {}
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        check.namespace(fn, name, a)
-        # contiguous, whatever a's strides (a broadcast k has zero strides that empty_like keeps)
-        shadows[name] = Duplicated(a, empty(a, tuple(a.shape), a.dtype))
+    shadows = with_new_shadows(fn, {"q": q, "k": k, "v": v})
+    o = primal(o)
     flex_attention_backward_(
         Duplicated(o, do),
         shadows["q"],
