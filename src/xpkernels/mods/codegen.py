@@ -1,0 +1,428 @@
+"""Triton source for a traced mod graph: the forward function and its reverse mode.
+
+:func:`triton_source` turns a :class:`~xpkernels.mods.Graph` into the text of
+a module of ``@triton.jit`` functions that flex kernels call on each tile:
+
+- a mask: ``fn(b, h, q_idx, kv_idx, q_row, arrs, consts) -> keep``;
+- a score: ``fn(score, b, h, q_idx, kv_idx, q_row, arrs, consts) -> score``
+  (a ``(BLOCK_M, BLOCK_N)`` float32 tile);
+- a score's reverse mode: ``vjp(score, b, h, q_idx, kv_idx, q_row, g, valid,
+  arrs, consts, grads) -> d_score``, which also adds the gradients of the
+  captured arrays listed in ``grads`` into their float32 accumulators with
+  atomic adds (summed over the tile first where the array's index does not
+  vary along an axis), on the pairs ``valid`` holds only. Its tiles may also
+  be ``(keys, queries)`` (``transposed``).
+
+The index inputs arrive as int64: ``b`` and ``h`` scalars, ``q_idx`` and
+``q_row`` ``(BLOCK_M, 1)``, ``kv_idx`` ``(1, BLOCK_N)``. Integers are computed
+in int64 with Python's floor semantics (as every backend), floats in float32.
+Constants are not part of the source: they travel in the ``consts`` tuple
+(:func:`constants`), so graphs differing only in their constants share one
+compiled kernel. Each captured array travels in ``arrs`` as its pointer,
+its extents and its strides (in elements); its indices are clamped into the
+array, which changes nothing on pairs the call proved in range
+(:meth:`Graph.check_indices`) and keeps the padding rows and keys of a tile
+from reading outside it. An accumulator in ``grads`` travels as its pointer
+and strides.
+"""
+
+from __future__ import annotations
+
+from .ir import _ORDER, BOOL, FLOAT, INT, Graph
+
+__all__ = ["constants", "triton_source"]
+
+#: Inputs of the generated functions, in order (``score`` only for scores).
+_INDEX_INPUTS = ("b", "h", "q_idx", "kv_idx", "q_row")
+
+#: Axes of a tile each input varies along: rows (M), keys (N).
+_INPUT_AXES = {"score": "MN", "b": "", "h": "", "q_idx": "M", "q_row": "M", "kv_idx": "N"}
+
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+_COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+_UNARY = {
+    "neg": "-({0})",
+    "abs": "tl.abs({0})",
+    "exp": "tl.exp({0})",
+    "exp2": "tl.exp2({0})",
+    "log": "tl.log({0})",
+    "sqrt": "tl.sqrt({0})",
+    "sin": "tl.sin({0})",
+    "cos": "tl.cos({0})",
+    "tan": "tl.sin({0}) / tl.cos({0})",
+    "tanh": "_tanh({0})",
+    "sigmoid": "1.0 / (1.0 + tl.exp(-({0})))",
+}
+
+#: Helper functions a generated module may call, by name.
+_HELPERS = {
+    "_floordiv": '''
+@triton.jit
+def _floordiv(a, b):
+    """Integer floor division (Python's), from the truncating one."""
+    q = a // b
+    return tl.where(((a % b) != 0) & ((a < 0) != (b < 0)), q - 1, q)
+''',
+    "_mod": '''
+@triton.jit
+def _mod(a, b):
+    """Integer remainder with the divisor's sign (Python's)."""
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+''',
+    "_floor_int": '''
+@triton.jit
+def _floor_int(x):
+    """floor(x) as int64: NaN gives 0, values past int64 saturate."""
+    x = tl.floor(x)
+    x = tl.where(x != x, 0.0, x)
+    x = tl.minimum(tl.maximum(x, -9.223372036854775808e18), 9.223372036854774784e18)
+    return x.to(tl.int64)
+''',
+    "_pow": '''
+@triton.jit
+def _pow(a, b):
+    """a ** b in float32 as NumPy: negative bases need integer exponents (else NaN)."""
+    r = tl.exp2(b * tl.log2(tl.abs(a)))
+    whole = tl.floor(b) == b
+    odd = tl.abs(b - 2.0 * tl.floor(b * 0.5)) == 1.0
+    negative = tl.where(whole, tl.where(odd, -r, r), float("nan"))
+    r = tl.where(a < 0.0, negative, r)
+    return tl.where(b == 0.0, 1.0, r)
+''',
+    "_tanh": '''
+@triton.jit
+def _tanh(x):
+    """tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both infinities."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+''',
+}
+
+
+def constants(graph: Graph) -> tuple:
+    """The ``consts`` argument of :func:`triton_source`'s functions: bools excluded, in node order."""
+    return tuple(n.value for n in graph.nodes if n.op == "const" and not isinstance(n.value, bool))
+
+
+class _Writer:
+    """Expressions of one graph's nodes, as Triton source lines."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.lines: list[str] = []
+        self.helpers: set[str] = set()
+        self.axes: list[str] = []
+        self.const_index: dict[int, int] = {}
+        self.slot_base: list[int] = []
+        base = 0
+        for slot in graph.slots:
+            self.slot_base.append(base)
+            base += 1 + 2 * slot.array.ndim
+        for i, n in enumerate(graph.nodes):
+            if n.op == "const" and not isinstance(n.value, bool):
+                self.const_index[i] = len(self.const_index)
+        for n in graph.nodes:
+            if n.op == "input":
+                axes = _INPUT_AXES[n.value]
+            elif n.op == "const":
+                axes = ""
+            else:
+                axes = "".join(a for a in "MN" if any(a in self.axes[j] for j in n.args))
+            self.axes.append(axes)
+
+    def float_of(self, i: int) -> str:
+        """Node ``i``'s value as float32."""
+        kind = self.graph.nodes[i].kind
+        return f"v{i}" if kind == FLOAT else f"v{i}.to(tl.float32)"
+
+    def emit(self, i: int) -> None:
+        """The line computing ``v{i}``."""
+        node, nodes = self.graph.nodes[i], self.graph.nodes
+        op, args = node.op, node.args
+        if op == "input":
+            self.lines.append(f"v{i} = {node.value}")
+            return
+        if op == "const":
+            if isinstance(node.value, bool):
+                expr = f"tl.full((), {node.value}, tl.int1)"
+            else:
+                dtype = "tl.float32" if node.kind == FLOAT else "tl.int64"
+                expr = f"tl.cast(consts[{self.const_index[i]}], {dtype})"
+            self.lines.append(f"v{i} = {expr}")
+            return
+        if op == "gather":
+            off = self.offset(i)
+            value = f"tl.load(arrs[{self.slot_base[node.value]}] + {off})"
+            if node.kind == FLOAT:
+                value += ".to(tl.float32)"
+            elif node.kind == INT:
+                value += ".to(tl.int64)"
+            else:
+                value = f"({value} != 0)"
+            self.lines.append(f"v{i} = {value}")
+            return
+        floats = node.kind == FLOAT or (
+            op in _ORDER + ("eq", "ne") and any(nodes[a].kind == FLOAT for a in args)
+        )
+
+        def a(k):
+            return self.float_of(args[k]) if floats else f"v{args[k]}"
+
+        if op in _BINARY:
+            expr = f"{a(0)} {_BINARY[op]} {a(1)}"
+        elif op in _COMPARE:
+            expr = f"{a(0)} {_COMPARE[op]} {a(1)}"
+        elif op == "and":  # selects, not & | ~: the interpreter cannot mix ranks of bools
+            expr = f"tl.where(v{args[0]}, v{args[1]}, False)"
+        elif op == "or":
+            expr = f"tl.where(v{args[0]}, True, v{args[1]})"
+        elif op == "not":
+            expr = f"tl.where(v{args[0]}, False, True)"
+        elif op == "floordiv":
+            expr = f"tl.floor({a(0)} / {a(1)})" if floats else self.helper("_floordiv", a(0), a(1))
+        elif op == "mod":
+            if floats:
+                expr = f"{a(0)} - {a(1)} * tl.floor({a(0)} / {a(1)})"
+            else:
+                expr = self.helper("_mod", a(0), a(1))
+        elif op == "pow":
+            if floats:
+                expr = self.helper("_pow", a(0), a(1))
+            else:
+                expr = _int_power(f"v{args[0]}", nodes[args[1]].value)
+        elif op in _UNARY:
+            if op == "tanh":
+                self.helpers.add("_tanh")
+            expr = _UNARY[op].format(a(0))
+        elif op == "floor":
+            expr = self.helper("_floor_int", f"v{args[0]}")
+        elif op in ("minimum", "maximum"):
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if floats else ""
+            expr = f"tl.{op}({a(0)}, {a(1)}{nan})"
+        elif op == "where":
+            branch = [self.float_of(j) if node.kind == FLOAT else f"v{j}" for j in args[1:]]
+            expr = f"tl.where(v{args[0]}, {branch[0]}, {branch[1]})"
+        elif op == "float":
+            expr = self.float_of(args[0])
+        else:
+            raise NotImplementedError(f"no Triton spelling for mod operation {op!r}")
+        self.lines.append(f"v{i} = {expr}")
+
+    def helper(self, name: str, *args: str) -> str:
+        self.helpers.add(name)
+        return f"{name}({', '.join(args)})"
+
+    def offset(self, i: int) -> str:
+        """The element offset of gather ``i``, every index clamped into its array."""
+        node = self.graph.nodes[i]
+        base = self.slot_base[node.value]
+        rank = len(node.args)
+        terms = []
+        for axis, j in enumerate(node.args):
+            extent = f"arrs[{base + 1 + axis}]"
+            stride = f"arrs[{base + 1 + rank + axis}]"
+            terms.append(f"tl.minimum(tl.maximum(v{j}, 0), {extent} - 1) * {stride}")
+        return " + ".join(terms) if terms else "0"
+
+
+def _int_power(x: str, exponent: int) -> str:
+    """``x ** exponent`` for an int64 expression and a constant exponent >= 0, by squaring."""
+    if exponent == 0:
+        return f"({x} * 0 + 1)"
+    factors, square, e = [], x, exponent
+    while True:
+        if e & 1:
+            factors.append(square)
+        e >>= 1
+        if not e:
+            break
+        square = f"({square} * {square})"
+    return " * ".join(factors)
+
+
+def _active(graph: Graph, grads: frozenset) -> set[int]:
+    """Nodes whose value depends on the score or on a captured array differentiated (``grads``)."""
+    active: set[int] = set()
+    for i, node in enumerate(graph.nodes):
+        if node.op == "input":
+            hit = node.value == "score"
+        elif node.op == "gather":
+            hit = node.value in grads
+        else:
+            hit = node.kind == FLOAT and any(a in active for a in node.args)
+        if hit:
+            active.add(i)
+    return active
+
+
+def _reverse(w: _Writer, grads: tuple[int, ...], transposed: bool) -> list[str]:
+    """Lines accumulating cotangents ``g{i}`` (full tiles) from ``g``; returns the score's."""
+    graph = w.graph
+    nodes = graph.nodes
+    active = _active(graph, frozenset(grads))
+    grad_base, base = {}, 0
+    for s in grads:
+        grad_base[s] = base
+        base += 1 + graph.slots[s].array.ndim
+    lines: list[str] = []
+    have: set[int] = set()
+
+    def add(j: int, expr: str) -> None:
+        if j not in active:
+            return
+        lines.append(f"g{j} = g{j} + ({expr})" if j in have else f"g{j} = {expr}")
+        have.add(j)
+
+    out = graph.output
+    if out not in active:
+        return ["d_score = tl.zeros_like(score)"]
+    lines.append(f"g{out} = g + tl.zeros_like(score)")
+    have.add(out)
+    d_score = None
+    for i in range(out, -1, -1):
+        if i not in have:
+            continue
+        node, g = nodes[i], f"g{i}"
+        op, args = node.op, node.args
+        f = [w.float_of(a) for a in args]
+        if op == "input":
+            d_score = g
+        elif op == "gather":
+            lines.extend(_scatter(w, i, g, grad_base[node.value], transposed))
+        elif op == "add":
+            add(args[0], g)
+            add(args[1], g)
+        elif op == "sub":
+            add(args[0], g)
+            add(args[1], f"-{g}")
+        elif op == "mul":
+            add(args[0], f"{g} * {f[1]}")
+            add(args[1], f"{g} * {f[0]}")
+        elif op == "div":
+            add(args[0], f"{g} / {f[1]}")
+            add(args[1], f"-{g} * v{i} / {f[1]}")
+        elif op == "mod":
+            add(args[0], g)
+            add(args[1], f"-{g} * tl.floor({f[0]} / {f[1]})")
+        elif op == "pow":
+            add(args[0], f"{g} * ({f[1]} * _pow({f[0]}, {f[1]} - 1.0))")
+            add(
+                args[1],
+                f"tl.where(v{i} == 0.0, 0.0, {g} * v{i} * tl.log(tl.where(v{i} == 0.0, 1.0, {f[0]})))",
+            )
+        elif op == "neg":
+            add(args[0], f"-{g}")
+        elif op == "abs":
+            add(args[0], f"tl.where({f[0]} > 0.0, {g}, tl.where({f[0]} < 0.0, -{g}, 0.0))")
+        elif op == "exp":
+            add(args[0], f"{g} * v{i}")
+        elif op == "exp2":
+            add(args[0], f"{g} * (0.6931471805599453 * v{i})")
+        elif op == "log":
+            add(args[0], f"{g} / {f[0]}")
+        elif op == "tanh":
+            add(args[0], f"{g} * (1.0 - v{i} * v{i})")
+        elif op == "sqrt":
+            add(args[0], f"{g} * 0.5 / v{i}")
+        elif op == "sin":
+            add(args[0], f"{g} * tl.cos({f[0]})")
+        elif op == "cos":
+            add(args[0], f"-{g} * tl.sin({f[0]})")
+        elif op == "tan":
+            add(args[0], f"{g} * (1.0 + v{i} * v{i})")
+        elif op == "sigmoid":
+            add(args[0], f"{g} * (v{i} * (1.0 - v{i}))")
+        elif op in ("minimum", "maximum"):
+            sign = "<=" if op == "minimum" else ">="
+            add(args[0], f"tl.where({f[0]} {sign} {f[1]}, {g}, 0.0)")
+            add(args[1], f"tl.where({f[0]} {sign} {f[1]}, 0.0, {g})")
+        elif op == "where":
+            add(args[1], f"tl.where(v{args[0]}, {g}, 0.0)")
+            add(args[2], f"tl.where(v{args[0]}, 0.0, {g})")
+        elif op in ("float", "floordiv"):
+            continue  # from an integer, or piecewise constant: no gradient (as array_api)
+        else:
+            raise NotImplementedError(f"no reverse mode for mod operation {op!r}")
+    if "_pow" not in w.helpers and any(nodes[i].op == "pow" for i in have):
+        w.helpers.add("_pow")
+    lines.append(f"d_score = {d_score if d_score is not None else 'tl.zeros_like(score)'}")
+    return lines
+
+
+def _scatter(w: _Writer, i: int, g: str, base: int, transposed: bool) -> list[str]:
+    """Atomic adds of cotangent ``g`` (a full tile) into gather ``i``'s accumulator.
+
+    ``g`` is summed over the tile axes the gather's index does not vary along
+    (rows are axis 0, keys axis 1; the other way round when ``transposed``).
+    """
+    node = w.graph.nodes[i]
+    axes = w.axes[i]
+    c = f"c{i}"
+    lines = [f"{c} = tl.where(valid, {g}, 0.0)"]
+    row_axis = 1 if transposed else 0
+    if axes == "":
+        lines.append(f"{c} = tl.sum(tl.sum({c}, 1), 0)")
+    elif axes in ("M", "N"):
+        kept = row_axis if axes == "M" else 1 - row_axis
+        index = "[:, None]" if kept == 0 else "[None, :]"
+        lines.append(f"{c} = tl.sum({c}, {1 - kept}){index}")
+    slot = w.slot_base[node.value]
+    rank = len(node.args)
+    terms = [
+        f"tl.minimum(tl.maximum(v{j}, 0), arrs[{slot + 1 + axis}] - 1) * grads[{base + 1 + axis}]"
+        for axis, j in enumerate(node.args)
+    ]
+    offset = " + ".join(terms) if rank else "0"
+    lines.append(f"tl.atomic_add(grads[{base}] + {offset}, {c})")
+    return lines
+
+
+def triton_source(
+    graph: Graph, role: str, name: str, grads: tuple[int, ...] = (), transposed: bool = False
+) -> str:
+    """The source of a module defining ``@triton.jit`` function ``name`` for ``graph``.
+
+    Parameters
+    ----------
+    graph : Graph
+    role : {"mask", "score", "vjp"}
+        The function's form (see the module docstring).
+    name : str
+        The function's name.
+    grads : tuple of int
+        ``vjp`` only: the slots whose gradients it adds, in the order of the ``grads`` tuple.
+    transposed : bool
+        ``vjp`` only: tiles are ``(keys, queries)`` (``q_idx`` ``(1, BLOCK_M)``, ``kv_idx``
+        ``(BLOCK_N, 1)``), as the dK/dV pass computes them.
+
+    Returns
+    -------
+    str
+        Python source importing ``triton`` and ``triton.language as tl``.
+    """
+    w = _Writer(graph)
+    inputs = list(_INDEX_INPUTS)
+    if role != "mask":
+        inputs.insert(0, "score")
+    if role == "vjp":
+        inputs += ["g", "valid"]
+    inputs += ["arrs", "consts"]
+    if role == "vjp":
+        inputs.append("grads")
+    for i in range(len(graph.nodes)):
+        w.emit(i)
+    out = graph.output
+    if role == "mask":
+        body = w.lines + [f"return v{out}"]
+    elif role == "score":
+        body = w.lines + [f"return {w.float_of(out)} + tl.zeros_like(score)"]
+    else:
+        body = w.lines + _reverse(w, grads, transposed) + ["return d_score"]
+    kind = graph.nodes[out].kind
+    if role == "mask" and kind != BOOL:
+        raise ValueError(f"a mask graph returns a condition, got {kind}")
+    header = ["import triton", "import triton.language as tl", ""]
+    helpers = [_HELPERS[h].strip("\n") + "\n\n" for h in sorted(w.helpers)]
+    signature = f"@triton.jit\ndef {name}({', '.join(inputs)}):\n"
+    text = "\n".join(header) + "\n" + "\n".join(helpers) + "\n" + signature
+    return text + "".join(f"    {line}\n" for line in body)
