@@ -64,6 +64,12 @@ BACKEND = Backend(
             dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, hooks=("default_splits",)
         ),
         "merge_attention_states": Capability(dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM),
+        "flex_attention": Capability(
+            dtypes=_DTYPES,
+            max_head_dim=_ATTENTION_HEAD_DIM,
+            scratch=("delta",),
+            hooks=("default_tiles",),
+        ),
     },
     device_problem=device_problem,
 )

@@ -59,11 +59,11 @@ _BASE = {
 }
 
 
-def _case(ident, quick=False, **params):
+def _case(ident, quick=False, interpreter=False, **params):
     unknown = set(params) - set(_BASE)
     if unknown:
         raise TypeError(f"flex case {ident}: unknown parameters {sorted(unknown)}")
-    return Case(ident, {**_BASE, **params}, quick=quick)
+    return Case(ident, {**_BASE, **params}, quick=quick, interpreter=interpreter)
 
 
 CASES = [
@@ -188,6 +188,74 @@ CASES += [
         input_pos=[-16, -3],
     ),
     _case("causal-before-every-key", Sq=8, Sk=16, mask="causal", input_pos=-8),
+]
+
+
+# --------------------------------------------------------------------------- interpreter-sized
+# Small enough for the Triton interpreter (16 x 16 tiles there), still crossing tile boundaries
+# at odd lengths: every built-in mask and score, compositions, user mods, pair features with and
+# without feature gradients, block masks at the kernel's tiles and at tiles it does not divide
+# (each pair then reads its plan state), the dense path, BSHD and fully masked rows. They run
+# in float32 and float16 only: bfloat16 flex runs in the larger cases above on array_api, and
+# the triton kernels' bfloat16 path (operands widened under the interpreter) is the attention
+# kernels', proven by the attention specs.
+def _small(ident, **params):
+    case = _case(f"small-{ident}", interpreter=True, **params)
+    return dataclasses.replace(case, dtypes=("float32", "float16"))
+
+
+CASES += [
+    _small("nomod-gqa-dv24", H=4, Hkv=2, Sq=19, Sk=37, Dv=24),
+    _small("causal-pos20", Sq=20, Sk=40, mask="causal", input_pos=20),
+    _small("causal-pos-per-batch", B=2, Sq=18, Sk=35, mask="causal", input_pos=[0, 17]),
+    _small("sliding-document-gqa", B=2, H=4, Hkv=2, Sq=40, Sk=40, mask="sliding&document", w=10),
+    _small("prefix_lm7", Sq=33, Sk=33, mask="prefix_lm", n=7),
+    _small("alibi-softcap-sliding", Sq=33, Sk=33, mask="sliding", w=9, score="alibi>>softcap"),
+    _small("bias-batch-causal", B=2, Sq=17, Sk=40, score="bias-b", mask="causal", input_pos=23),
+    _small("user-relpos-user-mask", Sq=36, Sk=36, mask="user", score="relpos"),
+    _small("pair-features", B=2, Sq=20, Sk=34, score="pair", mask="causal", input_pos=14),
+    _small("pair-features-grads", Sq=18, Sk=33, score="pair-grads"),
+    _small("rows-fully-masked", Sq=40, Sk=40, mask="late", score="alibi"),
+    _small("block-causal-16x32-gqa", H=4, Hkv=2, Sq=40, Sk=50, mask="causal", block=(16, 32)),
+    _small(
+        "block-12x20-sliding-document-bias",
+        B=2,
+        Sq=40,
+        Sk=40,
+        mask="sliding&document",
+        w=10,
+        score="bias-h",
+        block=(12, 20),
+    ),
+    _small(
+        "dense-path-document-alibi", B=2, Sq=33, Sk=33, mask="document", score="alibi", sparse=False
+    ),
+    _small("silu-causal", Sq=24, Sk=24, mask="causal", score="silu"),
+    _small("sqrt-unmasked", Sq=20, Sk=30, score="sqrt"),
+    _small(
+        "bshd-causal-alibi",
+        H=4,
+        Hkv=2,
+        Sq=20,
+        Sk=30,
+        mask="causal",
+        score="alibi",
+        input_pos=10,
+        layout="bshd",
+    ),
+    _small("bottom-right-sq-gt-sk", Sq=40, Sk=18, mask="causal", input_pos=-22),
+    _small(
+        "sq1-decode-alibi",
+        B=2,
+        H=4,
+        Hkv=1,
+        Sq=1,
+        Sk=40,
+        mask="causal",
+        score="alibi",
+        input_pos=[39, 20],
+        scale=0.3,
+    ),
 ]
 
 

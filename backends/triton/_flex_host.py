@@ -1,0 +1,273 @@
+"""Host side of the Triton flex kernels: generated mod functions and the kernels' tile lists.
+
+Mod functions come from :func:`xpkernels.mods.codegen.triton_source`: each
+distinct source is written once per process to a private temporary directory
+and imported (Triton reads a kernel's source from its file), so a mod
+structure compiles once and a new table or constant value never recompiles.
+
+A :class:`~xpkernels.mods.TilePlan` is turned into the lists the kernels walk:
+for every (batch, head, query tile) the visited key tiles, for every
+(batch, head, key tile) the query tiles visiting it, each entry
+``tile * 4 + state``. Kernel tiles may be smaller than the plan's (a BlockMask
+fixes its own): a kernel tile inside one plan tile takes its state; one that
+straddles plan tiles (tiles not divisible by the kernel's) is PARTIAL unless
+all it covers agree, and the kernel then also reads each pair's plan state.
+Device copies of the lists are cached per plan content, so repeated calls
+with one plan upload nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import importlib.util
+import shutil
+import sys
+import tempfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from xpkernels.mods import FULL, PARTIAL, SKIP
+from xpkernels.mods.codegen import constants, triton_source
+
+_FUNCTIONS: dict[str, Any] = {}
+_DIRECTORY: list[str] = []
+
+
+def _directory() -> str:
+    if not _DIRECTORY:
+        path = tempfile.mkdtemp(prefix="xpkernels-mods-")
+        atexit.register(shutil.rmtree, path, True)
+        _DIRECTORY.append(path)
+    return _DIRECTORY[0]
+
+
+def jit_function(source: str, name: str):
+    """Function ``name`` of generated module ``source``, imported once per process."""
+    key = f"{name}\n{source}"
+    if key not in _FUNCTIONS:
+        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+        module_name = f"xpkernels_mod_{digest}"
+        path = f"{_directory()}/{module_name}.py"
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(source)
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+        _FUNCTIONS[key] = getattr(module, name)
+    return _FUNCTIONS[key]
+
+
+@triton.jit
+def no_score(score, b, h, q_idx, kv_idx, q_row, arrs, consts):
+    """The identity score mod (never called: kernels test ``HAS_SCORE`` first)."""
+    return score
+
+
+@triton.jit
+def no_mask(b, h, q_idx, kv_idx, q_row, arrs, consts):
+    """The keep-everything mask (never called: kernels test ``HAS_MASK`` first)."""
+    return True
+
+
+@triton.jit
+def no_vjp(score, b, h, q_idx, kv_idx, q_row, g, valid, arrs, consts, grads):
+    """The identity score mod's reverse mode (never called without ``HAS_SCORE``)."""
+    return g
+
+
+def _array_arguments(graph) -> tuple:
+    """``arrs``: each slot's tensor, extents and strides."""
+    out: list = []
+    for slot in graph.slots:
+        a = slot.array
+        out += [a, *a.shape, *a.stride()]
+    return tuple(out) if out else (0,)
+
+
+@dataclass
+class Mods:
+    """The generated functions of one call's mods and their run-time arguments.
+
+    ``vjp`` is the score's reverse mode without array gradients (dQ pass);
+    ``vjp_grads`` adds them too, on ``(keys, queries)`` tiles (dK/dV pass).
+    ``grads`` (for :attr:`vjp_grads`) holds float32 accumulators, one per slot
+    with a gradient; :meth:`finish` adds them into the caller's accumulators
+    where those are not float32 tensors the kernel could add into directly.
+    """
+
+    score_fn: Any
+    mask_fn: Any
+    vjp: Any
+    vjp_grads: Any
+    score_arrs: tuple
+    score_consts: tuple
+    mask_arrs: tuple
+    mask_consts: tuple
+    grads: tuple
+    pending: list
+
+    @classmethod
+    def build(cls, score, mask, score_mod_grads=None) -> Mods:
+        wanted: tuple[int, ...] = ()
+        grads: tuple = (0,)
+        pending: list = []
+        if score is not None and score_mod_grads is not None:
+            wanted = tuple(i for i, g in enumerate(score_mod_grads) if g is not None)
+            flat: list = []
+            for i in wanted:
+                target = score_mod_grads[i]
+                acc = target
+                if target.dtype != torch.float32:
+                    acc = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
+                    pending.append((target, acc))
+                flat += [acc, *acc.stride()]
+            grads = tuple(flat) if flat else grads
+        if score is None:
+            score_fn, vjp, vjp_grads = no_score, no_vjp, no_vjp
+        else:
+            score_fn = jit_function(triton_source(score, "score", "score_mod"), "score_mod")
+            vjp = jit_function(triton_source(score, "vjp", "score_vjp"), "score_vjp")
+            vjp_grads = vjp
+            if wanted:
+                vjp_grads = jit_function(
+                    triton_source(score, "vjp", "score_vjp", wanted, transposed=True), "score_vjp"
+                )
+        mask_fn = (
+            no_mask
+            if mask is None
+            else jit_function(triton_source(mask, "mask", "mask_mod"), "mask_mod")
+        )
+        return cls(
+            score_fn,
+            mask_fn,
+            vjp,
+            vjp_grads,
+            (0,) if score is None else _array_arguments(score),
+            (0,) if score is None else (constants(score) or (0,)),
+            (0,) if mask is None else _array_arguments(mask),
+            (0,) if mask is None else (constants(mask) or (0,)),
+            grads,
+            pending,
+        )
+
+    def finish(self) -> None:
+        """Add the float32 gradient sums into accumulators of other dtypes."""
+        for target, acc in self.pending:
+            target += acc.to(target.dtype)
+
+
+#: Device tile lists kept per plan content (most recently used last).
+_LISTS: OrderedDict = OrderedDict()
+_LISTS_KEPT = 64
+
+
+@dataclass(frozen=True)
+class Lists:
+    """One plan's tile lists at kernel tiles ``block_m`` x ``block_n``, on one device.
+
+    ``forward_count`` ``(Bp, Hp, NQ)`` and ``forward`` ``(Bp, Hp, NQ, NK)``
+    (key tiles per query tile); ``backward_count`` ``(Bp, Hp, NK)`` and
+    ``backward`` ``(Bp, Hp, NK, NQ)``; int32 entries ``tile * 4 + state``.
+    ``states`` is the plan's own ``(Bp, Hp, NQp, NKp)`` int8 states, read
+    per pair when ``exact`` is False.
+    """
+
+    forward_count: torch.Tensor
+    forward: torch.Tensor
+    backward_count: torch.Tensor
+    backward: torch.Tensor
+    states: torch.Tensor
+    exact: bool
+
+
+def _kernel_states(states, tile_m, tile_n, block_m, block_n, n_q, n_kv):
+    """``(Bp, Hp, NQ, NK)`` states of kernel tiles, and whether each lies in one plan tile."""
+    nq, nk = triton.cdiv(n_q, block_m), triton.cdiv(n_kv, block_n)
+    exact = tile_m % block_m == 0 and tile_n % block_n == 0
+    if exact:
+        rows = np.arange(nq) * block_m // tile_m
+        cols = np.arange(nk) * block_n // tile_n
+        return states[:, :, rows][:, :, :, cols], True
+    low = np.full(states.shape[:2] + (nq, nk), FULL, dtype=np.int8)
+    high = np.full(states.shape[:2] + (nq, nk), SKIP, dtype=np.int8)
+    for i in range(nq):
+        r0, r1 = i * block_m // tile_m, (min(n_q, (i + 1) * block_m) - 1) // tile_m
+        band = states[:, :, r0 : r1 + 1]
+        for j in range(nk):
+            c0, c1 = j * block_n // tile_n, (min(n_kv, (j + 1) * block_n) - 1) // tile_n
+            tile = band[:, :, :, c0 : c1 + 1]
+            low[:, :, i, j] = tile.min(axis=(2, 3))
+            high[:, :, i, j] = tile.max(axis=(2, 3))
+    combined = np.where(high == SKIP, SKIP, np.where(low == FULL, FULL, PARTIAL))
+    return combined.astype(np.int8), False
+
+
+def _packed(states, axis):
+    """``(count, entries)``: per row of ``states`` along ``axis`` (2: rows are query tiles)."""
+    s = states if axis == 2 else np.swapaxes(states, 2, 3)
+    visited = s != SKIP
+    count = visited.sum(axis=3).astype(np.int32)
+    index = np.arange(s.shape[3], dtype=np.int32)
+    # visited tiles first, in order; the rest never read
+    order = np.argsort(~visited, axis=3, kind="stable").astype(np.int32)
+    entries = np.take_along_axis(index[None, None, None, :] * 4 + s.astype(np.int32), order, 3)
+    return np.ascontiguousarray(count), np.ascontiguousarray(entries.astype(np.int32))
+
+
+def upload(a: np.ndarray, device) -> torch.Tensor:
+    """Host array ``a`` as a tensor on ``device`` (the one host-to-device copy of the kernels)."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+
+def tile_lists(plan, n_q, n_kv, block_m, block_n, device) -> Lists:
+    """The kernel tile lists of ``plan`` (cached on ``device`` by content)."""
+    states = np.ascontiguousarray(plan.states, dtype=np.int8)
+    key = (
+        str(device),
+        states.shape,
+        states.tobytes(),
+        plan.tile_m,
+        plan.tile_n,
+        n_q,
+        n_kv,
+        block_m,
+        block_n,
+    )
+    hit = _LISTS.get(key)
+    if hit is not None:
+        _LISTS.move_to_end(key)
+        return hit
+    kernel, exact = _kernel_states(states, plan.tile_m, plan.tile_n, block_m, block_n, n_q, n_kv)
+    fc, fwd = _packed(kernel, 2)
+    bc, bwd = _packed(kernel, 3)
+    lists = Lists(
+        upload(fc, device),
+        upload(fwd, device),
+        upload(bc, device),
+        upload(bwd, device),
+        upload(states, device),
+        exact,
+    )
+    _LISTS[key] = lists
+    if len(_LISTS) > _LISTS_KEPT:
+        _LISTS.popitem(last=False)
+    return lists
+
+
+def strides(a) -> tuple[int, ...]:
+    """``a``'s strides, 0 along the batch and head axes it broadcasts over (extent 1)."""
+    return tuple(0 if axis < 2 and a.shape[axis] == 1 else st for axis, st in enumerate(a.stride()))
+
+
+#: Tile states as kernel compile-time values.
+PARTIAL_CONST = tl.constexpr(PARTIAL)
+FULL_CONST = tl.constexpr(FULL)
