@@ -219,7 +219,13 @@ def compile_launch(launch: Launch, extra: dict | None = None):
     -------
     triton.compiler.CompiledKernel
     """
-    args = [_Pointer(a) if isinstance(a, torch.Tensor) else a for a in launch.args]
+
+    def bind(a):
+        if isinstance(a, tuple):
+            return tuple(bind(x) for x in a)
+        return _Pointer(a) if isinstance(a, torch.Tensor) else a
+
+    args = [bind(a) for a in launch.args]
     kwargs = {**launch.kwargs, **(extra or {})}
     return JITFunction.run(launch.fn, *args, grid=launch.grid, warmup=True, **kwargs)
 

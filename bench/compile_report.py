@@ -177,6 +177,96 @@ def _softmax(pass_, R, M):
         softmax.backward(t((R, M)), t((R, M)), t((R, M)))
 
 
+def _flex_mods(name, B, H, S):
+    """``(score_mod, mask_mod)`` of a flex report case, over placeholder arrays."""
+    from xpkernels import mods as xm
+
+    t = spec.tensor
+
+    def relative(score, b, h, q_idx, kv_idx, *, table):
+        return score + table[h, xm.minimum(xm.maximum(q_idx - kv_idx, -128), 128) + 128]
+
+    return {
+        "nomod": lambda: (None, None),
+        "causal": lambda: (None, xm.CausalMask()),
+        "sliding256-document": lambda: (
+            None,
+            xm.SlidingWindowMask(256) & xm.DocumentMask(t((S,), torch.int32)),
+        ),
+        "alibi-causal": lambda: (xm.AliBiScore(t((H,), F32)), xm.CausalMask()),
+        "bias": lambda: (xm.BiasScore(t((1, H, S, S), BF16)), None),
+        "user-relpos-causal": lambda: (
+            xm.ScoreMod(relative, table=t((H, 257), F32)),
+            xm.CausalMask(),
+        ),
+    }[name]()
+
+
+@contextlib.contextmanager
+def _placeholder_uploads():
+    """The flex launchers' host-to-device copies (tile lists, positions) give placeholders."""
+    from xpkernels.backends.triton import _flex_host
+
+    saved = _flex_host.upload
+    _flex_host.upload = lambda a, device: spec.tensor(
+        a.shape, {1: torch.int8, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]
+    )
+    _flex_host._LISTS.clear()
+    try:
+        yield
+    finally:
+        _flex_host.upload = saved
+        _flex_host._LISTS.clear()
+
+
+def _flex(pass_, D, mods, B=4, H=16, S=4096):
+    """A flex launch at the GPU benchmarks' shape; ``mods`` names :func:`_flex_mods`' pair."""
+    from xpkernels import mods as xm
+    from xpkernels.backends.triton import flex_attention
+
+    t = spec.tensor
+    score, mask = _flex_mods(mods, B, H, S)
+    score_graph = None if score is None else score.graph
+    mask_graph = None if mask is None else mask.graph
+    tile = flex_attention.PLAN_TILE
+    plan = xm.plan_tiles(
+        mask, None, block_sparse=True, n_q=S, n_kv=S, positions=(0,), tile_m=tile, tile_n=tile
+    )
+    q, k, v, o = (t((B, H, S, D)) for _ in range(4))
+    m, l = t((B, H, S), F32), t((B, H, S), F32)
+    options = {
+        "scale": D**-0.5,
+        "input_pos": (0,),
+        "score_mod": score_graph,
+        "mask_mod": mask_graph,
+        "plan": plan,
+    }
+    with _placeholder_uploads():
+        if pass_ == "fwd":
+            flex_attention.forward(o, q, k, v, m, l, **options)
+            return
+        grads = None
+        if score_graph is not None:
+            grads = [t(tuple(s.array.shape), F32) for s in score_graph.slots]
+        dq, dk, dv, do = (t((B, H, S, D)) for _ in range(4))
+        flex_attention.backward(
+            do,
+            q,
+            k,
+            v,
+            o,
+            m,
+            l,
+            dq,
+            dk,
+            dv,
+            t((B, H, S), F32),
+            None,
+            **options,
+            score_mod_grads=grads,
+        )
+
+
 def cases():
     """``{case name: (family, launcher)}`` of every report case, in report order."""
     out = {}
@@ -193,6 +283,20 @@ def cases():
             )
     for D in (128, 64):
         out[f"decode.D{D}"] = ("attention", lambda D=D: _decode(D))
+    for mods in (
+        "nomod",
+        "causal",
+        "sliding256-document",
+        "alibi-causal",
+        "bias",
+        "user-relpos-causal",
+    ):
+        for pass_ in ("fwd", "bwd"):
+            for D in (128, 64):
+                out[f"flex.{pass_}.D{D}.{mods}"] = (
+                    "attention",
+                    lambda p=pass_, D=D, m=mods: _flex(p, D, m),
+                )
     for name, fn in (("rms_norm", _rms_norm), ("layer_norm", _layer_norm), ("softmax", _softmax)):
         for pass_ in ("fwd", "bwd"):
             for R, M in ((32768, 4096), (4096, 65536)):
