@@ -23,7 +23,13 @@ Measures, in order:
    the K and V cache read, next to ``F.scaled_dot_product_attention`` with
    ``enable_gqa``; then the same cache in shuffled 16-key pages read through
    a block table (paged decode), next to gathering the pages and
-   ``F.scaled_dot_product_attention`` and to the contiguous decode.
+   ``F.scaled_dot_product_attention`` and to the contiguous decode;
+5. FlexAttention ``B=4, H=16, S=4096``, ``D`` 64 and 128, bfloat16, forward
+   and backward, with no mods, causal (as a mask mod), sliding window 256, a
+   document mask and ALiBi (causal): TFLOP/s counted as attention's (halved
+   for causal and ALiBi, the kept fraction for window and documents), next to
+   PyTorch's ``flex_attention`` compiled with its ``create_block_mask`` (while
+   the compile budget lasts) and to xpkernels' attention kernel.
 
 Every xpkernels call is made through the public in-place functions with
 ``backend="triton"`` and preallocated buffers (checkpoints, scratch), so a
@@ -373,6 +379,163 @@ def attention_case(bench: Bench, B: int, H: int, S: int, D: int, causal: bool) -
     )
 
 
+def flex_section(bench: Bench, compiler: CompileBudget) -> None:
+    B, H, S = (1, 2, 48) if bench.dry else (4, 16, 4096)
+    for D in (16,) if bench.dry else (64, 128):
+        for mods in FLEX_MODS:
+            flex_case(bench, compiler, B, H, S, D, mods)
+        bench.free()
+
+
+#: The flex rows' mods (built by :func:`_flex_mods`).
+FLEX_MODS = ("nomod", "causal", "sliding256", "document", "alibi")
+
+
+def _flex_mods(name, torch, H, S, device):
+    """``(xk score, xk mask, torch score, torch mask, kept fraction, attention causal or None)``."""
+    from xpkernels import mods as xm
+
+    window = min(256, S)
+    docs = torch.arange(S, device=device) * 4 // S  # four documents of S/4 tokens
+    slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device=device) / H)
+    if name == "nomod":
+        return None, None, None, None, 1.0, False
+    if name == "causal":
+        return None, xm.CausalMask(), None, (lambda b, h, q, k: k <= q), 0.5, True
+    if name == "sliding256":
+        kept = min(1.0, (window + 1) / S)
+        return (
+            None,
+            xm.SlidingWindowMask(window),
+            None,
+            (lambda b, h, q, k: (k <= q) & (q - k <= window)),
+            kept,
+            None,
+        )
+    if name == "document":
+        return (
+            None,
+            xm.DocumentMask(docs),
+            None,
+            (lambda b, h, q, k: docs[q] == docs[k]),
+            0.25,
+            None,
+        )
+    return (
+        xm.AliBiScore(slopes),
+        xm.CausalMask(),
+        (lambda s, b, h, q, k: s + slopes[h] * (k - q)),
+        (lambda b, h, q, k: k <= q),
+        0.5,
+        None,
+    )
+
+
+def flex_case(bench: Bench, compiler: CompileBudget, B, H, S, D, mods) -> None:
+    """FlexAttention forward and backward with ``mods``, bfloat16, ``(B, H, S, D)``."""
+    import xpkernels as xk
+    from xpkernels import Duplicated
+
+    torch = bench.torch
+    score, mask, t_score, t_mask, kept, causal = _flex_mods(mods, torch, H, S, bench.device)
+    q, k, v, do = (
+        torch.randn(B, H, S, D, dtype=torch.bfloat16, device=bench.device) for _ in range(4)
+    )
+    o = torch.empty_like(q)
+    ck = xk.allocate_checkpoints(xk.flex_attention_, q, k, v)
+    options = {"score_mod": score, "mask_mod": mask, "backend": "triton"}
+    flops = 4 * B * H * S * S * D * kept
+    baseline = _torch_flex(bench, compiler, q, k, v, do, t_score, t_mask)
+    ours = {}
+    if causal is not None:
+        ours = _our_attention(xk, q, k, v, do, causal)
+    name = f"flex-{mods}"
+    entry = Entry(
+        "flex",
+        name,
+        "forward",
+        "bfloat16",
+        (B, H, S, D),
+        "TFLOP/s",
+        "4*B*H*S*S*D x the kept fraction of the score matrix",
+        flops,
+        "matmul",
+    )
+    bench.run(
+        entry,
+        lambda: xk.flex_attention_(o, q, k, v, checkpoints=ck, **options),
+        {"torch flex (compiled)": baseline.get("forward"), "xk attention": ours.get("forward")},
+    )
+    xk.flex_attention_(o, q, k, v, checkpoints=ck, **options)
+    O = Duplicated(o, do)
+    Q, K, V = (Duplicated(t, torch.empty_like(t)) for t in (q, k, v))
+    scratch = xk.allocate_scratchspace(xk.flex_attention_backward_, O, Q, K, V)
+    grads = xk.grad_shadow(score) if score is not None else None
+    bench.run(
+        Entry(
+            "flex",
+            name,
+            "backward",
+            "bfloat16",
+            (B, H, S, D),
+            "TFLOP/s",
+            "2.5 x forward FLOPs",
+            2.5 * flops,
+            "matmul",
+        ),
+        lambda: xk.flex_attention_backward_(
+            O, Q, K, V, checkpoints=ck, scratch=scratch, score_mod_grad=grads, **options
+        ),
+        {"torch flex (compiled)": baseline.get("backward"), "xk attention": ours.get("backward")},
+    )
+
+
+def _torch_flex(bench, compiler, q, k, v, do, score, mask) -> dict:
+    """PyTorch's compiled ``flex_attention`` forward and backward (empty past the budget)."""
+    torch = bench.torch
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return {}
+    B, H, S, _ = q.shape
+    block = None
+    if mask is not None:
+        block = create_block_mask(mask, None, None, S, S, device=bench.device)
+    forward = compiler.compiled(
+        lambda q, k, v: flex_attention(q, k, v, score_mod=score, block_mask=block), q, k, v
+    )
+    if forward is None:
+        return {}
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    out = forward(qr, kr, vr)
+    return {
+        "forward": lambda: forward(q, k, v),
+        "backward": lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True),
+    }
+
+
+def _our_attention(xk, q, k, v, do, causal) -> dict:
+    """xpkernels' attention kernel on the same inputs (flex without mods, or causal, against it)."""
+    import torch
+
+    from xpkernels import Duplicated
+
+    o = torch.empty_like(q)
+    ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
+    xk.attention_(o, q, k, v, causal=causal, checkpoints=ck, backend="triton")
+    O = Duplicated(o, do)
+    Q, K, V = (Duplicated(t, torch.empty_like(t)) for t in (q, k, v))
+    scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
+    return {
+        "forward": lambda: xk.attention_(
+            o, q, k, v, causal=causal, checkpoints=ck, backend="triton"
+        ),
+        "backward": lambda: xk.attention_backward_(
+            O, Q, K, V, checkpoints=ck, scratch=scratch, causal=causal, backend="triton"
+        ),
+    }
+
+
 def decode_section(bench: Bench) -> None:
     """Decode attention, bfloat16, every cache full."""
     import torch.nn.functional as F
@@ -494,10 +657,19 @@ BANDWIDTH_TARGETS = {
 }
 #: Attention targets, bfloat16 at head dim 128 without a mask: pass -> minimum TFLOP/s.
 ATTENTION_TARGETS = {"forward": 500.0, "backward": 300.0}
+#: Flex targets (issue 10), each pass: op -> (baseline, minimum speed relative to it).
+FLEX_TARGETS = {
+    "flex-nomod": ("xk attention", 1 / 1.1),
+    "flex-causal": ("torch flex (compiled)", 1.0),
+    "flex-sliding256": ("torch flex (compiled)", 1.0),
+}
 
 
 def target_of(e: Entry) -> tuple[str, float] | None:
-    """``("%copy" or "TFLOP/s", minimum)`` that DESIGN section 8 sets for ``e``, or None."""
+    """``("%copy", "TFLOP/s" or "x <baseline>", minimum)`` set for ``e``, or None."""
+    if e.op in FLEX_TARGETS:
+        baseline, minimum = FLEX_TARGETS[e.op]
+        return f"x {baseline}", minimum
     if (e.section, e.pass_) in BANDWIDTH_TARGETS:
         return "%copy", BANDWIDTH_TARGETS[(e.section, e.pass_)]
     if e.op == "attention" and e.dtype == "bfloat16" and e.shape[-1] == 128:
@@ -515,7 +687,13 @@ def verdict(e: Entry, dry: bool) -> str:
     if dry:
         return "dry"
     kind, minimum = target
-    value = e.pct_of_ceiling if kind == "%copy" else e.rate
+    if kind.startswith("x "):
+        base = e.baselines.get(kind[2:], {})
+        if "rate" not in base or not e.rate:
+            return "no baseline"
+        value = e.rate / base["rate"]
+    else:
+        value = e.pct_of_ceiling if kind == "%copy" else e.rate
     return "PASS" if value is not None and value >= minimum else "FAIL"
 
 
@@ -547,7 +725,7 @@ def summary_rows(entries: list[Entry], dry: bool) -> list[dict]:
                 "vs_torch": _speedup(e, eager),
                 "torch_op": eager or "-",
                 "vs_compile": _speedup(e, "torch.compile"),
-                "target": "-" if target is None else f">= {target[1]:g} {target[0]}",
+                "target": "-" if target is None else f">= {target[1]:.3g} {target[0]}",
                 "verdict": verdict(e, dry),
             }
         )
@@ -664,6 +842,9 @@ def main(argv=None) -> int:
     attention_section(bench)
     print("decode attention (GB/s):", flush=True)
     decode_section(bench)
+    bench.free()
+    print("flex attention (TFLOP/s):", flush=True)
+    flex_section(bench, compiler)
     bench.free()
     failed = [e for e in bench.entries if e.error]
     summary = summary_rows(bench.entries, bench.dry)
