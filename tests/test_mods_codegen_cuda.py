@@ -68,6 +68,7 @@ def _mods() -> dict:
     proj = rng.standard_normal((3, 3)).astype(np.float32)
     keep = rng.random((3, 14)) < 0.6
     weights = rng.standard_normal((14,)).astype(np.float64)
+    wide = rng.standard_normal((28, 7)).astype(np.float32)
     mods = {
         "full": xm.FullMask(),
         "causal": xm.CausalMask(),
@@ -76,6 +77,8 @@ def _mods() -> dict:
         "prefix_lm": xm.prefix_lm(2),
         "document": xm.DocumentMask(doc),
         "document-rows": xm.DocumentMask(doc_q, doc_kv),
+        "document-int16-uint8": xm.DocumentMask(doc_q.astype(np.int16), doc_kv.astype(np.uint8)),
+        "document-int8": xm.DocumentMask(doc.astype(np.int8)),
         "sliding&document": xm.SlidingWindowMask(5) & xm.DocumentMask(doc),
         "causal|prefix": xm.CausalMask() | xm.PrefixMask(2),
         "spec-user-mask": xm.MaskMod(specs._user_mask),
@@ -98,6 +101,7 @@ def _mods() -> dict:
             lambda s, b, h, q, k: (
                 s
                 + 0.1 * ((q - k) // (h - 1))
+                + 0.1 * ((q * 5 - k) // (h - 3))
                 + 0.01 * ((k * 7) % (q - 2))
                 + 0.001 * xm.abs(q - k) ** 3
                 + 0.1 * xm.maximum(xm.minimum(q - k, 2), -1)
@@ -106,6 +110,10 @@ def _mods() -> dict:
         "float64-table-score": xm.ScoreMod(
             lambda s, b, h, q, k, *, w: s * w[k] - xm.where(q > k, w[k] ** 2.0, 0.5) / 3.0,
             w=weights,
+        ),
+        # a strided view: the slot's strides are not its accumulator's (contiguous)
+        "strided-table-score": xm.ScoreMod(
+            lambda s, b, h, q, k, *, t: s * t[k, h] + t[q, 2 - h], t=wide[::2, 1::2]
         ),
         **{f"spec-{n}": xm.ScoreMod(f) for n, f in specs._NONLINEAR_SCORES.items()},
     }

@@ -213,7 +213,8 @@ def layout(graph: Graph, grads: tuple[int, ...] = ()) -> Layout:
     for slot in graph.slots:
         slot_ints.append(offset)
         offset += 2 * slot.array.ndim
-    int_consts, float_consts = {}, {}
+    int_consts: dict[int, int] = {}
+    float_consts: dict[int, int] = {}
     for i, n in enumerate(graph.nodes):
         if n.op != "const" or isinstance(n.value, bool):
             continue
