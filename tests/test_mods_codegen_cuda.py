@@ -352,6 +352,8 @@ def test_bad_arguments_are_refused():
         cuda_source(MODS["document"].graph, "vjp", "f", (0,))
     with pytest.raises(ValueError, match="condition"):
         cuda_source(graph, "mask", "f")
+    with pytest.raises(TypeError, match="uint16"):
+        cuda_source(xm.DocumentMask(np.zeros(4, np.uint16)).graph, "mask", "f")
     with pytest.raises(TypeError, match="arrays\\[0\\]"):
         pack_arguments(graph, [np.ones(3, np.float64)])
     with pytest.raises(TypeError, match="accumulators\\[0\\]"):

@@ -42,7 +42,10 @@ The layout of a vjp's arguments starts with that of the score's, so one
 packing serves both functions. Slot dtypes are part of the source (bool,
 int8/16/32/64, uint8, float16, bfloat16, float32, float64), constants and
 shapes are not: graphs differing only in their constants or array extents
-share one compiled kernel (:func:`layout` gives the offsets).
+share one compiled kernel (:func:`layout` gives the offsets). The three arrays
+are read through ``__ldg`` (the read-only cache): they must not change while
+a kernel runs. A vjp issues one ``atomicAdd`` per pair and differentiated
+gather; a kernel that wants fewer can sum over a warp first.
 """
 
 from __future__ import annotations
@@ -326,12 +329,12 @@ class _Writer:
     def float_of(self, i: int) -> str:
         return f"v{i}" if self.graph.nodes[i].kind == FLOAT else f"(float)v{i}"
 
-    def index(self, i: int, strides: str) -> str:
-        """Element offset of gather ``i``: clamped indices times ``strides(axis)``."""
+    def index(self, i: int, strides: int) -> str:
+        """Element offset of gather ``i``: clamped indices times the strides at ``ints[strides]``."""
         node = self.graph.nodes[i]
         base = self.lay.slot_ints[node.value]
         terms = [
-            f"xpk_clamp(v{j}, a.ints[{base + axis}]) * {strides.format(axis)}"
+            f"xpk_clamp(v{j}, __ldg(a.ints + {base + axis})) * __ldg(a.ints + {strides + axis})"
             for axis, j in enumerate(node.args)
         ]
         return " + ".join(terms) if terms else "0"
@@ -345,16 +348,16 @@ class _Writer:
             if isinstance(node.value, bool):
                 expr = "true" if node.value else "false"
             elif node.kind == FLOAT:
-                expr = f"a.floats[{self.lay.float_consts[i]}]"
+                expr = f"__ldg(a.floats + {self.lay.float_consts[i]})"
             else:
-                expr = f"a.ints[{self.lay.int_consts[i]}]"
+                expr = f"__ldg(a.ints + {self.lay.int_consts[i]})"
         elif op == "gather":
             slot = self.graph.slots[node.value]
             ctype, read = _DTYPES[_dtype_name(slot.array.dtype)]
             base = self.lay.slot_ints[node.value]
             rank = slot.array.ndim
-            pointer = f"reinterpret_cast<const {ctype}*>(a.ptrs[{node.value}])"
-            offset = self.index(i, f"a.ints[{base + rank} + {{0}}]")
+            pointer = f"reinterpret_cast<const {ctype}*>(__ldg(a.ptrs + {node.value}))"
+            offset = self.index(i, base + rank)
             expr = read.format(offset, pointer)
         else:
             expr = self.operation(i, op, args, nodes)
@@ -442,8 +445,8 @@ class _Writer:
                 d_score = g
             elif op == "gather":
                 k = grads.index(node.value)
-                acc = f"reinterpret_cast<float*>(a.ptrs[{len(graph.slots) + k}])"
-                offset = self.index(i, f"a.ints[{self.lay.grad_ints[k]} + {{0}}]")
+                acc = f"reinterpret_cast<float*>(__ldg(a.ptrs + {len(graph.slots) + k}))"
+                offset = self.index(i, self.lay.grad_ints[k])
                 self.lines.append((None, f"atomicAdd({acc} + {offset}, {g});"))
             elif op == "add":
                 add(args[0], g)
@@ -580,6 +583,12 @@ def cuda_source(graph: Graph, role: str, name: str, grads: tuple[int, ...] = ())
             raise ValueError(f"grads: slot {s} ({graph.slots[s].label}) is not a float array")
     if len(set(grads)) != len(grads):
         raise ValueError(f"grads: slots repeat in {grads}")
+    for s, slot in enumerate(graph.slots):
+        if _dtype_name(slot.array.dtype) not in _DTYPES:
+            raise TypeError(
+                f"graph: slot {s} ({slot.label}) has dtype {slot.array.dtype}, which the CUDA "
+                f"target does not read (supported: {', '.join(_DTYPES)})"
+            )
     kind = graph.nodes[graph.output].kind
     if role == "mask" and kind != BOOL:
         raise ValueError(f"a mask graph returns a condition, got {kind}")
