@@ -111,6 +111,14 @@ def _mods() -> dict:
             lambda s, b, h, q, k, *, w: s * w[k] - xm.where(q > k, w[k] ** 2.0, 0.5) / 3.0,
             w=weights,
         ),
+        # integer and half-integer exponents of negative bases (NaN), 0 ** -1 (inf), x ** 0;
+        # bases kept finite: the Triton contract's pow(-inf, 0.5) is NaN, NumPy's (IEEE) inf
+        "pow-rules-score": xm.ScoreMod(
+            lambda s, b, h, q, k: (
+                xm.minimum(xm.maximum(s, -50.0), 50.0) ** (h - 1.0)
+                + 0.1 * (xm.minimum(xm.maximum(s, -50.0), 50.0) - 3.0) ** (0.5 * (k % 3))
+            )
+        ),
         # a strided view: the slot's strides are not its accumulator's (contiguous)
         "strided-table-score": xm.ScoreMod(
             lambda s, b, h, q, k, *, t: s * t[k, h] + t[q, 2 - h], t=wide[::2, 1::2]
