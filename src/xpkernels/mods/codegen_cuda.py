@@ -16,7 +16,7 @@ The semantics are those of the Triton target (:mod:`xpkernels.mods.codegen`),
 operation by operation: integers in int64 with Python's floor division and
 remainder (computed through unsigned arithmetic, so results wrap as the
 kernels' int64 does, never undefined behaviour; a zero divisor gives 0 as
-NumPy), floats in float32 (``div`` IEEE, ``tan`` as ``sin / cos``, ``tanh`` as
+NumPy, where the Triton target leaves it to the hardware), floats in float32 (``div`` IEEE, ``tan`` as ``sin / cos``, ``tanh`` as
 ``1 - 2 / (exp(2x) + 1)``, ``pow`` from ``exp2(b log2|a|)`` with NumPy's
 rules for negative bases), NaN-propagating ``minimum``/``maximum``, ``floor``
 to int64 with NaN -> 0 and saturation past int64, captured-array indices
@@ -45,7 +45,7 @@ shapes are not: graphs differing only in their constants or array extents
 share one compiled kernel (:func:`layout` gives the offsets). The three arrays
 are read through ``__ldg`` (the read-only cache): they must not change while
 a kernel runs. A vjp issues one ``atomicAdd`` per pair and differentiated
-gather; a kernel that wants fewer can sum over a warp first.
+gather (the Triton target sums over its tile first).
 """
 
 from __future__ import annotations
