@@ -1,0 +1,618 @@
+"""CUDA C++ source for a traced mod graph: device functions evaluated per (query, key) pair.
+
+:func:`cuda_source` turns a :class:`~xpkernels.mods.Graph` into NVRTC-clean
+CUDA C++ (``cuda_fp16.h`` and ``cuda_bf16.h`` are its only includes) defining
+one ``__device__ __forceinline__`` function that one thread calls per pair:
+
+- a mask: ``bool name(long long b, long long h, long long q_idx, long long
+  kv_idx, long long q_row, const ModArgs& a)``;
+- a score: ``float name(float score, long long b, ..., const ModArgs& a)``;
+- a score's reverse mode: ``float name(float score, long long b, ..., float g,
+  const ModArgs& a)`` returns d score for cotangent ``g`` and adds each
+  ``grads`` slot's gradient into its float32 accumulator with ``atomicAdd``.
+  Call it only on pairs the kernel keeps: it has no ``valid`` argument.
+
+The semantics are those of the Triton target (:mod:`xpkernels.mods.codegen`),
+operation by operation: integers in int64 with Python's floor division and
+remainder (computed through unsigned arithmetic, so results wrap as the
+kernels' int64 does, never undefined behaviour; a zero divisor gives 0 as
+NumPy, where the Triton target leaves it to the hardware), floats in float32 (``div`` IEEE, ``tan`` as ``sin / cos``, ``tanh`` as
+``1 - 2 / (exp(2x) + 1)``, ``pow`` from ``exp2(b log2|a|)`` with NumPy's
+rules for negative bases), NaN-propagating ``minimum``/``maximum``, ``floor``
+to int64 with NaN -> 0 and saturation past int64, captured-array indices
+clamped into the array, and the same reverse-mode rule per operation
+(``float`` and ``floordiv`` have no gradient). Sources from several graphs
+(a mask, a score and its vjp) can be concatenated into one translation unit:
+the shared part is guarded.
+
+**Arguments.** Everything that may change without changing the graph's
+structure travels at run time in one :class:`ModArgs` per graph, three
+read-only device arrays (:func:`pack_arguments` builds them on the host; a
+kernel takes the three pointers as parameters and builds
+``ModArgs a{ptrs, ints, floats}``):
+
+- ``ptrs`` (uint64): the data address of each slot's array, in slot order,
+  then of each ``grads`` accumulator (float32), in ``grads`` order;
+- ``ints`` (int64): for each slot, its extents then its strides (in
+  elements); then the graph's integer constants in node order; then, for
+  each ``grads`` accumulator, its strides (in elements);
+- ``floats`` (float32): the graph's float constants in node order.
+
+The layout of a vjp's arguments starts with that of the score's, so one
+packing serves both functions. Slot dtypes are part of the source (bool,
+int8/16/32/64, uint8, float16, bfloat16, float32, float64), constants and
+shapes are not: graphs differing only in their constants or array extents
+share one compiled kernel (:func:`layout` gives the offsets). The three arrays
+are read through ``__ldg`` (the read-only cache): they must not change while
+a kernel runs. A vjp issues one ``atomicAdd`` per pair and differentiated
+gather (the Triton target sums over its tile first).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .ir import _ORDER, BOOL, FLOAT, INT, Graph
+
+__all__ = ["Layout", "cuda_source", "layout", "pack_arguments"]
+
+#: The index inputs of the generated functions, in order (after ``score`` for scores).
+_INDEX_INPUTS = ("b", "h", "q_idx", "kv_idx", "q_row")
+
+#: C++ element type and the expression reading element ``{0}`` of pointer ``{1}`` as
+#: its kind's value type, by dtype name.
+_DTYPES = {
+    "bool": ("unsigned char", "({1}[{0}] != 0)"),
+    "int8": ("signed char", "(long long){1}[{0}]"),
+    "int16": ("short", "(long long){1}[{0}]"),
+    "int32": ("int", "(long long){1}[{0}]"),
+    "int64": ("long long", "{1}[{0}]"),
+    "uint8": ("unsigned char", "(long long){1}[{0}]"),
+    "float16": ("__half", "__half2float({1}[{0}])"),
+    "bfloat16": ("__nv_bfloat16", "__bfloat162float({1}[{0}])"),
+    "float32": ("float", "{1}[{0}]"),
+    "float64": ("double", "(float){1}[{0}]"),
+}
+
+_CTYPE = {BOOL: "bool", INT: "long long", FLOAT: "float"}
+_FLOAT_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+_INT_BINARY = {"add": "xpk_add", "sub": "xpk_sub", "mul": "xpk_mul"}
+_COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+_UNARY = {
+    "abs": "fabsf({0})",
+    "exp": "expf({0})",
+    "exp2": "exp2f({0})",
+    "log": "logf({0})",
+    "sqrt": "sqrtf({0})",
+    "sin": "sinf({0})",
+    "cos": "cosf({0})",
+    "tan": "(sinf({0}) / cosf({0}))",
+    "tanh": "(1.0f - 2.0f / (expf(2.0f * {0}) + 1.0f))",
+    "sigmoid": "(1.0f / (1.0f + expf(-({0}))))",
+}
+
+#: Shared by every generated function: the argument struct and the helpers.
+_COMMON = r"""
+#ifndef XPKERNELS_MOD_COMMON
+#define XPKERNELS_MOD_COMMON
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+// The run-time arguments of one mod graph (see xpkernels.mods.codegen_cuda).
+struct ModArgs {
+    const unsigned long long* ptrs;  // slot arrays, then gradient accumulators
+    const long long* ints;           // slot extents and strides, int constants, grad strides
+    const float* floats;             // float constants
+};
+
+#define XPK_INT64_MIN (-9223372036854775807LL - 1LL)
+#define XPK_INT64_MAX 9223372036854775807LL
+
+// int64 arithmetic that wraps (through unsigned), as the kernels' int64 does.
+__device__ __forceinline__ long long xpk_add(long long a, long long b) {
+    return (long long)((unsigned long long)a + (unsigned long long)b);
+}
+__device__ __forceinline__ long long xpk_sub(long long a, long long b) {
+    return (long long)((unsigned long long)a - (unsigned long long)b);
+}
+__device__ __forceinline__ long long xpk_mul(long long a, long long b) {
+    return (long long)((unsigned long long)a * (unsigned long long)b);
+}
+__device__ __forceinline__ long long xpk_neg(long long a) {
+    return (long long)(0ULL - (unsigned long long)a);
+}
+__device__ __forceinline__ long long xpk_iabs(long long a) { return a < 0 ? xpk_neg(a) : a; }
+__device__ __forceinline__ long long xpk_imin(long long a, long long b) { return b < a ? b : a; }
+__device__ __forceinline__ long long xpk_imax(long long a, long long b) { return b > a ? b : a; }
+
+// Python's floor division: rounds down; a zero divisor gives 0 (as NumPy).
+__device__ __forceinline__ long long xpk_floordiv(long long a, long long b) {
+    if (b == 0) return 0;
+    if (b == -1) return xpk_neg(a);
+    const long long q = a / b, r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? q - 1 : q;
+}
+
+// Python's remainder: the divisor's sign; a zero divisor gives 0 (as NumPy).
+__device__ __forceinline__ long long xpk_mod(long long a, long long b) {
+    if (b == 0 || b == -1) return 0;
+    const long long r = a % b;
+    return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+
+// index clamped into [0, extent - 1]
+__device__ __forceinline__ long long xpk_clamp(long long i, long long extent) {
+    return i < 0 ? 0 : (i > extent - 1 ? extent - 1 : i);
+}
+
+__device__ __forceinline__ float xpk_nan() { return __int_as_float(0x7fc00000); }
+
+// NaN-propagating float minimum and maximum.
+__device__ __forceinline__ float xpk_fmin(float a, float b) {
+    return a != a ? a : (b != b ? b : (b < a ? b : a));
+}
+__device__ __forceinline__ float xpk_fmax(float a, float b) {
+    return a != a ? a : (b != b ? b : (b > a ? b : a));
+}
+
+// floor(x) as int64: NaN gives 0, values past int64 saturate.
+__device__ __forceinline__ long long xpk_floor_int(float x) {
+    x = floorf(x);
+    if (x != x) return 0;
+    if (x >= 9.2233720368547758e18f) return XPK_INT64_MAX;
+    if (x <= -9.2233720368547758e18f) return XPK_INT64_MIN;
+    return (long long)x;
+}
+
+// a ** b in float32 as NumPy: negative bases need integer exponents (else NaN).
+__device__ __forceinline__ float xpk_pow(float a, float b) {
+    float r = exp2f(b * log2f(fabsf(a)));
+    if (a < 0.0f) {
+        const bool whole = floorf(b) == b;
+        const bool odd = fabsf(b - 2.0f * floorf(b * 0.5f)) == 1.0f;
+        r = whole ? (odd ? -r : r) : xpk_nan();
+    }
+    return b == 0.0f ? 1.0f : r;
+}
+#endif  // XPKERNELS_MOD_COMMON
+"""
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_VAR = re.compile(r"\b([vg]\d+)\b")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each run-time value of a graph sits in :class:`ModArgs` (see the module docstring).
+
+    Attributes
+    ----------
+    slot_ints : tuple of int
+        Per slot: offset in ``ints`` of its extents (its strides follow them).
+    int_consts : dict
+        Const node -> offset in ``ints``.
+    float_consts : dict
+        Const node -> offset in ``floats``.
+    grad_ints : tuple of int
+        Per ``grads`` entry: offset in ``ints`` of its accumulator's strides.
+    n_ints, n_floats : int
+        Lengths of ``ints`` and ``floats``; ``ptrs`` holds ``len(slots) + len(grads)``.
+    """
+
+    slot_ints: tuple[int, ...]
+    int_consts: dict
+    float_consts: dict
+    grad_ints: tuple[int, ...]
+    n_ints: int
+    n_floats: int
+
+
+def layout(graph: Graph, grads: tuple[int, ...] = ()) -> Layout:
+    """The :class:`Layout` of ``graph``'s arguments with accumulators for slots ``grads``."""
+    slot_ints, offset = [], 0
+    for slot in graph.slots:
+        slot_ints.append(offset)
+        offset += 2 * slot.array.ndim
+    int_consts: dict[int, int] = {}
+    float_consts: dict[int, int] = {}
+    for i, n in enumerate(graph.nodes):
+        if n.op != "const" or isinstance(n.value, bool):
+            continue
+        if n.kind == FLOAT:
+            float_consts[i] = len(float_consts)
+        else:
+            int_consts[i] = offset
+            offset += 1
+    grad_ints = []
+    for s in grads:
+        grad_ints.append(offset)
+        offset += graph.slots[s].array.ndim
+    return Layout(
+        tuple(slot_ints), int_consts, float_consts, tuple(grad_ints), offset, len(float_consts)
+    )
+
+
+def _dtype_name(dtype) -> str:
+    """``float16``, ``bfloat16``, ``int32``... for a NumPy, CuPy or PyTorch dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _element_strides(a) -> tuple[int, ...]:
+    """Strides of array ``a`` in elements (NumPy, CuPy or PyTorch)."""
+    stride = getattr(a, "stride", None)
+    if callable(stride):
+        return tuple(int(s) for s in stride())
+    return tuple(int(s) // a.dtype.itemsize for s in a.strides)
+
+
+def _address(a) -> int:
+    """The data address of array ``a`` (NumPy, CuPy or PyTorch)."""
+    if isinstance(a, np.ndarray):
+        return int(a.__array_interface__["data"][0])
+    if hasattr(a, "data_ptr"):
+        return int(a.data_ptr())
+    return int(a.data.ptr)
+
+
+def pack_arguments(
+    graph: Graph, arrays=None, grads: tuple[int, ...] = (), accumulators=()
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The host ``(ptrs, ints, floats)`` arrays of :class:`ModArgs` for ``graph``.
+
+    Parameters
+    ----------
+    graph : Graph
+    arrays : sequence of array, optional
+        One per slot, replacing the slots' arrays (same dtypes and ranks), e.g. the
+        device copies the kernel reads. The caller keeps them alive while it runs.
+    grads : tuple of int
+        The slots whose gradients the vjp adds, as passed to :func:`cuda_source`.
+    accumulators : sequence of array
+        One float32 array per ``grads`` entry, shaped like its slot's array.
+
+    Returns
+    -------
+    ptrs : ndarray of uint64
+    ints : ndarray of int64
+    floats : ndarray of float32
+        Copy them to the device for a GPU kernel (a few hundred bytes).
+    """
+    arrays = [s.array for s in graph.slots] if arrays is None else list(arrays)
+    if len(arrays) != len(graph.slots):
+        raise ValueError(
+            f"arrays: need {len(graph.slots)} arrays (one per slot), got {len(arrays)}"
+        )
+    accumulators = list(accumulators)
+    if len(accumulators) != len(grads):
+        raise ValueError(
+            f"accumulators: need {len(grads)} arrays (one per grads entry), got {len(accumulators)}"
+        )
+    for k, (slot, a) in enumerate(zip(graph.slots, arrays)):
+        want, got = _dtype_name(slot.array.dtype), _dtype_name(a.dtype)
+        if got != want or a.ndim != slot.array.ndim:
+            raise TypeError(
+                f"arrays[{k}]: {slot.label} was compiled for a rank-{slot.array.ndim} {want} "
+                f"array, got rank {a.ndim} {got}"
+            )
+    for k, (s, acc) in enumerate(zip(grads, accumulators)):
+        if _dtype_name(acc.dtype) != "float32" or tuple(acc.shape) != tuple(arrays[s].shape):
+            raise TypeError(
+                f"accumulators[{k}]: must be float32 shaped {tuple(arrays[s].shape)}, "
+                f"got {tuple(acc.shape)} {acc.dtype}"
+            )
+    lay = layout(graph, grads)
+    ints = np.zeros(lay.n_ints, np.int64)
+    floats = np.zeros(lay.n_floats, np.float32)
+    for base, a in zip(lay.slot_ints, arrays):
+        ints[base : base + a.ndim] = tuple(a.shape)
+        ints[base + a.ndim : base + 2 * a.ndim] = _element_strides(a)
+    for i, at in lay.int_consts.items():
+        ints[at] = graph.nodes[i].value
+    for i, at in lay.float_consts.items():
+        floats[at] = graph.nodes[i].value
+    for base, acc in zip(lay.grad_ints, accumulators):
+        ints[base : base + acc.ndim] = _element_strides(acc)
+    ptrs = np.array([_address(a) for a in arrays + accumulators], np.uint64)
+    return ptrs, ints, floats
+
+
+class _Writer:
+    """Statements of one graph's nodes and their reverse mode, as ``(target, C++ line)``."""
+
+    def __init__(self, graph: Graph, lay: Layout):
+        self.graph, self.lay = graph, lay
+        self.lines: list[tuple[str | None, str]] = []
+
+    def float_of(self, i: int) -> str:
+        return f"v{i}" if self.graph.nodes[i].kind == FLOAT else f"(float)v{i}"
+
+    def index(self, i: int, strides: int) -> str:
+        """Element offset of gather ``i``: clamped indices times the strides at ``ints[strides]``."""
+        node = self.graph.nodes[i]
+        base = self.lay.slot_ints[node.value]
+        terms = [
+            f"xpk_clamp(v{j}, __ldg(a.ints + {base + axis})) * __ldg(a.ints + {strides + axis})"
+            for axis, j in enumerate(node.args)
+        ]
+        return " + ".join(terms) if terms else "0"
+
+    def emit(self, i: int) -> None:
+        node, nodes = self.graph.nodes[i], self.graph.nodes
+        op, args = node.op, node.args
+        if op == "input":
+            expr = node.value
+        elif op == "const":
+            if isinstance(node.value, bool):
+                expr = "true" if node.value else "false"
+            elif node.kind == FLOAT:
+                expr = f"__ldg(a.floats + {self.lay.float_consts[i]})"
+            else:
+                expr = f"__ldg(a.ints + {self.lay.int_consts[i]})"
+        elif op == "gather":
+            slot = self.graph.slots[node.value]
+            ctype, read = _DTYPES[_dtype_name(slot.array.dtype)]
+            base = self.lay.slot_ints[node.value]
+            rank = slot.array.ndim
+            pointer = f"reinterpret_cast<const {ctype}*>(__ldg(a.ptrs + {node.value}))"
+            offset = self.index(i, base + rank)
+            expr = read.format(offset, pointer)
+        else:
+            expr = self.operation(i, op, args, nodes)
+        self.lines.append((f"v{i}", f"const {_CTYPE[node.kind]} v{i} = {expr};"))
+
+    def operation(self, i, op, args, nodes) -> str:
+        node = nodes[i]
+        floats = node.kind == FLOAT or (
+            op in _ORDER + ("eq", "ne") and any(nodes[a].kind == FLOAT for a in args)
+        )
+
+        def a(k):
+            return self.float_of(args[k]) if floats else f"v{args[k]}"
+
+        if op in _COMPARE:
+            return f"{a(0)} {_COMPARE[op]} {a(1)}"
+        if op == "and":
+            return f"v{args[0]} && v{args[1]}"
+        if op == "or":
+            return f"v{args[0]} || v{args[1]}"
+        if op == "not":
+            return f"!v{args[0]}"
+        if op == "where":
+            branch = [self.float_of(j) if node.kind == FLOAT else f"v{j}" for j in args[1:]]
+            return f"v{args[0]} ? {branch[0]} : {branch[1]}"
+        if op == "floor":
+            return f"xpk_floor_int(v{args[0]})"
+        if op == "float":
+            return self.float_of(args[0])
+        if floats:
+            if op in _FLOAT_BINARY:
+                return f"{a(0)} {_FLOAT_BINARY[op]} {a(1)}"
+            if op == "floordiv":
+                return f"floorf({a(0)} / {a(1)})"
+            if op == "mod":
+                return f"{a(0)} - {a(1)} * floorf({a(0)} / {a(1)})"
+            if op == "pow":
+                return f"xpk_pow({a(0)}, {a(1)})"
+            if op == "neg":
+                return f"-{a(0)}"
+            if op in _UNARY:
+                return _UNARY[op].format(a(0))
+            if op in ("minimum", "maximum"):
+                return f"xpk_f{op[:3]}({a(0)}, {a(1)})"
+        else:
+            if op in _INT_BINARY:
+                return f"{_INT_BINARY[op]}({a(0)}, {a(1)})"
+            if op in ("floordiv", "mod"):
+                return f"xpk_{op}({a(0)}, {a(1)})"
+            if op == "pow":
+                return _int_power(f"v{args[0]}", nodes[args[1]].value)
+            if op == "neg":
+                return f"xpk_neg({a(0)})"
+            if op == "abs":
+                return f"xpk_iabs({a(0)})"
+            if op in ("minimum", "maximum"):
+                return f"xpk_i{op[:3]}({a(0)}, {a(1)})"
+        raise NotImplementedError(f"no CUDA C spelling for mod operation {op!r} on {node.kind}")
+
+    def reverse(self, grads: tuple[int, ...]) -> str:
+        """Append the reverse-mode lines; returns the expression of d score."""
+        graph, nodes = self.graph, self.graph.nodes
+        active = _active(graph, frozenset(grads))
+        out = graph.output
+        if out not in active:
+            return "0.0f"
+        have: set[int] = set()
+
+        def add(j: int, expr: str) -> None:
+            if j not in active:
+                return
+            line = f"g{j} += {expr};" if j in have else f"float g{j} = {expr};"
+            self.lines.append((f"g{j}", line))
+            have.add(j)
+
+        add(out, "g")
+        d_score = "0.0f"
+        for i in range(out, -1, -1):
+            if i not in have:
+                continue
+            node, g = nodes[i], f"g{i}"
+            op, args = node.op, node.args
+            f = [self.float_of(j) for j in args]
+            if op == "input":
+                d_score = g
+            elif op == "gather":
+                k = grads.index(node.value)
+                acc = f"reinterpret_cast<float*>(__ldg(a.ptrs + {len(graph.slots) + k}))"
+                offset = self.index(i, self.lay.grad_ints[k])
+                self.lines.append((None, f"atomicAdd({acc} + {offset}, {g});"))
+            elif op == "add":
+                add(args[0], g)
+                add(args[1], g)
+            elif op == "sub":
+                add(args[0], g)
+                add(args[1], f"-{g}")
+            elif op == "mul":
+                add(args[0], f"{g} * {f[1]}")
+                add(args[1], f"{g} * {f[0]}")
+            elif op == "div":
+                add(args[0], f"{g} / {f[1]}")
+                add(args[1], f"-{g} * v{i} / {f[1]}")
+            elif op == "mod":
+                add(args[0], g)
+                add(args[1], f"-{g} * floorf({f[0]} / {f[1]})")
+            elif op == "pow":
+                add(args[0], f"{g} * ({f[1]} * xpk_pow({f[0]}, {f[1]} - 1.0f))")
+                add(
+                    args[1],
+                    f"v{i} == 0.0f ? 0.0f : {g} * v{i} * logf(v{i} == 0.0f ? 1.0f : {f[0]})",
+                )
+            elif op == "neg":
+                add(args[0], f"-{g}")
+            elif op == "abs":
+                add(args[0], f"{f[0]} > 0.0f ? {g} : ({f[0]} < 0.0f ? -{g} : 0.0f)")
+            elif op == "exp":
+                add(args[0], f"{g} * v{i}")
+            elif op == "exp2":
+                add(args[0], f"{g} * (0.6931471805599453f * v{i})")
+            elif op == "log":
+                add(args[0], f"{g} / {f[0]}")
+            elif op == "tanh":
+                add(args[0], f"{g} * (1.0f - v{i} * v{i})")
+            elif op == "sqrt":
+                add(args[0], f"{g} * 0.5f / v{i}")
+            elif op == "sin":
+                add(args[0], f"{g} * cosf({f[0]})")
+            elif op == "cos":
+                add(args[0], f"-{g} * sinf({f[0]})")
+            elif op == "tan":
+                add(args[0], f"{g} * (1.0f + v{i} * v{i})")
+            elif op == "sigmoid":
+                add(args[0], f"{g} * (v{i} * (1.0f - v{i}))")
+            elif op in ("minimum", "maximum"):
+                sign = "<=" if op == "minimum" else ">="
+                add(args[0], f"{f[0]} {sign} {f[1]} ? {g} : 0.0f")
+                add(args[1], f"{f[0]} {sign} {f[1]} ? 0.0f : {g}")
+            elif op == "where":
+                add(args[1], f"v{args[0]} ? {g} : 0.0f")
+                add(args[2], f"v{args[0]} ? 0.0f : {g}")
+            elif op in ("float", "floordiv"):
+                continue  # from an integer, or piecewise constant: no gradient (as array_api)
+            else:
+                raise NotImplementedError(f"no reverse mode for mod operation {op!r}")
+        return d_score
+
+    def body(self, result: str) -> list[str]:
+        """The live lines (no variable set but never read: NVRTC warns on those) and the return."""
+        lines = list(self.lines) + [(None, f"return {result};")]
+        while True:
+            read: set[str] = set()
+            for target, text in lines:
+                read.update(v for v in _VAR.findall(text) if v != target)
+            kept = [(t, s) for t, s in lines if t is None or t in read]
+            if len(kept) == len(lines):
+                return [s for _, s in lines]
+            lines = kept
+
+
+def _int_power(x: str, exponent: int) -> str:
+    """``x ** exponent`` in wrapping int64 for a constant exponent >= 0, by squaring."""
+    if exponent == 0:
+        return "1LL"
+    factors, square, e = [], x, exponent
+    while True:
+        if e & 1:
+            factors.append(square)
+        e >>= 1
+        if not e:
+            break
+        square = f"xpk_mul({square}, {square})"
+    result = factors[0]
+    for factor in factors[1:]:
+        result = f"xpk_mul({result}, {factor})"
+    return result
+
+
+def _active(graph: Graph, grads: frozenset) -> set[int]:
+    """Nodes whose value depends on the score or on a captured array differentiated (``grads``)."""
+    active: set[int] = set()
+    for i, node in enumerate(graph.nodes):
+        if node.op == "input":
+            hit = node.value == "score"
+        elif node.op == "gather":
+            hit = node.value in grads
+        else:
+            hit = node.kind == FLOAT and any(a in active for a in node.args)
+        if hit:
+            active.add(i)
+    return active
+
+
+def cuda_source(graph: Graph, role: str, name: str, grads: tuple[int, ...] = ()) -> str:
+    """CUDA C++ source defining ``__device__`` function ``name`` for ``graph``.
+
+    Parameters
+    ----------
+    graph : Graph
+    role : {"mask", "score", "vjp"}
+        The function's form (see the module docstring).
+    name : str
+        The function's name (a C identifier).
+    grads : tuple of int
+        ``vjp`` only: the float slots whose gradients it adds, in the order of
+        the accumulators in :class:`ModArgs`.
+
+    Returns
+    -------
+    str
+        Source including the shared part (guarded, so several sources concatenate).
+    """
+    if role not in ("mask", "score", "vjp"):
+        raise ValueError(f"role must be 'mask', 'score' or 'vjp', got {role!r}")
+    if not isinstance(name, str) or not _IDENTIFIER.match(name):
+        raise ValueError(f"name must be a C identifier, got {name!r}")
+    grads = tuple(grads)
+    if grads and role != "vjp":
+        raise ValueError(f"grads: only a vjp adds gradients, got {grads} for role {role!r}")
+    for s in grads:
+        if not (isinstance(s, int) and 0 <= s < len(graph.slots)):
+            raise ValueError(f"grads: {s!r} is not a slot of the graph ({len(graph.slots)} slots)")
+        if graph.slots[s].kind != FLOAT:
+            raise ValueError(f"grads: slot {s} ({graph.slots[s].label}) is not a float array")
+    if len(set(grads)) != len(grads):
+        raise ValueError(f"grads: slots repeat in {grads}")
+    for s, slot in enumerate(graph.slots):
+        if _dtype_name(slot.array.dtype) not in _DTYPES:
+            raise TypeError(
+                f"graph: slot {s} ({slot.label}) has dtype {slot.array.dtype}, which the CUDA "
+                f"target does not read (supported: {', '.join(_DTYPES)})"
+            )
+    kind = graph.nodes[graph.output].kind
+    if role == "mask" and kind != BOOL:
+        raise ValueError(f"a mask graph returns a condition, got {kind}")
+    w = _Writer(graph, layout(graph, grads))
+    for i in range(len(graph.nodes)):
+        w.emit(i)
+    params = [f"long long {n}" for n in _INDEX_INPUTS]
+    if role == "mask":
+        result, returns = f"v{graph.output}", "bool"
+    elif role == "score":
+        params.insert(0, "float score")
+        result, returns = w.float_of(graph.output), "float"
+    else:
+        params.insert(0, "float score")
+        params.append("float g")
+        result, returns = w.reverse(grads), "float"
+    params.append("const ModArgs& a")
+    lines = w.body(result)
+    signature = f"__device__ __forceinline__ {returns} {name}({', '.join(params)})"
+    return (
+        _COMMON.lstrip("\n")
+        + "\n"
+        + signature
+        + " {\n"
+        + "".join(f"    {s}\n" for s in lines)
+        + "}\n"
+    )
