@@ -19,11 +19,12 @@ in int64 with Python's floor semantics (as every backend), floats in float32.
 Constants are not part of the source: they travel in the ``consts`` tuple
 (:func:`constants`), so graphs differing only in their constants share one
 compiled kernel. Each captured array travels in ``arrs`` as its pointer,
-its extents and its strides (in elements); its indices are clamped into the
-array, which changes nothing on pairs the call proved in range
-(:meth:`Graph.check_indices`) and keeps the padding rows and keys of a tile
-from reading outside it. An accumulator in ``grads`` travels as its pointer
-and strides.
+its extents and its strides (in elements). Indices the call could not prove
+in range (:attr:`Graph.clamped`) are clamped into the array, as on every
+backend; the others are in range on every pair of the call
+(:meth:`Graph.check_indices`), and the reads of a tile's padding rows and
+keys outside the array are masked off. An accumulator in ``grads`` travels
+as its pointer and strides.
 """
 
 from __future__ import annotations
@@ -151,8 +152,9 @@ class _Writer:
             self.lines.append(f"v{i} = {expr}")
             return
         if op == "gather":
-            off = self.offset(i)
-            value = f"tl.load(arrs[{self.slot_base[node.value]}] + {off})"
+            off, inside = self.offset(i)
+            mask = "" if inside is None else f", mask={inside}, other=0"
+            value = f"tl.load(arrs[{self.slot_base[node.value]}] + {off}{mask})"
             if node.kind == FLOAT:
                 value += ".to(tl.float32)"
             elif node.kind == INT:
@@ -212,17 +214,31 @@ class _Writer:
         self.helpers.add(name)
         return f"{name}({', '.join(args)})"
 
-    def offset(self, i: int) -> str:
-        """The element offset of gather ``i``, every index clamped into its array."""
+    def offset(self, i: int) -> tuple[str, str | None]:
+        """``(offset, inside)``: gather ``i``'s element offset and the pairs it may read.
+
+        An index the call could not prove in range (it depends on device
+        values: :attr:`Graph.clamped`) is clamped into the array, as every
+        backend does. The others are in range on every pair of the call, so
+        only a tile's padding rows or keys can leave the array: those reads
+        are masked off instead (``inside``, None when nothing is masked),
+        which keeps contiguous indices contiguous for vector loads.
+        """
         node = self.graph.nodes[i]
         base = self.slot_base[node.value]
         rank = len(node.args)
-        terms = []
+        terms, checks = [], []
         for axis, j in enumerate(node.args):
             extent = f"arrs[{base + 1 + axis}]"
             stride = f"arrs[{base + 1 + rank + axis}]"
-            terms.append(f"tl.minimum(tl.maximum(v{j}, 0), {extent} - 1) * {stride}")
-        return " + ".join(terms) if terms else "0"
+            if (i, axis) in self.graph.clamped:
+                terms.append(f"tl.minimum(tl.maximum(v{j}, 0), {extent} - 1) * {stride}")
+                continue
+            terms.append(f"v{j} * {stride}")
+            if self.axes[j]:  # an index of b and h alone is a real pair's: in range
+                checks.append(f"((v{j} >= 0) & (v{j} < {extent}))")
+        offset = " + ".join(terms) if terms else "0"
+        return offset, " & ".join(checks) if checks else None
 
 
 def _int_power(x: str, exponent: int) -> str:
@@ -368,12 +384,19 @@ def _scatter(w: _Writer, i: int, g: str, base: int, transposed: bool) -> list[st
         lines.append(f"{c} = tl.sum({c}, {1 - kept}){index}")
     slot = w.slot_base[node.value]
     rank = len(node.args)
-    terms = [
-        f"tl.minimum(tl.maximum(v{j}, 0), arrs[{slot + 1 + axis}] - 1) * grads[{base + 1 + axis}]"
-        for axis, j in enumerate(node.args)
-    ]
+    terms, checks = [], []
+    for axis, j in enumerate(node.args):
+        stride = f"grads[{base + 1 + axis}]"
+        extent = f"arrs[{slot + 1 + axis}]"
+        if (i, axis) in w.graph.clamped:
+            terms.append(f"tl.minimum(tl.maximum(v{j}, 0), {extent} - 1) * {stride}")
+            continue
+        terms.append(f"v{j} * {stride}")
+        if w.axes[j]:
+            checks.append(f"((v{j} >= 0) & (v{j} < {extent}))")
     offset = " + ".join(terms) if rank else "0"
-    lines.append(f"tl.atomic_add(grads[{base}] + {offset}, {c})")
+    mask = f", mask={' & '.join(checks)}" if checks else ""
+    lines.append(f"tl.atomic_add(grads[{base}] + {offset}, {c}{mask})")
     return lines
 
 
