@@ -221,8 +221,9 @@ def _placeholder_uploads():
 
 def _flex(pass_, D, mods, B=4, H=16, S=4096):
     """A flex launch at the GPU benchmarks' shape; ``mods`` names :func:`_flex_mods`' pair."""
-    from xpkernels import mods as xm
     from xpkernels.backends.triton import flex_attention
+
+    from xpkernels import mods as xm
 
     t = spec.tensor
     score, mask = _flex_mods(mods, B, H, S)
