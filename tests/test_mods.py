@@ -375,6 +375,18 @@ def test_scatter_add_sums_repeated_indices(namespace):
     np.testing.assert_allclose(host(target), expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("namespace", NAMESPACES)
+def test_scatter_add_keeps_non_finite_values_at_their_index(namespace):
+    """An inf or NaN reaches its own index only; +inf with -inf (or any NaN) gives NaN."""
+    index = np.array([0, 1, 1, 2, 3, 3, 4, 4, 5])
+    values = np.array([1.0, np.inf, 2.0, 3.0, np.inf, -np.inf, np.nan, 1.0, -np.inf], np.float32)
+    target = to_namespace(np.zeros(7, np.float32), namespace)
+    xp = array_api_compat.array_namespace(target)
+    xm.scatter_add(xp, target, to_namespace(index, namespace), to_namespace(values, namespace))
+    expected = np.array([1.0, np.inf, 3.0, np.nan, np.nan, -np.inf, 0.0], np.float32)
+    np.testing.assert_array_equal(host(target), expected)
+
+
 # --------------------------------------------------------------------------- index bounds
 
 
@@ -642,6 +654,11 @@ def test_floor_gives_integers_nan_zero_and_saturates_past_int64(namespace):
     floored = host(xm.floor(to_namespace(values, namespace)))
     assert floored.dtype == np.int64
     np.testing.assert_array_equal(floored, expected)
+    # float32: its nearest below 2**63 is 2**63 - 2**39 (2**63 itself would wrap to int64's min)
+    values32 = np.array([1e30, np.inf, -np.inf, 2.0**63], np.float32)
+    top32 = 2**63 - 2**39
+    floored = host(xm.floor(to_namespace(values32, namespace)))
+    np.testing.assert_array_equal(floored, [top32, top32, -(2**63), top32])
     mod = xm.ScoreMod(lambda s, b, h, q, kv: math.floor(s) + 0.5)
     assert [n.op for n in mod.graph.nodes].count("floor") == 1
     like = to_namespace(values, namespace)

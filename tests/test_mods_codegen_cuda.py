@@ -296,11 +296,6 @@ def test_score_and_vjp_match_bound_graph(module, name, special):
     want_d = bound.backprop(values, grid, cot, want_grads)
     _close(out, values[graph.output], "score")
     _close(d_score, 0.0 if want_d is None else want_d, "d score")
-    if special:
-        # the reference's scatter_add sums by differences of a running sum: one infinite
-        # term turns every later entry of the accumulator into NaN, so only finite scores
-        # check the array gradients
-        return
     # sums of up to n float32 terms, accumulated in another order: the error grows with the count
     for s, acc in zip(grads, accumulators):
         _close(acc, want_grads[s], f"gradient of {graph.slots[s].label}", scale=4 * np.sqrt(n))
@@ -320,7 +315,7 @@ def test_floor_saturates_and_maps_nan_to_zero():
     m.get_function(_c_name("floor"))(
         (1,), (32,), (idx, s, np.ones(n, np.float32), out, d, ptrs, ints, floats, np.int32(n))
     )
-    top = np.float32(float(2**63 - 1) * 1e-18)
+    top = np.float32(float(2**63 - 2**39) * 1e-18)
     want = np.array([0.0, top, -top, top, -top, 0.0, 0.0, -1e-18], np.float32)
     np.testing.assert_allclose(out, want, rtol=4 * EPS, atol=0.0)
 

@@ -74,10 +74,10 @@ def _mod(a, b):
     "_floor_int": '''
 @triton.jit
 def _floor_int(x):
-    """floor(x) as int64: NaN gives 0, values past int64 saturate."""
+    """floor(x) as int64: NaN gives 0, values past int64 saturate (at float32's 2**63 - 2**39)."""
     x = tl.floor(x)
     x = tl.where(x != x, 0.0, x)
-    x = tl.minimum(tl.maximum(x, -9.223372036854775808e18), 9.223372036854774784e18)
+    x = tl.minimum(tl.maximum(x, -9.223372036854775808e18), 9.223371487098961920e18)
     return x.to(tl.int64)
 ''',
     "_pow": '''

@@ -109,7 +109,6 @@ struct ModArgs {
 };
 
 #define XPK_INT64_MIN (-9223372036854775807LL - 1LL)
-#define XPK_INT64_MAX 9223372036854775807LL
 
 // int64 arithmetic that wraps (through unsigned), as the kernels' int64 does.
 __device__ __forceinline__ long long xpk_add(long long a, long long b) {
@@ -158,11 +157,12 @@ __device__ __forceinline__ float xpk_fmax(float a, float b) {
     return a != a ? a : (b != b ? b : (b > a ? b : a));
 }
 
-// floor(x) as int64: NaN gives 0, values past int64 saturate.
+// floor(x) as int64: NaN gives 0, values past int64 saturate (above: at float32's largest
+// value below 2**63, 2**63 - 2**39, as the other backends).
 __device__ __forceinline__ long long xpk_floor_int(float x) {
     x = floorf(x);
     if (x != x) return 0;
-    if (x >= 9.2233720368547758e18f) return XPK_INT64_MAX;
+    if (x >= 9.2233720368547758e18f) return 9223371487098961920LL;
     if (x <= -9.2233720368547758e18f) return XPK_INT64_MIN;
     return (long long)x;
 }

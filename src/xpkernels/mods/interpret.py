@@ -104,8 +104,11 @@ def scatter_add(xp, target, index, values) -> None:
     each index's first and last occurrence, and adds the resulting dense run
     to the contiguous slice of ``target`` the indices span (host indices:
     read on the host) or to all of ``target`` (device indices are never read
-    on the host; they lie inside ``target``). ``target`` must be
-    C-contiguous (its reshape to 1-D is a view).
+    on the host; they lie inside ``target``). Non-finite values are counted
+    apart (running sums of +inf, -inf and NaN indicators, exact in int64), so
+    one of them reaches its own index only: +inf and -inf together, or a NaN,
+    give NaN there, as summing does. ``target`` must be C-contiguous (its
+    reshape to 1-D is a view).
     """
     index = xp.reshape(index, (-1,))
     values = xp.reshape(values, (-1,))
@@ -117,13 +120,28 @@ def scatter_add(xp, target, index, values) -> None:
         lo, hi = 0, math.prod(target.shape) - 1
     order = xp.argsort(index)
     sorted_index = xp.take(index, order)
-    sums = xp.cumulative_sum(xp.astype(xp.take(values, order), xp.float64), include_initial=True)
+    wide = xp.astype(xp.take(values, order), xp.float64)
+    finite = xp.isfinite(wide)
     positions = xp.arange(
         lo, hi + 1, dtype=sorted_index.dtype, device=array_api_compat.device(index)
     )
     last = xp.searchsorted(sorted_index, positions, side="right")
     first = xp.searchsorted(sorted_index, positions, side="left")
-    run = xp.take(sums, last) - xp.take(sums, first)
+
+    def runs(x):
+        sums = xp.cumulative_sum(x, include_initial=True)
+        return xp.take(sums, last) - xp.take(sums, first)
+
+    run = runs(xp.where(finite, wide, xp.zeros_like(wide)))
+    if not bool(xp.all(finite)):
+        counts = [
+            runs(xp.astype(flag, xp.int64))
+            for flag in (wide == math.inf, wide == -math.inf, xp.isnan(wide))
+        ]
+        up, down, nan = (c > 0 for c in counts)
+        run = xp.where(up, math.inf, run)
+        run = xp.where(down, -math.inf, run)
+        run = xp.where(xp.logical_or(nan, xp.logical_and(up, down)), math.nan, run)
     flat = xp.reshape(target, (-1,))
     flat[lo : hi + 1] += xp.astype(run, target.dtype)
 

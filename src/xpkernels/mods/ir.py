@@ -325,9 +325,13 @@ def _interval_rule(op, bounds, graph, node):
     return -inf, inf
 
 
-#: Floats past int64 saturate when :func:`floor` turns them into integers: the float64
-#: nearest below 2**63 is 2**63 - 1024.
-_FLOOR_HIGH = float(2**63 - 1024)
+def _floor_high(xp, dtype) -> float:
+    """The largest value of float ``dtype`` below 2**63: ``2**63 (1 - eps / 2)``.
+
+    Floats past int64 saturate there when :func:`floor` turns them into
+    integers (float64: 2**63 - 1024, float32: 2**63 - 2**39).
+    """
+    return 2.0**63 * (1.0 - float(xp.finfo(dtype).eps) / 2.0)
 
 
 def _floor_int(xp, x):
@@ -336,7 +340,7 @@ def _floor_int(xp, x):
         return x
     x = xp.floor(x)
     x = xp.where(xp.isnan(x), xp.zeros_like(x), x)
-    x = xp.clip(x, float(INT64_MIN), _FLOOR_HIGH)
+    x = xp.clip(x, float(INT64_MIN), _floor_high(xp, x.dtype))
     return xp.astype(x, xp.int64)
 
 
