@@ -359,8 +359,6 @@ def _reverse(w: _Writer, grads: tuple[int, ...], transposed: bool) -> list[str]:
             continue  # from an integer, or piecewise constant: no gradient (as array_api)
         else:
             raise NotImplementedError(f"no reverse mode for mod operation {op!r}")
-    if "_pow" not in w.helpers and any(nodes[i].op == "pow" for i in have):
-        w.helpers.add("_pow")
     lines.append(f"d_score = {d_score if d_score is not None else 'tl.zeros_like(score)'}")
     return lines
 
