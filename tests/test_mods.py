@@ -276,6 +276,82 @@ def test_reverse_mode_matches_finite_differences(name):
         np.testing.assert_allclose(grad, numeric, atol=1e-6, err_msg=field)
 
 
+#: One score mod per differentiable operation of the op table: ``f(score, w[h])`` with
+#: score and w in [0.5, 1.5] (inside every operation's domain).
+OP_MODS = {
+    "add": lambda s, w: s + w,
+    "sub": lambda s, w: s - w,
+    "mul": lambda s, w: s * w,
+    "div": lambda s, w: s / w,
+    "mod": lambda s, w: (3.0 * s) % w,
+    "pow": lambda s, w: s**w,
+    "neg": lambda s, w: -(s * w),
+    "abs": lambda s, w: abs(s - w),
+    "exp": lambda s, w: xm.exp(s * w),
+    "exp2": lambda s, w: xm.exp2(s * w),
+    "log": lambda s, w: xm.log(s * w),
+    "tanh": lambda s, w: xm.tanh(s * w),
+    "sqrt": lambda s, w: xm.sqrt(s * w),
+    "sin": lambda s, w: xm.sin(s * w),
+    "cos": lambda s, w: xm.cos(s * w),
+    "tan": lambda s, w: xm.tan(s * w),
+    "sigmoid": lambda s, w: xm.sigmoid(s * w),
+    "minimum": lambda s, w: xm.minimum(s, w),
+    "maximum": lambda s, w: xm.maximum(s, w),
+    "where": lambda s, w: xm.where(s > w, 2.0 * s, 3.0 * w),
+}
+
+
+def test_every_differentiable_operation_has_a_finite_difference_case():
+    from xpkernels.mods.ir import OPS
+
+    assert {name for name, op in OPS.items() if op.vjp is not None} == set(OP_MODS)
+
+
+@pytest.mark.parametrize("name", sorted(OP_MODS))
+def test_each_operation_vjp_matches_finite_differences(name):
+    """The op table's reverse mode of ``name`` (score and a captured array) vs central differences."""
+    b, h, row, q_idx, kv_idx = grids(pos=1)
+    rng = np.random.default_rng(11)
+    w = rng.uniform(0.5, 1.5, 3)
+    mod = xm.ScoreMod(lambda score, b, h, q, kv, *, w: OP_MODS[name](score, w[h]), w=w)
+    assert name in {n.op for n in mod.graph.nodes}
+    score = rng.uniform(0.5, 1.5, (2, 3, 7, 9))
+    cot = rng.standard_normal((2, 3, 7, 9))
+    d_score, grads = xm.score_grad(mod, score, cot, q_idx, kv_idx, b, h, input_pos=1)
+    eps = 1e-6
+
+    def out(score_in, w_in):
+        return OP_MODS[name](score_in, w_in[h])
+
+    numeric = cot * (out(score + eps, w) - out(score - eps, w)) / (2 * eps)
+    np.testing.assert_allclose(d_score, np.broadcast_to(numeric, d_score.shape), atol=1e-6)
+    numeric_w = np.zeros(3)
+    for i in range(3):
+        up, down = w.copy(), w.copy()
+        up[i] += eps
+        down[i] -= eps
+        numeric_w[i] = np.sum(cot * (out(score, up) - out(score, down))) / (2 * eps)
+    np.testing.assert_allclose(grads.w, numeric_w, rtol=1e-6, atol=1e-6)
+
+
+def test_gradient_graph_extends_the_forward_graph():
+    """The reverse mode is a graph: forward nodes kept as they are, then nodes of OPS only."""
+    from xpkernels.mods.grad import COTANGENT, gradient
+    from xpkernels.mods.ir import OPS
+
+    mod = SCORES["relpos"]()
+    graph = mod.graph
+    rev = gradient(graph, (0,))
+    assert rev.graph.nodes[: rev.start] == graph.nodes
+    reverse = rev.graph.nodes[rev.start :]
+    assert all(n.op in OPS or n.op == "literal" or n.value == COTANGENT for n in reverse)
+    assert [graph.nodes[i].op for i, _ in rev.scatters] == ["gather"]
+    assert rev.d_score is not None and gradient(graph, (0,)) is rev
+    assert gradient(graph, ()).scatters == ()
+    assert gradient(xm.SoftCapScore(2.0).graph, ()).d_score is not None
+
+
 def test_soft_cap_and_masks_have_no_gradients():
     assert grad_shadow(xm.SoftCapScore(3.0)).items() == []
     with pytest.raises(TypeError, match="expected an array or a score mod"):

@@ -25,11 +25,16 @@ backend; the others are in range on every pair of the call
 (:meth:`Graph.check_indices`), and the reads of a tile's padding rows and
 keys outside the array are masked off. An accumulator in ``grads`` travels
 as its pointer and strides.
+
+Each operation is spelled from its record in :data:`~xpkernels.mods.ir.OPS`;
+a vjp is the code of the graph's gradient graph
+(:func:`~xpkernels.mods.grad.gradient`), the one the interpreter evaluates.
 """
 
 from __future__ import annotations
 
-from .ir import _ORDER, BOOL, FLOAT, INT, Graph
+from .grad import COTANGENT, gradient
+from .ir import BOOL, FLOAT, INT, OPS, Graph, computes_in_floats
 
 __all__ = ["constants", "triton_source"]
 
@@ -37,22 +42,14 @@ __all__ = ["constants", "triton_source"]
 _INDEX_INPUTS = ("b", "h", "q_idx", "kv_idx", "q_row")
 
 #: Axes of a tile each input varies along: rows (M), keys (N).
-_INPUT_AXES = {"score": "MN", "b": "", "h": "", "q_idx": "M", "q_row": "M", "kv_idx": "N"}
-
-_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
-_COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
-_UNARY = {
-    "neg": "-({0})",
-    "abs": "tl.abs({0})",
-    "exp": "tl.exp({0})",
-    "exp2": "tl.exp2({0})",
-    "log": "tl.log({0})",
-    "sqrt": "tl.sqrt({0})",
-    "sin": "tl.sin({0})",
-    "cos": "tl.cos({0})",
-    "tan": "tl.sin({0}) / tl.cos({0})",
-    "tanh": "_tanh({0})",
-    "sigmoid": "1.0 / (1.0 + tl.exp(-({0})))",
+_INPUT_AXES = {
+    "score": "MN",
+    COTANGENT: "MN",
+    "b": "",
+    "h": "",
+    "q_idx": "M",
+    "q_row": "M",
+    "kv_idx": "N",
 }
 
 #: Helper functions a generated module may call, by name.
@@ -141,7 +138,10 @@ class _Writer:
         node, nodes = self.graph.nodes[i], self.graph.nodes
         op, args = node.op, node.args
         if op == "input":
-            self.lines.append(f"v{i} = {node.value}")
+            self.lines.append(f"v{i} = {'g' if node.value == COTANGENT else node.value}")
+            return
+        if op == "literal":
+            self.lines.append(f"v{i} = {node.value!r}")
             return
         if op == "const":
             if isinstance(node.value, bool):
@@ -163,56 +163,17 @@ class _Writer:
                 value = f"({value} != 0)"
             self.lines.append(f"v{i} = {value}")
             return
-        floats = node.kind == FLOAT or (
-            op in _ORDER + ("eq", "ne") and any(nodes[a].kind == FLOAT for a in args)
-        )
-
-        def a(k):
-            return self.float_of(args[k]) if floats else f"v{args[k]}"
-
-        if op in _BINARY:
-            expr = f"{a(0)} {_BINARY[op]} {a(1)}"
-        elif op in _COMPARE:
-            expr = f"{a(0)} {_COMPARE[op]} {a(1)}"
-        elif op == "and":  # selects, not & | ~: the interpreter cannot mix ranks of bools
-            expr = f"tl.where(v{args[0]}, v{args[1]}, False)"
-        elif op == "or":
-            expr = f"tl.where(v{args[0]}, True, v{args[1]})"
-        elif op == "not":
-            expr = f"tl.where(v{args[0]}, False, True)"
-        elif op == "floordiv":
-            expr = f"tl.floor({a(0)} / {a(1)})" if floats else self.helper("_floordiv", a(0), a(1))
-        elif op == "mod":
-            if floats:
-                expr = f"{a(0)} - {a(1)} * tl.floor({a(0)} / {a(1)})"
-            else:
-                expr = self.helper("_mod", a(0), a(1))
-        elif op == "pow":
-            if floats:
-                expr = self.helper("_pow", a(0), a(1))
-            else:
-                expr = _int_power(f"v{args[0]}", nodes[args[1]].value)
-        elif op in _UNARY:
-            if op == "tanh":
-                self.helpers.add("_tanh")
-            expr = _UNARY[op].format(a(0))
-        elif op == "floor":
-            expr = self.helper("_floor_int", f"v{args[0]}")
-        elif op in ("minimum", "maximum"):
-            nan = ", propagate_nan=tl.PropagateNan.ALL" if floats else ""
-            expr = f"tl.{op}({a(0)}, {a(1)}{nan})"
-        elif op == "where":
-            branch = [self.float_of(j) if node.kind == FLOAT else f"v{j}" for j in args[1:]]
-            expr = f"tl.where(v{args[0]}, {branch[0]}, {branch[1]})"
-        elif op == "float":
-            expr = self.float_of(args[0])
-        else:
-            raise NotImplementedError(f"no Triton spelling for mod operation {op!r}")
+        floats = computes_in_floats(node, nodes)
+        spelled = [self.float_of(a) if floats and nodes[a].kind == INT else f"v{a}" for a in args]
+        constants = [nodes[a].value if nodes[a].op == "const" else None for a in args]
+        try:
+            expr = OPS[op].spelling("triton", floats, spelled, constants)
+        except NotImplementedError:
+            raise NotImplementedError(
+                f"no Triton spelling for mod operation {op!r} on {node.kind}"
+            ) from None
+        self.helpers.update(h for h in _HELPERS if f"{h}(" in expr)
         self.lines.append(f"v{i} = {expr}")
-
-    def helper(self, name: str, *args: str) -> str:
-        self.helpers.add(name)
-        return f"{name}({', '.join(args)})"
 
     def offset(self, i: int) -> tuple[str, str | None]:
         """``(offset, inside)``: gather ``i``'s element offset and the pairs it may read.
@@ -241,126 +202,21 @@ class _Writer:
         return offset, " & ".join(checks) if checks else None
 
 
-def _int_power(x: str, exponent: int) -> str:
-    """``x ** exponent`` for an int64 expression and a constant exponent >= 0, by squaring."""
-    if exponent == 0:
-        return f"({x} * 0 + 1)"
-    factors, square, e = [], x, exponent
-    while True:
-        if e & 1:
-            factors.append(square)
-        e >>= 1
-        if not e:
-            break
-        square = f"({square} * {square})"
-    return " * ".join(factors)
-
-
-def _active(graph: Graph, grads: frozenset) -> set[int]:
-    """Nodes whose value depends on the score or on a captured array differentiated (``grads``)."""
-    active: set[int] = set()
-    for i, node in enumerate(graph.nodes):
-        if node.op == "input":
-            hit = node.value == "score"
-        elif node.op == "gather":
-            hit = node.value in grads
-        else:
-            hit = node.kind == FLOAT and any(a in active for a in node.args)
-        if hit:
-            active.add(i)
-    return active
-
-
-def _reverse(w: _Writer, grads: tuple[int, ...], transposed: bool) -> list[str]:
-    """Lines accumulating cotangents ``g{i}`` (full tiles) from ``g``; returns the score's."""
-    graph = w.graph
-    nodes = graph.nodes
-    active = _active(graph, frozenset(grads))
+def _reverse(graph: Graph, grads: tuple[int, ...], transposed: bool) -> tuple[_Writer, list[str]]:
+    """The writer of ``graph``'s gradient graph and the lines after its nodes (scatters, d_score)."""
+    rev = gradient(graph, grads)
+    w = _Writer(rev.graph)
+    for i in range(len(rev.graph.nodes)):
+        w.emit(i)
     grad_base, base = {}, 0
     for s in grads:
         grad_base[s] = base
         base += 1 + graph.slots[s].array.ndim
     lines: list[str] = []
-    have: set[int] = set()
-
-    def add(j: int, expr: str) -> None:
-        if j not in active:
-            return
-        lines.append(f"g{j} = g{j} + ({expr})" if j in have else f"g{j} = {expr}")
-        have.add(j)
-
-    out = graph.output
-    if out not in active:
-        return ["d_score = tl.zeros_like(score)"]
-    lines.append(f"g{out} = g + tl.zeros_like(score)")
-    have.add(out)
-    d_score = None
-    for i in range(out, -1, -1):
-        if i not in have:
-            continue
-        node, g = nodes[i], f"g{i}"
-        op, args = node.op, node.args
-        f = [w.float_of(a) for a in args]
-        if op == "input":
-            d_score = g
-        elif op == "gather":
-            lines.extend(_scatter(w, i, g, grad_base[node.value], transposed))
-        elif op == "add":
-            add(args[0], g)
-            add(args[1], g)
-        elif op == "sub":
-            add(args[0], g)
-            add(args[1], f"-{g}")
-        elif op == "mul":
-            add(args[0], f"{g} * {f[1]}")
-            add(args[1], f"{g} * {f[0]}")
-        elif op == "div":
-            add(args[0], f"{g} / {f[1]}")
-            add(args[1], f"-{g} * v{i} / {f[1]}")
-        elif op == "mod":
-            add(args[0], g)
-            add(args[1], f"-{g} * tl.floor({f[0]} / {f[1]})")
-        elif op == "pow":
-            add(args[0], f"{g} * ({f[1]} * _pow({f[0]}, {f[1]} - 1.0))")
-            add(
-                args[1],
-                f"tl.where(v{i} == 0.0, 0.0, {g} * v{i} * tl.log(tl.where(v{i} == 0.0, 1.0, {f[0]})))",
-            )
-        elif op == "neg":
-            add(args[0], f"-{g}")
-        elif op == "abs":
-            add(args[0], f"tl.where({f[0]} > 0.0, {g}, tl.where({f[0]} < 0.0, -{g}, 0.0))")
-        elif op == "exp":
-            add(args[0], f"{g} * v{i}")
-        elif op == "exp2":
-            add(args[0], f"{g} * (0.6931471805599453 * v{i})")
-        elif op == "log":
-            add(args[0], f"{g} / {f[0]}")
-        elif op == "tanh":
-            add(args[0], f"{g} * (1.0 - v{i} * v{i})")
-        elif op == "sqrt":
-            add(args[0], f"{g} * 0.5 / v{i}")
-        elif op == "sin":
-            add(args[0], f"{g} * tl.cos({f[0]})")
-        elif op == "cos":
-            add(args[0], f"-{g} * tl.sin({f[0]})")
-        elif op == "tan":
-            add(args[0], f"{g} * (1.0 + v{i} * v{i})")
-        elif op == "sigmoid":
-            add(args[0], f"{g} * (v{i} * (1.0 - v{i}))")
-        elif op in ("minimum", "maximum"):
-            sign = "<=" if op == "minimum" else ">="
-            add(args[0], f"tl.where({f[0]} {sign} {f[1]}, {g}, 0.0)")
-            add(args[1], f"tl.where({f[0]} {sign} {f[1]}, 0.0, {g})")
-        elif op == "where":
-            add(args[1], f"tl.where(v{args[0]}, {g}, 0.0)")
-            add(args[2], f"tl.where(v{args[0]}, 0.0, {g})")
-        elif op in ("float", "floordiv"):
-            continue  # from an integer, or piecewise constant: no gradient (as array_api)
-        else:
-            raise NotImplementedError(f"no reverse mode for mod operation {op!r}")
-    lines.append(f"d_score = {d_score if d_score is not None else 'tl.zeros_like(score)'}")
-    return lines
+    for i, g in rev.scatters:
+        lines.extend(_scatter(w, i, f"v{g}", grad_base[graph.nodes[i].value], transposed))
+    d_score = "tl.zeros_like(score)" if rev.d_score is None else f"v{rev.d_score}"
+    return w, lines + [f"return {d_score}"]
 
 
 def _scatter(w: _Writer, i: int, g: str, base: int, transposed: bool) -> list[str]:
@@ -421,7 +277,6 @@ def triton_source(
     str
         Python source importing ``triton`` and ``triton.language as tl``.
     """
-    w = _Writer(graph)
     inputs = list(_INDEX_INPUTS)
     if role != "mask":
         inputs.insert(0, "score")
@@ -430,15 +285,16 @@ def triton_source(
     inputs += ["arrs", "consts"]
     if role == "vjp":
         inputs.append("grads")
-    for i in range(len(graph.nodes)):
-        w.emit(i)
     out = graph.output
-    if role == "mask":
-        body = w.lines + [f"return v{out}"]
-    elif role == "score":
-        body = w.lines + [f"return {w.float_of(out)} + tl.zeros_like(score)"]
+    if role == "vjp":
+        w, tail = _reverse(graph, grads, transposed)
+        body = w.lines + tail
     else:
-        body = w.lines + _reverse(w, grads, transposed) + ["return d_score"]
+        w = _Writer(graph)
+        for i in range(len(graph.nodes)):
+            w.emit(i)
+        result = f"v{out}" if role == "mask" else f"{w.float_of(out)} + tl.zeros_like(score)"
+        body = w.lines + [f"return {result}"]
     kind = graph.nodes[out].kind
     if role == "mask" and kind != BOOL:
         raise ValueError(f"a mask graph returns a condition, got {kind}")

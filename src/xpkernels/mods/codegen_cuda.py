@@ -20,8 +20,9 @@ NumPy, where the Triton target leaves it to the hardware), floats in float32 (``
 ``1 - 2 / (exp(2x) + 1)``, ``pow`` from ``exp2(b log2|a|)`` with NumPy's
 rules for negative bases), NaN-propagating ``minimum``/``maximum``, ``floor``
 to int64 with NaN -> 0 and saturation past int64, captured-array indices
-clamped into the array, and the same reverse-mode rule per operation
-(``float`` and ``floordiv`` have no gradient). Sources from several graphs
+clamped into the array. Both targets spell each operation from its record
+in :data:`~xpkernels.mods.ir.OPS` and generate a vjp from the same gradient
+graph (:func:`~xpkernels.mods.grad.gradient`) as the interpreter evaluates. Sources from several graphs
 (a mask, a score and its vjp) can be concatenated into one translation unit:
 the shared part is guarded.
 
@@ -55,7 +56,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ir import _ORDER, BOOL, FLOAT, INT, Graph
+from .grad import COTANGENT, gradient
+from .ir import BOOL, FLOAT, INT, OPS, Graph, computes_in_floats
 
 __all__ = ["Layout", "cuda_source", "layout", "pack_arguments"]
 
@@ -78,22 +80,6 @@ _DTYPES = {
 }
 
 _CTYPE = {BOOL: "bool", INT: "long long", FLOAT: "float"}
-_FLOAT_BINARY = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
-_INT_BINARY = {"add": "xpk_add", "sub": "xpk_sub", "mul": "xpk_mul"}
-_COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
-_UNARY = {
-    "abs": "fabsf({0})",
-    "exp": "expf({0})",
-    "exp2": "exp2f({0})",
-    "log": "logf({0})",
-    "sqrt": "sqrtf({0})",
-    "sin": "sinf({0})",
-    "cos": "cosf({0})",
-    "tan": "(sinf({0}) / cosf({0}))",
-    "tanh": "(1.0f - 2.0f / (expf(2.0f * {0}) + 1.0f))",
-    "sigmoid": "(1.0f / (1.0f + expf(-({0}))))",
-}
-
 #: Shared by every generated function: the argument struct and the helpers.
 _COMMON = r"""
 #ifndef XPKERNELS_MOD_COMMON
@@ -343,7 +329,9 @@ class _Writer:
         node, nodes = self.graph.nodes[i], self.graph.nodes
         op, args = node.op, node.args
         if op == "input":
-            expr = node.value
+            expr = "g" if node.value == COTANGENT else node.value
+        elif op == "literal":
+            expr = f"{node.value!r}f"
         elif op == "const":
             if isinstance(node.value, bool):
                 expr = "true" if node.value else "false"
@@ -360,149 +348,28 @@ class _Writer:
             offset = self.index(i, base + rank)
             expr = read.format(offset, pointer)
         else:
-            expr = self.operation(i, op, args, nodes)
+            floats = computes_in_floats(node, nodes)
+            spelled = [
+                self.float_of(a) if floats and nodes[a].kind == INT else f"v{a}" for a in args
+            ]
+            constants = [nodes[a].value if nodes[a].op == "const" else None for a in args]
+            try:
+                expr = OPS[op].spelling("cuda", floats, spelled, constants)
+            except NotImplementedError:
+                raise NotImplementedError(
+                    f"no CUDA C spelling for mod operation {op!r} on {node.kind}"
+                ) from None
         self.lines.append((f"v{i}", f"const {_CTYPE[node.kind]} v{i} = {expr};"))
 
-    def operation(self, i, op, args, nodes) -> str:
-        node = nodes[i]
-        floats = node.kind == FLOAT or (
-            op in _ORDER + ("eq", "ne") and any(nodes[a].kind == FLOAT for a in args)
-        )
-
-        def a(k):
-            return self.float_of(args[k]) if floats else f"v{args[k]}"
-
-        if op in _COMPARE:
-            return f"{a(0)} {_COMPARE[op]} {a(1)}"
-        if op == "and":
-            return f"v{args[0]} && v{args[1]}"
-        if op == "or":
-            return f"v{args[0]} || v{args[1]}"
-        if op == "not":
-            return f"!v{args[0]}"
-        if op == "where":
-            branch = [self.float_of(j) if node.kind == FLOAT else f"v{j}" for j in args[1:]]
-            return f"v{args[0]} ? {branch[0]} : {branch[1]}"
-        if op == "floor":
-            return f"xpk_floor_int(v{args[0]})"
-        if op == "float":
-            return self.float_of(args[0])
-        if floats:
-            if op in _FLOAT_BINARY:
-                return f"{a(0)} {_FLOAT_BINARY[op]} {a(1)}"
-            if op == "floordiv":
-                return f"floorf({a(0)} / {a(1)})"
-            if op == "mod":
-                return f"{a(0)} - {a(1)} * floorf({a(0)} / {a(1)})"
-            if op == "pow":
-                return f"xpk_pow({a(0)}, {a(1)})"
-            if op == "neg":
-                return f"-{a(0)}"
-            if op in _UNARY:
-                return _UNARY[op].format(a(0))
-            if op in ("minimum", "maximum"):
-                return f"xpk_f{op[:3]}({a(0)}, {a(1)})"
-        else:
-            if op in _INT_BINARY:
-                return f"{_INT_BINARY[op]}({a(0)}, {a(1)})"
-            if op in ("floordiv", "mod"):
-                return f"xpk_{op}({a(0)}, {a(1)})"
-            if op == "pow":
-                return _int_power(f"v{args[0]}", nodes[args[1]].value)
-            if op == "neg":
-                return f"xpk_neg({a(0)})"
-            if op == "abs":
-                return f"xpk_iabs({a(0)})"
-            if op in ("minimum", "maximum"):
-                return f"xpk_i{op[:3]}({a(0)}, {a(1)})"
-        raise NotImplementedError(f"no CUDA C spelling for mod operation {op!r} on {node.kind}")
-
-    def reverse(self, grads: tuple[int, ...]) -> str:
-        """Append the reverse-mode lines; returns the expression of d score."""
-        graph, nodes = self.graph, self.graph.nodes
-        active = _active(graph, frozenset(grads))
-        out = graph.output
-        if out not in active:
-            return "0.0f"
-        have: set[int] = set()
-
-        def add(j: int, expr: str) -> None:
-            if j not in active:
-                return
-            line = f"g{j} += {expr};" if j in have else f"float g{j} = {expr};"
-            self.lines.append((f"g{j}", line))
-            have.add(j)
-
-        add(out, "g")
-        d_score = "0.0f"
-        for i in range(out, -1, -1):
-            if i not in have:
-                continue
-            node, g = nodes[i], f"g{i}"
-            op, args = node.op, node.args
-            f = [self.float_of(j) for j in args]
-            if op == "input":
-                d_score = g
-            elif op == "gather":
-                k = grads.index(node.value)
-                acc = f"reinterpret_cast<float*>(__ldg(a.ptrs + {len(graph.slots) + k}))"
-                offset = self.index(i, self.lay.grad_ints[k])
-                self.lines.append((None, f"atomicAdd({acc} + {offset}, {g});"))
-            elif op == "add":
-                add(args[0], g)
-                add(args[1], g)
-            elif op == "sub":
-                add(args[0], g)
-                add(args[1], f"-{g}")
-            elif op == "mul":
-                add(args[0], f"{g} * {f[1]}")
-                add(args[1], f"{g} * {f[0]}")
-            elif op == "div":
-                add(args[0], f"{g} / {f[1]}")
-                add(args[1], f"-{g} * v{i} / {f[1]}")
-            elif op == "mod":
-                add(args[0], g)
-                add(args[1], f"-{g} * floorf({f[0]} / {f[1]})")
-            elif op == "pow":
-                add(args[0], f"{g} * ({f[1]} * xpk_pow({f[0]}, {f[1]} - 1.0f))")
-                add(
-                    args[1],
-                    f"v{i} == 0.0f ? 0.0f : {g} * v{i} * logf(v{i} == 0.0f ? 1.0f : {f[0]})",
-                )
-            elif op == "neg":
-                add(args[0], f"-{g}")
-            elif op == "abs":
-                add(args[0], f"{f[0]} > 0.0f ? {g} : ({f[0]} < 0.0f ? -{g} : 0.0f)")
-            elif op == "exp":
-                add(args[0], f"{g} * v{i}")
-            elif op == "exp2":
-                add(args[0], f"{g} * (0.6931471805599453f * v{i})")
-            elif op == "log":
-                add(args[0], f"{g} / {f[0]}")
-            elif op == "tanh":
-                add(args[0], f"{g} * (1.0f - v{i} * v{i})")
-            elif op == "sqrt":
-                add(args[0], f"{g} * 0.5f / v{i}")
-            elif op == "sin":
-                add(args[0], f"{g} * cosf({f[0]})")
-            elif op == "cos":
-                add(args[0], f"-{g} * sinf({f[0]})")
-            elif op == "tan":
-                add(args[0], f"{g} * (1.0f + v{i} * v{i})")
-            elif op == "sigmoid":
-                add(args[0], f"{g} * (v{i} * (1.0f - v{i}))")
-            elif op in ("minimum", "maximum"):
-                sign = "<=" if op == "minimum" else ">="
-                add(args[0], f"{f[0]} {sign} {f[1]} ? {g} : 0.0f")
-                add(args[1], f"{f[0]} {sign} {f[1]} ? 0.0f : {g}")
-            elif op == "where":
-                add(args[1], f"v{args[0]} ? {g} : 0.0f")
-                add(args[2], f"v{args[0]} ? 0.0f : {g}")
-            elif op in ("float", "floordiv"):
-                continue  # from an integer, or piecewise constant: no gradient (as array_api)
-            else:
-                raise NotImplementedError(f"no reverse mode for mod operation {op!r}")
-        return d_score
+    def scatters(self, rev, grads: tuple[int, ...]) -> str:
+        """Append the atomic adds of ``rev``'s gathered cotangents; returns d score's expression."""
+        graph = self.graph
+        for i, g in rev.scatters:
+            k = grads.index(graph.nodes[i].value)
+            acc = f"reinterpret_cast<float*>(__ldg(a.ptrs + {len(graph.slots) + k}))"
+            offset = self.index(i, self.lay.grad_ints[k])
+            self.lines.append((None, f"atomicAdd({acc} + {offset}, v{g});"))
+        return "0.0f" if rev.d_score is None else f"v{rev.d_score}"
 
     def body(self, result: str) -> list[str]:
         """The live lines (no variable set but never read: NVRTC warns on those) and the return."""
@@ -515,39 +382,6 @@ class _Writer:
             if len(kept) == len(lines):
                 return [s for _, s in lines]
             lines = kept
-
-
-def _int_power(x: str, exponent: int) -> str:
-    """``x ** exponent`` in wrapping int64 for a constant exponent >= 0, by squaring."""
-    if exponent == 0:
-        return "1LL"
-    factors, square, e = [], x, exponent
-    while True:
-        if e & 1:
-            factors.append(square)
-        e >>= 1
-        if not e:
-            break
-        square = f"xpk_mul({square}, {square})"
-    result = factors[0]
-    for factor in factors[1:]:
-        result = f"xpk_mul({result}, {factor})"
-    return result
-
-
-def _active(graph: Graph, grads: frozenset) -> set[int]:
-    """Nodes whose value depends on the score or on a captured array differentiated (``grads``)."""
-    active: set[int] = set()
-    for i, node in enumerate(graph.nodes):
-        if node.op == "input":
-            hit = node.value == "score"
-        elif node.op == "gather":
-            hit = node.value in grads
-        else:
-            hit = node.kind == FLOAT and any(a in active for a in node.args)
-        if hit:
-            active.add(i)
-    return active
 
 
 def cuda_source(graph: Graph, role: str, name: str, grads: tuple[int, ...] = ()) -> str:
@@ -592,8 +426,9 @@ def cuda_source(graph: Graph, role: str, name: str, grads: tuple[int, ...] = ())
     kind = graph.nodes[graph.output].kind
     if role == "mask" and kind != BOOL:
         raise ValueError(f"a mask graph returns a condition, got {kind}")
-    w = _Writer(graph, layout(graph, grads))
-    for i in range(len(graph.nodes)):
+    rev = gradient(graph, grads) if role == "vjp" else None
+    w = _Writer(graph if rev is None else rev.graph, layout(graph, grads))
+    for i in range(len(w.graph.nodes)):
         w.emit(i)
     params = [f"long long {n}" for n in _INDEX_INPUTS]
     if role == "mask":
@@ -604,7 +439,7 @@ def cuda_source(graph: Graph, role: str, name: str, grads: tuple[int, ...] = ())
     else:
         params.insert(0, "float score")
         params.append("float g")
-        result, returns = w.reverse(grads), "float"
+        result, returns = w.scatters(rev, grads), "float"
     params.append("const ModArgs& a")
     lines = w.body(result)
     signature = f"__device__ __forceinline__ {returns} {name}({', '.join(params)})"

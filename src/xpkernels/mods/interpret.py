@@ -6,13 +6,13 @@
 
 from __future__ import annotations
 
-import builtins
 import math
 from typing import Any
 
 import array_api_compat
 
-from .ir import _EVAL, _ORDER, BOOL, FLOAT, INT, is_host_array
+from .grad import COTANGENT, gradient
+from .ir import BOOL, FLOAT, INT, OPS, computes_in_floats, is_host_array
 
 
 class Grid:
@@ -73,20 +73,6 @@ def tile_grid(xp, device, names, *, b, h0, n_h, q_pos0, q_row0, n_q, kv0, n_kv) 
             row = start + xp.arange(length, dtype=xp.int64, device=device)
         values[name] = xp.reshape(row, tuple(shape))
     return Grid(values, ranges, 3)
-
-
-def _unbroadcast(xp, g, shape):
-    """Sum ``g`` down to ``shape`` (undo broadcasting)."""
-    shape = tuple(shape)
-    if tuple(g.shape) == shape:
-        return g
-    extra = g.ndim - len(shape)
-    if extra > 0:
-        g = xp.sum(g, axis=tuple(range(extra)))
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
-    if axes:
-        g = xp.sum(g, axis=axes, keepdims=True)
-    return g
 
 
 def _contiguous_strides(shape):
@@ -165,32 +151,43 @@ class BoundGraph:
             for i, n in enumerate(graph.nodes)
             if n.op == "const"
         }
-        self._zero = xp.asarray(0.0, dtype=float_dtype, device=device)
-        self._active: dict[tuple, frozenset] = {}
+        self._literals: dict[float, Any] = {}
 
     def _float(self, value, kind):
         return value if kind == FLOAT else self.xp.astype(value, self.float_dtype)
 
     def run(self, grid: Grid, score=None) -> list:
         """Values of every node (output: ``values[graph.output]``); ``score`` feeds the score."""
-        xp, nodes = self.xp, self.graph.nodes
-        values: list = [None] * len(nodes)
-        for i, node in enumerate(nodes):
+        values: list = [None] * len(self.graph.nodes)
+        self._evaluate(self.graph, values, 0, grid, {"score": score})
+        return values
+
+    def _evaluate(self, graph, values, start, grid, inputs) -> None:
+        """Fill ``values[start:]`` with the values of ``graph``'s nodes from ``start`` on."""
+        xp, nodes = self.xp, graph.nodes
+        for i in range(start, len(nodes)):
+            node = nodes[i]
             op = node.op
             if op == "input":
-                values[i] = score if node.value == "score" else grid.values[node.value]
+                values[i] = inputs[node.value] if node.value in inputs else grid.values[node.value]
             elif op == "const":
                 values[i] = self._consts[i]
+            elif op == "literal":
+                if node.value not in self._literals:
+                    self._literals[node.value] = xp.asarray(
+                        node.value, dtype=self.float_dtype, device=self.device
+                    )
+                values[i] = self._literals[node.value]
             elif op == "gather":
                 values[i] = self._gather(i, node, values, grid)
             else:
                 args = [values[a] for a in node.args]
-                kinds = [nodes[a].kind for a in node.args]
-                if node.kind == FLOAT or (op in _ORDER + ("eq", "ne") and FLOAT in kinds):
-                    start = 1 if op == "where" else 0
-                    args[start:] = [self._float(v, k) for v, k in zip(args[start:], kinds[start:])]
-                values[i] = _EVAL[op](xp, *args)
-        return values
+                if computes_in_floats(node, nodes):
+                    args = [
+                        self._float(v, nodes[a].kind) if nodes[a].kind == INT else v
+                        for v, a in zip(args, node.args)
+                    ]
+                values[i] = OPS[op].evaluate(xp, *args)
 
     def _slices(self, i, grid):
         """``(slices, grid axis per array axis)`` reading gather ``i`` as a plain slice, or None."""
@@ -258,24 +255,10 @@ class BoundGraph:
             flat = term if flat is None else flat + term
         return flat
 
-    def _active_nodes(self, grads) -> frozenset:
-        key = tuple(g is not None for g in grads)
-        if key not in self._active:
-            active = set()
-            for i, node in enumerate(self.graph.nodes):
-                if node.op == "input":
-                    hit = node.value == "score"
-                elif node.op == "gather":
-                    hit = grads[node.value] is not None
-                else:
-                    hit = node.kind == FLOAT and builtins.any(a in active for a in node.args)
-                if hit:
-                    active.add(i)
-            self._active[key] = frozenset(active)
-        return self._active[key]
-
     def backprop(self, values, grid, cotangent, grads):
         """Reverse mode from ``cotangent`` (d loss / d output) through the values of :meth:`run`.
+
+        Evaluates the graph's gradient graph (:func:`~xpkernels.mods.grad.gradient`).
 
         Parameters
         ----------
@@ -293,100 +276,13 @@ class BoundGraph:
         array or None
             d loss / d score (None when the output does not depend on the score).
         """
-        xp, nodes = self.xp, self.graph.nodes
-        active = self._active_nodes(grads)
-        out = self.graph.output
-        if out not in active:
-            return None
-        cots = {out: _unbroadcast(xp, cotangent, values[out].shape)}
-        d_score = None
-        for i in range(out, -1, -1):
-            g = cots.pop(i, None)
-            if g is None:
-                continue
-            node = nodes[i]
-            if node.op == "input":
-                d_score = g
-            elif node.op == "gather":
-                self._scatter(i, node, values, grid, g, grads[node.value])
-            else:
-                for a, contribution in self._local(i, node, values, g, active):
-                    contribution = _unbroadcast(xp, contribution, values[a].shape)
-                    cots[a] = cots[a] + contribution if a in cots else contribution
-        return d_score
-
-    def _local(self, i, node, values, g, active):
-        """``(arg, d loss / d arg)`` for the active args of node ``i`` given its cotangent ``g``."""
-        xp, nodes = self.xp, self.graph.nodes
-        op, args = node.op, node.args
-
-        def arg(k):
-            return self._float(values[args[k]], nodes[args[k]].kind)
-
-        want = [a in active for a in args]
-        if op == "add":
-            return [(a, g) for a, w in zip(args, want) if w]
-        if op == "sub":
-            return [(a, g if k == 0 else -g) for k, (a, w) in enumerate(zip(args, want)) if w]
-        if op == "mul":
-            return [(args[k], g * arg(1 - k)) for k in (0, 1) if want[k]]
-        if op == "div":
-            out = [(args[0], g / arg(1))] if want[0] else []
-            if want[1]:
-                out.append((args[1], -g * values[i] / arg(1)))
-            return out
-        if op == "mod":
-            out = [(args[0], g)] if want[0] else []
-            if want[1]:
-                out.append((args[1], -g * xp.floor_divide(arg(0), arg(1))))
-            return out
-        if op == "pow":
-            out = [(args[0], g * (arg(1) * xp.pow(arg(0), arg(1) - 1.0)))] if want[0] else []
-            if want[1]:
-                # d/dy x**y = x**y log x; 0 where x**y is 0 (x = 0, y > 0), not 0 * -inf
-                power = values[i]
-                safe = xp.where(power == 0.0, xp.ones_like(power), arg(0))
-                out.append((args[1], xp.where(power == 0.0, self._zero, g * power * xp.log(safe))))
-            return out
-        if op == "neg":
-            return [(args[0], -g)]
-        if op == "abs":
-            return [(args[0], g * xp.sign(arg(0)))]
-        if op == "exp":
-            return [(args[0], g * values[i])]
-        if op == "log":
-            return [(args[0], g / arg(0))]
-        if op == "tanh":
-            return [(args[0], g * (1.0 - values[i] * values[i]))]
-        if op == "sqrt":
-            return [(args[0], g * 0.5 / values[i])]
-        if op == "exp2":
-            return [(args[0], g * (math.log(2.0) * values[i]))]
-        if op == "sin":
-            return [(args[0], g * xp.cos(arg(0)))]
-        if op == "cos":
-            return [(args[0], -g * xp.sin(arg(0)))]
-        if op == "tan":
-            return [(args[0], g * (1.0 + values[i] * values[i]))]
-        if op == "sigmoid":
-            return [(args[0], g * (values[i] * (1.0 - values[i])))]
-        if op in ("minimum", "maximum"):
-            first = (
-                xp.less_equal(arg(0), arg(1))
-                if op == "minimum"
-                else xp.greater_equal(arg(0), arg(1))
-            )
-            out = [(args[0], xp.where(first, g, self._zero))] if want[0] else []
-            if want[1]:
-                out.append((args[1], xp.where(first, self._zero, g)))
-            return out
-        if op == "where":
-            cond = values[args[0]]
-            out = [(args[1], xp.where(cond, g, self._zero))] if want[1] else []
-            if want[2]:
-                out.append((args[2], xp.where(cond, self._zero, g)))
-            return out
-        return []
+        rev = gradient(self.graph, (s for s, acc in enumerate(grads) if acc is not None))
+        nodes = rev.graph.nodes
+        full = list(values) + [None] * (len(nodes) - len(values))
+        self._evaluate(rev.graph, full, rev.start, grid, {COTANGENT: cotangent})
+        for i, g in rev.scatters:
+            self._scatter(i, nodes[i], full, grid, full[g], grads[nodes[i].value])
+        return None if rev.d_score is None else full[rev.d_score]
 
     def _scatter(self, i, node, values, grid, g, acc):
         if acc is None:

@@ -1,8 +1,11 @@
-"""The mod expression graph: its nodes, the op tables and interval analysis.
+"""The mod expression graph: its nodes, the op table and interval analysis.
 
-:class:`Node`, :class:`Slot` and :class:`Graph`; the op tables (operator symbols,
-result kinds, evaluation on an Array API namespace); the interval analysis that
-bounds captured-array indices in int64; and the host-array helpers it reads bounds with.
+:class:`Node`, :class:`Slot` and :class:`Graph`; :data:`OPS`, the one table
+of operations (per op: arity, result kind, interval rule, Array API
+evaluation, reverse mode as graph-building code, Triton and CUDA C
+spellings), which the tracer, the interpreter, :mod:`~xpkernels.mods.grad`
+and the code generators all read; the interval analysis that bounds
+captured-array indices in int64; and the host-array helpers it reads bounds with.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ class Node:
 
     ``op`` is ``"input"`` (``value`` = its name), ``"const"`` (``value`` = a
     Python bool, int or float), ``"gather"`` (``value`` = slot index, ``args``
-    = one index node per axis) or an operation applied to ``args``.
+    = one index node per axis), ``"literal"`` (gradient graphs only: a float
+    of a derivative's formula, spelled in the code rather than passed as an
+    argument) or an operation of :data:`OPS` applied to ``args``.
     """
 
     op: str
@@ -58,32 +63,6 @@ class Slot:
     #: for other arrays (device integer arrays are never read on the host: indices they
     #: produce are clamped by the evaluation instead)
     bounds: tuple[int, int] | None = None
-
-
-_SYMBOLS = {
-    "add": "+",
-    "sub": "-",
-    "mul": "*",
-    "div": "/",
-    "floordiv": "//",
-    "mod": "%",
-    "pow": "**",
-    "lt": "<",
-    "le": "<=",
-    "gt": ">",
-    "ge": ">=",
-    "eq": "==",
-    "ne": "!=",
-    "and": "logical_and (&)",
-    "or": "logical_or (|)",
-    "not": "logical_not (~)",
-}
-
-_ARITHMETIC = ("add", "sub", "mul", "floordiv", "mod")
-
-_ORDER = ("lt", "le", "gt", "ge")
-
-_FLOAT_UNARY = ("exp", "exp2", "log", "tanh", "sqrt", "sin", "cos", "tan", "sigmoid")
 
 
 class Graph:
@@ -265,7 +244,9 @@ def _interval(graph, i, ranges, memo, read_device=False):
         bounds = [a[:2] for a in args]
         if op == "where":
             bounds = [(0, 1)] + bounds
-        lo, hi = _interval_rule(op, bounds, graph, node)
+        rule = OPS[op].interval
+        arg_nodes = [graph.nodes[a] for a in node.args]
+        lo, hi = (-inf, inf) if rule is None else rule(bounds, arg_nodes)
         if (math.isfinite(lo) and lo < INT64_MIN) or (math.isfinite(hi) and hi > INT64_MAX):
             lo, hi, wrapped = INT64_MIN, INT64_MAX, True
     memo[i] = (lo, hi, device, wrapped)
@@ -276,53 +257,6 @@ def _dtype_range(a) -> tuple[int, int]:
     """Smallest and largest value of an integer array's dtype."""
     info = array_api_compat.array_namespace(a).iinfo(a.dtype)
     return int(info.min), int(info.max)
-
-
-def _mul_bound(x, y):
-    return 0 if x == 0 or y == 0 else x * y
-
-
-def _interval_rule(op, bounds, graph, node):
-    inf = math.inf
-    (a0, a1) = bounds[0]
-    if op == "add":
-        return a0 + bounds[1][0], a1 + bounds[1][1]
-    if op == "sub":
-        return a0 - bounds[1][1], a1 - bounds[1][0]
-    if op == "neg":
-        return -a1, -a0
-    if op == "mul":
-        corners = [_mul_bound(x, y) for x in (a0, a1) for y in bounds[1]]
-        return builtins.min(corners), builtins.max(corners)
-    if op == "abs":
-        if a0 >= 0:
-            return a0, a1
-        if a1 <= 0:
-            return -a1, -a0
-        return 0, builtins.max(-a0, a1)
-    if op == "minimum":
-        return builtins.min(a0, bounds[1][0]), builtins.min(a1, bounds[1][1])
-    if op == "maximum":
-        return builtins.max(a0, bounds[1][0]), builtins.max(a1, bounds[1][1])
-    if op == "where":
-        (b0, b1), (c0, c1) = bounds[1], bounds[2]
-        return builtins.min(b0, c0), builtins.max(b1, c1)
-    divisor = graph.nodes[node.args[1]] if len(node.args) > 1 else None
-    if op in ("floordiv", "mod") and divisor.op == "const" and divisor.value > 0:
-        c = divisor.value
-        if op == "mod":
-            if math.isfinite(a0) and math.isfinite(a1) and a0 // c == a1 // c:
-                return a0 % c, a1 % c
-            return 0, c - 1
-        return (a0 // c if math.isfinite(a0) else a0), (a1 // c if math.isfinite(a1) else a1)
-    if op == "pow" and divisor.op == "const" and a0 >= 0:
-        c = divisor.value
-
-        def power(x):  # past 2**64 the result wraps anyway; don't compute huge powers
-            return x**c if x <= 1 or c <= 64 else INT64_MAX + 1
-
-        return power(a0), power(a1)
-    return -inf, inf
 
 
 def _floor_high(xp, dtype) -> float:
@@ -342,44 +276,6 @@ def _floor_int(xp, x):
     x = xp.where(xp.isnan(x), xp.zeros_like(x), x)
     x = xp.clip(x, float(INT64_MIN), _floor_high(xp, x.dtype))
     return xp.astype(x, xp.int64)
-
-
-_EVAL: dict[str, Callable[..., Any]] = {
-    "add": lambda xp, a, b: xp.add(a, b),
-    "sub": lambda xp, a, b: xp.subtract(a, b),
-    "mul": lambda xp, a, b: xp.multiply(a, b),
-    "div": lambda xp, a, b: xp.divide(a, b),
-    "floordiv": lambda xp, a, b: xp.floor_divide(a, b),
-    "mod": lambda xp, a, b: xp.remainder(a, b),
-    "pow": lambda xp, a, b: xp.pow(a, b),
-    "lt": lambda xp, a, b: xp.less(a, b),
-    "le": lambda xp, a, b: xp.less_equal(a, b),
-    "gt": lambda xp, a, b: xp.greater(a, b),
-    "ge": lambda xp, a, b: xp.greater_equal(a, b),
-    "eq": lambda xp, a, b: xp.equal(a, b),
-    "ne": lambda xp, a, b: xp.not_equal(a, b),
-    "and": lambda xp, a, b: xp.logical_and(a, b),
-    "or": lambda xp, a, b: xp.logical_or(a, b),
-    "not": lambda xp, a: xp.logical_not(a),
-    "neg": lambda xp, a: xp.negative(a),
-    "abs": lambda xp, a: xp.abs(a),
-    "exp": lambda xp, a: xp.exp(a),
-    "exp2": lambda xp, a: xp.pow(
-        xp.asarray(2.0, dtype=a.dtype, device=array_api_compat.device(a)), a
-    ),
-    "log": lambda xp, a: xp.log(a),
-    "tanh": lambda xp, a: xp.tanh(a),
-    "sqrt": lambda xp, a: xp.sqrt(a),
-    "sin": lambda xp, a: xp.sin(a),
-    "cos": lambda xp, a: xp.cos(a),
-    "tan": lambda xp, a: xp.tan(a),
-    "sigmoid": lambda xp, a: 1.0 / (1.0 + xp.exp(-a)),
-    "floor": _floor_int,
-    "minimum": lambda xp, a, b: xp.minimum(a, b),
-    "maximum": lambda xp, a, b: xp.maximum(a, b),
-    "where": lambda xp, c, a, b: xp.where(c, a, b),
-    "float": lambda xp, a: a,
-}
 
 
 def _to_host(a) -> np.ndarray:
@@ -406,3 +302,377 @@ def _host_bounds(a) -> tuple[int, int] | None:
         return None
     a = _to_host(a)
     return (int(a.min()), int(a.max())) if a.size else (0, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The op table: one record per operation.
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of the mod graph: everything a backend needs to know about it.
+
+    Spellings are per target: a ``(integer form, float form)`` pair (the float
+    form is used when the node computes in floats: a float result, or a
+    comparison of floats) of format strings whose ``{0}``, ``{1}``, ``{2}``
+    are the argument expressions (integer arguments already turned to float
+    in the float form), or a callable ``(args, constants) -> str`` given the
+    argument expressions and the arguments' constant values (None where an
+    argument is not a constant). None: the operation has no such form.
+
+    Attributes
+    ----------
+    arity : int
+    kind : callable
+        ``(argument kinds, argument nodes) -> result kind``, for arguments the tracer accepted.
+    evaluate : callable
+        ``(xp, *argument arrays) -> array`` on an Array API namespace.
+    vjp : callable or None
+        Reverse mode as graph-building code: ``(d, x, y, g) -> contributions``
+        with ``d(op, *nodes)`` adding a node to the gradient graph and
+        ``d.literal(v)`` a float literal, ``x`` the argument nodes, ``y`` the
+        node itself and ``g`` its cotangent; one contribution (d loss / d
+        argument, a node) or None per argument. None: no gradient flows through
+        (a condition, an integer result, or piecewise constant).
+    interval : callable or None
+        ``(argument bounds, argument nodes) -> (low, high)`` of an integer
+        result over the call (before int64 wrapping); None: unbounded.
+    triton, cuda : tuple or callable
+        The Triton and CUDA C spellings.
+    symbol : str or None
+        How error messages name it when it comes from a Python operator.
+    """
+
+    arity: int
+    kind: Callable[[list, list], str]
+    evaluate: Callable[..., Any]
+    vjp: Callable[..., tuple] | None
+    interval: Callable[[list, list], tuple] | None
+    triton: Any
+    cuda: Any
+    symbol: str | None = None
+
+    def spelling(self, target: str, floats: bool, args: list, constants: list) -> str:
+        """The expression of this operation on ``target`` (``"triton"`` or ``"cuda"``)."""
+        forms = getattr(self, target)
+        form = forms if callable(forms) else forms[1 if floats else 0]
+        if form is None:
+            raise NotImplementedError(f"no {target} spelling for this operation on these kinds")
+        return form(args, constants) if callable(form) else form.format(*args)
+
+
+def computes_in_floats(node: Node, nodes) -> bool:
+    """True when ``node``'s operation runs on floats: its integer arguments are turned to float."""
+    if node.kind == FLOAT:
+        return True
+    return node.op in ORDERED + ("eq", "ne") and any(nodes[a].kind == FLOAT for a in node.args)
+
+
+def _numeric(kinds, nodes) -> str:
+    return FLOAT if FLOAT in kinds else INT
+
+
+def _same(kinds, nodes) -> str:
+    return kinds[0]
+
+
+def _always(kind):
+    return lambda kinds, nodes: kind
+
+
+def _pow_kind(kinds, nodes) -> str:
+    exponent = nodes[1]
+    whole = kinds == [INT, INT] and exponent.op == "const" and exponent.value >= 0
+    return INT if whole else FLOAT
+
+
+def _where_kind(kinds, nodes) -> str:
+    return BOOL if kinds[1] == BOOL else _numeric(kinds[1:], nodes[1:])
+
+
+def _mul_bound(x, y):
+    return 0 if x == 0 or y == 0 else x * y
+
+
+def _mul_interval(bounds, nodes):
+    corners = [_mul_bound(x, y) for x in bounds[0] for y in bounds[1]]
+    return builtins.min(corners), builtins.max(corners)
+
+
+def _abs_interval(bounds, nodes):
+    a0, a1 = bounds[0]
+    if a0 >= 0:
+        return a0, a1
+    if a1 <= 0:
+        return -a1, -a0
+    return 0, builtins.max(-a0, a1)
+
+
+def _floordiv_interval(bounds, nodes):
+    (a0, a1), divisor = bounds[0], nodes[1]
+    if divisor.op != "const" or divisor.value <= 0:
+        return -math.inf, math.inf
+    c = divisor.value
+    return (a0 // c if math.isfinite(a0) else a0), (a1 // c if math.isfinite(a1) else a1)
+
+
+def _mod_interval(bounds, nodes):
+    (a0, a1), divisor = bounds[0], nodes[1]
+    if divisor.op != "const" or divisor.value <= 0:
+        return -math.inf, math.inf
+    c = divisor.value
+    if math.isfinite(a0) and math.isfinite(a1) and a0 // c == a1 // c:
+        return a0 % c, a1 % c
+    return 0, c - 1
+
+
+def _pow_interval(bounds, nodes):
+    (a0, a1), exponent = bounds[0], nodes[1]
+    if exponent.op != "const" or a0 < 0:
+        return -math.inf, math.inf
+    c = exponent.value
+
+    def power(x):  # past 2**64 the result wraps anyway; don't compute huge powers
+        return x**c if x <= 1 or c <= 64 else INT64_MAX + 1
+
+    return power(a0), power(a1)
+
+
+def _int_power(mul: str, one: str):
+    """The integer ``x ** c`` spelling for a constant ``c >= 0``, by squaring with ``mul``."""
+
+    def spell(args, constants):
+        e = constants[1]
+        if e == 0:
+            return one.format(args[0])
+        factors, square = [], args[0]
+        while True:
+            if e & 1:
+                factors.append(square)
+            e >>= 1
+            if not e:
+                break
+            square = mul.format(square, square)
+        result = factors[0]
+        for factor in factors[1:]:
+            result = mul.format(result, factor)
+        return result
+
+    return spell
+
+
+def _unbroadcast(xp, g, shape):
+    """Sum ``g`` down to ``shape`` (undo broadcasting)."""
+    shape = tuple(shape)
+    if tuple(g.shape) == shape:
+        return g
+    extra = g.ndim - len(shape)
+    if extra > 0:
+        g = xp.sum(g, axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    if axes:
+        g = xp.sum(g, axis=axes, keepdims=True)
+    return g
+
+
+def _exp2(xp, a):
+    return xp.pow(xp.asarray(2.0, dtype=a.dtype, device=array_api_compat.device(a)), a)
+
+
+def _pow_vjp(d, x, y, g):
+    zero = d("eq", y, d.literal(0.0))
+    d_base = d("mul", g, d("mul", x[1], d("pow", x[0], d("sub", x[1], d.literal(1.0)))))
+    # d/dy x**y = x**y log x; 0 where x**y is 0 (x = 0, y > 0), not 0 * -inf
+    safe = d("where", zero, d.literal(1.0), x[0])
+    d_exponent = d("mul", d("mul", g, y), d("log", safe))
+    return d_base, d("where", zero, d.literal(0.0), d_exponent)
+
+
+def _extreme_vjp(order):
+    def vjp(d, x, y, g):
+        first = d(order, x[0], x[1])
+        return d("where", first, g, d.literal(0.0)), d("where", first, d.literal(0.0), g)
+
+    return vjp
+
+
+#: The order comparisons (their integer arguments become floats next to a float).
+ORDERED = ("lt", "le", "gt", "ge")
+
+#: Every operation a graph node may apply, by name (see :class:`Op`).
+# fmt: off
+OPS: dict[str, Op] = {
+    "add": Op(
+        2, _numeric, lambda xp, a, b: xp.add(a, b),
+        lambda d, x, y, g: (g, g),
+        lambda b, n: (b[0][0] + b[1][0], b[0][1] + b[1][1]),
+        ("{0} + {1}", "{0} + {1}"), ("xpk_add({0}, {1})", "{0} + {1}"), "+",
+    ),
+    "sub": Op(
+        2, _numeric, lambda xp, a, b: xp.subtract(a, b),
+        lambda d, x, y, g: (g, d("neg", g)),
+        lambda b, n: (b[0][0] - b[1][1], b[0][1] - b[1][0]),
+        ("{0} - {1}", "{0} - {1}"), ("xpk_sub({0}, {1})", "{0} - {1}"), "-",
+    ),
+    "mul": Op(
+        2, _numeric, lambda xp, a, b: xp.multiply(a, b),
+        lambda d, x, y, g: (d("mul", g, x[1]), d("mul", g, x[0])),
+        _mul_interval,
+        ("{0} * {1}", "{0} * {1}"), ("xpk_mul({0}, {1})", "{0} * {1}"), "*",
+    ),
+    "div": Op(
+        2, _always(FLOAT), lambda xp, a, b: xp.divide(a, b),
+        lambda d, x, y, g: (d("div", g, x[1]), d("div", d("mul", d("neg", g), y), x[1])),
+        None,
+        (None, "{0} / {1}"), (None, "{0} / {1}"), "/",
+    ),
+    "floordiv": Op(
+        2, _numeric, lambda xp, a, b: xp.floor_divide(a, b),
+        None,
+        _floordiv_interval,
+        ("_floordiv({0}, {1})", "tl.floor({0} / {1})"),
+        ("xpk_floordiv({0}, {1})", "floorf({0} / {1})"),
+        "//",
+    ),
+    "mod": Op(
+        2, _numeric, lambda xp, a, b: xp.remainder(a, b),
+        lambda d, x, y, g: (g, d("neg", d("mul", g, d("floordiv", x[0], x[1])))),
+        _mod_interval,
+        ("_mod({0}, {1})", "{0} - {1} * tl.floor({0} / {1})"),
+        ("xpk_mod({0}, {1})", "{0} - {1} * floorf({0} / {1})"),
+        "%",
+    ),
+    "pow": Op(
+        2, _pow_kind, lambda xp, a, b: xp.pow(a, b),
+        _pow_vjp,
+        _pow_interval,
+        (_int_power("{0} * {1}", "({0} * 0 + 1)"), "_pow({0}, {1})"),
+        (_int_power("xpk_mul({0}, {1})", "1LL"), "xpk_pow({0}, {1})"),
+        "**",
+    ),
+    **{
+        name: Op(
+            2, _always(BOOL), evaluate, None, None,
+            (f"{{0}} {sym} {{1}}",) * 2, (f"{{0}} {sym} {{1}}",) * 2, sym,
+        )
+        for name, sym, evaluate in (
+            ("lt", "<", lambda xp, a, b: xp.less(a, b)),
+            ("le", "<=", lambda xp, a, b: xp.less_equal(a, b)),
+            ("gt", ">", lambda xp, a, b: xp.greater(a, b)),
+            ("ge", ">=", lambda xp, a, b: xp.greater_equal(a, b)),
+            ("eq", "==", lambda xp, a, b: xp.equal(a, b)),
+            ("ne", "!=", lambda xp, a, b: xp.not_equal(a, b)),
+        )
+    },
+    # selects, not & | ~ in Triton: its interpreter cannot mix ranks of bools
+    "and": Op(
+        2, _always(BOOL), lambda xp, a, b: xp.logical_and(a, b), None, None,
+        ("tl.where({0}, {1}, False)", None), ("{0} && {1}", None), "logical_and (&)",
+    ),
+    "or": Op(
+        2, _always(BOOL), lambda xp, a, b: xp.logical_or(a, b), None, None,
+        ("tl.where({0}, True, {1})", None), ("{0} || {1}", None), "logical_or (|)",
+    ),
+    "not": Op(
+        1, _always(BOOL), lambda xp, a: xp.logical_not(a), None, None,
+        ("tl.where({0}, False, True)", None), ("!{0}", None), "logical_not (~)",
+    ),
+    "neg": Op(
+        1, _same, lambda xp, a: xp.negative(a),
+        lambda d, x, y, g: (d("neg", g),),
+        lambda b, n: (-b[0][1], -b[0][0]),
+        ("-({0})", "-({0})"), ("xpk_neg({0})", "-{0}"),
+    ),
+    "abs": Op(
+        1, _same, lambda xp, a: xp.abs(a),
+        lambda d, x, y, g: (d("mul", g, d("sign", x[0])),),
+        _abs_interval,
+        ("tl.abs({0})", "tl.abs({0})"), ("xpk_iabs({0})", "fabsf({0})"),
+    ),
+    "sign": Op(  # only in gradient graphs (of abs): NaN stays NaN, as NumPy's sign
+        1, _always(FLOAT), lambda xp, a: xp.sign(a), None, None,
+        (None, "tl.where({0} > 0.0, 1.0, tl.where({0} < 0.0, -1.0, {0} * 0.0))"),
+        (None, "({0} > 0.0f ? 1.0f : ({0} < 0.0f ? -1.0f : {0} * 0.0f))"),
+    ),
+    "exp": Op(
+        1, _always(FLOAT), lambda xp, a: xp.exp(a),
+        lambda d, x, y, g: (d("mul", g, y),), None,
+        (None, "tl.exp({0})"), (None, "expf({0})"),
+    ),
+    "exp2": Op(
+        1, _always(FLOAT), _exp2,
+        lambda d, x, y, g: (d("mul", g, d("mul", d.literal(math.log(2.0)), y)),), None,
+        (None, "tl.exp2({0})"), (None, "exp2f({0})"),
+    ),
+    "log": Op(
+        1, _always(FLOAT), lambda xp, a: xp.log(a),
+        lambda d, x, y, g: (d("div", g, x[0]),), None,
+        (None, "tl.log({0})"), (None, "logf({0})"),
+    ),
+    "tanh": Op(  # 1 - 2 / (exp(2x) + 1) in the kernels: exact at both infinities
+        1, _always(FLOAT), lambda xp, a: xp.tanh(a),
+        lambda d, x, y, g: (d("mul", g, d("sub", d.literal(1.0), d("mul", y, y))),), None,
+        (None, "_tanh({0})"), (None, "(1.0f - 2.0f / (expf(2.0f * {0}) + 1.0f))"),
+    ),
+    "sqrt": Op(
+        1, _always(FLOAT), lambda xp, a: xp.sqrt(a),
+        lambda d, x, y, g: (d("div", d("mul", g, d.literal(0.5)), y),), None,
+        (None, "tl.sqrt({0})"), (None, "sqrtf({0})"),
+    ),
+    "sin": Op(
+        1, _always(FLOAT), lambda xp, a: xp.sin(a),
+        lambda d, x, y, g: (d("mul", g, d("cos", x[0])),), None,
+        (None, "tl.sin({0})"), (None, "sinf({0})"),
+    ),
+    "cos": Op(
+        1, _always(FLOAT), lambda xp, a: xp.cos(a),
+        lambda d, x, y, g: (d("mul", d("neg", g), d("sin", x[0])),), None,
+        (None, "tl.cos({0})"), (None, "cosf({0})"),
+    ),
+    "tan": Op(
+        1, _always(FLOAT), lambda xp, a: xp.tan(a),
+        lambda d, x, y, g: (d("mul", g, d("add", d.literal(1.0), d("mul", y, y))),), None,
+        (None, "tl.sin({0}) / tl.cos({0})"), (None, "(sinf({0}) / cosf({0}))"),
+    ),
+    "sigmoid": Op(
+        1, _always(FLOAT), lambda xp, a: 1.0 / (1.0 + xp.exp(-a)),
+        lambda d, x, y, g: (d("mul", g, d("mul", y, d("sub", d.literal(1.0), y))),), None,
+        (None, "1.0 / (1.0 + tl.exp(-({0})))"), (None, "(1.0f / (1.0f + expf(-({0}))))"),
+    ),
+    "floor": Op(  # to int64: NaN gives 0, values past int64 saturate
+        1, _always(INT), lambda xp, a: _floor_int(xp, a), None, None,
+        ("_floor_int({0})", None), ("xpk_floor_int({0})", None),
+    ),
+    "minimum": Op(
+        2, _numeric, lambda xp, a, b: xp.minimum(a, b),
+        _extreme_vjp("le"),
+        lambda b, n: (builtins.min(b[0][0], b[1][0]), builtins.min(b[0][1], b[1][1])),
+        ("tl.minimum({0}, {1})", "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"),
+        ("xpk_imin({0}, {1})", "xpk_fmin({0}, {1})"),
+    ),
+    "maximum": Op(
+        2, _numeric, lambda xp, a, b: xp.maximum(a, b),
+        _extreme_vjp("ge"),
+        lambda b, n: (builtins.max(b[0][0], b[1][0]), builtins.max(b[0][1], b[1][1])),
+        ("tl.maximum({0}, {1})", "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"),
+        ("xpk_imax({0}, {1})", "xpk_fmax({0}, {1})"),
+    ),
+    "where": Op(
+        3, _where_kind, lambda xp, c, a, b: xp.where(c, a, b),
+        lambda d, x, y, g: (
+            None,
+            d("where", x[0], g, d.literal(0.0)),
+            d("where", x[0], d.literal(0.0), g),
+        ),
+        lambda b, n: (builtins.min(b[1][0], b[2][0]), builtins.max(b[1][1], b[2][1])),
+        ("tl.where({0}, {1}, {2})",) * 2, ("{0} ? {1} : {2}",) * 2,
+    ),
+    "float": Op(  # an integer result of a score mod, as a float
+        1, _always(FLOAT), lambda xp, a: a, None, None, (None, "{0}"), (None, "{0}"),
+    ),
+    "sum_to": Op(  # gradient graphs: sum x to the shape of node like (identity in kernels)
+        2, _same, lambda xp, x, like: _unbroadcast(xp, x, like.shape), None, None,
+        (None, "{0}"), (None, "{0}"),
+    ),
+}
+# fmt: on

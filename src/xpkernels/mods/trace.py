@@ -15,14 +15,12 @@ import array_api_compat
 import numpy as np
 
 from .ir import (
-    _FLOAT_UNARY,
-    _ORDER,
-    _SYMBOLS,
     BOOL,
     FLOAT,
     INT,
     INT64_MAX,
     INT64_MIN,
+    OPS,
     Graph,
     Node,
     Slot,
@@ -145,7 +143,7 @@ def _prune(nodes, output, slots) -> Graph:
 
 def _binary(op, x, y):
     t = (x if isinstance(x, Sym) else y)._tracer
-    what = f"operator {_SYMBOLS.get(op, op)}"
+    what = f"operator {OPS[op].symbol}"
     a, b = t.lift(x, what), t.lift(y, what)
     ka, kb = a.kind, b.kind
     if op in ("and", "or"):
@@ -154,21 +152,20 @@ def _binary(op, x, y):
                 f"{what} needs two conditions, got {ka} and {kb} (bitwise operations on integers "
                 "are not supported)"
             )
-        return t.node(op, (a._id, b._id), None, BOOL)
+        return _apply(t, op, a, b)
     if op in ("eq", "ne"):
         if (ka == BOOL) != (kb == BOOL):
             raise TraceError(f"{what} compares a condition with a number ({ka} and {kb})")
-        return t.node(op, (a._id, b._id), None, BOOL)
+        return _apply(t, op, a, b)
     if BOOL in (ka, kb):
         raise TraceError(f"{what} on a condition: turn it into a number with where(cond, 1, 0)")
-    if op in _ORDER:
-        return t.node(op, (a._id, b._id), None, BOOL)
-    if op == "pow":
-        exponent = t.nodes[b._id]
-        int_result = ka == INT and kb == INT and exponent.op == "const" and exponent.value >= 0
-        return t.node(op, (a._id, b._id), None, INT if int_result else FLOAT)
-    kind = FLOAT if op == "div" or FLOAT in (ka, kb) else INT
-    return t.node(op, (a._id, b._id), None, kind)
+    return _apply(t, op, a, b)
+
+
+def _apply(t, op, *args):
+    """The node of operation ``op`` on traced ``args``, of the kind the op table gives."""
+    kind = OPS[op].kind([a.kind for a in args], [t.nodes[a._id] for a in args])
+    return t.node(op, tuple(a._id for a in args), None, kind)
 
 
 def _unary(op, x):
@@ -179,12 +176,12 @@ def _unary(op, x):
             raise TraceError(
                 f"logical_not (~) needs a condition, got {kind} (bitwise not is not supported)"
             )
-        return t.node(op, (x._id,), None, BOOL)
+        return _apply(t, op, x)
     if kind == BOOL:
         raise TraceError(f"{op} of a condition: turn it into a number with where(cond, 1, 0)")
-    if op == "floor":
-        return x if kind == INT else t.node(op, (x._id,), None, INT)
-    return t.node(op, (x._id,), None, FLOAT if op in _FLOAT_UNARY else kind)
+    if op == "floor" and kind == INT:
+        return x
+    return _apply(t, op, x)
 
 
 def _select(c, x, y):
@@ -194,8 +191,7 @@ def _select(c, x, y):
         raise TraceError(f"where needs a condition as its first argument, got {c.kind}")
     if (a.kind == BOOL) != (b.kind == BOOL):
         raise TraceError(f"where mixes a condition and a number ({a.kind} and {b.kind})")
-    kind = BOOL if a.kind == BOOL else FLOAT if FLOAT in (a.kind, b.kind) else INT
-    return t.node("where", (c._id, a._id, b._id), None, kind)
+    return _apply(t, "where", c, a, b)
 
 
 def _extreme(op, x, y):
@@ -203,7 +199,7 @@ def _extreme(op, x, y):
     a, b = t.lift(x, op), t.lift(y, op)
     if BOOL in (a.kind, b.kind):
         raise TraceError(f"{op} of a condition: turn it into a number with where(cond, 1, 0)")
-    return t.node(op, (a._id, b._id), None, FLOAT if FLOAT in (a.kind, b.kind) else INT)
+    return _apply(t, op, a, b)
 
 
 def _unsupported(what: str):
