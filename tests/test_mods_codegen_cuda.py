@@ -111,13 +111,30 @@ def _mods() -> dict:
             lambda s, b, h, q, k, *, w: s * w[k] - xm.where(q > k, w[k] ** 2.0, 0.5) / 3.0,
             w=weights,
         ),
-        # integer and half-integer exponents of negative bases (NaN), 0 ** -1 (inf), x ** 0;
-        # bases kept finite: the Triton contract's pow(-inf, 0.5) is NaN, NumPy's (IEEE) inf
+        # integer and half-integer exponents of negative bases (NaN), 0 ** -1 (inf), x ** 0
         "pow-rules-score": xm.ScoreMod(
             lambda s, b, h, q, k: (
                 xm.minimum(xm.maximum(s, -50.0), 50.0) ** (h - 1.0)
                 + 0.1 * (xm.minimum(xm.maximum(s, -50.0), 50.0) - 3.0) ** (0.5 * (k % 3))
             )
+        ),
+        # every pairing of special bases and exponents (C's pow, as NumPy on arrays), with the
+        # gradients of both tables there
+        "pow-special-score": xm.ScoreMod(
+            lambda s, b, h, q, k, *, u, t: u[q + 3] ** t[k + 2],
+            u=np.array(
+                [-np.inf, -2.5, -1, -0.5, -0.0, 0, 0.5, 1, 2, np.inf, np.nan, 3], np.float32
+            ),
+            t=np.array(
+                [-np.inf, -3, -1.5, -1, -0.5, -0.0, 0, 0.5, 1, 2, 3, 2.5, np.inf, np.nan],
+                np.float32,
+            ),
+        ),
+        # integer division and remainder by 0 (0, as NumPy) and -1, of int64's extremes
+        "int-division-extremes-score": xm.ScoreMod(
+            lambda s, b, h, q, k, *, n, d: s + (n[q + 3] // d[k + 2]) + 0.5 * (n[q + 3] % d[k + 2]),
+            n=np.array([-(2**63), 1 - 2**63, -7, -1, 0, 1, 5, 7, 2**63 - 1, -9, 2, 100], np.int64),
+            d=np.array([0, -1, 1, 2, -2, 3, -3, 7, -7, 2**63 - 1, -(2**63), 5, -5, 10], np.int64),
         ),
         # a strided view: the slot's strides are not its accumulator's (contiguous)
         "strided-table-score": xm.ScoreMod(

@@ -23,8 +23,9 @@ its extents and its strides (in elements). Indices the call could not prove
 in range (:attr:`Graph.clamped`) are clamped into the array, as on every
 backend; the others are in range on every pair of the call
 (:meth:`Graph.check_indices`), and the reads of a tile's padding rows and
-keys outside the array are masked off. An accumulator in ``grads`` travels
-as its pointer and strides.
+keys outside the array are masked off. An integer division or remainder by
+0 gives 0 and ``pow`` follows C's special cases, as on the other targets. An
+accumulator in ``grads`` travels as its pointer and strides.
 
 Each operation is spelled from its record in :data:`~xpkernels.mods.ir.OPS`;
 a vjp is the code of the graph's gradient graph
@@ -57,16 +58,19 @@ _HELPERS = {
     "_floordiv": '''
 @triton.jit
 def _floordiv(a, b):
-    """Integer floor division (Python's), from the truncating one."""
-    q = a // b
-    return tl.where(((a % b) != 0) & ((a < 0) != (b < 0)), q - 1, q)
+    """Python's integer floor division; a zero divisor gives 0 (as NumPy), -1 negates (wrapping)."""
+    d = tl.where(b == 0, 1, tl.where(b == -1, 1, b))  # INT64_MIN // -1 traps hardware division
+    q = a // d
+    q = tl.where(((a % d) != 0) & ((a < 0) != (d < 0)), q - 1, q)
+    return tl.where(b == 0, 0, tl.where(b == -1, -a, q))
 ''',
     "_mod": '''
 @triton.jit
 def _mod(a, b):
-    """Integer remainder with the divisor's sign (Python's)."""
-    r = a % b
-    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+    """Integer remainder with the divisor's sign (Python's); a zero divisor gives 0 (as NumPy)."""
+    d = tl.where(b == 0, 1, tl.where(b == -1, 1, b))
+    r = a % d
+    return tl.where((r != 0) & ((r < 0) != (d < 0)), r + d, r)
 ''',
     "_floor_int": '''
 @triton.jit
@@ -80,13 +84,20 @@ def _floor_int(x):
     "_pow": '''
 @triton.jit
 def _pow(a, b):
-    """a ** b in float32 as NumPy: negative bases need integer exponents (else NaN)."""
+    """a ** b in float32 with C's (and NumPy's) special cases.
+
+    A finite negative base needs an integer exponent (else NaN); a base with
+    its sign bit set (-0 and -inf included) gives a negative result for an
+    odd integer exponent; 1 ** b, a ** 0 and (-1) ** +-inf are 1.
+    """
     r = tl.exp2(b * tl.log2(tl.abs(a)))
     whole = tl.floor(b) == b
-    odd = tl.abs(b - 2.0 * tl.floor(b * 0.5)) == 1.0
-    negative = tl.where(whole, tl.where(odd, -r, r), float("nan"))
-    r = tl.where(a < 0.0, negative, r)
-    return tl.where(b == 0.0, 1.0, r)
+    odd = tl.where(whole, tl.abs(b - 2.0 * tl.floor(b * 0.5)) == 1.0, False)
+    r = tl.where(a.to(tl.int32, bitcast=True) < 0, tl.where(odd, r * -1.0, r), r)  # -0 too
+    finite_negative = tl.where(a < 0.0, a > float("-inf"), False)
+    r = tl.where(finite_negative, tl.where(whole, r, float("nan")), r)
+    r = tl.where(a == -1.0, tl.where(tl.abs(b) == float("inf"), 1.0, r), r)
+    return tl.where(a == 1.0, 1.0, tl.where(b == 0.0, 1.0, r))
 ''',
     "_tanh": '''
 @triton.jit
@@ -293,7 +304,7 @@ def triton_source(
         w = _Writer(graph)
         for i in range(len(graph.nodes)):
             w.emit(i)
-        result = f"v{out}" if role == "mask" else f"{w.float_of(out)} + tl.zeros_like(score)"
+        result = f"v{out}" if role == "mask" else f"tl.broadcast_to({w.float_of(out)}, score.shape)"
         body = w.lines + [f"return {result}"]
     kind = graph.nodes[out].kind
     if role == "mask" and kind != BOOL:

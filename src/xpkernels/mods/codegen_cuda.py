@@ -16,15 +16,15 @@ The semantics are those of the Triton target (:mod:`xpkernels.mods.codegen`),
 operation by operation: integers in int64 with Python's floor division and
 remainder (computed through unsigned arithmetic, so results wrap as the
 kernels' int64 does, never undefined behaviour; a zero divisor gives 0 as
-NumPy, where the Triton target leaves it to the hardware), floats in float32 (``div`` IEEE, ``tan`` as ``sin / cos``, ``tanh`` as
-``1 - 2 / (exp(2x) + 1)``, ``pow`` from ``exp2(b log2|a|)`` with NumPy's
-rules for negative bases), NaN-propagating ``minimum``/``maximum``, ``floor``
+NumPy), floats in float32 (``div`` IEEE, ``tan`` as ``sin / cos``, ``tanh`` as
+``1 - 2 / (exp(2x) + 1)``, ``pow`` from ``exp2(b log2|a|)`` with C's
+special cases), NaN-propagating ``minimum``/``maximum``, ``floor``
 to int64 with NaN -> 0 and saturation past int64, captured-array indices
 clamped into the array. Both targets spell each operation from its record
 in :data:`~xpkernels.mods.ir.OPS` and generate a vjp from the same gradient
-graph (:func:`~xpkernels.mods.grad.gradient`) as the interpreter evaluates. Sources from several graphs
-(a mask, a score and its vjp) can be concatenated into one translation unit:
-the shared part is guarded.
+graph (:func:`~xpkernels.mods.grad.gradient`) as the interpreter evaluates.
+Sources from several graphs (a mask, a score and its vjp) can be
+concatenated into one translation unit: the shared part is guarded.
 
 **Arguments.** Everything that may change without changing the graph's
 structure travels at run time in one :class:`ModArgs` per graph, three
@@ -153,15 +153,17 @@ __device__ __forceinline__ long long xpk_floor_int(float x) {
     return (long long)x;
 }
 
-// a ** b in float32 as NumPy: negative bases need integer exponents (else NaN).
+// a ** b in float32 with C's (and NumPy's) special cases: a finite negative base needs an
+// integer exponent (else NaN); a base with its sign bit set (-0 and -inf included) gives a
+// negative result for an odd integer exponent; 1 ** b, a ** 0 and (-1) ** +-inf are 1.
 __device__ __forceinline__ float xpk_pow(float a, float b) {
-    float r = exp2f(b * log2f(fabsf(a)));
-    if (a < 0.0f) {
-        const bool whole = floorf(b) == b;
-        const bool odd = fabsf(b - 2.0f * floorf(b * 0.5f)) == 1.0f;
-        r = whole ? (odd ? -r : r) : xpk_nan();
-    }
-    return b == 0.0f ? 1.0f : r;
+    const float inf = __int_as_float(0x7f800000);
+    if (b == 0.0f || a == 1.0f || (a == -1.0f && fabsf(b) == inf)) return 1.0f;
+    const bool whole = floorf(b) == b;
+    if (a < 0.0f && a > -inf && !whole) return xpk_nan();
+    const float r = exp2f(b * log2f(fabsf(a)));
+    const bool odd = whole && fabsf(b - 2.0f * floorf(b * 0.5f)) == 1.0f;
+    return (__float_as_int(a) < 0 && odd) ? -r : r;
 }
 #endif  // XPKERNELS_MOD_COMMON
 """

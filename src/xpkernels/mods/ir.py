@@ -581,7 +581,7 @@ OPS: dict[str, Op] = {
         1, _same, lambda xp, a: xp.negative(a),
         lambda d, x, y, g: (d("neg", g),),
         lambda b, n: (-b[0][1], -b[0][0]),
-        ("-({0})", "-({0})"), ("xpk_neg({0})", "-{0}"),
+        ("-({0})", "{0} * -1.0"), ("xpk_neg({0})", "-{0}"),  # Triton's -x is 0 - x: not -0
     ),
     "abs": Op(
         1, _same, lambda xp, a: xp.abs(a),
