@@ -335,6 +335,26 @@ def test_each_operation_vjp_matches_finite_differences(name):
     np.testing.assert_allclose(grads.w, numeric_w, rtol=1e-6, atol=1e-6)
 
 
+def test_integer_division_by_zero_gives_zero_on_every_namespace():
+    """NumPy gives 0 for an integer // 0 or % 0; torch raises: the evaluation gives 0 on both."""
+    torch = pytest.importorskip("torch")
+    from xpkernels.mods.interpret import Grid
+
+    mod = xm.ScoreMod(lambda s, b, h, q, kv: s + (q // kv) + 0.5 * (q % kv))
+    q = np.array([-7, 5, 0, -(2**63), 9])
+    kv = np.array([0, 0, 3, -1, -2])
+    with np.errstate(all="ignore"):
+        want = 1.0 + np.floor_divide(q, kv) + 0.5 * np.remainder(q, kv)
+    assert want[0] == 1.0 and want[1] == 1.0
+    torch_xp = array_api_compat.array_namespace(torch.zeros(1))
+    for xp, wrap in ((np, np.asarray), (torch_xp, torch.as_tensor)):
+        bound = mod.graph.bind(xp, xp.float64, "cpu")
+        grid = Grid({"q_idx": wrap(q), "kv_idx": wrap(kv)}, rank=1)
+        with np.errstate(all="ignore"):
+            got = bound.run(grid, wrap(np.ones(5)))[mod.graph.output]
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_gradient_graph_extends_the_forward_graph():
     """The reverse mode is a graph: forward nodes kept as they are, then nodes of OPS only."""
     from xpkernels.mods.grad import COTANGENT, gradient

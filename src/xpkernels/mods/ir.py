@@ -475,6 +475,20 @@ def _unbroadcast(xp, g, shape):
     return g
 
 
+def _integer_division(f):
+    """``f(xp, a, b)`` with an integer divisor 0 giving 0, as NumPy (torch raises instead)."""
+
+    def evaluate(xp, a, b):
+        names = array_api_compat.array_namespace(a, b)
+        if not (names.isdtype(a.dtype, "integral") and names.isdtype(b.dtype, "integral")):
+            return f(xp, a, b)
+        zero = b == 0
+        out = f(xp, a, xp.where(zero, xp.ones_like(b), b))
+        return xp.where(zero, xp.zeros_like(out), out)
+
+    return evaluate
+
+
 def _exp2(xp, a):
     return xp.pow(xp.asarray(2.0, dtype=a.dtype, device=array_api_compat.device(a)), a)
 
@@ -527,7 +541,7 @@ OPS: dict[str, Op] = {
         (None, "{0} / {1}"), (None, "{0} / {1}"), "/",
     ),
     "floordiv": Op(
-        2, _numeric, lambda xp, a, b: xp.floor_divide(a, b),
+        2, _numeric, _integer_division(lambda xp, a, b: xp.floor_divide(a, b)),
         None,
         _floordiv_interval,
         ("_floordiv({0}, {1})", "tl.floor({0} / {1})"),
@@ -535,7 +549,7 @@ OPS: dict[str, Op] = {
         "//",
     ),
     "mod": Op(
-        2, _numeric, lambda xp, a, b: xp.remainder(a, b),
+        2, _numeric, _integer_division(lambda xp, a, b: xp.remainder(a, b)),
         lambda d, x, y, g: (g, d("neg", d("mul", g, d("floordiv", x[0], x[1])))),
         _mod_interval,
         ("_mod({0}, {1})", "{0} - {1} * tl.floor({0} / {1})"),
