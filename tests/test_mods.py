@@ -355,6 +355,22 @@ def test_integer_division_by_zero_gives_zero_on_every_namespace():
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_offset_batch_reads_b_shifted_and_keeps_clamps():
+    temp = np.array([1.0, 2.0, 3.0, 4.0])
+    mod = xm.ScoreMod(lambda s, b, h, q, kv, *, temp: s * temp[b] + b, temp=temp)
+    graph = mod.graph.clamping({(i, 0) for i, n in enumerate(mod.graph.nodes) if n.op == "gather"})
+    shifted = graph.offset_batch(2)
+    gathers = [i for i, n in enumerate(shifted.nodes) if n.op == "gather"]
+    assert shifted.clamped == {(gathers[0], 0)}
+    from xpkernels.mods.interpret import Grid
+
+    grid = Grid({"b": np.asarray(1)}, rank=0)
+    got = shifted.bind(np, np.float64, "cpu").run(grid, np.asarray(1.5))[shifted.output]
+    assert float(got) == 1.5 * temp[3] + 3
+    plain = xm.MaskMod(lambda b, h, q, kv: q >= kv).graph
+    assert plain.offset_batch(5) is plain
+
+
 def test_gradient_graph_extends_the_forward_graph():
     """The reverse mode is a graph: forward nodes kept as they are, then nodes of OPS only."""
     from xpkernels.mods.grad import COTANGENT, gradient

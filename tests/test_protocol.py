@@ -190,11 +190,6 @@ def test_supports_answers_with_the_reason():
     cases = [
         ("rms_norm", Call("numpy", "cpu", ("float32",)), "serves torch arrays, not numpy"),
         ("rms_norm", Call("torch", "meta", ("float32",)), "serves cuda, cpu devices, not meta"),
-        (
-            "flex_attention_varlen",
-            Call("torch", "cpu", ("float32",), 64),
-            "has no flex_attention_varlen kernel",
-        ),
         ("softmax", Call("torch", "cpu", ("float64",)), "not float64"),
         ("attention", Call("torch", "cpu", ("float16",), 512), "head dims up to 256, not 512"),
     ]

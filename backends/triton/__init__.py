@@ -70,6 +70,12 @@ BACKEND = Backend(
             scratch=("delta",),
             hooks=("default_tiles",),
         ),
+        "flex_attention_varlen": Capability(
+            dtypes=_DTYPES,
+            max_head_dim=_ATTENTION_HEAD_DIM,
+            scratch=("delta",),
+            hooks=("default_tiles",),
+        ),
     },
     device_problem=device_problem,
 )

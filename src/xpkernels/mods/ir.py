@@ -120,6 +120,25 @@ class Graph:
         out.clamped = clamped
         return out
 
+    def offset_batch(self, first: int) -> Graph:
+        """This graph reading input ``b`` as ``b + first`` (a one-sequence batch seen as sequence ``first``).
+
+        ``first`` becomes a constant of the graph, so every offset shares one
+        compiled kernel; a graph that does not read ``b`` is returned as it is.
+        """
+        if not self.uses("b"):
+            return self
+        nodes: list[Node] = []
+        new: dict[int, int] = {}
+        for i, n in enumerate(self.nodes):
+            nodes.append(Node(n.op, tuple(new[a] for a in n.args), n.value, n.kind))
+            if n.op == "input" and n.value == "b":
+                nodes.append(Node("const", (), int(first), INT))
+                nodes.append(Node("add", (len(nodes) - 2, len(nodes) - 1), None, INT))
+            new[i] = len(nodes) - 1
+        out = Graph(nodes, new[self.output], self.slots)
+        return out.clamping((new[g], axis) for g, axis in self.clamped)
+
     def __str__(self):
         lines = []
         for i, n in enumerate(self.nodes):

@@ -1,0 +1,130 @@
+"""Packed variable-length FlexAttention on Triton: the flex kernels, one sequence at a time.
+
+Each sequence is a ``(1, H, S, D)`` view of the packed tensors (strides, no
+copy) run through :mod:`.flex_attention`'s forward and backward with its own
+tile plan (from the front's ``planner``) and its own ``input_pos``. The mods
+see the sequence index as ``b``: each graph reading ``b`` is offset by the
+sequence's index (:meth:`~xpkernels.mods.Graph.offset_batch`, a run-time
+constant, so all sequences share one compiled kernel). The prefix sums are
+read on the host (one device sync per call, so a call cannot be captured in a
+CUDA graph) and clamped as on the array_api backend (ordered, disjoint,
+within the packed lengths); rows no sequence covers are fully masked (``o =
+0``, ``m = -inf``, ``l = 0``, zero gradients). The score mod's array
+gradients are added sequence after sequence. ``max_seqlen_q`` and
+``max_seqlen_k`` are not used.
+"""
+
+from __future__ import annotations
+
+import array_api_compat
+from xpkernels.backends.array_api.attention_varlen import (
+    _spans,
+    backward_views,
+    clear_backward_gaps,
+    clear_forward_gaps,
+    forward_views,
+)
+from xpkernels.backends.array_api.flex_attention_varlen import _position
+
+from . import flex_attention
+from .flex_attention import default_tiles
+
+__all__ = ["backward", "default_tiles", "forward"]
+
+
+def _offset(graph, b: int):
+    return None if graph is None else graph.offset_batch(b)
+
+
+def forward(
+    o,
+    q,
+    k,
+    v,
+    m,
+    l,
+    *,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    input_pos,
+    score_mod,
+    mask_mod,
+    planner,
+) -> None:
+    """Write ``o`` (and ``m``, ``l`` unless None) for validated packed inputs, sequence by sequence.
+
+    ``o``: (Tq, H, Dv); ``q``: (Tq, H, D); ``k``: (Tk, Hkv, D); ``v``: (Tk,
+    Hkv, Dv); ``m``, ``l``: (H, Tq) float32 or None; ``input_pos``: a tuple
+    of ints (one per sequence, or one shared) or a (B,) integer tensor;
+    ``score_mod``, ``mask_mod``: traced graphs or None.
+    """
+    xp = array_api_compat.array_namespace(o, q, k, v)
+    q_spans = _spans(cu_seqlens_q, q.shape[0])
+    k_spans = _spans(cu_seqlens_k, k.shape[0])
+    for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
+        if q_span[1] == q_span[0]:
+            continue
+        flex_attention.forward(
+            *forward_views(xp, (o, q, k, v, m, l), q_span, k_span),
+            scale=scale,
+            input_pos=_position(input_pos, b),
+            score_mod=_offset(score_mod, b),
+            mask_mod=_offset(mask_mod, b),
+            plan=planner(b, q_span[1] - q_span[0], k_span[1] - k_span[0]),
+        )
+    clear_forward_gaps(o, m, l, q_spans)
+
+
+def backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    m,
+    l,
+    dq,
+    dk,
+    dv,
+    delta,
+    dq_accum,
+    *,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    input_pos,
+    score_mod,
+    mask_mod,
+    planner,
+    score_mod_grads,
+) -> None:
+    """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
+
+    ``delta`` (H, Tq) float32 is flex's scratch, viewed per sequence;
+    ``dq_accum`` is not used (flex's dQ is its own pass). Other arguments as
+    :func:`forward`.
+    """
+    xp = array_api_compat.array_namespace(do, q, k, v, o)
+    q_spans = _spans(cu_seqlens_q, q.shape[0])
+    k_spans = _spans(cu_seqlens_k, k.shape[0])
+    for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
+        if q_span[1] == q_span[0] and k_span[1] == k_span[0]:
+            continue
+        # dq stands in for dq_accum (not used, maybe None): only the first 11 views are kept
+        arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq)
+        flex_attention.backward(
+            *backward_views(xp, arrays, q_span, k_span)[:11],
+            None,
+            scale=scale,
+            input_pos=_position(input_pos, b),
+            score_mod=_offset(score_mod, b),
+            mask_mod=_offset(mask_mod, b),
+            plan=planner(b, q_span[1] - q_span[0], k_span[1] - k_span[0]),
+            score_mod_grads=score_mod_grads,
+        )
+    clear_backward_gaps(dq, dk, dv, q_spans, k_spans)
