@@ -115,11 +115,11 @@ def backward(
     for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
         if q_span[1] == q_span[0] and k_span[1] == k_span[0]:
             continue
-        # dq stands in for dq_accum (not used, maybe None): only the first 11 views are kept
+        # dq stands in for dq_accum (not used, maybe None): its view is replaced by None
         arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq)
+        views: list = [*backward_views(xp, arrays, q_span, k_span)[:11], None]
         flex_attention.backward(
-            *backward_views(xp, arrays, q_span, k_span)[:11],
-            None,
+            *views,
             scale=scale,
             input_pos=_position(input_pos, b),
             score_mod=_offset(score_mod, b),
