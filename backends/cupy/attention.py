@@ -33,7 +33,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
 from xpkernels.backends.array_api import attention as _array_api
 
 from ._loader import OPTIONS, address, loader_for
