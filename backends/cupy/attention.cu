@@ -214,7 +214,7 @@ __device__ __forceinline__ void store_out(void* o, int kind, long long at, float
 }  // namespace
 
 template <typename T, int BN, int DMAX>
-__global__ void __launch_bounds__(32 * WARPS) attention_forward(
+__global__ void __launch_bounds__(32 * WARPS, 1) attention_forward(
     void* __restrict__ o,             // (B, H, Sq, Dv), float / __half / __nv_bfloat16
     int o_kind,                       // 0: float, 1: __half, 2: __nv_bfloat16
     float* __restrict__ m_out,        // (B, H, Sq) or null (no checkpoints)
@@ -242,10 +242,11 @@ __global__ void __launch_bounds__(32 * WARPS) attention_forward(
 {
     using L = Layout<T, BN, DMAX>;
     if (shared_bytes < L::BYTES) __trap();  // the launcher's layout must match this one
-    const long long tile = q_tiles - 1 - blockIdx.x % q_tiles;  // the longest causal tiles first
-    const long long bh = blockIdx.x / q_tiles;
-    const long long b = bh / heads, h = bh % heads, g = h / group;
-    const int i0 = static_cast<int>(tile) * BM;
+    // 32-bit index arithmetic (the grid stays below 2**31): 64-bit division is an ABI call.
+    const int block = static_cast<int>(blockIdx.x);
+    const int i0 = (q_tiles - 1 - block % q_tiles) * BM;  // the longest causal tiles first
+    const int bh = block / q_tiles;
+    const long long b = bh / heads, h = bh % heads, g = (bh % heads) / group;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
     const long long nk = clamp(batch_value(k_lengths, stride_klen, width_klen, b, sk), 0, sk);
@@ -324,7 +325,9 @@ __global__ void __launch_bounds__(32 * WARPS) attention_forward(
 
     if (row >= sq) return;
     const bool nan = l != l;
-    const float inv = l == 0.0f ? 0.0f : 1.0f / l;
+    // l >= 1 on a row that saw a key (its max contributes exp2(0)): the fast division is
+    // exact enough there, and IEEE division's slow path is an ABI call ptxas counts as spills.
+    const float inv = l == 0.0f ? 0.0f : __fdividef(1.0f, l);
     const long long at = b * stride_ob + h * stride_oh + row * stride_os;
     for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2) && c < dv; ++c) {
         const float value = l != 0.0f && bad[c] <= qpos ? __int_as_float(0x7fc00000)
