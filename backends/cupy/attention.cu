@@ -250,8 +250,7 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_forward(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
     const long long nk = clamp(batch_value(k_lengths, stride_klen, width_klen, b, sk), 0, sk);
-    const long long nq =
-        nk == 0 ? 0 : clamp(batch_value(q_lengths, stride_qlen, width_qlen, b, sq), 0, sq);
+    const long long nq = clamp(batch_value(q_lengths, stride_qlen, width_qlen, b, sq), 0, sq);
     const long long pos =
         causal ? clamp(batch_value(input_pos, stride_pos, width_pos, b, pos_value), -sq, sk) : 0;
     const int rows = static_cast<int>(clamp(nq - i0, 0, BM));  // valid query rows of the tile
