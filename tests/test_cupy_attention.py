@@ -203,6 +203,49 @@ def test_checkpoints_feed_the_array_api_backward(dtype):
         np.testing.assert_allclose(got, ours, atol=32 * _eps(t) * scale, rtol=0, err_msg=name)
 
 
+TRITON_BACKWARD = """
+import math, numpy as np, torch
+from xpkernels.backends.cupy import attention as A
+from xpkernels.backends.triton import attention as T
+from xpkernels.testing import cudacpu, references as ref
+rng = np.random.default_rng(13)
+b, h, hkv, sq, sk, d = 1, 2, 1, 24, 70, 16
+q, k, v, do = (rng.standard_normal(s).astype(np.float32) for s in
+               ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), (b, h, sq, d)))
+o, m, l = np.empty_like(q), np.empty((b, h, sq), np.float32), np.empty((b, h, sq), np.float32)
+options = dict(scale=0.25, causal=True, input_pos=50, q_lengths=None, k_lengths=None)
+with cudacpu.emulate():
+    A.forward(o, q, k, v, m, l, **options)
+t = {n: torch.from_numpy(a) for n, a in dict(q=q, k=k, v=v, do=do, o=o, m=m, l=l).items()}
+grads = [torch.full_like(t[n], float("nan")) for n in ("q", "k", "v")]
+T.backward(t["do"], t["q"], t["k"], t["v"], t["o"], t["m"], t["l"], *grads,
+           torch.empty((b, h, sq)), None, **options)
+keep = ref.attention_keep(b, sq, sk, causal=True, input_pos=50)
+want = ref.attention_backward(*(a.astype(np.float64) for a in (q, k, v, do)), scale=0.25,
+                              keep=keep)
+eps = float(np.finfo(np.float32).eps)
+print(max(float(np.abs(g.double().numpy() - w).max()) / (eps * max(1.0, float(np.abs(w).max())))
+          for g, w in zip(grads, want)))
+"""
+
+
+def test_checkpoints_feed_the_triton_backward():
+    """Forward on cupy (CPU harness), backward on triton (its interpreter), in a fresh process."""
+    pytest.importorskip("torch", reason="the triton backend needs torch")
+    pytest.importorskip("triton", reason="the triton backend needs triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", TRITON_BACKWARD],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # float32 throughout: the error in units of eps32 times the largest gradient
+    assert float(proc.stdout) < 64, proc.stdout
+
+
 def test_backward_routed_to_cupy_runs_the_array_api_backward():
     rng = np.random.default_rng(12)
     q, k, v = _inputs(rng, np.float32, 1, 2, 1, 20, 30, 16, 16)
