@@ -146,6 +146,15 @@ def test_forward_matches_float64(harness, dtype, config):
     _assert_matches(_run(q, k, v, **options), _reference(q, k, v, **options), t, v, shape[5])
 
 
+def test_no_keys_and_tiny_head_dims(harness):
+    rng = np.random.default_rng(1)
+    o, m, l_sum = _run(*_inputs(rng, np.float16, 2, 2, 1, 3, 0, 8, 8))  # Sk = 0
+    assert (o == 0).all() and (m == -np.inf).all() and (l_sum == 0).all()
+    q, k, v = _inputs(rng, np.float32, 1, 3, 3, 1, 5, 1, 2)  # Sq = 1, D = 1, Dv = 2
+    got = _run(q, k, v, causal=True, input_pos=2)
+    _assert_matches(got, _reference(q, k, v, causal=True, input_pos=2), np.float32, v, 1)
+
+
 def test_vector_and_scalar_loads_are_both_exercised():
     rng = np.random.default_rng(0)
     q, k, v = _inputs(rng, np.float16, 1, 1, 1, 4, 4, 128, 100)
