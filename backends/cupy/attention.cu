@@ -3,7 +3,9 @@
 //   fully masked row).
 //
 // A block of WARPS warps per (query tile of BM = 16 * WARPS rows, batch, query head); warp w
-// owns the tile's rows 16w .. 16w + 15. The block walks the key tiles of BN keys it can see:
+// owns the tile's rows 16w .. 16w + 15. Q is staged in shared memory once (zeros past
+// q_lengths[b]); the block then walks the key tiles of BN keys it can see (a warp none of
+// whose rows sees a key of a tile skips its steps 2-4 there):
 //   1. all threads stage K and V of the tile in shared memory (zeros past k_lengths[b] and
 //      past the head dims), between two __syncthreads;
 //   2. each warp computes its scores S_w = Q_w K^T into shared memory (float32);
