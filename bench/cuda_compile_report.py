@@ -33,11 +33,21 @@ _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(")
+#: Tensor-core instructions in PTX, the most specific first.
+_TENSOR_CORE = (
+    ("wgmma", re.compile(r"\bwgmma\.mma_async\b")),
+    ("mma.sync", re.compile(r"(?<!wmma\.)\bmma\.sync\b")),
+    ("wmma", re.compile(r"\bwmma\.mma\.sync\b")),
+)
 _ACCESS = re.compile(r"\b(ld|st)\.global(?:\.nc)?(?:\.L\w+::\w+)*(?:\.v(\d))?\.[a-z]+(\d+)\b")
 
 
 def _widths(ptx: str) -> dict:
-    """Per entry function: the widest global load and store, in bits (``ld/st.global[.vN].tBITS``)."""
+    """Per entry function: the widest global load and store, and the tensor-core instruction.
+
+    Widths in bits (``ld/st.global[.vN].tBITS``); ``tensor_core`` is ``wgmma``,
+    ``mma.sync``, ``wmma`` or ``none``.
+    """
     out = {}
     starts = [(m.start(), m.group(1)) for m in _ENTRY.finditer(ptx)] + [(len(ptx), None)]
     for (begin, name), (end, _) in zip(starts, starts[1:]):
@@ -48,7 +58,13 @@ def _widths(ptx: str) -> dict:
                 load = max(load, bits)
             else:
                 store = max(store, bits)
-        out[name] = {"global_load_bits": load, "global_store_bits": store}
+        body = ptx[begin:end]
+        tensor_core = next((n for n, pattern in _TENSOR_CORE if pattern.search(body)), "none")
+        out[name] = {
+            "global_load_bits": load,
+            "global_store_bits": store,
+            "tensor_core": tensor_core,
+        }
     return out
 
 

@@ -390,7 +390,8 @@ def test_cupy_declaration_serves_cupy_arrays_on_cuda(fake_cupy):
     call = Call("cupy", "cuda", ("bfloat16", "float32"))
     assert cupy.supports("rms_norm", call)
     cases = [
-        ("attention", call, "has no attention kernel"),
+        ("attention_varlen", call, "has no attention_varlen kernel"),
+        ("attention", Call("cupy", "cuda", ("float16",), 192), "head dims up to 128, not 192"),
         ("rms_norm", Call("cupy", "cuda", ("float64",)), "not float64"),
         ("rms_norm", Call("torch", "cuda", ("float32",)), "serves cupy, numpy arrays, not torch"),
         (

@@ -196,16 +196,18 @@ def test_cupy_arrays_on_cuda_route_to_cupy(cupy_arrays_on_cuda):
 def test_cupy_ops_without_kernels_fall_back_with_one_warning(cupy_arrays_on_cuda):
     arrays = _arrays(np)
     with pytest.warns(
-        RuntimeWarning, match="because backend 'cupy' cannot serve it: it has no attention kernel"
+        RuntimeWarning,
+        match="because backend 'cupy' cannot serve it: it has no attention_varlen kernel",
     ):
-        assert resolve("attention", arrays).backend == "array_api"
+        assert resolve("attention_varlen", arrays).backend == "array_api"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve("attention", arrays).backend == "array_api"
+        assert resolve("attention_varlen", arrays).backend == "array_api"
     with pytest.raises(
-        BackendError, match="'cupy' .* cannot serve cupy arrays on cuda: it has no attention kernel"
+        BackendError,
+        match="'cupy' .* cannot serve cupy arrays on cuda: it has no attention_varlen kernel",
     ):
-        resolve("attention", arrays, backend="cupy")
+        resolve("attention_varlen", arrays, backend="cupy")
 
 
 def test_cupy_without_a_device_falls_back_or_refuses(cupy_arrays_on_cuda):
@@ -230,8 +232,8 @@ def test_explicit_cupy_on_numpy_needs_emulate(monkeypatch):
     with cudacpu.emulate():
         assert resolve("rms_norm", arrays).backend == "array_api"
         assert resolve("rms_norm", arrays, backend="cupy").backend == "cupy"
-        with pytest.raises(BackendError, match="it has no attention kernel"):
-            resolve("attention", arrays, backend="cupy")
+        with pytest.raises(BackendError, match="it has no attention_varlen kernel"):
+            resolve("attention_varlen", arrays, backend="cupy")
 
 
 def test_backends_lists_cupy_with_its_reason(monkeypatch):
@@ -241,6 +243,7 @@ def test_backends_lists_cupy_with_its_reason(monkeypatch):
         "rms_norm",
         "layer_norm",
         "softmax",
+        "attention",
         "decode_attention",
     ) and row.namespaces == ("cupy", "numpy")
     if importlib.util.find_spec("cupy") is None:

@@ -5,9 +5,10 @@ interface of :mod:`._loader`, so the same launchers and ``.cu`` files run on
 a GPU through ``cupy.RawModule`` (NVRTC) and on the CPU through
 :mod:`xpkernels.testing.cudacpu` (``with cudacpu.emulate(): ...``). Only CuPy
 is imported on the GPU path: no torch, no triton. So far ``rms_norm``,
-``layer_norm``, ``softmax`` and ``decode_attention`` have CUDA C kernels;
-routing sends the other ops on CuPy arrays to the array_api backend (warned
-once).
+``layer_norm``, ``softmax``, ``decode_attention`` and the ``attention``
+forward have CUDA C kernels (``attention``'s backward runs the array_api
+backend's code from the same checkpoints); routing sends the other ops on
+CuPy arrays to the array_api backend (warned once).
 
 Routing reads :data:`BACKEND`, which serves two kinds of calls:
 
@@ -35,6 +36,8 @@ _DTYPES = ("float32", "float16", "bfloat16")
 _NORM = Capability(dtypes=_DTYPES, hooks=("partials", "reduce_partials"))
 #: Largest decode head dim (``decode_attention.MAX_HEAD_DIM``; not imported, which would load NumPy).
 _DECODE_HEAD_DIM = 256
+#: Largest attention head dim (``attention.MAX_HEAD_DIM``, the largest padded ``DMAX`` compiled).
+_ATTENTION_HEAD_DIM = 128
 _NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
 
 
@@ -99,6 +102,10 @@ BACKEND = Backend(
         "rms_norm": _NORM,
         "layer_norm": _NORM,
         "softmax": Capability(dtypes=_DTYPES),
+        # Forward in CUDA C (wmma for float16/bfloat16, SIMT for float32; shared memory per
+        # block: attention.shared_bytes, at most ~104 KiB); the backward is array_api's,
+        # which uses both scratch fields (delta, dq_accum).
+        "attention": Capability(dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM),
         "decode_attention": Capability(
             dtypes=_DTYPES, max_head_dim=_DECODE_HEAD_DIM, hooks=("default_splits",)
         ),

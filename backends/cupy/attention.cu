@@ -1,0 +1,344 @@
+// Attention forward, FA2-style: o = softmax(scale * q k^T + mask) v, with the checkpoints
+//   m = max_j s_j (natural-log units),  l = sum_j e^(s_j - m)   (m = -inf, l = 0, o = 0 on a
+//   fully masked row).
+//
+// A block of WARPS warps per (query tile of BM = 16 * WARPS rows, batch, query head); warp w
+// owns the tile's rows 16w .. 16w + 15. Q is staged in shared memory once (zeros past
+// q_lengths[b]); the block then walks the key tiles of BN keys it can see (a warp none of
+// whose rows sees a key of a tile skips its steps 2-4 there):
+//   1. all threads stage K and V of the tile in shared memory (zeros past k_lengths[b] and
+//      past the head dims), between two __syncthreads;
+//   2. each warp computes its scores S_w = Q_w K^T into shared memory (float32);
+//   3. each warp's lanes run the online softmax on S_w row by row (lane l: row l % 16, half
+//      l / 16 of the columns), in base 2 (scale * log2 e is folded into one multiply), write
+//      P_w = exp2(s - m_new) in T to shared memory and rescale their row of the float32
+//      output accumulator O_w (in shared memory) by exp2(m_old - m_new);
+//   4. each warp adds P_w V to O_w.
+// Steps 2 and 4 run on tensor cores through nvcuda::wmma (16x16x16 fragments, float32
+// accumulate) for __half and __nv_bfloat16; for float they are a SIMT loop (lane j: key j
+// of the scores; lane c: output column c), as TF32 would not keep float32's accuracy.
+// Fragments are never indexed by element: every per-row step goes through shared memory.
+//
+// Masks: key j is visible to query i when i < q_lengths[b], j < k_lengths[b] and, if causal,
+// j <= input_pos + i. Masked scores are selected to -inf (never added to), so a NaN score
+// reaches only the rows that see it; the row max ignores NaN (fmaxf), and a row whose sum is
+// NaN writes o, m, l NaN. In tiles crossing the causal diagonal a non-finite value of V
+// would reach rows that cannot see it through 0 * NaN: it is staged as 0, and its column's
+// first such key is kept (bad[c]) so that the rows that do see it get NaN in that column.
+//
+// Offsets are int64; lengths and positions are read at their width (int32/int64) and
+// clamped (lengths to [0, S], input_pos to [-Sq, Sk], where clamping changes nothing).
+// T: the dtype of q, k, v; BN: keys per tile (a multiple of 32); DMAX: head dims D and Dv
+// rounded up to it (a multiple of 32). o is float, __half or __nv_bfloat16 (o_kind 0, 1, 2).
+#include "common.cuh"
+#include <mma.h>
+
+namespace {
+
+constexpr int WARPS = 4;
+constexpr int BM = 16 * WARPS;
+constexpr float LN2 = 0.6931471805599453f;
+constexpr int NO_BAD_KEY = 0x7fffffff;
+
+// Shared memory of one block, in elements of each array (row strides padded by 16 bytes).
+template <typename T, int BN, int DMAX>
+struct Layout {
+    static constexpr int PAD = 16 / static_cast<int>(sizeof(T));
+    static constexpr int LD_T = DMAX + PAD;     // Q, K, V rows (T)
+    static constexpr int LD_S = BN + 4;         // scores (float)
+    static constexpr int LD_P = BN + PAD;       // probabilities (T)
+    static constexpr int LD_O = DMAX + 4;       // output accumulator (float)
+    static constexpr unsigned long long round32(unsigned long long n) { return (n + 31) / 32 * 32; }
+    static constexpr unsigned long long Q = 0;
+    static constexpr unsigned long long K = Q + round32(sizeof(T) * BM * LD_T);
+    static constexpr unsigned long long V = K + round32(sizeof(T) * BN * LD_T);
+    static constexpr unsigned long long S = V + round32(sizeof(T) * BN * LD_T);
+    static constexpr unsigned long long P = S + round32(sizeof(float) * BM * LD_S);
+    static constexpr unsigned long long O = P + round32(sizeof(T) * BM * LD_P);
+    static constexpr unsigned long long BAD = O + round32(sizeof(float) * BM * LD_O);
+    // + 32: the base is aligned up to 32 bytes (wmma's pointer alignment) inside the kernel.
+    static constexpr unsigned long long BYTES = BAD + round32(sizeof(int) * DMAX) + 32;
+};
+
+// Warp-level products over shared memory; s, q, o, p point at the warp's 16 rows.
+template <typename T, int BN, int DMAX>
+struct WarpMma {
+    // s (16 x BN, float) = q (16 x DMAX) . k (BN x DMAX)^T
+    static __device__ __forceinline__ void scores(
+        float* s, int lds, const T* q, int ldq, const T* k, int ldk) {
+        using namespace nvcuda;
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[BN / 16];
+#pragma unroll
+        for (int n = 0; n < BN / 16; ++n) wmma::fill_fragment(acc[n], 0.0f);
+#pragma unroll
+        for (int kk = 0; kk < DMAX / 16; ++kk) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
+            wmma::load_matrix_sync(a, q + kk * 16, ldq);
+#pragma unroll
+            for (int n = 0; n < BN / 16; ++n) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
+                wmma::load_matrix_sync(b, k + n * 16 * ldk + kk * 16, ldk);
+                wmma::mma_sync(acc[n], a, b, acc[n]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < BN / 16; ++n)
+            wmma::store_matrix_sync(s + n * 16, acc[n], lds, wmma::mem_row_major);
+    }
+
+    // o (16 x DMAX, float) += p (16 x BN) . v (BN x DMAX)
+    static __device__ __forceinline__ void accumulate(
+        float* o, int ldo, const T* p, int ldp, const T* v, int ldv) {
+        using namespace nvcuda;
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a[BN / 16];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) wmma::load_matrix_sync(a[kk], p + kk * 16, ldp);
+#pragma unroll
+        for (int n = 0; n < DMAX / 16; ++n) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+            wmma::load_matrix_sync(acc, o + n * 16, ldo, wmma::mem_row_major);
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
+                wmma::load_matrix_sync(b, v + kk * 16 * ldv + n * 16, ldv);
+                wmma::mma_sync(acc, a[kk], b, acc);
+            }
+            wmma::store_matrix_sync(o + n * 16, acc, ldo, wmma::mem_row_major);
+        }
+    }
+};
+
+// float32: the SIMT path (every product in float32 FMAs).
+template <int BN, int DMAX>
+struct WarpMma<float, BN, DMAX> {
+    static __device__ __forceinline__ void scores(
+        float* s, int lds, const float* q, int ldq, const float* k, int ldk) {
+        const int lane = threadIdx.x & 31;
+        for (int j = lane; j < BN; j += 32) {
+            float acc[16];
+#pragma unroll
+            for (int r = 0; r < 16; ++r) acc[r] = 0.0f;
+            for (int d = 0; d < DMAX; ++d) {
+                const float kd = k[j * ldk + d];
+#pragma unroll
+                for (int r = 0; r < 16; ++r) acc[r] = fmaf(q[r * ldq + d], kd, acc[r]);
+            }
+#pragma unroll
+            for (int r = 0; r < 16; ++r) s[r * lds + j] = acc[r];
+        }
+    }
+
+    static __device__ __forceinline__ void accumulate(
+        float* o, int ldo, const float* p, int ldp, const float* v, int ldv) {
+        const int lane = threadIdx.x & 31;
+        for (int c = lane; c < DMAX; c += 32) {
+            float acc[16];
+#pragma unroll
+            for (int r = 0; r < 16; ++r) acc[r] = o[r * ldo + c];
+            for (int j = 0; j < BN; ++j) {
+                const float vj = v[j * ldv + c];
+#pragma unroll
+                for (int r = 0; r < 16; ++r) acc[r] = fmaf(p[r * ldp + j], vj, acc[r]);
+            }
+#pragma unroll
+            for (int r = 0; r < 16; ++r) o[r * ldo + c] = acc[r];
+        }
+    }
+};
+
+// Element b of a (B,) int32 (width 4) or int64 (width 8) array; `fallback` when width is 0.
+__device__ __forceinline__ long long batch_value(
+    const void* p, long long stride, int width, long long b, long long fallback) {
+    if (width == 0) return fallback;
+    if (width == 8) return static_cast<const long long*>(p)[b * stride];
+    return static_cast<long long>(static_cast<const int*>(p)[b * stride]);
+}
+
+__device__ __forceinline__ long long clamp(long long v, long long lo, long long hi) {
+    return v < lo ? lo : v > hi ? hi : v;
+}
+
+__device__ __forceinline__ bool finite(float x) { return fabsf(x) <= 3.402823466e38f; }
+
+// dst (ROWS x DMAX, row stride ld) = src rows [0, rows) x columns [0, cols), zeros elsewhere.
+// vec: 16-byte accesses (cols, the row stride and src are multiples of 16 bytes). With
+// `clean`, a non-finite element is staged as 0 and bad[c] lowered to its key first + r.
+template <typename T, int ROWS, int DMAX>
+__device__ __forceinline__ void stage(
+    T* dst, int ld, const T* src, long long stride, int rows, int cols, bool vec, bool clean,
+    int* bad, int first) {
+    constexpr int V = 16 / static_cast<int>(sizeof(T));
+    const T zero = xk::from_float<T>(0.0f);
+    if (vec) {
+        for (int e = threadIdx.x; e < ROWS * (DMAX / V); e += blockDim.x) {
+            const int r = e / (DMAX / V), c = e % (DMAX / V) * V;
+            xk::Vec<T, V> val;
+            if (r < rows && c < cols) {
+                val = *reinterpret_cast<const xk::Vec<T, V>*>(src + r * stride + c);
+            } else {
+#pragma unroll
+                for (int i = 0; i < V; ++i) val.v[i] = zero;
+            }
+            if (clean) {
+#pragma unroll
+                for (int i = 0; i < V; ++i) {
+                    if (!finite(xk::to_float(val.v[i]))) {
+                        val.v[i] = zero;
+                        atomicMin(bad + c + i, first + r);
+                    }
+                }
+            }
+            *reinterpret_cast<xk::Vec<T, V>*>(dst + r * ld + c) = val;
+        }
+    } else {
+        for (int e = threadIdx.x; e < ROWS * DMAX; e += blockDim.x) {
+            const int r = e / DMAX, c = e % DMAX;
+            T val = r < rows && c < cols ? src[r * stride + c] : zero;
+            if (clean && !finite(xk::to_float(val))) {
+                val = zero;
+                atomicMin(bad + c, first + r);
+            }
+            dst[r * ld + c] = val;
+        }
+    }
+}
+
+__device__ __forceinline__ void store_out(void* o, int kind, long long at, float value) {
+    if (kind == 0) {
+        static_cast<float*>(o)[at] = value;
+    } else if (kind == 1) {
+        static_cast<__half*>(o)[at] = xk::from_float<__half>(value);
+    } else {
+        static_cast<__nv_bfloat16*>(o)[at] = xk::from_float<__nv_bfloat16>(value);
+    }
+}
+
+}  // namespace
+
+template <typename T, int BN, int DMAX>
+__global__ void __launch_bounds__(32 * WARPS, 1) attention_forward(
+    void* __restrict__ o,             // (B, H, Sq, Dv), float / __half / __nv_bfloat16
+    int o_kind,                       // 0: float, 1: __half, 2: __nv_bfloat16
+    float* __restrict__ m_out,        // (B, H, Sq) or null (no checkpoints)
+    float* __restrict__ l_out,        // (B, H, Sq) or null
+    const T* q,                       // (B, H, Sq, D)
+    const T* k,                       // (B, Hkv, Sk, D)
+    const T* v,                       // (B, Hkv, Sk, Dv)
+    const void* q_lengths, long long stride_qlen, int width_qlen,   // width 0: none
+    const void* k_lengths, long long stride_klen, int width_klen,
+    const void* input_pos, long long stride_pos, int width_pos,     // width 0: pos_value
+    long long pos_value,
+    int heads, int group,             // H, H / Hkv
+    int sq, int sk, int d, int dv,
+    int q_tiles,                      // ceil(Sq / BM)
+    int causal,
+    float scale_log2,                 // scale * log2(e)
+    int vec_q, int vec_k, int vec_v,  // 16-byte loads allowed for q / k / v
+    unsigned long long shared_bytes,  // dynamic shared memory of the launch
+    long long stride_qb, long long stride_qh, long long stride_qs,
+    long long stride_kb, long long stride_kh, long long stride_ks,
+    long long stride_vb, long long stride_vh, long long stride_vs,
+    long long stride_ob, long long stride_oh, long long stride_os,
+    long long stride_mb, long long stride_mh, long long stride_ms,
+    long long stride_lb, long long stride_lh, long long stride_ls)
+{
+    using L = Layout<T, BN, DMAX>;
+    if (shared_bytes < L::BYTES) __trap();  // the launcher's layout must match this one
+    // 32-bit index arithmetic (the grid stays below 2**31): 64-bit division is an ABI call.
+    const int block = static_cast<int>(blockIdx.x);
+    const int i0 = (q_tiles - 1 - block % q_tiles) * BM;  // the longest causal tiles first
+    const int bh = block / q_tiles;
+    const long long b = bh / heads, h = bh % heads, g = (bh % heads) / group;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    const long long nk = clamp(batch_value(k_lengths, stride_klen, width_klen, b, sk), 0, sk);
+    const long long nq = clamp(batch_value(q_lengths, stride_qlen, width_qlen, b, sq), 0, sq);
+    const long long pos =
+        causal ? clamp(batch_value(input_pos, stride_pos, width_pos, b, pos_value), -sq, sk) : 0;
+    const int rows = static_cast<int>(clamp(nq - i0, 0, BM));  // valid query rows of the tile
+    const int k_end =
+        rows == 0 ? 0 : causal ? static_cast<int>(clamp(pos + i0 + rows, 0, nk)) : static_cast<int>(nk);
+
+    unsigned char* base = xk::dynamic_smem<unsigned char>();
+    base += (32 - reinterpret_cast<unsigned long long>(base) % 32) % 32;
+    T* qs = reinterpret_cast<T*>(base + L::Q);
+    T* ks = reinterpret_cast<T*>(base + L::K);
+    T* vs = reinterpret_cast<T*>(base + L::V);
+    float* ss = reinterpret_cast<float*>(base + L::S) + warp * 16 * L::LD_S;
+    T* ps = reinterpret_cast<T*>(base + L::P) + warp * 16 * L::LD_P;
+    float* os = reinterpret_cast<float*>(base + L::O) + warp * 16 * L::LD_O;
+    int* bad = reinterpret_cast<int*>(base + L::BAD);
+
+    // Lane (r, half): row r of the warp's 16, columns half * BN/2 .. of S, half * DMAX/2 .. of O.
+    const int r = lane & 15, half = lane >> 4;
+    const int row = i0 + warp * 16 + r;           // query index
+    const long long qpos = pos + row;
+    // Keys [0, limit) are visible to this row.
+    const long long limit = row >= nq ? 0 : causal ? clamp(qpos + 1, 0, nk) : nk;
+    const int warp_first = i0 + warp * 16;
+    const long long warp_last_pos = pos + clamp(nq - 1, 0, warp_first + 15);
+    float m = xk::neg_inf(), l = 0.0f;                 // base-2 running max and sum
+
+    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) os[r * L::LD_O + c] = 0.0f;
+    for (int c = threadIdx.x; c < DMAX; c += blockDim.x) bad[c] = NO_BAD_KEY;
+    stage<T, BM, DMAX>(qs, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs, stride_qs,
+                       rows, d, vec_q != 0, false, bad, 0);
+
+    for (int j0 = 0; j0 < k_end; j0 += BN) {
+        __syncthreads();  // the previous tile's K and V are no longer read (Q, bad staged)
+        const int keys = static_cast<int>(nk - j0 < BN ? nk - j0 : BN);
+        // Some staged key is masked for some row: non-finite values of V are kept out of P V.
+        const bool diagonal = causal && j0 + keys - 1 > pos + i0;
+        stage<T, BN, DMAX>(ks, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks,
+                           stride_ks, keys, d, vec_k != 0, false, bad, j0);
+        stage<T, BN, DMAX>(vs, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs,
+                           stride_vs, keys, dv, vec_v != 0, diagonal, bad, j0);
+        __syncthreads();
+        // A warp none of whose rows sees a key of this tile skips it (warp-uniform).
+        if (warp_first >= nq || (causal && j0 > warp_last_pos)) continue;
+        WarpMma<T, BN, DMAX>::scores(ss, L::LD_S, qs + warp * 16 * L::LD_T, L::LD_T, ks, L::LD_T);
+        __syncwarp(xk::FULL_MASK);
+
+        float top = xk::neg_inf();
+        for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
+            const float s = j0 + c < limit ? ss[r * L::LD_S + c] * scale_log2 : xk::neg_inf();
+            ss[r * L::LD_S + c] = s;
+            top = fmaxf(top, s);
+        }
+        top = fmaxf(top, __shfl_xor_sync(xk::FULL_MASK, top, 16));
+        const float m_new = fmaxf(m, top);
+        const float shift = m_new == xk::neg_inf() ? 0.0f : m_new;  // no -inf - -inf
+        const float alpha = exp2f(m - shift);
+        float sum = 0.0f;
+        for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
+            const float p = exp2f(ss[r * L::LD_S + c] - shift);
+            sum += p;
+            ps[r * L::LD_P + c] = xk::from_float<T>(p);
+        }
+        sum += __shfl_xor_sync(xk::FULL_MASK, sum, 16);
+        l = l * alpha + sum;
+        m = m_new;
+        for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) os[r * L::LD_O + c] *= alpha;
+        __syncwarp(xk::FULL_MASK);
+        WarpMma<T, BN, DMAX>::accumulate(os, L::LD_O, ps, L::LD_P, vs, L::LD_T);
+        __syncwarp(xk::FULL_MASK);
+    }
+
+    if (row >= sq) return;
+    const bool nan = l != l;
+    // l >= 1 on a row that saw a key (its max contributes exp2(0)): the fast division is
+    // exact enough there, and IEEE division's slow path is an ABI call ptxas counts as spills.
+    const float inv = l == 0.0f ? 0.0f : __fdividef(1.0f, l);
+    const long long at = b * stride_ob + h * stride_oh + row * stride_os;
+    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2) && c < dv; ++c) {
+        const float value = l != 0.0f && bad[c] <= qpos ? __int_as_float(0x7fc00000)
+                                                        : os[r * L::LD_O + c] * inv;
+        store_out(o, o_kind, at + c, value);
+    }
+    if (m_out != nullptr && half == 0) {
+        const float nan_f = __int_as_float(0x7fc00000);
+        m_out[b * stride_mb + h * stride_mh + row * stride_ms] =
+            nan ? nan_f : l == 0.0f ? xk::neg_inf() : m * LN2;
+        l_out[b * stride_lb + h * stride_lh + row * stride_ls] = l;
+    }
+}
