@@ -10,7 +10,8 @@ numpy               cpu     ``array_api``  -- (``cupy`` only when asked for, ins
 torch               cuda    ``triton``    ``array_api`` on torch ops, warned once
 torch               cpu     ``array_api``  -- (``triton`` only when asked for)
 cupy                cuda    ``cupy``      ``array_api`` on cupy ops, warned once
-                                          (only rms_norm has CUDA C kernels so far)
+                                          (ops the cupy backend has no CUDA C kernel
+                                          for: see ``xk.backends()``)
 any other           any     ``array_api``  --
 ==================  ======  ============  =========================================
 
