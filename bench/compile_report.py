@@ -204,18 +204,20 @@ def _flex_mods(name, B, H, S):
 
 @contextlib.contextmanager
 def _placeholder_uploads():
-    """The flex launchers' host-to-device copies (tile lists, positions) give placeholders."""
+    """The flex launchers' host-to-device copies (tile lists, positions) and zeroed buffers
+    (score-mod gradient partial rows) give placeholders."""
     from xpkernels.backends.triton import _flex_host
 
-    saved = _flex_host.upload
+    saved = _flex_host.upload, _flex_host.zeros
     _flex_host.upload = lambda a, device: spec.tensor(
         a.shape, {1: torch.int8, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]
     )
+    _flex_host.zeros = lambda shape, like: spec.tensor(shape, F32)
     _flex_host._LISTS.clear()
     try:
         yield
     finally:
-        _flex_host.upload = saved
+        _flex_host.upload, _flex_host.zeros = saved
         _flex_host._LISTS.clear()
 
 
