@@ -207,6 +207,10 @@ DUPLICATE_MODS = {
         lambda s, b, h, q, k, *, rel: s + rel[q - k + 34],
         rel=torch.nn.Parameter(torch.linspace(-1.0, 1.0, 12 + 19 + 34)),
     ),
+    "relative-position-large": lambda: xm.ScoreMod(  # 2**16 elements and more: int64 sort keys
+        lambda s, b, h, q, k, *, rel: s + rel[q - k + 34],
+        rel=torch.nn.Parameter(torch.linspace(-1.0, 1.0, 2**16 + 5)),
+    ),
     "t5-bucket": lambda: xm.ScoreMod(
         lambda s, b, h, q, k, *, table: s + table[h, _t5_bucket(q, k)],
         table=torch.nn.Parameter(torch.linspace(-1.0, 1.0, 2 * 8).reshape(2, 8)),
@@ -282,9 +286,12 @@ def test_generated_scatter_combines_repeated_indices_only_where_needed():
         name: triton_source(make().graph, "vjp", "v", (0,), transposed=True, deterministic=True)
         for name, make in DUPLICATE_MODS.items()
     }
+    sorted_ = ("relative-position", "relative-position-large", "t5-bucket", "paired-rows")
     for name, source in sources.items():
         assert "atomic" not in source, name
-        assert ("tl.sort" in source) == (name in ("relative-position", "t5-bucket", "paired-rows"))
+        assert ("tl.sort" in source) == (name in sorted_), name
+    assert ").to(tl.int32), (c" in sources["relative-position"]
+    assert ").to(tl.int64), (c" in sources["relative-position-large"]
     graph = DUPLICATE_MODS["alibi"]().graph
     assert "tl.atomic_add" in triton_source(graph, "vjp", "v", (0,), transposed=True)
 

@@ -384,12 +384,14 @@ def _scatter(w: _Writer, i: int, g: str, base: int, transposed: bool) -> list[st
     more than once). A row lies at element
     ``program_id(0) * grads[r] + b * grads[r + 1] + (h // grads[r + 3]) *
     grads[r + 2]`` (``r`` the slot's entry of ``scatter_rows``; the host sets a
-    multiplier to 0 where programs cannot collide). Repeated indices of one
+    multiplier to 0 where programs cannot collide); offsets inside a row are
+    below the array's element count (the row is contiguous). Repeated indices of one
     store are combined first unless the index is injective over the summed
     tile (each axis it varies along has an index ``input + c`` of that axis,
     not clamped): the tile is flattened, packed ``offset * n + position`` keys
-    are sorted, the values gathered in that order, runs of equal offsets
-    summed by a segmented scan and stored once, at each run's end.
+    are sorted (int32 for arrays under 2**16 elements), the values gathered
+    in that order, runs of equal offsets summed by a segmented scan and
+    stored once, at each run's end.
     """
     node = w.graph.nodes[i]
     axes = w.axes[i]
@@ -420,13 +422,12 @@ def _scatter(w: _Writer, i: int, g: str, base: int, transposed: bool) -> list[st
         mask = f", mask={inside}" if inside else ""
         lines.append(f"tl.atomic_add(grads[{base}] + {offset}, {c}{mask})")
         return lines
-    r = w.scatter_rows[node.value]
-    row = (
-        f"tl.program_id(0).to(tl.int64) * grads[{r}] + b * grads[{r + 1}]"
-        f" + (h // grads[{r + 3}]) * grads[{r + 2}]"
+    rows = w.scatter_rows[node.value]
+    p, r = f"p{i}", f"r{i}"
+    lines.append(
+        f"{r} = tl.program_id(0).to(tl.int64) * grads[{rows}] + b * grads[{rows + 1}]"
+        f" + (h // grads[{rows + 3}]) * grads[{rows + 2}]"
     )
-    o, p = f"o{i}", f"p{i}"
-    lines.append(f"{o} = {offset} + ({row})")
     axis_inputs = {"M": ("q_idx", "q_row"), "N": ("kv_idx",)}
     forms = w.graph.forms[i]
     injective = all(
@@ -442,24 +443,28 @@ def _scatter(w: _Writer, i: int, g: str, base: int, transposed: bool) -> list[st
     if injective:
         mask = f", mask={inside}" if inside else ""
         other = ", other=0.0" if inside else ""
-        lines.append(f"{p} = grads[{base}] + {o}")
+        lines.append(f"{p} = grads[{base}] + {r} + ({offset})")
         lines.append(f"tl.store({p}, tl.load({p}{mask}{other}) + {c}{mask})")
     else:
         k, s, e, n = f"k{i}", f"s{i}", f"e{i}", f"{c}.numel"
-        # pairs outside the array sort last, under an offset no accumulator reaches
-        # (keys stay below 2**62 for tiles of up to 2**14 pairs)
-        no_offset = 2**48
-        key = o if inside is None else f"tl.where({inside}, {o}, {no_offset})"
+        elements = 1
+        for extent in w.graph.slots[node.value].array.shape:
+            elements *= int(extent)
+        # keys ``offset in the row * n + position`` for tiles of up to 2**14 pairs: int32 for
+        # arrays under 2**16 elements, else int64; pairs outside the array sort last, under
+        # an offset no element has
+        key_type, no_offset = ("tl.int32", 2**16) if elements < 2**16 else ("tl.int64", 2**48)
+        key = offset if inside is None else f"tl.where({inside}, {offset}, {no_offset})"
         w.helpers.add("_segment_add")
         lines += [
-            f"{k} = tl.reshape({key} + tl.zeros({c}.shape, tl.int64), ({n},))",
+            f"{k} = tl.reshape(({key} + tl.zeros({c}.shape, tl.int64)).to({key_type}), ({n},))",
             f"{k} = tl.sort({k} * {n} + tl.arange(0, {n}))",
             f"{c} = tl.gather(tl.reshape({c}, ({n},)), ({k} % {n}).to(tl.int32), 0)",
             f"{s}, {k} = tl.associative_scan(({c}, {k} // {n}), 0, _segment_add)",
             f"{e} = tl.arange(0, {n})",
             f"{e} = (({k} != tl.gather({k}, tl.minimum({e} + 1, {n} - 1), 0)) | ({e} == {n} - 1))",
             f"{e} = {e} & ({k} != {no_offset})",
-            f"{p} = grads[{base}] + {k}",
+            f"{p} = grads[{base}] + {r} + {k}",
             f"tl.store({p}, tl.load({p}, mask={e}, other=0.0) + {s}, mask={e})",
         ]
     if sum(n.op == "gather" and n.value == node.value for n in w.graph.nodes) > 1:
