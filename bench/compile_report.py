@@ -221,8 +221,11 @@ def _placeholder_uploads():
         _flex_host._LISTS.clear()
 
 
-def _flex(pass_, D, mods, B=4, H=16, S=4096):
-    """A flex launch at the GPU benchmarks' shape; ``mods`` names :func:`_flex_mods`' pair."""
+def _flex(pass_, D, mods, B=4, H=16, S=4096, deterministic=True):
+    """A flex launch at the GPU benchmarks' shape; ``mods`` names :func:`_flex_mods`' pair.
+
+    The backward computes the score mod's array gradients (deterministic by default).
+    """
     from xpkernels.backends.triton import flex_attention
 
     from xpkernels import mods as xm
@@ -267,6 +270,7 @@ def _flex(pass_, D, mods, B=4, H=16, S=4096):
             None,
             **options,
             score_mod_grads=grads,
+            deterministic=deterministic,
         )
 
 
@@ -299,6 +303,12 @@ def cases():
                 out[f"flex.{pass_}.D{D}.{mods}"] = (
                     "attention",
                     lambda p=pass_, D=D, m=mods: _flex(p, D, m),
+                )
+        if mods in ("alibi-causal", "bias", "user-relpos-causal"):  # score-mod gradients
+            for D in (128, 64):
+                out[f"flex.bwd.D{D}.{mods}.atomics"] = (
+                    "attention",
+                    lambda D=D, m=mods: _flex("bwd", D, m, deterministic=False),
                 )
     for name, fn in (("rms_norm", _rms_norm), ("layer_norm", _layer_norm), ("softmax", _softmax)):
         for pass_ in ("fwd", "bwd"):

@@ -347,3 +347,22 @@ def test_deterministic_must_be_a_bool():
             checkpoints=ckpt,
             deterministic=1,
         )
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 300])
+def test_partial_rows_sum_in_a_fixed_tree(rows):
+    """The reduction of partial rows: every row counted once (one pass or several), repeatably."""
+    from xpkernels.backends.triton import _flex_host
+
+    torch.manual_seed(rows)
+    partial = torch.randn(rows, 3, 7)
+    start = torch.randn(3, 7)
+    want = start.double() + partial.double().sum(0)
+    sums = []
+    for _ in range(2):
+        acc, work = start.clone(), partial.clone()
+        _flex_host.sum_rows(work, acc)
+        sums.append(acc)
+    assert torch.equal(sums[0], sums[1])
+    # float32 sums of `rows` O(1) terms of random signs: the error grows as sqrt(rows)
+    torch.testing.assert_close(sums[0].double(), want, atol=_EPS * rows**0.5, rtol=_EPS)

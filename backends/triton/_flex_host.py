@@ -101,8 +101,9 @@ def _array_arguments(graph) -> tuple:
 PARTIAL_LIMIT_BYTES = 2**30
 PARTIAL_LIMIT_FACTOR = 4
 
-#: Elements per program of the partial-row reduction.
-_SUM_BLOCK = 1024
+#: Elements and rows per program of the partial-row reduction.
+_SUM_BLOCK = 512
+_SUM_CHUNK = 16
 
 
 def program_separation(graph, slot: int) -> tuple[bool, bool, bool]:
@@ -129,23 +130,28 @@ def program_separation(graph, slot: int) -> tuple[bool, bool, bool]:
 
 @triton.jit
 def _sum_rows_kernel(
-    partial_ptr,  # (rows, n) float32 partial rows, contiguous
-    out_ptr,  # (n,) float32 accumulator, contiguous: receives the sum, ADDED
-    rows,  # rows of the partial buffer
+    partial_ptr,  # (rows, n) float32 partial rows, contiguous; chunk sums are written back
+    out_ptr,  # (n,) float32 accumulator, contiguous: receives the sum, ADDED (FINAL only)
+    count,  # rows taking part in this pass: rows 0, step, 2 step, ...
     n,  # elements per row
-    BLOCK: tl.constexpr,
+    step,  # rows between the rows taking part
+    FINAL: tl.constexpr,  # one chunk: add its sum into out
+    CHUNK: tl.constexpr,  # rows summed per program
+    BLOCK: tl.constexpr,  # elements per program
 ):
-    """``out[e] += sum over r of partial[r, e]``, the rows added in order (deterministic)."""
+    """One pass of a fixed-order tree sum: chunk ``c`` of ``CHUNK`` consecutive taking-part
+    rows is summed in order, into the chunk's first row (or, FINAL, into ``out``)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    row = partial_ptr + offs
+    first = tl.program_id(1).to(tl.int64) * CHUNK
     total = tl.zeros((BLOCK,), dtype=tl.float32)
-    r = 0
-    while r < rows:
-        total += tl.load(row, mask=ok, other=0.0)
-        row += n
-        r += 1
-    tl.store(out_ptr + offs, tl.load(out_ptr + offs, mask=ok, other=0.0) + total, mask=ok)
+    for j in tl.static_range(CHUNK):
+        row = partial_ptr + (first + j) * step * n + offs
+        total += tl.load(row, mask=ok & (first + j < count), other=0.0)
+    if FINAL:
+        tl.store(out_ptr + offs, tl.load(out_ptr + offs, mask=ok, other=0.0) + total, mask=ok)
+    else:
+        tl.store(partial_ptr + first * step * n + offs, total, mask=ok)
 
 
 @dataclass
@@ -247,15 +253,35 @@ class Mods:
         )
 
     def finish(self) -> None:
-        """Sum the partial rows (in order) and add the float32 sums into accumulators of other dtypes."""
+        """Sum the partial rows (a fixed-order tree) and add the float32 sums into accumulators
+        of other dtypes."""
         for partial, acc in self.reductions:
-            n = acc.numel()
-            with launch_context(_sum_rows_kernel, acc):
-                traced(_sum_rows_kernel, acc)[(triton.cdiv(n, _SUM_BLOCK),)](
-                    partial, acc, partial.shape[0], n, BLOCK=_SUM_BLOCK, num_warps=4
-                )
+            sum_rows(partial, acc)
         for target, acc in self.pending:
             target += acc.to(target.dtype)
+
+
+def sum_rows(partial: torch.Tensor, acc: torch.Tensor) -> None:
+    """``acc += partial.sum(0)`` over contiguous float32 tensors, as a tree of
+    :data:`_SUM_CHUNK`-row sums in a fixed order (bit-identical run to run)."""
+    n, count, step = acc.numel(), partial.shape[0], 1
+    with launch_context(_sum_rows_kernel, acc):
+        while True:
+            chunks = triton.cdiv(count, _SUM_CHUNK)
+            traced(_sum_rows_kernel, acc)[(triton.cdiv(n, _SUM_BLOCK), chunks)](
+                partial,
+                acc,
+                count,
+                n,
+                step,
+                FINAL=chunks == 1,
+                CHUNK=_SUM_CHUNK,
+                BLOCK=_SUM_BLOCK,
+                num_warps=4,
+            )
+            if chunks == 1:
+                return
+            count, step = chunks, step * _SUM_CHUNK
 
 
 def _row_extents(score, slot, programs) -> tuple[int, int, int]:
