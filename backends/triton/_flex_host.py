@@ -14,6 +14,12 @@ straddles plan tiles (tiles not divisible by the kernel's) is PARTIAL unless
 all it covers agree, and the kernel then also reads each pair's plan state.
 Device copies of the lists are cached per plan content, so repeated calls
 with one plan upload nothing.
+
+Score-mod array gradients (:class:`Mods`) are deterministic by default: each
+dK/dV program adds into float32 partial rows of its own (programs that
+provably write disjoint elements share one, :func:`program_separation`), and
+:func:`sum_rows` sums the rows in a fixed order; ``deterministic=False`` adds
+with float32 atomics instead.
 """
 
 from __future__ import annotations

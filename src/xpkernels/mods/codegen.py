@@ -384,14 +384,14 @@ def _scatter(w: _Writer, i: int, g: str, base: int, transposed: bool) -> list[st
     more than once). A row lies at element
     ``program_id(0) * grads[r] + b * grads[r + 1] + (h // grads[r + 3]) *
     grads[r + 2]`` (``r`` the slot's entry of ``scatter_rows``; the host sets a
-    multiplier to 0 where programs cannot collide); offsets inside a row are
-    below the array's element count (the row is contiguous). Repeated indices of one
-    store are combined first unless the index is injective over the summed
-    tile (each axis it varies along has an index ``input + c`` of that axis,
-    not clamped): the tile is flattened, packed ``offset * n + position`` keys
-    are sorted (int32 for arrays under 2**16 elements), the values gathered
-    in that order, runs of equal offsets summed by a segmented scan and
-    stored once, at each run's end.
+    multiplier to 0 where programs cannot collide); rows are contiguous, so
+    offsets inside one are below the array's element count. Repeated indices
+    of one store are combined first unless the index is injective over the
+    summed tile (each axis it varies along has an index ``input + c`` of that
+    axis, not clamped): the tile is flattened, packed ``offset * n +
+    position`` keys are sorted (int32 for arrays under 2**16 elements), the
+    values gathered in that order, runs of equal offsets summed by a
+    segmented scan and stored once, at each run's end.
     """
     node = w.graph.nodes[i]
     axes = w.axes[i]
