@@ -260,8 +260,12 @@ class FlexAttentionModule(Protocol):
         mask_mod,
         plan,
         score_mod_grads,
+        deterministic,
     ) -> None:
-        """``score_mod_grads``: one accumulator or None per captured array; gradients are ADDED."""
+        """``score_mod_grads``: one accumulator or None per captured array; gradients are ADDED.
+
+        ``deterministic``: those sums must be bit-identical run to run (False allows atomics).
+        """
 
 
 class FlexAttentionVarlenModule(Protocol):

@@ -204,23 +204,28 @@ def _flex_mods(name, B, H, S):
 
 @contextlib.contextmanager
 def _placeholder_uploads():
-    """The flex launchers' host-to-device copies (tile lists, positions) give placeholders."""
+    """The flex launchers' host-to-device copies (tile lists, positions) and zeroed buffers
+    (score-mod gradient partial rows) give placeholders."""
     from xpkernels.backends.triton import _flex_host
 
-    saved = _flex_host.upload
+    saved = _flex_host.upload, _flex_host.zeros
     _flex_host.upload = lambda a, device: spec.tensor(
         a.shape, {1: torch.int8, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]
     )
+    _flex_host.zeros = lambda shape, like: spec.tensor(shape, F32)
     _flex_host._LISTS.clear()
     try:
         yield
     finally:
-        _flex_host.upload = saved
+        _flex_host.upload, _flex_host.zeros = saved
         _flex_host._LISTS.clear()
 
 
-def _flex(pass_, D, mods, B=4, H=16, S=4096):
-    """A flex launch at the GPU benchmarks' shape; ``mods`` names :func:`_flex_mods`' pair."""
+def _flex(pass_, D, mods, B=4, H=16, S=4096, deterministic=True):
+    """A flex launch at the GPU benchmarks' shape; ``mods`` names :func:`_flex_mods`' pair.
+
+    The backward computes the score mod's array gradients (deterministic by default).
+    """
     from xpkernels.backends.triton import flex_attention
 
     from xpkernels import mods as xm
@@ -265,6 +270,7 @@ def _flex(pass_, D, mods, B=4, H=16, S=4096):
             None,
             **options,
             score_mod_grads=grads,
+            deterministic=deterministic,
         )
 
 
@@ -297,6 +303,12 @@ def cases():
                 out[f"flex.{pass_}.D{D}.{mods}"] = (
                     "attention",
                     lambda p=pass_, D=D, m=mods: _flex(p, D, m),
+                )
+        if mods in ("alibi-causal", "bias", "user-relpos-causal"):  # score-mod gradients
+            for D in (128, 64):
+                out[f"flex.bwd.D{D}.{mods}.atomics"] = (
+                    "attention",
+                    lambda D=D, m=mods: _flex("bwd", D, m, deterministic=False),
                 )
     for name, fn in (("rms_norm", _rms_norm), ("layer_norm", _layer_norm), ("softmax", _softmax)):
         for pass_ in ("fwd", "bwd"):

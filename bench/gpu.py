@@ -26,10 +26,14 @@ Measures, in order:
    ``F.scaled_dot_product_attention`` and to the contiguous decode;
 5. FlexAttention ``B=4, H=16, S=4096``, ``D`` 64 and 128, bfloat16, forward
    and backward, with no mods, causal (as a mask mod), sliding window 256, a
-   document mask and ALiBi (causal): TFLOP/s counted as attention's (halved
-   for causal and ALiBi, the kept fraction for window and documents), next to
+   document mask, ALiBi (causal) and a learned relative-position table
+   ``(H, 257)`` (causal): TFLOP/s counted as attention's (halved for causal,
+   ALiBi and the table, the kept fraction for window and documents), next to
    PyTorch's ``flex_attention`` compiled with its ``create_block_mask`` (while
-   the compile budget lasts) and to xpkernels' attention kernel.
+   the compile budget lasts) and to xpkernels' attention kernel; the
+   backwards with score-mod gradients (ALiBi, the table: deterministic, the
+   default) also next to the same call with ``deterministic=False`` (float32
+   atomics) and to the same call computing no score-mod gradients.
 
 Every xpkernels call is made through the public in-place functions with
 ``backend="triton"`` and preallocated buffers (checkpoints, scratch), so a
@@ -388,7 +392,7 @@ def flex_section(bench: Bench, compiler: CompileBudget) -> None:
 
 
 #: The flex rows' mods (built by :func:`_flex_mods`).
-FLEX_MODS = ("nomod", "causal", "sliding256", "document", "alibi")
+FLEX_MODS = ("nomod", "causal", "sliding256", "document", "alibi", "relpos")
 
 
 def _flex_mods(name, torch, H, S, device):
@@ -419,6 +423,20 @@ def _flex_mods(name, torch, H, S, device):
             None,
             (lambda b, h, q, k: docs[q] == docs[k]),
             0.25,
+            None,
+        )
+    if name == "relpos":  # a learned relative-position table: indices repeat inside every tile
+        table = torch.linspace(-1.0, 1.0, H * 257, device=device).reshape(H, 257)
+
+        def relative(score, b, h, q_idx, kv_idx, *, table):
+            return score + table[h, xm.minimum(xm.maximum(q_idx - kv_idx, -128), 128) + 128]
+
+        return (
+            xm.ScoreMod(relative, table=table),
+            xm.CausalMask(),
+            (lambda s, b, h, q, k: s + table[h, (q - k).clamp(-128, 128) + 128]),
+            (lambda b, h, q, k: k <= q),
+            0.5,
             None,
         )
     return (
@@ -471,6 +489,26 @@ def flex_case(bench: Bench, compiler: CompileBudget, B, H, S, D, mods) -> None:
     Q, K, V = (Duplicated(t, torch.empty_like(t)) for t in (q, k, v))
     scratch = xk.allocate_scratchspace(xk.flex_attention_backward_, O, Q, K, V)
     grads = xk.grad_shadow(score) if score is not None else None
+    # score-mod gradients: the default (deterministic partial rows), against float32 atomics
+    # and against the same backward computing no score-mod gradients
+    others = {}
+    if grads is not None:
+        others = {
+            "xk atomics": lambda: xk.flex_attention_backward_(
+                O,
+                Q,
+                K,
+                V,
+                checkpoints=ck,
+                scratch=scratch,
+                score_mod_grad=grads,
+                deterministic=False,
+                **options,
+            ),
+            "xk no score grads": lambda: xk.flex_attention_backward_(
+                O, Q, K, V, checkpoints=ck, scratch=scratch, **options
+            ),
+        }
     bench.run(
         Entry(
             "flex",
@@ -486,7 +524,11 @@ def flex_case(bench: Bench, compiler: CompileBudget, B, H, S, D, mods) -> None:
         lambda: xk.flex_attention_backward_(
             O, Q, K, V, checkpoints=ck, scratch=scratch, score_mod_grad=grads, **options
         ),
-        {"torch flex (compiled)": baseline.get("backward"), "xk attention": ours.get("backward")},
+        {
+            "torch flex (compiled)": baseline.get("backward"),
+            "xk attention": ours.get("backward"),
+            **others,
+        },
     )
 
 

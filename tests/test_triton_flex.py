@@ -191,3 +191,178 @@ def test_score_mod_gradients_add_into_accumulators():
         sums.append(g.slopes.clone())
     torch.testing.assert_close(sums[1], sums[0], atol=_EPS, rtol=_EPS)
     assert not torch.allclose(sums[1], torch.ones(3))
+
+
+def _t5_bucket(q, k):
+    """A T5-style log bucket of ``q - k``: 8 buckets, signed (ints)."""
+    d = q - k
+    magnitude = xm.minimum(xm.maximum(xm.floor(xm.log(xm.abs(d) + 1.0) * 1.5), 0), 3)
+    return xm.where(d >= 0, magnitude, magnitude + 4)
+
+
+#: name -> score mod factory over (B=2, H=2, Sq=19, Sk=35) whose array gradients repeat indices
+#: inside one tile (or, for the bias, collide across batches only).
+DUPLICATE_MODS = {
+    "relative-position": lambda: xm.ScoreMod(
+        lambda s, b, h, q, k, *, rel: s + rel[q - k + 34],
+        rel=torch.nn.Parameter(torch.linspace(-1.0, 1.0, 12 + 19 + 34)),
+    ),
+    "relative-position-large": lambda: xm.ScoreMod(  # 2**16 elements and more: int64 sort keys
+        lambda s, b, h, q, k, *, rel: s + rel[q - k + 34],
+        rel=torch.nn.Parameter(torch.linspace(-1.0, 1.0, 2**16 + 5)),
+    ),
+    "t5-bucket": lambda: xm.ScoreMod(
+        lambda s, b, h, q, k, *, table: s + table[h, _t5_bucket(q, k)],
+        table=torch.nn.Parameter(torch.linspace(-1.0, 1.0, 2 * 8).reshape(2, 8)),
+    ),
+    "alibi": lambda: xm.AliBiScore(torch.nn.Parameter(torch.linspace(0.1, 0.4, 2))),
+    "head-bias": lambda: xm.BiasScore(
+        torch.nn.Parameter(torch.linspace(-1.0, 1.0, 2 * 19 * 35).reshape(1, 2, 19, 35))
+    ),
+    "paired-rows": lambda: xm.ScoreMod(
+        lambda s, b, h, q, k, *, q_row, f: s * f[q_row // 2],
+        f=torch.nn.Parameter(torch.linspace(0.5, 1.5, 10)),
+    ),
+}
+
+
+def _mod_grads(backend, make_score, deterministic, dtype=torch.float32):
+    """The score mod's array gradients of one backward (GQA: 2 query heads over 1 kv head)."""
+    torch.manual_seed(1)
+    q = torch.randn(2, 2, 19, 16).to(dtype)
+    k, v = (torch.randn(2, 1, 35, 16).to(dtype) for _ in range(2))
+    mod = make_score()
+    if dtype != torch.float32:
+        mod = type(mod)(**{n: a.detach().to(dtype) for n, a in mod.arrays.items()})
+        if not isinstance(mod, (xm.AliBiScore, xm.BiasScore)):
+            raise AssertionError("float64 copies cover the library mods only")
+    options = {"score_mod": mod, "mask_mod": xm.CausalMask(), "input_pos": 12}
+    ckpt = xk.allocate_checkpoints(xk.flex_attention_, q, k, v)
+    o = torch.empty_like(q)
+    with torch.no_grad():
+        xk.flex_attention_(o, q, k, v, checkpoints=ckpt, backend=backend, **options)
+        g = grad_shadow(mod)
+        xk.flex_attention_backward_(
+            xk.Duplicated(o, torch.cos(o * 7.0 + 1.0)),
+            xk.Duplicated(q, torch.empty_like(q)),
+            xk.Duplicated(k, torch.empty_like(k)),
+            xk.Duplicated(v, torch.empty_like(v)),
+            checkpoints=ckpt,
+            score_mod_grad=g,
+            deterministic=deterministic,
+            backend=backend,
+            **options,
+        )
+    return [g.lookup(s.path, s.field) for s in mod.graph.slots]
+
+
+@pytest.mark.parametrize("name", list(DUPLICATE_MODS))
+def test_deterministic_score_mod_gradients_repeat_bitwise_and_match(name):
+    """Deterministic sums are bit-identical run to run; both modes match array_api."""
+    make = DUPLICATE_MODS[name]
+    want = _mod_grads("array_api", make, True)
+    first = _mod_grads("triton", make, True)
+    again = _mod_grads("triton", make, True)
+    atomics = _mod_grads("triton", make, False)
+    for w, a, b, c in zip(want, first, again, atomics):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, w, atol=_EPS, rtol=_EPS)
+        torch.testing.assert_close(c, w, atol=_EPS, rtol=_EPS)
+        assert w.abs().max() > 0.1  # the case computes a gradient worth comparing
+
+
+@pytest.mark.parametrize("name", ["alibi", "head-bias"])
+def test_deterministic_score_mod_gradients_match_float64(name):
+    """Against the array_api backend in float64 (the float64 reference of section 7)."""
+    want = _mod_grads("array_api", DUPLICATE_MODS[name], True, torch.float64)
+    got = _mod_grads("triton", DUPLICATE_MODS[name], True)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g.double(), w, atol=_EPS, rtol=_EPS)
+
+
+def test_generated_scatter_combines_repeated_indices_only_where_needed():
+    """Deterministic: no atomics; a sort where one tile may repeat an index, none elsewhere."""
+    sources = {
+        name: triton_source(make().graph, "vjp", "v", (0,), transposed=True, deterministic=True)
+        for name, make in DUPLICATE_MODS.items()
+    }
+    sorted_ = ("relative-position", "relative-position-large", "t5-bucket", "paired-rows")
+    for name, source in sources.items():
+        assert "atomic" not in source, name
+        assert ("tl.sort" in source) == (name in sorted_), name
+    assert ").to(tl.int32), (c" in sources["relative-position"]
+    assert ").to(tl.int64), (c" in sources["relative-position-large"]
+    graph = DUPLICATE_MODS["alibi"]().graph
+    assert "tl.atomic_add" in triton_source(graph, "vjp", "v", (0,), transposed=True)
+
+
+def test_program_separation_from_the_index_forms():
+    """Programs of different key tiles / batches / kv heads share partial rows only if they may collide."""
+    from xpkernels.backends.triton._flex_host import program_separation
+
+    def separation(name):
+        return program_separation(DUPLICATE_MODS[name]().graph, 0)
+
+    assert separation("relative-position") == (False, False, False)
+    assert separation("t5-bucket") == (False, False, True)
+    assert separation("alibi") == (False, False, True)
+    assert separation("head-bias") == (True, False, True)  # bias (1, H, Sq, Sk): batches collide
+    twice = xm.ScoreMod(lambda s, b, h, q, k, *, f: s + f[k] + f[q], f=torch.zeros(64))
+    assert program_separation(twice.graph, 0) == (False, False, False)
+
+
+def test_deterministic_partials_too_large_raise_before_any_write(monkeypatch):
+    """Past the partial-memory limit: a ValueError naming the way out, shadows untouched."""
+    from xpkernels.backends.triton import _flex_host
+
+    monkeypatch.setattr(_flex_host, "PARTIAL_LIMIT_BYTES", 0)
+    mod = DUPLICATE_MODS["relative-position"]()
+    q = torch.randn(1, 2, 19, 16)
+    k, v = (torch.randn(1, 2, 35, 16) for _ in range(2))  # 6 partial rows: 3 key tiles x 2 heads
+    ckpt = xk.allocate_checkpoints(xk.flex_attention_, q, k, v)
+    o = torch.empty_like(q)
+    with torch.no_grad():
+        xk.flex_attention_(o, q, k, v, score_mod=mod, checkpoints=ckpt, backend="triton")
+    shadows = [torch.full_like(x, 7.0) for x in (q, k, v)]
+    g = grad_shadow(mod)
+    with pytest.raises(ValueError, match="deterministic=False"), torch.no_grad():
+        xk.flex_attention_backward_(
+            xk.Duplicated(o, torch.ones_like(o)),
+            *(xk.Duplicated(x, s) for x, s in zip((q, k, v), shadows)),
+            checkpoints=ckpt,
+            score_mod=mod,
+            score_mod_grad=g,
+            backend="triton",
+        )
+    assert all(bool((s == 7.0).all()) for s in shadows)
+    assert not g.rel.any()
+
+
+def test_deterministic_must_be_a_bool():
+    q = torch.randn(1, 1, 4, 8)
+    ckpt = xk.allocate_checkpoints(xk.flex_attention_, q, q, q)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        xk.flex_attention_backward_(
+            *(xk.Duplicated(q, torch.empty_like(q)) for _ in range(4)),
+            checkpoints=ckpt,
+            deterministic=1,
+        )
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 300])
+def test_partial_rows_sum_in_a_fixed_tree(rows):
+    """The reduction of partial rows: every row counted once (one pass or several), repeatably."""
+    from xpkernels.backends.triton import _flex_host
+
+    torch.manual_seed(rows)
+    partial = torch.randn(rows, 3, 7)
+    start = torch.randn(3, 7)
+    want = start.double() + partial.double().sum(0)
+    sums = []
+    for _ in range(2):
+        acc, work = start.clone(), partial.clone()
+        _flex_host.sum_rows(work, acc)
+        sums.append(acc)
+    assert torch.equal(sums[0], sums[1])
+    # float32 sums of `rows` O(1) terms of random signs: the error grows as sqrt(rows)
+    torch.testing.assert_close(sums[0].double(), want, atol=_EPS * rows**0.5, rtol=_EPS)

@@ -315,6 +315,7 @@ def backward(
     mask_mod,
     plan,
     score_mod_grads,
+    deterministic=True,
     first_batch=0,
 ) -> None:
     """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
@@ -322,7 +323,8 @@ def backward(
     ``delta`` (B, H, Sq) receives ``rowsum(do * o)`` and ``dq_accum``
     (B, H, Sq, D) the sums ``dq / scale`` over key tiles (accumulation dtype).
     ``score_mod_grads`` holds one accumulator (or None) per slot of
-    ``score_mod``. Other arguments as :func:`forward`.
+    ``score_mod``. ``deterministic`` is accepted and ignored: these sums
+    always run in a fixed order. Other arguments as :func:`forward`.
     """
     xp = array_api_compat.array_namespace(do, q, k, v, o)
     t = _Tiles(

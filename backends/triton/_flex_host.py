@@ -14,6 +14,12 @@ straddles plan tiles (tiles not divisible by the kernel's) is PARTIAL unless
 all it covers agree, and the kernel then also reads each pair's plan state.
 Device copies of the lists are cached per plan content, so repeated calls
 with one plan upload nothing.
+
+Score-mod array gradients (:class:`Mods`) are deterministic by default: each
+dK/dV program adds into float32 partial rows of its own (programs that
+provably write disjoint elements share one, :func:`program_separation`), and
+:func:`sum_rows` sums the rows in a fixed order; ``deterministic=False`` adds
+with float32 atomics instead.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import importlib.util
+import math
 import shutil
 import sys
 import tempfile
@@ -35,6 +42,8 @@ import triton.language as tl
 
 from xpkernels.mods import FULL, PARTIAL, SKIP
 from xpkernels.mods.codegen import constants, triton_source
+
+from ._common import launch_context, traced
 
 _FUNCTIONS: dict[str, Any] = {}
 _DIRECTORY: list[str] = []
@@ -93,6 +102,64 @@ def _array_arguments(graph) -> tuple:
     return tuple(out) if out else (0,)
 
 
+#: Deterministic score-mod gradients: per-program partial rows are refused beyond
+#: both this many bytes and :data:`PARTIAL_LIMIT_FACTOR` times the accumulators they sum into.
+PARTIAL_LIMIT_BYTES = 2**30
+PARTIAL_LIMIT_FACTOR = 4
+
+#: Elements and rows per program of the partial-row reduction.
+_SUM_BLOCK = 512
+_SUM_CHUNK = 16
+
+
+def program_separation(graph, slot: int) -> tuple[bool, bool, bool]:
+    """Whether dK/dV programs of different key tiles, batches, kv heads add into disjoint
+    elements of slot ``slot``'s gradient.
+
+    True along an axis when the slot is gathered once, with an unclamped index
+    ``kv_idx + c``, ``b + c`` or ``h + c`` on some axis: programs on different key
+    tiles (batches, kv heads: each owns its group's heads) then read disjoint
+    index ranges there. A slot gathered twice (``t[q] + t[k]``) may collide
+    across programs anywhere.
+    """
+    gathers = [i for i, n in enumerate(graph.nodes) if n.op == "gather" and n.value == slot]
+    if len(gathers) != 1:
+        return False, False, False
+    i = gathers[0]
+    names = {
+        f[1]
+        for axis, f in enumerate(graph.forms[i])
+        if f is not None and f[0] == "input" and (i, axis) not in graph.clamped
+    }
+    return "kv_idx" in names, "b" in names, "h" in names
+
+
+@triton.jit
+def _sum_rows_kernel(
+    partial_ptr,  # (rows, n) float32 partial rows, contiguous; chunk sums are written back
+    out_ptr,  # (n,) float32 accumulator, contiguous: receives the sum, ADDED (FINAL only)
+    count,  # rows taking part in this pass: rows 0, step, 2 step, ...
+    n,  # elements per row
+    step,  # rows between the rows taking part
+    FINAL: tl.constexpr,  # one chunk: add its sum into out
+    CHUNK: tl.constexpr,  # rows summed per program
+    BLOCK: tl.constexpr,  # elements per program
+):
+    """One pass of a fixed-order tree sum: chunk ``c`` of ``CHUNK`` consecutive taking-part
+    rows is summed in order, into the chunk's first row (or, FINAL, into ``out``)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    first = tl.program_id(1).to(tl.int64) * CHUNK
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(CHUNK):
+        row = partial_ptr + (first + j) * step * n + offs
+        total += tl.load(row, mask=ok & (first + j < count), other=0.0)
+    if FINAL:
+        tl.store(out_ptr + offs, tl.load(out_ptr + offs, mask=ok, other=0.0) + total, mask=ok)
+    else:
+        tl.store(partial_ptr + first * step * n + offs, total, mask=ok)
+
+
 @dataclass
 class Mods:
     """The generated functions of one call's mods and their run-time arguments.
@@ -100,8 +167,12 @@ class Mods:
     ``vjp`` is the score's reverse mode without array gradients (dQ pass);
     ``vjp_grads`` adds them too, on ``(keys, queries)`` tiles (dK/dV pass).
     ``grads`` (for :attr:`vjp_grads`) holds float32 accumulators, one per slot
-    with a gradient; :meth:`finish` adds them into the caller's accumulators
-    where those are not float32 tensors the kernel could add into directly.
+    with a gradient: with ``deterministic``, each slot whose dK/dV programs may
+    collide (:func:`program_separation`) gets zeroed partial rows, one per
+    program that may collide, and :meth:`finish` sums them in a fixed order;
+    :meth:`finish` also adds the float32 sums into the caller's accumulators
+    where those are not float32 (or, deterministic, not contiguous) tensors the
+    kernel could add into directly.
     """
 
     score_fn: Any
@@ -114,23 +185,49 @@ class Mods:
     mask_consts: tuple
     grads: tuple
     pending: list
+    reductions: list
 
     @classmethod
-    def build(cls, score, mask, score_mod_grads=None) -> Mods:
+    def build(cls, score, mask, score_mod_grads=None, deterministic=True, programs=None) -> Mods:
+        """The mods of one call.
+
+        ``programs`` ``(key tiles, B, Hkv, group)``: the dK/dV grid, needed with
+        ``score_mod_grads`` and ``deterministic`` (the partial rows it sizes).
+
+        Raises
+        ------
+        ValueError
+            Deterministic partial rows beyond :data:`PARTIAL_LIMIT_BYTES` and
+            :data:`PARTIAL_LIMIT_FACTOR` times their accumulators (before any write).
+        """
         wanted: tuple[int, ...] = ()
         grads: tuple = (0,)
         pending: list = []
+        reductions: list = []
         if score is not None and score_mod_grads is not None:
             wanted = tuple(i for i, g in enumerate(score_mod_grads) if g is not None)
+        if wanted:
+            counts = {i: 1 for i in wanted}
+            if deterministic:
+                counts = {i: _partial_rows(score, i, programs) for i in wanted}
+                _check_partials(score, score_mod_grads, counts)
             flat: list = []
+            rows: list = []
             for i in wanted:
                 target = score_mod_grads[i]
                 acc = target
-                if target.dtype != torch.float32:
-                    acc = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
+                if target.dtype != torch.float32 or (deterministic and not target.is_contiguous()):
+                    acc = zeros(tuple(target.shape), target)
                     pending.append((target, acc))
-                flat += [acc, *acc.stride()]
-            grads = tuple(flat) if flat else grads
+                if counts[i] > 1:
+                    partial = zeros((counts[i], *acc.shape), acc)
+                    reductions.append((partial, acc))
+                    flat += [partial, *partial.stride()[1:]]
+                    rows += [*_row_multipliers(score, i, programs, acc.numel()), programs[3]]
+                else:
+                    flat += [acc, *acc.stride()]
+                    rows += [0, 0, 0, 1]
+            grads = tuple(flat + rows) if deterministic else tuple(flat)
         if score is None:
             score_fn, vjp, vjp_grads = no_score, no_vjp, no_vjp
         else:
@@ -138,9 +235,10 @@ class Mods:
             vjp = jit_function(triton_source(score, "vjp", "score_vjp"), "score_vjp")
             vjp_grads = vjp
             if wanted:
-                vjp_grads = jit_function(
-                    triton_source(score, "vjp", "score_vjp", wanted, transposed=True), "score_vjp"
+                source = triton_source(
+                    score, "vjp", "score_vjp", wanted, transposed=True, deterministic=deterministic
                 )
+                vjp_grads = jit_function(source, "score_vjp")
         mask_fn = (
             no_mask
             if mask is None
@@ -157,12 +255,79 @@ class Mods:
             (0,) if mask is None else (constants(mask) or (0,)),
             grads,
             pending,
+            reductions,
         )
 
     def finish(self) -> None:
-        """Add the float32 gradient sums into accumulators of other dtypes."""
+        """Sum the partial rows (a fixed-order tree) and add the float32 sums into accumulators
+        of other dtypes."""
+        for partial, acc in self.reductions:
+            sum_rows(partial, acc)
         for target, acc in self.pending:
             target += acc.to(target.dtype)
+
+
+def sum_rows(partial: torch.Tensor, acc: torch.Tensor) -> None:
+    """``acc += partial.sum(0)`` over contiguous float32 tensors, as a tree of
+    :data:`_SUM_CHUNK`-row sums in a fixed order (bit-identical run to run)."""
+    n, count, step = acc.numel(), partial.shape[0], 1
+    with launch_context(_sum_rows_kernel, acc):
+        while True:
+            chunks = triton.cdiv(count, _SUM_CHUNK)
+            traced(_sum_rows_kernel, acc)[(triton.cdiv(n, _SUM_BLOCK), chunks)](
+                partial,
+                acc,
+                count,
+                n,
+                step,
+                FINAL=chunks == 1,
+                CHUNK=_SUM_CHUNK,
+                BLOCK=_SUM_BLOCK,
+                num_warps=4,
+            )
+            if chunks == 1:
+                return
+            count, step = chunks, step * _SUM_CHUNK
+
+
+def _row_extents(score, slot, programs) -> tuple[int, int, int]:
+    """Extents of ``slot``'s partial rows along the key tiles, batches and kv heads (1 where
+    programs cannot collide)."""
+    separated = program_separation(score, slot)
+    key_tiles, batches, kv_heads = (1 if sep else n for sep, n in zip(separated, programs[:3]))
+    return key_tiles, batches, kv_heads
+
+
+def _partial_rows(score, slot, programs) -> int:
+    """Partial rows of ``slot``: one per dK/dV program that may add into an element another adds into."""
+    return math.prod(_row_extents(score, slot, programs))
+
+
+def _row_multipliers(score, slot, programs, elements) -> tuple[int, int, int]:
+    """Element offsets between the partial rows of successive key tiles, batches and kv heads."""
+    key_tiles, batches, kv_heads = _row_extents(score, slot, programs)
+    return (
+        0 if key_tiles == 1 else batches * kv_heads * elements,
+        0 if batches == 1 else kv_heads * elements,
+        0 if kv_heads == 1 else elements,
+    )
+
+
+def _check_partials(score, score_mod_grads, counts) -> None:
+    """ValueError when the deterministic partial rows of a call would be unreasonably large."""
+    partial = sum(4 * c * score_mod_grads[i].numel() for i, c in counts.items() if c > 1)
+    summed = sum(4 * score_mod_grads[i].numel() for i, c in counts.items() if c > 1)
+    if partial > max(PARTIAL_LIMIT_BYTES, PARTIAL_LIMIT_FACTOR * summed):
+        labels = ", ".join(f"{score.slots[i].label} ({c} rows)" for i, c in counts.items() if c > 1)
+        raise ValueError(
+            "flex_attention_backward_: deterministic score-mod gradients need one float32 "
+            f"partial row per dK/dV program that may add into the same element: {labels}, "
+            f"{partial / 2**30:.2f} GiB, over both {PARTIAL_LIMIT_BYTES / 2**30:g} GiB and "
+            f"{PARTIAL_LIMIT_FACTOR}x the {summed / 2**30:.2f} GiB of gradients they sum; pass "
+            "deterministic=False (float32 atomics: the last bits may vary run to run), or index "
+            "the array by b, h or kv_idx (+ a constant) where it has such an axis (programs of "
+            "different batches, kv heads or key tiles then share no row)"
+        )
 
 
 #: Device tile lists kept per plan content (most recently used last).
@@ -221,6 +386,11 @@ def _packed(states, axis):
     order = np.argsort(~visited, axis=3, kind="stable").astype(np.int32)
     entries = np.take_along_axis(index[None, None, None, :] * 4 + s.astype(np.int32), order, 3)
     return np.ascontiguousarray(count), np.ascontiguousarray(entries.astype(np.int32))
+
+
+def zeros(shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    """A zeroed float32 tensor on ``like``'s device (the score-mod gradient sums' buffers)."""
+    return torch.zeros(shape, dtype=torch.float32, device=like.device)
 
 
 def upload(a: np.ndarray, device) -> torch.Tensor:

@@ -21,9 +21,15 @@ delta)`` taken through the score mod's reverse mode:
 1. ``delta = rowsum(dO O)`` (the attention backend's kernel);
 2. one program per (key tile, batch, kv head) sums dK and dV over the GQA
    group and the query tiles visiting it (no atomics), and adds the score
-   mod's array gradients with float32 atomic adds (their order, hence the
-   last bits of those sums, may vary between runs);
-3. one program per query tile recomputes ``dS`` and writes dQ.
+   mod's array gradients into float32 partial rows of its own, by load + add
+   + store (repeated indices of a tile combined first: sorted, summed by a
+   segmented scan, stored once); programs that provably write disjoint
+   elements (an index ``kv_idx + c``, ``b + c``, ``h + c``) share a row;
+3. one program per query tile recomputes ``dS`` and writes dQ;
+4. the partial rows are summed in a fixed order into the accumulators, so
+   the gradients are bit-identical run to run. With ``deterministic=False``
+   step 2 adds with float32 atomics instead (no partial rows, no step 4;
+   their order, hence the last bits of the sums, may vary between runs).
 
 Rows that keep no key get ``o = 0``, ``m = -inf``, ``l = 0`` and zero
 gradients. Every stride is passed to the kernels; batch, head and row offsets
@@ -1398,13 +1404,21 @@ def backward(
     mask_mod,
     plan,
     score_mod_grads,
+    deterministic=True,
 ) -> None:
     """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
 
     ``delta`` ``(B, H, Sq)`` float32 scratch receives ``rowsum(do * o)``;
     ``dq_accum`` is not used (dQ is its own pass; the declaration leaves it
     out of the scratch). ``score_mod_grads``: one accumulator or None per
-    slot of ``score_mod``. Other arguments as :func:`forward`.
+    slot of ``score_mod``. ``deterministic``: the array gradients go through
+    per-program partial rows and a reduction in a fixed order (bit-identical
+    run to run), else float32 atomic adds. Other arguments as :func:`forward`.
+
+    Raises
+    ------
+    ValueError
+        Deterministic partial rows too large (:class:`._flex_host.Mods`), before any write.
     """
     B, H, Sq, D = q.shape
     Hkv, Sk, DV = k.shape[1], k.shape[2], v.shape[-1]
@@ -1415,9 +1429,11 @@ def backward(
         dk.zero_()
         dv.zero_()
         return
-    mods = Mods.build(score_mod, mask_mod, score_mod_grads)
-    positions = _positions(input_pos, B, q)
     block_d = dim_block(D)
+    dkdv_tile = _tile(_DKDV_TILES, block_d, q, plan)
+    programs = (triton.cdiv(Sk, dkdv_tile[1]), B, Hkv, H // Hkv)
+    mods = Mods.build(score_mod, mask_mod, score_mod_grads, deterministic, programs)
+    positions = _positions(input_pos, B, q)
     common = (
         *q.stride()[:3],
         *k.stride()[:3],
@@ -1445,7 +1461,7 @@ def backward(
             BLOCK_M=delta_rows,
             BLOCK_DV=dim_block(DV),
         )
-        block_m, block_n, warps, stages = _tile(_DKDV_TILES, block_d, q, plan)
+        block_m, block_n, warps, stages = dkdv_tile
         lists = tile_lists(plan, Sq, Sk, block_m, block_n, q.device)
         args = _plan_arguments(lists, plan, False)
         traced(_dkdv_kernel, q)[(triton.cdiv(Sk, block_n), B * Hkv)](

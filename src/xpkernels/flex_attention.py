@@ -620,6 +620,7 @@ def flex_attention_backward_(
     block_sparse=True,
     scale=None,
     input_pos=0,
+    deterministic=True,
     backend=None,
 ) -> None:
     """FlexAttention backward, in place: overwrites Q, K, V's shadows; ADDS the mod's gradients.
@@ -643,6 +644,11 @@ def flex_attention_backward_(
         From ``grad_shadow(score_mod)`` (``feature_grads=True`` for
         PairFeatureScore features): the gradients of the score mod's captured
         float arrays are ADDED into it. None computes none.
+    deterministic : bool, default True
+        The ``score_mod_grad`` sums are bit-identical run to run (on the
+        triton backend: per-program partial rows and a reduction in a fixed
+        order); False lets a backend add them with float32 atomics (faster,
+        the last bits may vary). Q, K, V's shadows are deterministic either way.
     score_mod, mask_mod, block_mask, block_sparse, scale, input_pos, backend
         As in the forward :func:`flex_attention_`.
 
@@ -658,6 +664,8 @@ def flex_attention_backward_(
     dq accumulated over key tiles. Float32 (float64 for float64 inputs).
     """
     fn = "flex_attention_backward_"
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"{fn}: deterministic must be a bool, got {deterministic!r}")
     _autograd.check_inplace(fn, {"O": O, "Q": Q, "K": K, "V": V}, score_mod)
     Ds = {
         name: check.duplicated(fn, name, d) for name, d in (("O", O), ("Q", Q), ("K", K), ("V", V))
@@ -744,6 +752,7 @@ def flex_attention_backward_(
         delta,
         dq_accum,
         score_mod_grads=grads,
+        deterministic=deterministic,
         **call.options(route, q.shape[2], k.shape[2]),
     )
 
@@ -778,6 +787,7 @@ def flex_attention_backward(
     block_sparse=True,
     scale=None,
     input_pos=0,
+    deterministic=True,
     backend=None,
 ):
     """FlexAttention backward into new arrays; see :func:`flex_attention_backward_`.
@@ -790,6 +800,8 @@ def flex_attention_backward(
         The forward's inputs and output.
     score_mod_grad : ScoreModGrad, optional
         Receives (ADDS) the score mod's array gradients.
+    deterministic : bool, default True
+        As in :func:`flex_attention_backward_`.
 
     Returns
     -------
@@ -811,6 +823,7 @@ def flex_attention_backward(
         block_sparse=block_sparse,
         scale=scale,
         input_pos=input_pos,
+        deterministic=deterministic,
         backend=backend,
     )
     return shadows["q"].shadow, shadows["k"].shadow, shadows["v"].shadow

@@ -8,10 +8,11 @@ a module of ``@triton.jit`` functions that flex kernels call on each tile:
   (a ``(BLOCK_M, BLOCK_N)`` float32 tile);
 - a score's reverse mode: ``vjp(score, b, h, q_idx, kv_idx, q_row, g, valid,
   arrs, consts, grads) -> d_score``, which also adds the gradients of the
-  captured arrays listed in ``grads`` into their float32 accumulators with
-  atomic adds (summed over the tile first where the array's index does not
-  vary along an axis), on the pairs ``valid`` holds only. Its tiles may also
-  be ``(keys, queries)`` (``transposed``).
+  captured arrays listed in ``grads`` into their float32 accumulators (summed
+  over the tile first where the array's index does not vary along an axis),
+  on the pairs ``valid`` holds only: with atomic adds, or ``deterministic``ally
+  into per-program partial rows. Its tiles may also be ``(keys, queries)``
+  (``transposed``).
 
 The index inputs arrive as int64: ``b`` and ``h`` scalars, ``q_idx`` and
 ``q_row`` ``(BLOCK_M, 1)``, ``kv_idx`` ``(1, BLOCK_N)``. Integers are computed
@@ -105,6 +106,12 @@ def _tanh(x):
     """tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both infinities."""
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 ''',
+    "_segment_add": '''
+@triton.jit
+def _segment_add(a, key_a, b, key_b):
+    """Scan step summing runs of equal keys (associative on sorted keys)."""
+    return tl.where(key_a == key_b, a + b, b), key_b
+''',
 }
 
 
@@ -115,6 +122,9 @@ def constants(graph: Graph) -> tuple:
 
 class _Writer:
     """Expressions of one graph's nodes, as Triton source lines."""
+
+    #: deterministic vjp only: where each slot's program-row multipliers sit in ``grads``
+    scatter_rows: dict[int, int] | None = None
 
     def __init__(self, graph: Graph):
         self.graph = graph
@@ -213,10 +223,15 @@ class _Writer:
         return offset, " & ".join(checks) if checks else None
 
 
-def _reverse(graph: Graph, grads: tuple[int, ...], transposed: bool) -> tuple[_Writer, list[str]]:
+def _reverse(
+    graph: Graph, grads: tuple[int, ...], transposed: bool, deterministic: bool
+) -> tuple[_Writer, list[str]]:
     """The writer of ``graph``'s gradient graph and the lines after its nodes (scatters, d_score)."""
     rev = gradient(graph, grads)
     w = _Writer(rev.graph)
+    if deterministic:
+        tail = sum(1 + graph.slots[s].array.ndim for s in grads)
+        w.scatter_rows = {s: tail + 4 * k for k, s in enumerate(grads)}
     for i in range(len(rev.graph.nodes)):
         w.emit(i)
     grad_base, base = {}, 0
@@ -231,10 +246,24 @@ def _reverse(graph: Graph, grads: tuple[int, ...], transposed: bool) -> tuple[_W
 
 
 def _scatter(w: _Writer, i: int, g: str, base: int, transposed: bool) -> list[str]:
-    """Atomic adds of cotangent ``g`` (a full tile) into gather ``i``'s accumulator.
+    """Lines adding cotangent ``g`` (a full tile) into gather ``i``'s accumulator.
 
     ``g`` is summed over the tile axes the gather's index does not vary along
-    (rows are axis 0, keys axis 1; the other way round when ``transposed``).
+    (rows are axis 0, keys axis 1; the other way round when ``transposed``),
+    then added with atomic adds, or, when the writer is deterministic
+    (:attr:`_Writer.scatter_rows`), into the program's own row of a partial
+    buffer by load + add + store (a barrier after it when the slot is gathered
+    more than once). A row lies at element
+    ``program_id(0) * grads[r] + b * grads[r + 1] + (h // grads[r + 3]) *
+    grads[r + 2]`` (``r`` the slot's entry of ``scatter_rows``; the host sets a
+    multiplier to 0 where programs cannot collide); rows are contiguous, so
+    offsets inside one are below the array's element count. Repeated indices
+    of one store are combined first unless the index is injective over the
+    summed tile (each axis it varies along has an index ``input + c`` of that
+    axis, not clamped): the tile is flattened, packed ``offset * n +
+    position`` keys are sorted (int32 for arrays under 2**16 elements), the
+    values gathered in that order, runs of equal offsets summed by a
+    segmented scan and stored once, at each run's end.
     """
     node = w.graph.nodes[i]
     axes = w.axes[i]
@@ -260,13 +289,71 @@ def _scatter(w: _Writer, i: int, g: str, base: int, transposed: bool) -> list[st
         if w.axes[j]:
             checks.append(f"((v{j} >= 0) & (v{j} < {extent}))")
     offset = " + ".join(terms) if rank else "0"
-    mask = f", mask={' & '.join(checks)}" if checks else ""
-    lines.append(f"tl.atomic_add(grads[{base}] + {offset}, {c}{mask})")
+    inside = " & ".join(checks) if checks else None
+    if w.scatter_rows is None:
+        mask = f", mask={inside}" if inside else ""
+        lines.append(f"tl.atomic_add(grads[{base}] + {offset}, {c}{mask})")
+        return lines
+    rows = w.scatter_rows[node.value]
+    p, r = f"p{i}", f"r{i}"
+    lines.append(
+        f"{r} = tl.program_id(0).to(tl.int64) * grads[{rows}] + b * grads[{rows + 1}]"
+        f" + (h // grads[{rows + 3}]) * grads[{rows + 2}]"
+    )
+    axis_inputs = {"M": ("q_idx", "q_row"), "N": ("kv_idx",)}
+    forms = w.graph.forms[i]
+    injective = all(
+        any(
+            f is not None
+            and f[0] == "input"
+            and f[1] in axis_inputs[a]
+            and (i, axis) not in w.graph.clamped
+            for axis, f in enumerate(forms)
+        )
+        for a in axes
+    )
+    if injective:
+        mask = f", mask={inside}" if inside else ""
+        other = ", other=0.0" if inside else ""
+        lines.append(f"{p} = grads[{base}] + {r} + ({offset})")
+        lines.append(f"tl.store({p}, tl.load({p}{mask}{other}) + {c}{mask})")
+    else:
+        k, s, e, n = f"k{i}", f"s{i}", f"e{i}", f"{c}.numel"
+        elements = 1
+        for extent in w.graph.slots[node.value].array.shape:
+            elements *= int(extent)
+        # keys ``offset in the row * n + position`` for tiles of up to 2**14 pairs: int32 for
+        # arrays under 2**16 elements, else int64; pairs outside the array sort last, under
+        # an offset no element has
+        key_type, no_offset = ("tl.int32", 2**16) if elements < 2**16 else ("tl.int64", 2**48)
+        key = offset if inside is None else f"tl.where({inside}, {offset}, {no_offset})"
+        w.helpers.add("_segment_add")
+        lines += [
+            f"{k} = tl.reshape(({key} + tl.zeros({c}.shape, tl.int64)).to({key_type}), ({n},))",
+            f"{k} = tl.sort({k} * {n} + tl.arange(0, {n}))",
+            f"{c} = tl.gather(tl.reshape({c}, ({n},)), ({k} % {n}).to(tl.int32), 0)",
+            f"{s}, {k} = tl.associative_scan(({c}, {k} // {n}), 0, _segment_add)",
+            f"{e} = tl.arange(0, {n})",
+            f"{e} = (({k} != tl.gather({k}, tl.minimum({e} + 1, {n} - 1), 0)) | ({e} == {n} - 1))",
+            f"{e} = {e} & ({k} != {no_offset})",
+            f"{p} = grads[{base}] + {r} + {k}",
+            f"tl.store({p}, tl.load({p}, mask={e}, other=0.0) + {s}, mask={e})",
+        ]
+    if sum(n.op == "gather" and n.value == node.value for n in w.graph.nodes) > 1:
+        # another gather of the slot may hold this element in other threads: make the store
+        # visible to them (one gather's load and store share a layout: each element is
+        # stored by a thread that loaded it, and that thread sees its own stores)
+        lines.append("tl.debug_barrier()")
     return lines
 
 
 def triton_source(
-    graph: Graph, role: str, name: str, grads: tuple[int, ...] = (), transposed: bool = False
+    graph: Graph,
+    role: str,
+    name: str,
+    grads: tuple[int, ...] = (),
+    transposed: bool = False,
+    deterministic: bool = False,
 ) -> str:
     """The source of a module defining ``@triton.jit`` function ``name`` for ``graph``.
 
@@ -282,6 +369,12 @@ def triton_source(
     transposed : bool
         ``vjp`` only: tiles are ``(keys, queries)`` (``q_idx`` ``(1, BLOCK_M)``, ``kv_idx``
         ``(BLOCK_N, 1)``), as the dK/dV pass computes them.
+    deterministic : bool
+        ``vjp`` only: add the gradients into per-program partial rows without
+        atomics (:func:`_scatter`); ``grads`` then continues, after every
+        slot's pointer and strides, with four integers per slot (in order):
+        the multipliers of ``program_id(0)``, ``b`` and the kv head
+        ``h // group`` giving a program's row offset (in elements), and ``group``.
 
     Returns
     -------
@@ -298,7 +391,7 @@ def triton_source(
         inputs.append("grads")
     out = graph.output
     if role == "vjp":
-        w, tail = _reverse(graph, grads, transposed)
+        w, tail = _reverse(graph, grads, transposed, deterministic)
         body = w.lines + tail
     else:
         w = _Writer(graph)
