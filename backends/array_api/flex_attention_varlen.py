@@ -36,6 +36,21 @@ def _position(input_pos, b: int):
     return input_pos[b : b + 1]
 
 
+def sequences(cu_seqlens_q, cu_seqlens_k, n_q: int, n_kv: int, input_pos, planner, backward=False):
+    """``(b, q_span, k_span, input_pos, plan)`` of each sequence a pass visits, and the spans.
+
+    Returns ``(visits, q_spans, k_spans)``: the forward skips sequences without
+    queries; the backward (``backward=True``) only those without queries and keys.
+    """
+    q_spans, k_spans = _spans(cu_seqlens_q, n_q), _spans(cu_seqlens_k, n_kv)
+    visits = [
+        (b, qs, ks, _position(input_pos, b), planner(b, qs[1] - qs[0], ks[1] - ks[0]))
+        for b, (qs, ks) in enumerate(zip(q_spans, k_spans))
+        if qs[1] > qs[0] or (backward and ks[1] > ks[0])
+    ]
+    return visits, q_spans, k_spans
+
+
 def forward(
     o,
     q,
@@ -61,18 +76,17 @@ def forward(
     of ints (one per sequence, or one shared) or a (B,) device array.
     """
     xp = array_api_compat.array_namespace(o, q, k, v)
-    q_spans = _spans(cu_seqlens_q, q.shape[0])
-    k_spans = _spans(cu_seqlens_k, k.shape[0])
-    for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
-        if q_span[1] == q_span[0]:
-            continue
+    visits, q_spans, _ = sequences(
+        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], input_pos, planner
+    )
+    for b, q_span, k_span, position, plan in visits:
         flex_attention.forward(
             *forward_views(xp, (o, q, k, v, m, l), q_span, k_span),
             scale=scale,
-            input_pos=_position(input_pos, b),
+            input_pos=position,
             score_mod=score_mod,
             mask_mod=mask_mod,
-            plan=planner(b, q_span[1] - q_span[0], k_span[1] - k_span[0]),
+            plan=plan,
             first_batch=b,
         )
     clear_forward_gaps(o, m, l, q_spans)
@@ -109,19 +123,18 @@ def backward(
     per sequence. Other arguments as :func:`forward`.
     """
     xp = array_api_compat.array_namespace(do, q, k, v, o)
-    q_spans = _spans(cu_seqlens_q, q.shape[0])
-    k_spans = _spans(cu_seqlens_k, k.shape[0])
+    visits, q_spans, k_spans = sequences(
+        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], input_pos, planner, backward=True
+    )
     arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)
-    for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
-        if q_span[1] == q_span[0] and k_span[1] == k_span[0]:
-            continue
+    for b, q_span, k_span, position, plan in visits:
         flex_attention.backward(
             *backward_views(xp, arrays, q_span, k_span),
             scale=scale,
-            input_pos=_position(input_pos, b),
+            input_pos=position,
             score_mod=score_mod,
             mask_mod=mask_mod,
-            plan=planner(b, q_span[1] - q_span[0], k_span[1] - k_span[0]),
+            plan=plan,
             score_mod_grads=score_mod_grads,
             first_batch=b,
         )

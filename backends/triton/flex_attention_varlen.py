@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import array_api_compat
 from xpkernels.backends.array_api.attention_varlen import (
-    _spans,
     backward_views,
     clear_backward_gaps,
     clear_forward_gaps,
     forward_views,
 )
-from xpkernels.backends.array_api.flex_attention_varlen import _position
+from xpkernels.backends.array_api.flex_attention_varlen import sequences
 
 from . import flex_attention
 from .flex_attention import default_tiles
@@ -62,18 +61,17 @@ def forward(
     ``score_mod``, ``mask_mod``: traced graphs or None.
     """
     xp = array_api_compat.array_namespace(o, q, k, v)
-    q_spans = _spans(cu_seqlens_q, q.shape[0])
-    k_spans = _spans(cu_seqlens_k, k.shape[0])
-    for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
-        if q_span[1] == q_span[0]:
-            continue
+    visits, q_spans, _ = sequences(
+        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], input_pos, planner
+    )
+    for b, q_span, k_span, position, plan in visits:
         flex_attention.forward(
             *forward_views(xp, (o, q, k, v, m, l), q_span, k_span),
             scale=scale,
-            input_pos=_position(input_pos, b),
+            input_pos=position,
             score_mod=_offset(score_mod, b),
             mask_mod=_offset(mask_mod, b),
-            plan=planner(b, q_span[1] - q_span[0], k_span[1] - k_span[0]),
+            plan=plan,
         )
     clear_forward_gaps(o, m, l, q_spans)
 
@@ -110,21 +108,20 @@ def backward(
     :func:`forward`.
     """
     xp = array_api_compat.array_namespace(do, q, k, v, o)
-    q_spans = _spans(cu_seqlens_q, q.shape[0])
-    k_spans = _spans(cu_seqlens_k, k.shape[0])
-    for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
-        if q_span[1] == q_span[0] and k_span[1] == k_span[0]:
-            continue
-        # dq stands in for dq_accum (not used, maybe None): its view is replaced by None
-        arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq)
+    visits, q_spans, k_spans = sequences(
+        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], input_pos, planner, backward=True
+    )
+    # dq stands in for dq_accum (not used, maybe None): its view is replaced by None
+    arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq)
+    for b, q_span, k_span, position, plan in visits:
         views: list = [*backward_views(xp, arrays, q_span, k_span)[:11], None]
         flex_attention.backward(
             *views,
             scale=scale,
-            input_pos=_position(input_pos, b),
+            input_pos=position,
             score_mod=_offset(score_mod, b),
             mask_mod=_offset(mask_mod, b),
-            plan=planner(b, q_span[1] - q_span[0], k_span[1] - k_span[0]),
+            plan=plan,
             score_mod_grads=score_mod_grads,
         )
     clear_backward_gaps(dq, dk, dv, q_spans, k_spans)
