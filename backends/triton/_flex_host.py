@@ -153,7 +153,8 @@ def _sum_rows_kernel(
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(CHUNK):
         row = partial_ptr + (first + j) * step * n + offs
-        total += tl.load(row, mask=ok & (first + j < count), other=0.0)
+        # a row past count reads nothing (a scalar bound: the interpreter cannot mix bools)
+        total += tl.load(row, mask=offs < tl.where(first + j < count, n, 0), other=0.0)
     if FINAL:
         tl.store(out_ptr + offs, tl.load(out_ptr + offs, mask=ok, other=0.0) + total, mask=ok)
     else:
