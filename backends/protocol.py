@@ -261,10 +261,13 @@ class FlexAttentionModule(Protocol):
         plan,
         score_mod_grads,
         deterministic,
+        score_mod_workspace,
     ) -> None:
         """``score_mod_grads``: one accumulator or None per captured array; gradients are ADDED.
 
         ``deterministic``: those sums must be bit-identical run to run (False allows atomics).
+        ``score_mod_workspace``: a 1-D float32 scratch array of at least the
+        ``score_mod_workspace`` hook's elements, or None when that is 0.
         """
 
 
@@ -320,8 +323,11 @@ class FlexAttentionVarlenModule(Protocol):
         mask_mod,
         planner,
         score_mod_grads,
+        deterministic,
+        score_mod_workspace,
     ) -> None:
-        """``score_mod_grads``: one accumulator or None per captured array; gradients are ADDED."""
+        """``score_mod_grads``, ``deterministic``, ``score_mod_workspace``: as flex's backward
+        (the workspace sized by this op's ``score_mod_workspace`` hook)."""
 
 
 class MergeAttentionStatesModule(Protocol):
@@ -364,6 +370,31 @@ DEFAULT_TILE = 128
 def default_tiles(n_q: int, n_kv: int, group: int, masked: bool) -> tuple[int, int]:
     """``(tile_m, tile_n)`` of a flex plan when no BlockMask fixes them. Default: 128 x 128 (clipped)."""
     return max(1, min(n_q, DEFAULT_TILE)), max(1, min(n_kv, DEFAULT_TILE))
+
+
+def score_mod_workspace(q, k, v, score_mod, plan, score_mod_grads, deterministic) -> int:
+    """Float32 elements of ``scratch.score_mod_workspace`` that a flex backward over these
+    arrays, score mod graph, tile plan and ``score_mod_grads`` (one accumulator or None per
+    captured array) needs; 0 for none. It may raise ValueError for a call it refuses (too
+    much memory); the fronts ask it before any write. Default: 0."""
+    return 0
+
+
+def varlen_score_mod_workspace(
+    q,
+    k,
+    v,
+    score_mod,
+    planner,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    input_pos,
+    score_mod_grads,
+    deterministic,
+) -> int:
+    """:func:`score_mod_workspace` of a packed flex backward (the most any one sequence's
+    pass needs when the passes reuse one workspace). Default: 0."""
+    return 0
 
 
 @dataclass(frozen=True)
@@ -421,14 +452,14 @@ PRIMITIVES: Mapping[str, Primitive] = {
         Primitive(
             "flex_attention",
             FlexAttentionModule,
-            {"default_tiles": default_tiles},
+            {"default_tiles": default_tiles, "score_mod_workspace": score_mod_workspace},
             ("delta", "dq_accum"),
             ("delta", "dq_accum"),
         ),
         Primitive(
             "flex_attention_varlen",
             FlexAttentionVarlenModule,
-            {"default_tiles": default_tiles},
+            {"default_tiles": default_tiles, "score_mod_workspace": varlen_score_mod_workspace},
             ("delta", "dq_accum"),
             ("delta", "dq_accum"),
         ),

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 import xpkernels as xk  # noqa: E402
 from xpkernels import mods as xm  # noqa: E402
 from xpkernels.buffers import grad_shadow  # noqa: E402
+from xpkernels.flex_attention import FlexAttentionBackwardScratch  # noqa: E402
 from xpkernels.mods.codegen import constants, triton_source  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -366,3 +367,143 @@ def test_partial_rows_sum_in_a_fixed_tree(rows):
     assert torch.equal(sums[0], sums[1])
     # float32 sums of `rows` O(1) terms of random signs: the error grows as sqrt(rows)
     torch.testing.assert_close(sums[0].double(), want, atol=_EPS * rows**0.5, rtol=_EPS)
+
+
+def _relative_position_call():
+    """A relative-position score mod's forward on 3 key tiles x 2 kv heads (6 partial rows)."""
+    mod = DUPLICATE_MODS["relative-position"]()
+    torch.manual_seed(3)
+    q = torch.randn(1, 2, 19, 16)
+    k, v = (torch.randn(1, 2, 35, 16) for _ in range(2))
+    ckpt = xk.allocate_checkpoints(xk.flex_attention_, q, k, v)
+    o = torch.empty_like(q)
+    with torch.no_grad():
+        xk.flex_attention_(o, q, k, v, score_mod=mod, checkpoints=ckpt, backend="triton")
+    return mod, (q, k, v), xk.Duplicated(o, torch.cos(o * 5.0)), ckpt
+
+
+def _flex_backward(mod, qkv, O, ckpt, fill=None, **options):
+    """``(dq, dk, dv, rel gradient)`` of one triton backward; shadows start as ``fill``."""
+    shadows = [torch.empty_like(x) if fill is None else torch.full_like(x, fill) for x in qkv]
+    g = grad_shadow(mod)
+    with torch.no_grad():
+        xk.flex_attention_backward_(
+            O,
+            *(xk.Duplicated(x, s) for x, s in zip(qkv, shadows)),
+            checkpoints=ckpt,
+            score_mod=mod,
+            score_mod_grad=g,
+            backend="triton",
+            **options,
+        )
+    return (*shadows, g.rel)
+
+
+def test_score_mod_workspace_is_the_callers_scratch():
+    """The allocator sizes ``score_mod_workspace`` from the mod and tiles; the backward uses it
+    (garbage left in it does not leak into the sums) and equals a call that allocates its own."""
+    mod, qkv, O, ckpt = _relative_position_call()
+    options = {"score_mod": mod, "score_mod_grad": grad_shadow(mod), "backend": "triton"}
+    scratch = xk.allocate_scratchspace(xk.flex_attention_backward_, O, *qkv, **options)
+    assert isinstance(scratch, FlexAttentionBackwardScratch)
+    # 6 partial rows of the 65-element table, rounded up to 64-byte carves
+    assert tuple(scratch.score_mod_workspace.shape) == (400,)
+    assert scratch.score_mod_workspace.dtype == torch.float32
+    scratch.score_mod_workspace.fill_(float("nan"))
+    got = _flex_backward(mod, qkv, O, ckpt, scratch=scratch)
+    want = _flex_backward(mod, qkv, O, ckpt)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    used = scratch.score_mod_workspace[:390]  # the rows; the padding after them is not touched
+    assert not torch.isnan(used).any()
+    atomics = xk.allocate_scratchspace(
+        xk.flex_attention_backward_, O, *qkv, **options, deterministic=False
+    )
+    assert atomics.score_mod_workspace is None  # float32 accumulators: atomics add in place
+    plain = xk.allocate_scratchspace(xk.flex_attention_backward_, O, *qkv, backend="triton")
+    assert plain.score_mod_workspace is None
+
+
+def test_score_mod_workspace_too_small_or_missing_raises_before_any_write():
+    mod, qkv, O, ckpt = _relative_position_call()
+    plain = xk.allocate_scratchspace(xk.flex_attention_backward_, O, *qkv, backend="triton")
+    short = plain._replace(score_mod_workspace=torch.zeros(399))
+    for scratch, held in ((plain, 0), (short, 399)):
+        with pytest.raises(ValueError, match=f"score_mod_workspace holds {held} float32 .* 400"):
+            got = _flex_backward(mod, qkv, O, ckpt, fill=7.0, scratch=scratch)
+    got = [torch.full_like(x, 7.0) for x in qkv]
+    g = grad_shadow(mod)
+    with pytest.raises(ValueError), torch.no_grad():
+        xk.flex_attention_backward_(
+            O,
+            *(xk.Duplicated(x, s) for x, s in zip(qkv, got)),
+            checkpoints=ckpt,
+            scratch=short,
+            score_mod=mod,
+            score_mod_grad=g,
+            backend="triton",
+        )
+    assert all(bool((s == 7.0).all()) for s in got) and not g.rel.any()
+    assert not short.score_mod_workspace.any()
+    attention_scratch = xk.allocate_scratchspace(xk.attention_backward_, O, *qkv, backend="triton")
+    with pytest.raises(TypeError, match="FlexAttentionBackwardScratch"):
+        _flex_backward(mod, qkv, O, ckpt, scratch=attention_scratch)
+
+
+def test_varlen_score_mod_workspace_serves_every_sequence_and_atomics_option():
+    """Packed: the workspace is sized for the sequence needing most (the longest here) and reused
+    by each; ``deterministic=False`` (atomics) agrees; ``deterministic`` must be a bool."""
+    torch.manual_seed(4)
+    k_lens = [7, 35, 19]
+    cu_q = torch.tensor([0, 7, 26, 38], dtype=torch.int32)  # 7, 19 and 12 queries
+    cu_k = torch.tensor([0, 7, 42, 61], dtype=torch.int32)
+    q = torch.randn(38, 2, 16)
+    k, v = (torch.randn(61, 2, 16) for _ in range(2))
+    mod = DUPLICATE_MODS["relative-position"]()
+    ckpt = xk.allocate_checkpoints(xk.flex_attention_varlen_, q, k, v)
+    o = torch.empty_like(q)
+    with torch.no_grad():
+        xk.flex_attention_varlen_(
+            o, q, k, v, cu_q, cu_k, score_mod=mod, checkpoints=ckpt, backend="triton"
+        )
+    O = xk.Duplicated(o, torch.cos(o * 5.0))
+
+    def run(**options):
+        shadows = [torch.empty_like(x) for x in (q, k, v)]
+        g = grad_shadow(mod)
+        with torch.no_grad():
+            xk.flex_attention_varlen_backward_(
+                O,
+                *(xk.Duplicated(x, s) for x, s in zip((q, k, v), shadows)),
+                cu_q,
+                cu_k,
+                checkpoints=ckpt,
+                score_mod=mod,
+                score_mod_grad=g,
+                backend="triton",
+                **options,
+            )
+        return (*shadows, g.rel)
+
+    scratch = xk.allocate_scratchspace(
+        xk.flex_attention_varlen_backward_,
+        O,
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        score_mod=mod,
+        score_mod_grad=grad_shadow(mod),
+        backend="triton",
+    )
+    # the 35-key sequence: 3 key tiles x 2 kv heads of the 65-element table
+    assert tuple(scratch.score_mod_workspace.shape) == (400,) and max(k_lens) == 35
+    scratch.score_mod_workspace.fill_(float("nan"))
+    want = run()
+    for a, b in zip(run(scratch=scratch), want):
+        assert torch.equal(a, b)
+    for a, b in zip(run(deterministic=False), want):
+        torch.testing.assert_close(a, b, atol=_EPS, rtol=_EPS)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        run(deterministic="yes")

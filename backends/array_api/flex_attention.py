@@ -316,6 +316,7 @@ def backward(
     plan,
     score_mod_grads,
     deterministic=True,
+    score_mod_workspace=None,
     first_batch=0,
 ) -> None:
     """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
@@ -324,7 +325,8 @@ def backward(
     (B, H, Sq, D) the sums ``dq / scale`` over key tiles (accumulation dtype).
     ``score_mod_grads`` holds one accumulator (or None) per slot of
     ``score_mod``. ``deterministic`` is accepted and ignored: these sums
-    always run in a fixed order. Other arguments as :func:`forward`.
+    always run in a fixed order. ``score_mod_workspace`` is always None (the
+    protocol's default hook sizes it 0). Other arguments as :func:`forward`.
     """
     xp = array_api_compat.array_namespace(do, q, k, v, o)
     t = _Tiles(

@@ -116,11 +116,15 @@ def backward(
     mask_mod,
     planner,
     score_mod_grads,
+    deterministic=True,
+    score_mod_workspace=None,
 ) -> None:
     """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
 
     ``delta`` (H, Tq) and ``dq_accum`` (Tq, H, D) are flex's scratch, viewed
-    per sequence. Other arguments as :func:`forward`.
+    per sequence. ``deterministic`` is accepted and ignored (the sums always
+    run in a fixed order); ``score_mod_workspace`` is always None. Other
+    arguments as :func:`forward`.
     """
     xp = array_api_compat.array_namespace(do, q, k, v, o)
     visits, q_spans, k_spans = sequences(

@@ -161,6 +161,59 @@ def _sum_rows_kernel(
         tl.store(partial_ptr + first * step * n + offs, total, mask=ok)
 
 
+#: Carves of the score-mod workspace start at multiples of this many elements (64 bytes).
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class _Carve:
+    """Where one slot's float32 buffers lie in the score-mod workspace.
+
+    ``temp``: offset of a float32 accumulator standing in for the caller's
+    (None: the kernel adds into the caller's); ``partial``: offset of its
+    ``rows`` partial rows (None: one row, the accumulator itself).
+    """
+
+    slot: int
+    temp: int | None
+    partial: int | None
+    rows: int
+
+
+def workspace_layout(score, score_mod_grads, deterministic, programs) -> tuple[int, list[_Carve]]:
+    """``(elements, carves)``: the float32 workspace the score-mod gradients of one backward
+    need, and where each slot's buffers lie in it.
+
+    ``programs`` ``(key tiles, B, Hkv, group)``: the dK/dV grid. A slot gets
+    a float32 temporary when its accumulator is not float32 (or, deterministic,
+    not contiguous), and with ``deterministic`` one partial row per dK/dV
+    program that may add into an element another adds into.
+
+    Raises
+    ------
+    ValueError
+        Deterministic partial rows beyond :data:`PARTIAL_LIMIT_BYTES` and
+        :data:`PARTIAL_LIMIT_FACTOR` times their accumulators.
+    """
+    wanted = [i for i, g in enumerate(score_mod_grads) if g is not None]
+    counts = {i: _partial_rows(score, i, programs) if deterministic else 1 for i in wanted}
+    if deterministic:
+        _check_partials(score, score_mod_grads, counts)
+    size, carves = 0, []
+    for i in wanted:
+        target, temp, partial = score_mod_grads[i], None, None
+        if target.dtype != torch.float32 or (deterministic and not target.is_contiguous()):
+            temp, size = size, size + _aligned(target.numel())
+        if counts[i] > 1:
+            partial, size = size, size + _aligned(counts[i] * target.numel())
+        carves.append(_Carve(i, temp, partial, counts[i]))
+    return size, carves
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 @dataclass
 class Mods:
     """The generated functions of one call's mods and their run-time arguments.
@@ -168,12 +221,13 @@ class Mods:
     ``vjp`` is the score's reverse mode without array gradients (dQ pass);
     ``vjp_grads`` adds them too, on ``(keys, queries)`` tiles (dK/dV pass).
     ``grads`` (for :attr:`vjp_grads`) holds float32 accumulators, one per slot
-    with a gradient: with ``deterministic``, each slot whose dK/dV programs may
-    collide (:func:`program_separation`) gets zeroed partial rows, one per
-    program that may collide, and :meth:`finish` sums them in a fixed order;
-    :meth:`finish` also adds the float32 sums into the caller's accumulators
-    where those are not float32 (or, deterministic, not contiguous) tensors the
-    kernel could add into directly.
+    with a gradient, laid out in the caller's workspace by
+    :func:`workspace_layout`: with ``deterministic``, each slot whose dK/dV
+    programs may collide (:func:`program_separation`) gets zeroed partial
+    rows, one per program that may collide, and :meth:`finish` sums them in a
+    fixed order; :meth:`finish` also adds the float32 sums into the caller's
+    accumulators where those are not float32 (or, deterministic, not
+    contiguous) tensors the kernel could add into directly.
     """
 
     score_fn: Any
@@ -189,17 +243,21 @@ class Mods:
     reductions: list
 
     @classmethod
-    def build(cls, score, mask, score_mod_grads=None, deterministic=True, programs=None) -> Mods:
+    def build(
+        cls,
+        score,
+        mask,
+        score_mod_grads=None,
+        deterministic=True,
+        programs=None,
+        workspace=None,
+    ) -> Mods:
         """The mods of one call.
 
-        ``programs`` ``(key tiles, B, Hkv, group)``: the dK/dV grid, needed with
-        ``score_mod_grads`` and ``deterministic`` (the partial rows it sizes).
-
-        Raises
-        ------
-        ValueError
-            Deterministic partial rows beyond :data:`PARTIAL_LIMIT_BYTES` and
-            :data:`PARTIAL_LIMIT_FACTOR` times their accumulators (before any write).
+        ``programs`` ``(key tiles, B, Hkv, group)``: the dK/dV grid, needed
+        with ``score_mod_grads``; ``workspace``: a 1-D float32 tensor of at
+        least :func:`workspace_layout`'s elements (None when that is 0). The
+        parts of it the call uses are zeroed here.
         """
         wanted: tuple[int, ...] = ()
         grads: tuple = (0,)
@@ -208,23 +266,23 @@ class Mods:
         if score is not None and score_mod_grads is not None:
             wanted = tuple(i for i, g in enumerate(score_mod_grads) if g is not None)
         if wanted:
-            counts = {i: 1 for i in wanted}
-            if deterministic:
-                counts = {i: _partial_rows(score, i, programs) for i in wanted}
-                _check_partials(score, score_mod_grads, counts)
             flat: list = []
             rows: list = []
-            for i in wanted:
-                target = score_mod_grads[i]
+            for carve in workspace_layout(score, score_mod_grads, deterministic, programs)[1]:
+                target = score_mod_grads[carve.slot]
+                n = target.numel()
                 acc = target
-                if target.dtype != torch.float32 or (deterministic and not target.is_contiguous()):
-                    acc = zeros(tuple(target.shape), target)
+                if carve.temp is not None:
+                    acc = workspace[carve.temp : carve.temp + n].view(tuple(target.shape))
+                    acc.zero_()
                     pending.append((target, acc))
-                if counts[i] > 1:
-                    partial = zeros((counts[i], *acc.shape), acc)
+                if carve.partial is not None:
+                    partial = workspace[carve.partial : carve.partial + carve.rows * n]
+                    partial = partial.view(carve.rows, *acc.shape)
+                    partial.zero_()
                     reductions.append((partial, acc))
                     flat += [partial, *partial.stride()[1:]]
-                    rows += [*_row_multipliers(score, i, programs, acc.numel()), programs[3]]
+                    rows += [*_row_multipliers(score, carve.slot, programs, n), programs[3]]
                 else:
                     flat += [acc, *acc.stride()]
                     rows += [0, 0, 0, 1]
@@ -321,7 +379,7 @@ def _check_partials(score, score_mod_grads, counts) -> None:
     if partial > max(PARTIAL_LIMIT_BYTES, PARTIAL_LIMIT_FACTOR * summed):
         labels = ", ".join(f"{score.slots[i].label} ({c} rows)" for i, c in counts.items() if c > 1)
         raise ValueError(
-            "flex_attention_backward_: deterministic score-mod gradients need one float32 "
+            "deterministic score-mod gradients need one float32 "
             f"partial row per dK/dV program that may add into the same element: {labels}, "
             f"{partial / 2**30:.2f} GiB, over both {PARTIAL_LIMIT_BYTES / 2**30:g} GiB and "
             f"{PARTIAL_LIMIT_FACTOR}x the {summed / 2**30:.2f} GiB of gradients they sum; pass "
@@ -387,11 +445,6 @@ def _packed(states, axis):
     order = np.argsort(~visited, axis=3, kind="stable").astype(np.int32)
     entries = np.take_along_axis(index[None, None, None, :] * 4 + s.astype(np.int32), order, 3)
     return np.ascontiguousarray(count), np.ascontiguousarray(entries.astype(np.int32))
-
-
-def zeros(shape: tuple, like: torch.Tensor) -> torch.Tensor:
-    """A zeroed float32 tensor on ``like``'s device (the score-mod gradient sums' buffers)."""
-    return torch.zeros(shape, dtype=torch.float32, device=like.device)
 
 
 def upload(a: np.ndarray, device) -> torch.Tensor:

@@ -21,7 +21,8 @@ delta)`` taken through the score mod's reverse mode:
 1. ``delta = rowsum(dO O)`` (the attention backend's kernel);
 2. one program per (key tile, batch, kv head) sums dK and dV over the GQA
    group and the query tiles visiting it (no atomics), and adds the score
-   mod's array gradients into float32 partial rows of its own, by load + add
+   mod's array gradients into float32 partial rows of its own (in the caller's
+   ``scratch.score_mod_workspace``), by load + add
    + store (repeated indices of a tile combined first: sorted, summed by a
    segmented scan, stored once); programs that provably write disjoint
    elements (an index ``kv_idx + c``, ``b + c``, ``h + c``) share a row;
@@ -56,7 +57,7 @@ from ._attn_common import (
     row_max,
 )
 from ._common import launch_context, traced
-from ._flex_host import FULL_CONST, PARTIAL_CONST, Mods, strides, tile_lists
+from ._flex_host import FULL_CONST, PARTIAL_CONST, Mods, strides, tile_lists, workspace_layout
 from .attention import (
     _DELTA_TILE,
     _DKDV_TILES,
@@ -68,7 +69,7 @@ from .attention import (
     _store_rows,
 )
 
-__all__ = ["backward", "default_tiles", "forward"]
+__all__ = ["backward", "default_tiles", "forward", "score_mod_workspace"]
 
 #: Plan tiles on a GPU: every kernel tile of the attention kernels' tables divides them.
 PLAN_TILE = 128
@@ -1384,6 +1385,24 @@ def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) ->
         )
 
 
+def score_mod_workspace(q, k, v, score_mod, plan, score_mod_grads, deterministic) -> int:
+    """Float32 elements of the workspace :func:`backward` needs for ``score_mod_grads``.
+
+    Raises
+    ------
+    ValueError
+        Deterministic partial rows too large (:func:`._flex_host.workspace_layout`).
+    """
+    if score_mod is None or all(g is None for g in score_mod_grads):
+        return 0
+    B, H, Sq, D = q.shape
+    if B == 0 or H == 0 or Sq == 0 or k.shape[2] == 0:
+        return 0
+    block_n = _tile(_DKDV_TILES, dim_block(D), q, plan)[1]
+    programs = (triton.cdiv(k.shape[2], block_n), B, k.shape[1], H // k.shape[1])
+    return workspace_layout(score_mod, score_mod_grads, deterministic, programs)[0]
+
+
 def backward(
     do,
     q,
@@ -1405,6 +1424,7 @@ def backward(
     plan,
     score_mod_grads,
     deterministic=True,
+    score_mod_workspace=None,
 ) -> None:
     """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
 
@@ -1413,12 +1433,10 @@ def backward(
     out of the scratch). ``score_mod_grads``: one accumulator or None per
     slot of ``score_mod``. ``deterministic``: the array gradients go through
     per-program partial rows and a reduction in a fixed order (bit-identical
-    run to run), else float32 atomic adds. Other arguments as :func:`forward`.
-
-    Raises
-    ------
-    ValueError
-        Deterministic partial rows too large (:class:`._flex_host.Mods`), before any write.
+    run to run), else float32 atomic adds. ``score_mod_workspace``: 1-D
+    float32 scratch of at least :func:`score_mod_workspace` elements (None
+    when that is 0), holding those partial rows and float32 stand-ins for
+    accumulators of other dtypes. Other arguments as :func:`forward`.
     """
     B, H, Sq, D = q.shape
     Hkv, Sk, DV = k.shape[1], k.shape[2], v.shape[-1]
@@ -1432,7 +1450,9 @@ def backward(
     block_d = dim_block(D)
     dkdv_tile = _tile(_DKDV_TILES, block_d, q, plan)
     programs = (triton.cdiv(Sk, dkdv_tile[1]), B, Hkv, H // Hkv)
-    mods = Mods.build(score_mod, mask_mod, score_mod_grads, deterministic, programs)
+    mods = Mods.build(
+        score_mod, mask_mod, score_mod_grads, deterministic, programs, score_mod_workspace
+    )
     positions = _positions(input_pos, B, q)
     common = (
         *q.stride()[:3],

@@ -34,8 +34,9 @@ graph's reverse mode, so a mod is written once, with no backward.
 
 Shapes, grouped-query heads, ``scale``, ``input_pos`` and the checkpoints
 ``(m, l)`` follow :mod:`xpkernels.attention` exactly (its
-``AttentionCheckpoints`` and ``AttentionBackwardScratch`` are used here), so
-flex with no mods equals attention. A row that keeps no key has ``o = 0``,
+``AttentionCheckpoints`` are used here; :class:`FlexAttentionBackwardScratch`
+adds a score-mod workspace to attention's scratch), so flex with no mods equals
+attention. A row that keeps no key has ``o = 0``,
 ``m = -inf``, ``l = 0`` and zero gradients. Band masks and
 :class:`~xpkernels.mods.BlockMask` skip whole tiles in the forward AND the
 backward.
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from . import _autograd
 from . import _checks as check
@@ -52,7 +54,6 @@ from . import mods as _mods
 from ._debug import debug_enabled
 from ._memory import same_memory
 from .attention import (
-    AttentionBackwardScratch,
     AttentionCheckpoints,
     _allocate_scratch,
     _scratch_route,
@@ -73,6 +74,7 @@ from .buffers import (
 from .registry import resolve
 
 __all__ = [
+    "FlexAttentionBackwardScratch",
     "flex_attention_",
     "flex_attention",
     "flex_attention_backward_",
@@ -554,21 +556,69 @@ def flex_attention(
     return o
 
 
-def _scratch(fn, xp, scratch, q):
-    if not isinstance(scratch, AttentionBackwardScratch):
+class FlexAttentionBackwardScratch(NamedTuple):
+    """Transient workspace of ``flex_attention_backward_``: attention's, and the score mod's.
+
+    A field the routed backend does not use is None.
+    """
+
+    delta: object  #: ``(B, H, Sq)``, ``rowsum(do * o)`` (float32; float64 for float64 inputs)
+    dq_accum: object  #: ``(B, H, Sq, D)``, ``dq / scale`` summed over key tiles, or None
+    #: ``(N,)`` float32, the score-mod gradients' partial sums (triton: per-program
+    #: partial rows, float32 stand-ins for float64 accumulators), or None when the
+    #: call's gradients need none
+    score_mod_workspace: object = None
+
+
+def _scratch(fn, xp, scratch, q, shapes, kind, allocator):
+    """``(delta, dq_accum, score_mod_workspace)`` of a caller's flex scratch, checked.
+
+    ``shapes`` gives ``delta``'s and ``dq_accum``'s; a scratch not of type
+    ``kind`` is a TypeError naming ``allocator``.
+    """
+    if not isinstance(scratch, kind):
         raise TypeError(
-            f"{fn}: scratch must be the AttentionBackwardScratch from "
-            "allocate_scratchspace(flex_attention_backward_, O, Q, K, V), "
+            f"{fn}: scratch must be the {kind.__name__} from {allocator}, "
             f"got {type(scratch).__name__}"
         )
-    for name, shape in (("delta", tuple(q.shape[:3])), ("dq_accum", tuple(q.shape))):
+    check.same_namespace(
+        fn,
+        xp,
+        {f"scratch.{n}": a for n, a in scratch._asdict().items()},
+        reference="Q.primal",
+    )
+    for name, shape in zip(("delta", "dq_accum"), shapes):
         a = getattr(scratch, name)
         if a is None:  # a field the backend does not use; the route checks those it needs
             continue
-        check.namespace(fn, f"scratch.{name}", a)
         check.shape(fn, f"scratch.{name}", a, shape)
         check.accumulator(fn, f"scratch.{name}", xp, a, q.dtype)
-    return scratch.delta, scratch.dq_accum
+    workspace = scratch.score_mod_workspace
+    if workspace is not None:
+        name = "scratch.score_mod_workspace"
+        check.rank(fn, name, workspace, 1, "(N,)")
+        check.float32(fn, name, xp, workspace)
+        check.last_axis_contiguous(fn, name, workspace)
+    return scratch.delta, scratch.dq_accum, workspace
+
+
+def _score_mod_workspace(fn, route, need, scratch, workspace, like, allocator):
+    """The score-mod workspace a backward passes its backend: None when ``need`` (the
+    backend hook's float32 elements) is 0, a new array when the caller gave no scratch,
+    else the caller's, which must hold ``need`` elements (ValueError naming ``allocator``)."""
+    if need == 0:
+        return None
+    if scratch is None:
+        return empty_float32(like, (need,))
+    held = 0 if workspace is None else workspace.shape[0]
+    if held < need:
+        raise ValueError(
+            f"{fn}: scratch.score_mod_workspace holds {held} float32 elements but this call's "
+            f"score-mod gradients need {need} on backend {route.backend!r}; allocate the scratch "
+            f"with {allocator} passing the call's score_mod, score_mod_grad, mask and tile "
+            "options and deterministic"
+        )
+    return workspace
 
 
 def _slots(call) -> tuple:
@@ -636,10 +686,13 @@ def flex_attention_backward_(
     checkpoints : AttentionCheckpoints
         Filled by the forward with the same mods and options (or by any
         backend following the contract).
-    scratch : AttentionBackwardScratch, optional
-        From ``allocate_scratchspace(flex_attention_backward_, O, Q, K, V)``
-        (with the same ``backend``); None allocates it for this call. Every
-        field the routed backend uses must be present; the others may be None.
+    scratch : FlexAttentionBackwardScratch, optional
+        From ``allocate_scratchspace(flex_attention_backward_, O, Q, K, V,
+        **options)`` with this call's options (``backend``, and with
+        ``score_mod_grad`` the mods, tile options and ``deterministic`` that
+        size its ``score_mod_workspace``); None allocates it for this call.
+        Every field the routed backend uses must be present; the others may be
+        None.
     score_mod_grad : ScoreModGrad, optional
         From ``grad_shadow(score_mod)`` (``feature_grads=True`` for
         PairFeatureScore features): the gradients of the score mod's captured
@@ -662,6 +715,15 @@ def flex_attention_backward_(
     -------
     delta : ``(B, H, Sq)``, ``rowsum(do * o)``; dq_accum : ``(B, H, Sq, D)``,
     dq accumulated over key tiles. Float32 (float64 for float64 inputs).
+    score_mod_workspace : ``(N,)`` float32, the partial sums of the score-mod
+    gradients, ``N`` from the backend (0, None, without ``score_mod_grad``).
+
+    Raises
+    ------
+    ValueError
+        Among the usual argument errors: a ``scratch.score_mod_workspace``
+        smaller than the call needs, or (triton, deterministic) partial rows
+        too large: over both 1 GiB and 4x the gradients they sum.
     """
     fn = "flex_attention_backward_"
     if not isinstance(deterministic, bool):
@@ -699,9 +761,17 @@ def flex_attention_backward_(
             "filled in the forward (allocate_checkpoints(flex_attention_, q, k, v))"
         )
     m, lse_sum = _checkpoints(fn, xp, checkpoints, q)
-    delta = dq_accum = None
+    delta = dq_accum = workspace = None
     if scratch is not None:
-        delta, dq_accum = _scratch(fn, xp, scratch, q)
+        delta, dq_accum, workspace = _scratch(
+            fn,
+            xp,
+            scratch,
+            q,
+            (tuple(q.shape[:3]), tuple(q.shape)),
+            FlexAttentionBackwardScratch,
+            _ALLOCATOR,
+        )
     grads = _mod_grads(fn, xp, call, score_mod_grad)
     outputs = {
         "Q.shadow": Q.shadow,
@@ -709,6 +779,7 @@ def flex_attention_backward_(
         "V.shadow": V.shadow,
         "scratch.delta": delta,
         "scratch.dq_accum": dq_accum,
+        "scratch.score_mod_workspace": workspace,
         **{f"score_mod_grad for {s.label}": g for s, g in zip(_slots(call), grads)},
     }
     check.writable(fn, outputs)
@@ -730,14 +801,18 @@ def flex_attention_backward_(
         "checkpoints.l": lse_sum,
         "scratch.delta": delta,
         "scratch.dq_accum": dq_accum,
+        "scratch.score_mod_workspace": workspace,
         **call.captured(),
         **{f"score_mod_grad {i}": g for i, g in enumerate(grads)},
     }
     route = resolve("flex_attention", arrays, backend=backend, head_dim=max(q.shape[3], v.shape[3]))
+    options = call.options(route, q.shape[2], k.shape[2])
+    need = _workspace_need(fn, route, q, k, v, options, grads, deterministic)
     if scratch is None:
         delta, dq_accum = _allocate_scratch(route, q)
     else:
         route.require_scratch(fn, scratch)
+    workspace = _score_mod_workspace(fn, route, need, scratch, workspace, q, _ALLOCATOR)
     route.impl.backward(
         O.shadow,
         q,
@@ -753,23 +828,85 @@ def flex_attention_backward_(
         dq_accum,
         score_mod_grads=grads,
         deterministic=deterministic,
-        **call.options(route, q.shape[2], k.shape[2]),
+        score_mod_workspace=workspace,
+        **options,
     )
+
+
+_ALLOCATOR = "allocate_scratchspace(flex_attention_backward_, O, Q, K, V, **options)"
+
+
+def _workspace_need(fn, route, q, k, v, options, grads, deterministic) -> int:
+    """Float32 elements of the score-mod workspace (the backend's hook; 0 without gradients)."""
+    if all(g is None for g in grads):
+        return 0
+    hook = route.hook("score_mod_workspace")
+    try:
+        return hook(q, k, v, options["score_mod"], options["plan"], grads, deterministic)
+    except ValueError as error:
+        raise ValueError(f"{fn}: {error}") from None
 
 
 @scratchspace_for(flex_attention_backward_)
 def allocate_flex_attention_backward_scratch(
-    O, Q, K=None, V=None, *, backend=None, **options
-) -> AttentionBackwardScratch:
+    O,
+    Q,
+    K=None,
+    V=None,
+    *,
+    backend=None,
+    score_mod=None,
+    score_mod_grad=None,
+    mask_mod=None,
+    block_mask=None,
+    block_sparse=True,
+    scale=None,
+    input_pos=0,
+    deterministic=True,
+    **options,
+) -> FlexAttentionBackwardScratch:
     """Allocate ``flex_attention_backward_``'s scratch from ``Q`` ``(B, H, Sq, D)``.
 
     Returns ``delta (B, H, Sq)`` and ``dq_accum (B, H, Sq, D)``, float32
     (float64 when ``Q`` is float64), for the backend the call routes to; a
-    field that backend does not use is None.
+    field that backend does not use is None. With ``score_mod_grad`` (and
+    ``K``, ``V``), also the ``score_mod_workspace`` that the backward with
+    these options needs (None when it needs none); the other options are
+    the backward's, ignored here.
+
+    Raises
+    ------
+    ValueError
+        As the backward, for deterministic score-mod partial rows too large.
     """
     fn = "allocate_scratchspace(flex_attention_backward_)"
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"{fn}: deterministic must be a bool, got {deterministic!r}")
     route, q = _scratch_route("flex_attention", fn, O, Q, K, V, backend)
-    return _allocate_scratch(route, q)
+    delta, dq_accum = _allocate_scratch(route, q)
+    workspace = None
+    if score_mod_grad is not None:
+        if K is None or V is None:
+            raise TypeError(f"{fn}: K and V are needed to size the workspace of score_mod_grad")
+        k, v = primal(K), primal(V)
+        xp = check.namespace(fn, "Q", q)
+        _validate_qkv(fn, q, k, v, names=("Q", "K", "V"))
+        call = _Call(
+            fn,
+            xp,
+            _dims(q, k),
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            block_mask=block_mask,
+            block_sparse=block_sparse,
+            scale=scale,
+            input_pos=input_pos,
+        )
+        grads = _mod_grads(fn, xp, call, score_mod_grad)
+        call_options = call.options(route, q.shape[2], k.shape[2])
+        need = _workspace_need(fn, route, q, k, v, call_options, grads, deterministic)
+        workspace = empty_float32(q, (need,)) if need else None
+    return FlexAttentionBackwardScratch(delta, dq_accum, workspace)
 
 
 def flex_attention_backward(

@@ -38,16 +38,16 @@ gradients, summed over every sequence, into ``score_mod_grad``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from . import _autograd
 from . import _checks as check
 from .attention_varlen import (
-    AttentionVarlenBackwardScratch,
     AttentionVarlenCheckpoints,
     _allocate_scratch,
     _checkpoint_arrays,
     _head_dim,
     _packing,
-    _scratch_arrays,
     _validate_qkv,
 )
 from .buffers import (
@@ -62,15 +62,32 @@ from .buffers import (
     scratchspace_for,
     with_new_shadows,
 )
-from .flex_attention import _Call, _mod_grads, _slots
+from .flex_attention import _Call, _mod_grads, _score_mod_workspace, _scratch, _slots
 from .registry import resolve
 
 __all__ = [
+    "FlexAttentionVarlenBackwardScratch",
     "flex_attention_varlen_",
     "flex_attention_varlen",
     "flex_attention_varlen_backward_",
     "flex_attention_varlen_backward",
 ]
+
+
+class FlexAttentionVarlenBackwardScratch(NamedTuple):
+    """Transient workspace of ``flex_attention_varlen_backward_`` (as
+    :class:`~xpkernels.flex_attention.FlexAttentionBackwardScratch`, packed).
+
+    A field the routed backend (or, for the workspace, the call) does not use is None.
+    """
+
+    delta: object  #: ``(H, Tq)``, ``rowsum(do * o)`` (float32; float64 for float64 inputs)
+    dq_accum: object  #: ``(Tq, H, D)``, ``dq / scale`` summed over key tiles, or None
+    #: ``(N,)`` float32, the score-mod gradients' partial sums, reused by every sequence
+    score_mod_workspace: object = None
+
+
+_ALLOCATOR = "allocate_scratchspace(flex_attention_varlen_backward_, O, Q, K, V, ...)"
 
 
 class _Packed:
@@ -144,6 +161,26 @@ class _Packed:
             "mask_mod": call.mask_graph,
             "planner": call.planner(route),
         }
+
+    def workspace_need(self, fn, route, q, k, v, options, grads, deterministic) -> int:
+        """Float32 elements of the score-mod workspace (the backend's hook; 0 without gradients)."""
+        if all(g is None for g in grads):
+            return 0
+        try:
+            return route.hook("score_mod_workspace")(
+                q,
+                k,
+                v,
+                options["score_mod"],
+                options["planner"],
+                self.cu_seqlens_q,
+                self.cu_seqlens_k,
+                options["input_pos"],
+                grads,
+                deterministic,
+            )
+        except ValueError as error:
+            raise ValueError(f"{fn}: {error}") from None
 
 
 def flex_attention_varlen_(
@@ -345,6 +382,7 @@ def flex_attention_varlen_backward_(
     block_sparse=True,
     scale=None,
     input_pos=0,
+    deterministic=True,
     backend=None,
 ) -> None:
     """Packed FlexAttention backward, in place: overwrites the shadows; ADDS the mod's gradients.
@@ -362,12 +400,17 @@ def flex_attention_varlen_backward_(
     checkpoints : AttentionVarlenCheckpoints
         Filled by ``flex_attention_varlen_`` with the same mods, prefix sums
         and options; others raise a ValueError naming the option.
-    scratch : AttentionVarlenBackwardScratch, optional
+    scratch : FlexAttentionVarlenBackwardScratch, optional
         From ``allocate_scratchspace(flex_attention_varlen_backward_, O, Q,
-        K, V)`` (with the same ``backend``); None allocates it for this call.
+        K, V, cu_seqlens_q, cu_seqlens_k, **options)`` with this call's
+        options (``backend``; with ``score_mod_grad``, the mods, ``input_pos``
+        and ``deterministic`` that size its ``score_mod_workspace``); None
+        allocates it for this call.
     score_mod_grad : ScoreModGrad, optional
         From ``grad_shadow(score_mod)``: the gradients of the score mod's
         captured float arrays, summed over the sequences, are ADDED into it.
+    deterministic : bool, default True
+        As in :func:`~xpkernels.flex_attention.flex_attention_backward_`.
     max_seqlen_q, max_seqlen_k, score_mod, mask_mod, block_sparse, scale, input_pos, backend
         As in the forward :func:`flex_attention_varlen_`.
 
@@ -385,9 +428,12 @@ def flex_attention_varlen_backward_(
     Scratch
     -------
     delta : ``(H, Tq)``, ``rowsum(do * o)``; dq_accum : ``(Tq, H, D)``.
-    Float32 (float64 for float64 inputs).
+    Float32 (float64 for float64 inputs). score_mod_workspace : ``(N,)``
+    float32, as flex's, serving each sequence's pass in turn.
     """
     fn = "flex_attention_varlen_backward_"
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"{fn}: deterministic must be a bool, got {deterministic!r}")
     _autograd.check_inplace(fn, {"O": O, "Q": Q, "K": K, "V": V}, score_mod)
     Ds = {
         name: check.duplicated(fn, name, d) for name, d in (("O", O), ("Q", Q), ("K", K), ("V", V))
@@ -429,9 +475,17 @@ def flex_attention_varlen_backward_(
     m, lse_sum = _checkpoint_arrays(
         fn, xp, checkpoints, q, reference="Q.primal", forward="flex_attention_varlen_"
     )
-    delta = dq_accum = None
+    delta = dq_accum = workspace = None
     if scratch is not None:
-        delta, dq_accum = _scratch_arrays(fn, xp, scratch, q, backward=fn)
+        delta, dq_accum, workspace = _scratch(
+            fn,
+            xp,
+            scratch,
+            q,
+            ((q.shape[1], q.shape[0]), tuple(q.shape)),
+            FlexAttentionVarlenBackwardScratch,
+            _ALLOCATOR,
+        )
     grads = _mod_grads(fn, xp, packed.call, score_mod_grad)
     outputs = {
         "Q.shadow": Q.shadow,
@@ -439,6 +493,7 @@ def flex_attention_varlen_backward_(
         "V.shadow": V.shadow,
         "scratch.delta": delta,
         "scratch.dq_accum": dq_accum,
+        "scratch.score_mod_workspace": workspace,
         **{f"score_mod_grad for {s.label}": g for s, g in zip(_slots(packed.call), grads)},
     }
     check.writable(fn, outputs)
@@ -460,14 +515,18 @@ def flex_attention_varlen_backward_(
         "checkpoints.l": lse_sum,
         "scratch.delta": delta,
         "scratch.dq_accum": dq_accum,
+        "scratch.score_mod_workspace": workspace,
         **packed.call.captured(),
         **{f"score_mod_grad {i}": g for i, g in enumerate(grads)},
     }
     route = resolve("flex_attention_varlen", arrays, backend=backend, head_dim=_head_dim(q, v))
+    options = packed.options(route)
+    need = packed.workspace_need(fn, route, q, k, v, options, grads, deterministic)
     if scratch is None:
         delta, dq_accum = _allocate_scratch(route, q)
     else:
         route.require_scratch(fn, scratch)
+    workspace = _score_mod_workspace(fn, route, need, scratch, workspace, q, _ALLOCATOR)
     route.impl.backward(
         O.shadow,
         q,
@@ -482,21 +541,50 @@ def flex_attention_varlen_backward_(
         delta,
         dq_accum,
         score_mod_grads=grads,
-        **packed.options(route),
+        deterministic=deterministic,
+        score_mod_workspace=workspace,
+        **options,
     )
 
 
 @scratchspace_for(flex_attention_varlen_backward_)
 def allocate_flex_attention_varlen_backward_scratch(
-    O, Q, K=None, V=None, *args, backend=None, **options
-) -> AttentionVarlenBackwardScratch:
+    O,
+    Q,
+    K=None,
+    V=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    *,
+    backend=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    score_mod=None,
+    score_mod_grad=None,
+    mask_mod=None,
+    block_sparse=True,
+    scale=None,
+    input_pos=0,
+    deterministic=True,
+    **options,
+) -> FlexAttentionVarlenBackwardScratch:
     """Allocate ``flex_attention_varlen_backward_``'s scratch from packed ``Q`` ``(Tq, H, D)``.
 
     Returns ``delta (H, Tq)`` and ``dq_accum (Tq, H, D)``, float32 (float64
     when ``Q`` is float64), for the backend the call routes to; a field that
-    backend does not use is None.
+    backend does not use is None. With ``score_mod_grad`` (and ``K``, ``V``
+    and the prefix sums), also the ``score_mod_workspace`` the backward with
+    these options needs (None when it needs none); the other options are the
+    backward's, ignored here.
+
+    Raises
+    ------
+    ValueError
+        As the backward, for deterministic score-mod partial rows too large.
     """
     fn = "allocate_scratchspace(flex_attention_varlen_backward_)"
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"{fn}: deterministic must be a bool, got {deterministic!r}")
     q = primal(Q)
     xp = check.namespace(fn, "Q", q)
     check.rank(fn, "Q", q, 3, "(Tq, H, D)")
@@ -504,7 +592,36 @@ def allocate_flex_attention_varlen_backward_scratch(
     arrays = {"Q": q, "O": primal(O), "K": primal(K), "V": primal(V)}
     head_dim = max(a.shape[-1] for a in arrays.values() if a is not None)
     route = resolve("flex_attention_varlen", arrays, backend=backend, head_dim=head_dim)
-    return _allocate_scratch(route, q)
+    delta, dq_accum = _allocate_scratch(route, q)
+    workspace = None
+    if score_mod_grad is not None:
+        if K is None or V is None or cu_seqlens_q is None or cu_seqlens_k is None:
+            raise TypeError(
+                f"{fn}: K, V, cu_seqlens_q and cu_seqlens_k are needed to size the workspace "
+                "of score_mod_grad"
+            )
+        k, v = primal(K), primal(V)
+        _validate_qkv(fn, q, k, v, names=("Q", "K", "V"))
+        packed = _Packed(
+            fn,
+            xp,
+            q,
+            k,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            score_mod=score_mod,
+            mask_mod=mask_mod,
+            block_sparse=block_sparse,
+            scale=scale,
+            input_pos=input_pos,
+        )
+        grads = _mod_grads(fn, xp, packed.call, score_mod_grad)
+        call_options = packed.options(route)
+        need = packed.workspace_need(fn, route, q, k, v, call_options, grads, deterministic)
+        workspace = empty_float32(q, (need,)) if need else None
+    return FlexAttentionVarlenBackwardScratch(delta, dq_accum, workspace)
 
 
 def flex_attention_varlen_backward(
@@ -525,6 +642,7 @@ def flex_attention_varlen_backward(
     block_sparse=True,
     scale=None,
     input_pos=0,
+    deterministic=True,
     backend=None,
 ):
     """Packed FlexAttention backward into new arrays; see :func:`flex_attention_varlen_backward_`.
@@ -537,6 +655,8 @@ def flex_attention_varlen_backward(
         The forward's inputs and output.
     score_mod_grad : ScoreModGrad, optional
         Receives (ADDS) the score mod's array gradients.
+    deterministic : bool, default True
+        As in :func:`flex_attention_varlen_backward_`.
 
     Returns
     -------
@@ -561,6 +681,7 @@ def flex_attention_varlen_backward(
         block_sparse=block_sparse,
         scale=scale,
         input_pos=input_pos,
+        deterministic=deterministic,
         backend=backend,
     )
     return shadows["q"].shadow, shadows["k"].shadow, shadows["v"].shadow

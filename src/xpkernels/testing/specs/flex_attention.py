@@ -555,8 +555,10 @@ def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
     options = _options(case, arrays)
     O = Duplicated(outs["o"], cotangents["o"])
     Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
-    scratch = allocate_scratchspace(flex_attention_backward_, O, Q, K, V, backend=backend)
     mod_grad = _mod_grad(case, options)
+    scratch = allocate_scratchspace(
+        flex_attention_backward_, O, Q, K, V, score_mod_grad=mod_grad, **options, backend=backend
+    )
     flex_attention_backward_(
         O,
         Q,
