@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_forward(
 // Three kernels, launched in this order:
 //   attention_backward_delta: delta (caller scratch, float32) of every query row (0 past
 //     q_lengths[b]), one warp per row;
-//   attention_backward_dkdv: one block per (batch, kv head, tile of BKV = 16 * WARPS keys;
+//   attention_backward_dkdv: one block per (batch, kv head, tile of BM = 16 * WARPS keys;
 //     warp w owns keys 16w .. 16w + 15), K and V staged once; it walks every query head of
 //     the kv head's group and their query tiles of BQ rows that see a key of the tile, in the
 //     transposed form (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q), so dk and dv
@@ -367,8 +367,9 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_forward(
 // key (p = 0). A key past k_lengths[b] and a query past q_lengths[b] get zero gradients.
 // In tiles crossing the causal diagonal, the right operand of a product whose left operand
 // is zero on masked pairs (Q in dK += dS^T Q, K in dQ += dS K) is staged with non-finite
-// values as 0, so a NaN reaches only the gradients of the rows and keys that see it (those
-// get it through p, whose lse is NaN on a row that saw a NaN score in the forward).
+// values as 0, so a NaN of q, k or v reaches only the gradients of the rows and keys that
+// see it (those get it through p, whose lse is NaN on a row that saw a NaN score in the
+// forward).
 // do and o may be float, __half or __nv_bfloat16 (kinds 0, 1, 2), as may dq, dk and dv.
 namespace {
 
