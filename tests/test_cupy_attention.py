@@ -1,10 +1,11 @@
-"""The cupy backend's attention forward (``attention.cu``), run unchanged through the CPU harness.
+"""The cupy backend's attention forward and backward (``attention.cu``), run unchanged through the CPU harness.
 
 What the conformance suite's cupy-cpu targets do not reach: bfloat16 (NumPy
-has none), int32 lengths and positions, every padded head dim, an output
-dtype other than the inputs', NaN reaching exactly the rows that see it,
-device values past their range (clamped in the kernel), the checkpoints
-feeding the array_api backward, planted kernel bugs the tests must catch,
+has none), int32 lengths and positions, every padded head dim, output and
+gradient dtypes other than the inputs', NaN reaching exactly the rows (and
+keys) that see it, device values past their range (clamped in the kernel),
+the checkpoints feeding the array_api and triton backwards, gradients
+against torch float64 autograd, planted kernel bugs the tests must catch,
 and the NVRTC build for sm_80/sm_90 (no warnings, no spills, tensor cores
 for 16-bit inputs).
 """
@@ -212,7 +213,7 @@ def test_checkpoints_feed_the_array_api_backward(dtype):
         np.testing.assert_allclose(got, ours, atol=32 * _eps(t) * scale, rtol=0, err_msg=name)
 
 
-TRITON_BACKWARD = """
+TRITON_INTERCHANGE = """
 import math, numpy as np, torch
 from xpkernels.backends.cupy import attention as A
 from xpkernels.backends.triton import attention as T
@@ -233,18 +234,29 @@ keep = ref.attention_keep(b, sq, sk, causal=True, input_pos=50)
 want = ref.attention_backward(*(a.astype(np.float64) for a in (q, k, v, do)), scale=0.25,
                               keep=keep)
 eps = float(np.finfo(np.float32).eps)
-print(max(float(np.abs(g.double().numpy() - w).max()) / (eps * max(1.0, float(np.abs(w).max())))
-          for g, w in zip(grads, want)))
+errors = [float(np.abs(g.double().numpy() - w).max()) / (eps * max(1.0, float(np.abs(w).max())))
+          for g, w in zip(grads, want)]
+# and back: forward on triton, backward on cupy
+t_o, t_m, t_l = torch.empty_like(t["q"]), torch.empty((b, h, sq)), torch.empty((b, h, sq))
+T.forward(t_o, t["q"], t["k"], t["v"], t_m, t_l, **options)
+grads = [np.full_like(a, np.nan) for a in (q, k, v)]
+with cudacpu.emulate():
+    A.backward(do, q, k, v, t_o.numpy(), t_m.numpy(), t_l.numpy(), *grads,
+               np.empty((b, h, sq), np.float32), None, **options)
+errors += [float(np.abs(g - w).max()) / (eps * max(1.0, float(np.abs(w).max())))
+           for g, w in zip(grads, want)]
+print(max(errors))
 """
 
 
-def test_checkpoints_feed_the_triton_backward():
-    """Forward on cupy (CPU harness), backward on triton (its interpreter), in a fresh process."""
+def test_checkpoints_interchange_with_triton():
+    """Forward on cupy (CPU harness), backward on triton (its interpreter) and the other way
+    round, in a fresh process."""
     pytest.importorskip("torch", reason="the triton backend needs torch")
     pytest.importorskip("triton", reason="the triton backend needs triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, "-c", TRITON_BACKWARD],
+        [sys.executable, "-c", TRITON_INTERCHANGE],
         capture_output=True,
         text=True,
         env=env,
@@ -255,17 +267,214 @@ def test_checkpoints_feed_the_triton_backward():
     assert float(proc.stdout) < 64, proc.stdout
 
 
-def test_backward_routed_to_cupy_runs_the_array_api_backward():
+# ---------------------------------------------------------------------------- backward
+
+
+def _backward(q, k, v, do, *, grad_dtypes=None, scale=None, **options):
+    """Forward then backward through the launchers into NaN-filled gradients (float64 copies)."""
+    batch, heads, sq, d = q.shape
+    o = np.full((batch, heads, sq, v.shape[3]), np.nan, q.dtype)
+    m = np.full((batch, heads, sq), np.nan, np.float32)
+    l_sum = np.full((batch, heads, sq), np.nan, np.float32)
+    delta = np.full((batch, heads, sq), np.nan, np.float32)
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    A.forward(o, q, k, v, m, l_sum, scale=scale, **options)
+    grads = [
+        np.full(a.shape, np.nan, t or a.dtype)
+        for a, t in zip((q, k, v), grad_dtypes or (None,) * 3)
+    ]
+    A.backward(do, q, k, v, o, m, l_sum, *grads, delta, None, scale=scale, **options)
+    return [g.astype(np.float64) for g in grads]
+
+
+def _reference_backward(q, k, v, do, *, causal=False, input_pos=0, q_lengths=None,
+                        k_lengths=None):  # fmt: skip
+    keep = ref.attention_keep(
+        q.shape[0],
+        q.shape[2],
+        k.shape[2],
+        causal=causal,
+        input_pos=input_pos,
+        q_lengths=q_lengths,
+        k_lengths=k_lengths,
+    )
+    f64 = (np.asarray(a, np.float64) for a in (q, k, v, do))
+    return ref.attention_backward(*f64, scale=1 / math.sqrt(q.shape[3]), keep=keep)
+
+
+def _grad_tolerance(t, want) -> float:
+    """P and dS rounded to ``t`` before their products, the gradient rounded to ``t``; float32:
+    exp2/log2 and sums over the tiles in float32. Relative to the largest gradient."""
+    eps32 = float(np.finfo(np.float32).eps)
+    return max(8 * _eps(t), 64 * eps32) * max(1.0, float(np.abs(want).max()))
+
+
+def _assert_grads(got, want, t, grad_dtypes=None):
+    for name, g, w, gt in zip(("dq", "dk", "dv"), got, want, grad_dtypes or (t,) * 3):
+        tol = _grad_tolerance(t, w) + _grad_tolerance(gt, w)
+        np.testing.assert_allclose(g, w, atol=tol, rtol=0, err_msg=name)
+
+
+BACKWARD_CONFIGS = {
+    **CONFIGS,
+    # causal rows before the first key, a batch without queries, one without keys
+    "fully-masked-rows": dict(
+        shape=(3, 2, 2, 40, 70, 24, 24),
+        causal=True,
+        input_pos=np.array([-10, 0, 5], np.int64),
+        q_lengths=np.array([40, 0, 33], np.int64),
+        k_lengths=np.array([70, 70, 0], np.int64),
+    ),
+}
+
+
+def _backward_case(config, dtype):
+    options = dict(BACKWARD_CONFIGS[config])
+    shape, layout = options.pop("shape"), options.pop("layout", "bhsd")
+    t = DTYPES[dtype]
+    rng = np.random.default_rng(sum(shape) + 1)
+    q, k, v = _inputs(rng, t, *shape, layout=layout)
+    do = rng.standard_normal((*q.shape[:3], v.shape[3])).astype(t)
+    return t, (q, k, v, do), {"causal": False, "input_pos": 0, "q_lengths": None,
+                              "k_lengths": None, **options}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("config", sorted(BACKWARD_CONFIGS))
+def test_backward_matches_float64(dtype, config):
+    """Tiles crossing Sq and Sk, GQA, causal with positions, lengths, masked rows, D/Dv buckets."""
+    t, arrays, options = _backward_case(config, dtype)
+    schedule = "shuffled" if config in ("gqa2-causal-d40-dv24", "fully-masked-rows") else "default"
+    with cudacpu.emulate(schedule=schedule):
+        got = _backward(*arrays, **options)
+    _assert_grads(got, _reference_backward(*arrays, **options), t)
+
+
+def test_fully_masked_rows_and_keys_get_exact_zero_gradients():
+    t, (q, k, v, do), options = _backward_case("fully-masked-rows", "float16")
+    q[0, :, :10] = k[0, :, 70 - 1] = np.inf  # rows that see nothing; a key past no length
+    k[1] = v[1] = np.nan  # batch 1 has no queries: its keys are seen by none
+    q[2] = np.nan  # batch 2 has no keys: its queries see none
+    with cudacpu.emulate():
+        dq, dk, dv = _backward(q, k, v, do, **options)
+    assert (dq[0, :, :10] == 0).all() and (dq[1] == 0).all() and (dq[2] == 0).all()
+    assert (dk[1] == 0).all() and (dv[1] == 0).all() and (dk[2] == 0).all() and (dv[2] == 0).all()
+    assert (dq[2, :, 33:] == 0).all()
+    assert np.isfinite(dq).all() and np.isfinite(dv).all()
+
+
+def test_backward_without_keys_or_queries_and_tiny_head_dims():
+    rng = np.random.default_rng(2)
+    options = dict(causal=False, input_pos=0, q_lengths=None, k_lengths=None)
+    with cudacpu.emulate():
+        q, k, v = _inputs(rng, np.float16, 2, 2, 1, 3, 0, 8, 8)  # Sk = 0
+        dq, dk, dv = _backward(q, k, v, np.ones_like(q), **options)
+        assert (dq == 0).all() and dk.size == dv.size == 0
+        q, k, v = _inputs(rng, np.float32, 1, 2, 1, 0, 5, 8, 8)  # Sq = 0
+        dq, dk, dv = _backward(q, k, v, np.ones_like(q), **options)
+        assert dq.size == 0 and (dk == 0).all() and (dv == 0).all()
+        q, k, v = _inputs(rng, np.float32, 1, 3, 3, 1, 5, 1, 2)  # Sq = 1, D = 1, Dv = 2
+        do = rng.standard_normal((1, 3, 1, 2)).astype(np.float32)
+        causal = dict(options, causal=True, input_pos=2)
+        got = _backward(q, k, v, do, **causal)
+    _assert_grads(got, _reference_backward(q, k, v, do, **causal), np.float32)
+
+
+@pytest.mark.parametrize(
+    ("in_dtype", "grad_dtypes", "do_dtype"),
+    [
+        ("float16", ("float32", "bfloat16", "float32"), "float32"),
+        ("float32", ("float16", "float32", "bfloat16"), "bfloat16"),
+    ],
+)
+def test_gradient_and_cotangent_dtypes_may_differ_from_the_inputs(in_dtype, grad_dtypes, do_dtype):
+    t = DTYPES[in_dtype]
+    rng = np.random.default_rng(4)
+    q, k, v = _inputs(rng, t, 1, 2, 1, 20, 70, 32, 32)
+    do = rng.standard_normal((1, 2, 20, 32)).astype(DTYPES[do_dtype])
+    options = dict(causal=True, input_pos=50, q_lengths=None, k_lengths=None)
+    grad_types = [DTYPES[n] for n in grad_dtypes]
+    with cudacpu.emulate():
+        got = _backward(q, k, v, do, grad_dtypes=grad_types, **options)
+    want = _reference_backward(q, k, v, do, **options)
+    # do is rounded to the inputs' dtype for the products
+    coarser = max(t, DTYPES[do_dtype], key=_eps)
+    _assert_grads(got, want, coarser, grad_types)
+
+
+def test_backward_matches_torch_float64_autograd():
+    """Gradients of a naive float64 attention through torch.autograd (GQA, causal, lengths)."""
+    torch = pytest.importorskip("torch", reason="the autograd reference needs torch")
+    t, (q, k, v, do), options = _backward_case("int32-lengths-positions", "float32")
+    with cudacpu.emulate():
+        got = _backward(q, k, v, do, **options)
+    keep = torch.from_numpy(ref.attention_keep(q.shape[0], q.shape[2], k.shape[2], **options))[
+        :, None
+    ]
+    leaves = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (q, k, v)]
+    group = q.shape[1] // k.shape[1]
+    kr, vr = (x.repeat_interleave(group, dim=1) for x in leaves[1:])
+    s = leaves[0] @ kr.transpose(-1, -2) / math.sqrt(q.shape[3])
+    p = torch.softmax(s.masked_fill(~keep, -math.inf), dim=-1).nan_to_num(0.0)
+    (p @ vr).backward(torch.from_numpy(do.astype(np.float64)))
+    _assert_grads(got, [x.grad.numpy() for x in leaves], t)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_backward_routed_to_cupy_runs_the_cuda_kernels(dtype):
+    """xk.attention_backward_ with backend="cupy": no dq_accum scratch, the array_api result."""
+    t = DTYPES[dtype]
     rng = np.random.default_rng(12)
-    q, k, v = _inputs(rng, np.float32, 1, 2, 1, 20, 30, 16, 16)
-    do = rng.standard_normal((1, 2, 20, 16)).astype(np.float32)
+    q, k, v = _inputs(rng, t, 2, 4, 2, 20, 30, 16, 16)
+    do = rng.standard_normal((2, 4, 20, 16)).astype(t)
+    options = dict(causal=True, input_pos=np.array([10, 2]), k_lengths=np.array([30, 25]))
     with cudacpu.emulate():
         ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
-        o = xk.attention(q, k, v, causal=True, checkpoints=ck, backend="cupy")
-        got = xk.attention_backward(do, q, k, v, o, checkpoints=ck, causal=True, backend="cupy")
-    want = xk.attention_backward(do, q, k, v, o, checkpoints=ck, causal=True, backend="array_api")
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(a, b)
+        o = xk.attention(q, k, v, checkpoints=ck, backend="cupy", **options)
+        O = Duplicated(o, do)
+        scratch = xk.allocate_scratchspace(xk.attention_backward_, O, q, k, v, backend="cupy")
+        assert scratch.dq_accum is None and scratch.delta.shape == (2, 4, 20)
+        grads = [np.full_like(a, np.nan) for a in (q, k, v)]
+        xk.attention_backward_(
+            O,
+            *(Duplicated(a, g) for a, g in zip((q, k, v), grads)),
+            checkpoints=ck,
+            scratch=scratch,
+            backend="cupy",
+            **options,
+        )
+    products = do.astype(np.float64) * o.astype(np.float64)
+    eps32 = float(np.finfo(np.float32).eps)
+    tol = 16 * eps32 * float(np.abs(products).sum(-1).max())
+    np.testing.assert_allclose(scratch.delta, products.sum(-1), atol=tol, rtol=0)
+    want = xk.attention_backward(do, q, k, v, o, checkpoints=ck, backend="array_api", **options)
+    _assert_grads(
+        [g.astype(np.float64) for g in grads], [np.asarray(w, np.float64) for w in want], t
+    )
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_backward_nan_reaches_only_the_rows_and_keys_that_see_it(where):
+    """Causal, a NaN at position 40: rows before it (k, v) or keys after it (q) stay exact."""
+    rng = np.random.default_rng(24)
+    q, k, v = _inputs(rng, np.float16, 1, 2, 1, 80, 80, 16, 16)
+    do = rng.standard_normal((1, 2, 80, 16)).astype(np.float16)
+    options = dict(causal=True, input_pos=0, q_lengths=None, k_lengths=None)
+    want = _reference_backward(q, k, v, do, **options)
+    {"q": q, "k": k, "v": v}[where][0, 0, 40, 3] = np.nan
+    with cudacpu.emulate():
+        dq, dk, dv = _backward(q, k, v, do, **options)
+    tol = 2 * _grad_tolerance(np.float16, want[0])
+    if where == "q":  # row 40 of head 0 sees keys 0..40: keys 41.. and the other rows are exact
+        assert np.isnan(dq[0, 0, 40]).all()
+        dq[0, 0, 40] = want[0][0, 0, 40]
+        np.testing.assert_allclose(dq, want[0], atol=tol, rtol=0)
+        np.testing.assert_allclose(dk[:, :, 41:], want[1][:, :, 41:], atol=tol, rtol=0)
+        np.testing.assert_allclose(dv[:, :, 41:], want[2][:, :, 41:], atol=tol, rtol=0)
+        assert np.isnan(dk[:, :, :41]).any(axis=-1).all()
+    else:  # key 40 is seen by rows 40..: rows before it are exact
+        np.testing.assert_allclose(dq[:, :, :40], want[0][:, :, :40], atol=tol, rtol=0)
+        assert np.isnan(dq[:, :, 40:]).any(axis=-1).all()
 
 
 @pytest.mark.parametrize("where", ["k", "v"])
@@ -367,16 +576,97 @@ def test_planted_kernel_bugs_are_caught(tmp_path, monkeypatch, old, new, schedul
     assert isinstance(broken, str) or broken > 10 * tol, broken
 
 
+_DKDV_BARRIER = """                dl[c] = di;
+            }
+            __syncthreads();
+"""
+_DQ_BARRIER = """        __syncthreads();
+        if (warp_first >= nq || (causal && j0 > warp_last_pos)) continue;  // warp-uniform
+"""
+_GROUP_LOOP = "for (int hh = 0; hh < group; ++hh)"
+_CLEAN_Q = "stride_qs, rows, d, vec_q != 0, diagonal, nullptr, 0);"
+_CLEAN_K = "stride_ks, keys, d, vec_k != 0, diagonal, nullptr, 0);"
+
+
+def _planted_backward_case(schedule, nan_in=None):
+    """float16, GQA 4:2, causal: the largest gradient error outside what a NaN reaches.
+
+    ``nan_in`` "q": a NaN in row 40 of head 0 (keys after 40 must stay exact);
+    "k": in key 40 (rows before 40 must stay exact).
+    """
+    rng = np.random.default_rng(32)
+    q, k, v = _inputs(rng, np.float16, 1, 4, 2, 80, 80, 16, 16)
+    do = rng.standard_normal((1, 4, 80, 16)).astype(np.float16)
+    options = dict(causal=True, input_pos=0, q_lengths=None, k_lengths=None)
+    want = _reference_backward(q, k, v, do, **options)
+    if nan_in is not None:
+        {"q": q, "k": k}[nan_in][0, 0, 40, 3] = np.nan
+    with cudacpu.emulate(schedule=schedule):
+        try:
+            got = _backward(q, k, v, do, **options)
+        except cudacpu.LaunchError as exc:
+            return str(exc)
+    if nan_in == "q":
+        got, want = [g[:, :, 41:] for g in got[1:]], [w[:, :, 41:] for w in want[1:]]
+    elif nan_in == "k":
+        got, want = [got[0][:, :2, :40]], [want[0][:, :2, :40]]
+    errors = [np.abs(g - w) / max(1.0, float(np.abs(w).max())) for g, w in zip(got, want)]
+    return max(float(np.max(np.where(np.isnan(e), np.inf, e))) for e in errors)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "schedule", "nan_in"),
+    [
+        (_DKDV_BARRIER, _DKDV_BARRIER.replace("__syncthreads();", ""), "shuffled", None),
+        (_DQ_BARRIER, _DQ_BARRIER.replace("__syncthreads();", ""), "shuffled", None),
+        (_GROUP_LOOP, _GROUP_LOOP.replace("group", "1"), "default", None),
+        (_CLEAN_Q, _CLEAN_Q.replace("diagonal", "false"), "default", "q"),
+        (_CLEAN_K, _CLEAN_K.replace("diagonal", "false"), "default", "k"),
+    ],
+    ids=[
+        "dkdv-missing-syncthreads",
+        "dq-missing-syncthreads",
+        "dkdv-one-head-of-the-group",
+        "dkdv-nan-query-not-cleaned",
+        "dq-nan-key-not-cleaned",
+    ],
+)
+def test_planted_backward_bugs_are_caught(tmp_path, monkeypatch, old, new, schedule, nan_in):
+    tol = 16 * _eps(np.float16)
+    intact = _planted_backward_case(schedule, nan_in)
+    assert isinstance(intact, float) and intact <= tol, intact
+    _planted(tmp_path, monkeypatch, old, new)
+    broken = _planted_backward_case(schedule, nan_in)
+    assert isinstance(broken, str) or broken > 10 * tol, broken
+
+
 def test_launcher_and_kernel_agree_on_the_shared_memory_layout(monkeypatch):
     for t in ("float", "__half", "__nv_bfloat16"):
         for dmax in A.HEAD_DIMS:
             assert A.shared_bytes(t, dmax) <= 227 * 1024  # sm_90's opt-in limit per block
+            for kernel in ("dkdv", "dq"):  # every backward block fits sm_80's (163 KiB)
+                assert A.backward_shared_bytes(t, dmax, kernel) <= 163 * 1024, (t, dmax, kernel)
     assert A.shared_bytes("__half", 128) <= 163 * 1024  # sm_80's
     real = A.shared_bytes
     monkeypatch.setattr(A, "shared_bytes", lambda t, dmax: real(t, dmax) - 32)
     rng = np.random.default_rng(5)
     with cudacpu.emulate(), pytest.raises(cudacpu.LaunchError, match="__trap"):
         _run(*_inputs(rng, np.float32, 1, 1, 1, 4, 4, 16, 16))
+
+
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+def test_backward_launcher_and_kernels_agree_on_the_shared_memory_layout(monkeypatch, kernel):
+    real = A.backward_shared_bytes
+    monkeypatch.setattr(
+        A,
+        "backward_shared_bytes",
+        lambda t, dmax, which: real(t, dmax, which) - (32 if which == kernel else 0),
+    )
+    rng = np.random.default_rng(5)
+    q, k, v = _inputs(rng, np.float16, 1, 1, 1, 4, 4, 16, 16)
+    options = dict(causal=False, input_pos=0, q_lengths=None, k_lengths=None)
+    with cudacpu.emulate(), pytest.raises(cudacpu.LaunchError, match="__trap"):
+        _backward(q, k, v, q, **options)
 
 
 def test_routing_declares_what_the_kernel_serves():
@@ -410,10 +700,11 @@ def test_launcher_needs_neither_torch_nor_triton_and_cpu_runs_import_no_cupy():
 
 
 SANITIZED_RUN = """
-import math, numpy as np, ml_dtypes
+import math, os, numpy as np, ml_dtypes
 from xpkernels.backends.cupy import attention as A
 from xpkernels.testing import cudacpu
 rng = np.random.default_rng(0)
+sanitizer = os.environ["XPKERNELS_CUDACPU_SANITIZE"]
 with cudacpu.emulate():
     for t, d in ((np.float16, 64), (ml_dtypes.bfloat16, 40), (np.float32, 128)):
         shapes = ((1, 2, 70, d), (1, 1, 70, d), (1, 1, 70, d), (1, 2, 70, d), (1, 2, 70))
@@ -421,9 +712,20 @@ with cudacpu.emulate():
                             (*shapes[:4], shapes[4], shapes[4]))
         for a in (q, k, v):
             a[...] = rng.standard_normal(a.shape)
-        A.forward(o, q, k, v, m, l, scale=1 / math.sqrt(d), causal=True, input_pos=0,
-                  q_lengths=None, k_lengths=np.array([66], np.int32))
+        options = dict(scale=1 / math.sqrt(d), causal=True, input_pos=0, q_lengths=None,
+                       k_lengths=np.array([66], np.int32))
+        A.forward(o, q, k, v, m, l, **options)
         assert np.isfinite(o.astype(np.float32)).all()
+        # The backward: float16 (bfloat16's wmma path is the same) under both sanitizers, the
+        # SIMT float32 path (its in-place P and dS, the largest layout) under ASan only (TSan's
+        # threads make it ~30 s).
+        if t is ml_dtypes.bfloat16 or (t is np.float32 and sanitizer == "thread"):
+            continue
+        do, dq, dk, dv = (cudacpu.empty(a.shape, t) for a in (o, q, k, v))
+        do[...] = rng.standard_normal(do.shape)
+        delta = cudacpu.empty(shapes[4], np.float32)
+        A.backward(do, q, k, v, o, m, l, dq, dk, dv, delta, None, **options)
+        assert all(np.isfinite(g.astype(np.float32)).all() for g in (dq, dk, dv))
 print("clean")
 """
 
@@ -462,6 +764,9 @@ def test_nvrtc_builds_every_instantiation_on_tensor_cores_without_spills(arch):
     assert set(entry["kernels"]) == set(A.name_expressions())
     for name, k in entry["kernels"].items():
         assert k["spill_store_bytes"] == 0 and k["spill_load_bytes"] == 0, (name, k)
-        sixteen_bit = re.match(r"attention_forward<(__half|__nv_bfloat16),", name) is not None
+        if name == A.DELTA_KERNEL:  # rowsum(do * o): scalar loads of any float dtype, no products
+            assert k["tensor_core"] == "none", (name, k)
+            continue
+        sixteen_bit = re.match(r"attention_\w+<(__half|__nv_bfloat16),", name) is not None
         assert k["tensor_core"] == ("wmma" if sixteen_bit else "none"), (name, k)
         assert k["global_load_bits"] == 128, (name, k)  # 16-byte staging loads of Q, K, V

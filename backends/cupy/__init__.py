@@ -5,10 +5,9 @@ interface of :mod:`._loader`, so the same launchers and ``.cu`` files run on
 a GPU through ``cupy.RawModule`` (NVRTC) and on the CPU through
 :mod:`xpkernels.testing.cudacpu` (``with cudacpu.emulate(): ...``). Only CuPy
 is imported on the GPU path: no torch, no triton. So far ``rms_norm``,
-``layer_norm``, ``softmax``, ``decode_attention`` and the ``attention``
-forward have CUDA C kernels (``attention``'s backward runs the array_api
-backend's code from the same checkpoints); routing sends the other ops on
-CuPy arrays to the array_api backend (warned once).
+``layer_norm``, ``softmax``, ``decode_attention`` and ``attention`` (forward
+and backward) have CUDA C kernels; routing sends the other ops on CuPy
+arrays to the array_api backend (warned once).
 
 Routing reads :data:`BACKEND`, which serves two kinds of calls:
 
@@ -102,10 +101,12 @@ BACKEND = Backend(
         "rms_norm": _NORM,
         "layer_norm": _NORM,
         "softmax": Capability(dtypes=_DTYPES),
-        # Forward in CUDA C (wmma for float16/bfloat16, SIMT for float32; shared memory per
-        # block: attention.shared_bytes, at most ~104 KiB); the backward is array_api's,
-        # which uses both scratch fields (delta, dq_accum).
-        "attention": Capability(dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM),
+        # Forward and backward in CUDA C (wmma for float16/bfloat16, SIMT for float32; shared
+        # memory per block: attention.shared_bytes and backward_shared_bytes, at most ~163 KiB);
+        # the backward computes dQ in its own pass: no dq_accum scratch.
+        "attention": Capability(
+            dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",)
+        ),
         "decode_attention": Capability(
             dtypes=_DTYPES, max_head_dim=_DECODE_HEAD_DIM, hooks=("default_splits",)
         ),

@@ -1,4 +1,6 @@
-// Attention forward, FA2-style: o = softmax(scale * q k^T + mask) v, with the checkpoints
+// Attention forward and (below the forward) backward in CUDA C.
+//
+// Forward, FA2-style: o = softmax(scale * q k^T + mask) v, with the checkpoints
 //   m = max_j s_j (natural-log units),  l = sum_j e^(s_j - m)   (m = -inf, l = 0, o = 0 on a
 //   fully masked row).
 //
@@ -162,7 +164,8 @@ __device__ __forceinline__ bool finite(float x) { return fabsf(x) <= 3.402823466
 
 // dst (ROWS x DMAX, row stride ld) = src rows [0, rows) x columns [0, cols), zeros elsewhere.
 // vec: 16-byte accesses (cols, the row stride and src are multiples of 16 bytes). With
-// `clean`, a non-finite element is staged as 0 and bad[c] lowered to its key first + r.
+// `clean`, a non-finite element is staged as 0 and (unless bad is null) bad[c] lowered to
+// its key first + r.
 template <typename T, int ROWS, int DMAX>
 __device__ __forceinline__ void stage(
     T* dst, int ld, const T* src, long long stride, int rows, int cols, bool vec, bool clean,
@@ -184,7 +187,7 @@ __device__ __forceinline__ void stage(
                 for (int i = 0; i < V; ++i) {
                     if (!finite(xk::to_float(val.v[i]))) {
                         val.v[i] = zero;
-                        atomicMin(bad + c + i, first + r);
+                        if (bad != nullptr) atomicMin(bad + c + i, first + r);
                     }
                 }
             }
@@ -196,7 +199,7 @@ __device__ __forceinline__ void stage(
             T val = r < rows && c < cols ? src[r * stride + c] : zero;
             if (clean && !finite(xk::to_float(val))) {
                 val = zero;
-                atomicMin(bad + c, first + r);
+                if (bad != nullptr) atomicMin(bad + c, first + r);
             }
             dst[r * ld + c] = val;
         }
@@ -341,4 +344,364 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_forward(
             nan ? nan_f : l == 0.0f ? xk::neg_inf() : m * LN2;
         l_out[b * stride_lb + h * stride_lh + row * stride_ls] = l;
     }
+}
+
+// ------------------------------------------------------------------------------------------
+// Backward, FA2-style, from the forward's checkpoints: with lse_i = m_i + ln l_i (in base 2,
+// lse2_i = lse_i log2 e), p_ij = 2^(scale_log2 s_ij - lse2_i) on the visible pairs (0 on the
+// others, by selection), delta_i = rowsum(do_i * o_i) and ds_ij = p_ij (do_i . v_j - delta_i):
+//   dv_j = sum_i p_ij do_i,  dk_j = scale sum_i ds_ij q_i,  dq_i = scale sum_j ds_ij k_j.
+// Three kernels, launched in this order:
+//   attention_backward_delta: delta (caller scratch, float32) of every query row (0 past
+//     q_lengths[b]), one warp per row;
+//   attention_backward_dkdv: one block per (batch, kv head, tile of BM = 16 * WARPS keys;
+//     warp w owns keys 16w .. 16w + 15), K and V staged once; it walks every query head of
+//     the kv head's group and their query tiles of BQ rows that see a key of the tile, in the
+//     transposed form (S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q), so dk and dv
+//     are written once, without atomics, summed over the group;
+//   attention_backward_dq: one block per (query tile of BM rows, batch, query head), as the
+//     forward, walking the key tiles it sees (S = Q K^T, dP = dO V^T, dQ += dS K): dq is a
+//     separate deterministic pass.
+// Products run as the forward's (WarpMma: wmma for __half/__nv_bfloat16, SIMT for float);
+// P and dS are rounded to T before their products, as FA2 does. A row with l = 0 sees no
+// key (p = 0). A key past k_lengths[b] and a query past q_lengths[b] get zero gradients.
+// In tiles crossing the causal diagonal, the right operand of a product whose left operand
+// is zero on masked pairs (Q in dK += dS^T Q, K in dQ += dS K) is staged with non-finite
+// values as 0, so a NaN of q, k or v reaches only the gradients of the rows and keys that
+// see it (those get it through p, whose lse is NaN on a row that saw a NaN score in the
+// forward).
+// do and o may be float, __half or __nv_bfloat16 (kinds 0, 1, 2), as may dq, dk and dv.
+namespace {
+
+constexpr float LOG2E = 1.4426950408889634f;
+
+__device__ __forceinline__ float load_kind(const void* p, int kind, long long at) {
+    if (kind == 0) return static_cast<const float*>(p)[at];
+    if (kind == 1) return xk::to_float(static_cast<const __half*>(p)[at]);
+    return xk::to_float(static_cast<const __nv_bfloat16*>(p)[at]);
+}
+
+// dst (ROWS x DMAX of T, row stride ld) = src (of `kind`) rows [0, rows) x columns [0, cols),
+// zeros elsewhere (scalar loads: src's dtype may differ from T).
+template <typename T, int ROWS, int DMAX>
+__device__ __forceinline__ void stage_kind(
+    T* dst, int ld, const void* src, int kind, long long at, long long stride, int rows, int cols) {
+    for (int e = threadIdx.x; e < ROWS * DMAX; e += blockDim.x) {
+        const int r = e / DMAX, c = e % DMAX;
+        const float val = r < rows && c < cols ? load_kind(src, kind, at + r * stride + c) : 0.0f;
+        dst[r * ld + c] = xk::from_float<T>(val);
+    }
+}
+
+// Shared memory of a backward block: A rows of the block's own side (keys for dK/dV, queries
+// for dQ) and N rows of the side it walks; accumulators X and Y (16 x DMAX per warp, float).
+// TILES tiles of T (A x N) from the element-wise step (dK/dV: P and dS; dQ: dS), and
+// ROW_VALUES 4-byte values per walked row (dK/dV: its key limit, lse2 and delta). For float
+// those tiles are the scores' and dP's own storage (the element-wise step runs in place).
+template <typename T, int A, int N, int DMAX, int ACCS, int TILES, int ROW_VALUES>
+struct BackwardLayout {
+    static constexpr bool ALIAS = sizeof(T) == sizeof(float);
+    static constexpr int PAD = 16 / static_cast<int>(sizeof(T));
+    static constexpr int LD_T = DMAX + PAD;     // staged rows (T)
+    static constexpr int LD_S = N + 4;          // scores and dP (float)
+    static constexpr int LD_P = N + PAD;        // P and dS (T)
+    static constexpr int LD_O = DMAX + 4;       // accumulators (float)
+    static constexpr unsigned long long round32(unsigned long long n) { return (n + 31) / 32 * 32; }
+    static constexpr unsigned long long OWN1 = 0;                                   // K or Q
+    static constexpr unsigned long long OWN2 = OWN1 + round32(sizeof(T) * A * LD_T); // V or dO
+    static constexpr unsigned long long WALK1 = OWN2 + round32(sizeof(T) * A * LD_T);  // Q or K
+    static constexpr unsigned long long WALK2 = WALK1 + round32(sizeof(T) * N * LD_T); // dO or V
+    static constexpr unsigned long long S = WALK2 + round32(sizeof(T) * N * LD_T);
+    static constexpr unsigned long long DP = S + round32(sizeof(float) * A * LD_S);
+    static constexpr unsigned long long PT = DP + round32(sizeof(float) * A * LD_S);
+    static constexpr unsigned long long ACC =
+        ALIAS ? PT : PT + TILES * round32(sizeof(T) * A * LD_P);
+    static constexpr int LD_PS = ALIAS ? LD_S : LD_P;  // row stride of those tiles (elements)
+    // Tile n (< TILES) of the element-wise step.
+    static constexpr unsigned long long tile(int n) {
+        return ALIAS ? (n == 0 ? S : DP) : PT + n * round32(sizeof(T) * A * LD_P);
+    }
+    static constexpr unsigned long long ROWS = ACC + round32(sizeof(float) * ACCS * A * LD_O);
+    // + 32: the base is aligned up to 32 bytes (wmma's pointer alignment) inside the kernel.
+    static constexpr unsigned long long BYTES = ROWS + round32(ROW_VALUES * sizeof(float) * N) + 32;
+};
+
+template <typename L>
+__device__ __forceinline__ unsigned char* backward_smem(unsigned long long shared_bytes) {
+    if (shared_bytes < L::BYTES) __trap();  // the launcher's layout must match this one
+    unsigned char* base = xk::dynamic_smem<unsigned char>();
+    return base + (32 - reinterpret_cast<unsigned long long>(base) % 32) % 32;
+}
+
+// Keys [0, limit) are visible to query `row` (0 past q_lengths and on a row with l = 0).
+__device__ __forceinline__ int key_limit(
+    long long row, long long nq, long long nk, long long pos, int causal, float l) {
+    if (row >= nq || l == 0.0f) return 0;
+    return static_cast<int>(causal ? clamp(pos + row + 1, 0, nk) : nk);
+}
+
+__device__ __forceinline__ float lse2_of(float m, float l) { return m * LOG2E + log2f(l); }
+
+// p and ds of one visible-or-not pair, by selection (never 0 * NaN on a masked pair).
+__device__ __forceinline__ void pair_grads(
+    bool visible, float s, float dp, float lse2, float delta, float scale_log2, float& p,
+    float& ds) {
+    p = visible ? exp2f(s * scale_log2 - lse2) : 0.0f;
+    ds = visible ? p * (dp - delta) : 0.0f;
+}
+
+}  // namespace
+
+template <int ROWS_PER_BLOCK>
+__global__ void __launch_bounds__(32 * ROWS_PER_BLOCK) attention_backward_delta(
+    float* __restrict__ delta,        // (B, H, Sq)
+    const void* d_o, int do_kind,     // (B, H, Sq, Dv)
+    const void* o, int o_kind,        // (B, H, Sq, Dv)
+    const void* q_lengths, long long stride_qlen, int width_qlen,
+    int heads, int sq, int dv, int rows_total,   // rows_total = B * H * Sq
+    long long stride_db, long long stride_dh, long long stride_ds,
+    long long stride_dob, long long stride_doh, long long stride_dos,
+    long long stride_ob, long long stride_oh, long long stride_os)
+{
+    const int lane = threadIdx.x & 31;
+    const int row = static_cast<int>(blockIdx.x) * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (row >= rows_total) return;  // the whole warp leaves
+    const int i = row % sq, bh = row / sq;
+    const long long b = bh / heads, h = bh % heads;
+    const long long nq = clamp(batch_value(q_lengths, stride_qlen, width_qlen, b, sq), 0, sq);
+    float sum = 0.0f;
+    if (i < nq) {
+        const long long at_do = b * stride_dob + h * stride_doh + i * stride_dos;
+        const long long at_o = b * stride_ob + h * stride_oh + i * stride_os;
+        for (int c = lane; c < dv; c += 32)
+            sum = fmaf(load_kind(d_o, do_kind, at_do + c), load_kind(o, o_kind, at_o + c), sum);
+    }
+    sum = xk::warp_sum(sum);
+    if (lane == 0) delta[b * stride_db + h * stride_dh + i * stride_ds] = sum;
+}
+
+template <typename T, int BQ, int DMAX>
+__global__ void __launch_bounds__(32 * WARPS, 1) attention_backward_dkdv(
+    void* __restrict__ dk, int dk_kind,   // (B, Hkv, Sk, D)
+    void* __restrict__ dv, int dv_kind,   // (B, Hkv, Sk, Dv)
+    const T* q, const T* k, const T* v,
+    const void* d_o, int do_kind,         // (B, H, Sq, Dv)
+    const float* m, const float* l, const float* delta,   // (B, H, Sq)
+    const void* q_lengths, long long stride_qlen, int width_qlen,
+    const void* k_lengths, long long stride_klen, int width_klen,
+    const void* input_pos, long long stride_pos, int width_pos,
+    long long pos_value,
+    int kv_heads, int group, int sq, int sk, int d, int d_v,
+    int kv_tiles,                         // ceil(Sk / BM)
+    int causal, float scale, float scale_log2,
+    int vec_q, int vec_k, int vec_v,
+    unsigned long long shared_bytes,
+    long long stride_qb, long long stride_qh, long long stride_qs,
+    long long stride_kb, long long stride_kh, long long stride_ks,
+    long long stride_vb, long long stride_vh, long long stride_vs,
+    long long stride_dob, long long stride_doh, long long stride_dos,
+    long long stride_mb, long long stride_mh, long long stride_ms,
+    long long stride_lb, long long stride_lh, long long stride_ls,
+    long long stride_db, long long stride_dh, long long stride_ds,
+    long long stride_dkb, long long stride_dkh, long long stride_dks,
+    long long stride_dvb, long long stride_dvh, long long stride_dvs)
+{
+    using L = BackwardLayout<T, BM, BQ, DMAX, 2, 2, 3>;
+    unsigned char* base = backward_smem<L>(shared_bytes);
+    const int block = static_cast<int>(blockIdx.x);
+    const int j0 = block % kv_tiles * BM;  // the keys of the first tiles see the most queries
+    const int bg = block / kv_tiles;
+    const long long b = bg / kv_heads, g = bg % kv_heads;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    const long long nk = clamp(batch_value(k_lengths, stride_klen, width_klen, b, sk), 0, sk);
+    const long long nq = clamp(batch_value(q_lengths, stride_qlen, width_qlen, b, sq), 0, sq);
+    const long long pos =
+        causal ? clamp(batch_value(input_pos, stride_pos, width_pos, b, pos_value), -sq, sk) : 0;
+    const int keys = static_cast<int>(clamp(nk - j0, 0, BM));  // valid keys of the tile
+    // Queries [q_first, nq) see a key of the tile (the first sees key j0 when causal).
+    const int q_first = keys == 0 ? static_cast<int>(nq)
+                        : causal  ? static_cast<int>(clamp(j0 - pos, 0, nq))
+                                  : 0;
+
+    T* ks = reinterpret_cast<T*>(base + L::OWN1);
+    T* vs = reinterpret_cast<T*>(base + L::OWN2);
+    T* qs = reinterpret_cast<T*>(base + L::WALK1);
+    T* dos = reinterpret_cast<T*>(base + L::WALK2);
+    float* ss = reinterpret_cast<float*>(base + L::S) + warp * 16 * L::LD_S;
+    float* dps = reinterpret_cast<float*>(base + L::DP) + warp * 16 * L::LD_S;
+    constexpr int LD_P = L::LD_PS;
+    T* ps = reinterpret_cast<T*>(base + L::tile(0)) + warp * 16 * LD_P;
+    T* dss = reinterpret_cast<T*>(base + L::tile(1)) + warp * 16 * LD_P;
+    float* dk_acc = reinterpret_cast<float*>(base + L::ACC) + warp * 16 * L::LD_O;
+    float* dv_acc = dk_acc + BM * L::LD_O;
+    int* lim = reinterpret_cast<int*>(base + L::ROWS);
+    float* lse2 = reinterpret_cast<float*>(lim + BQ);
+    float* dl = lse2 + BQ;
+
+    // Lane (r, half): key row r of the warp's 16, half of the columns.
+    const int r = lane & 15, half = lane >> 4;
+    const int key = j0 + warp * 16 + r;
+    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) {
+        dk_acc[r * L::LD_O + c] = 0.0f;
+        dv_acc[r * L::LD_O + c] = 0.0f;
+    }
+    stage<T, BM, DMAX>(ks, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks, stride_ks,
+                       keys, d, vec_k != 0, false, nullptr, 0);
+    stage<T, BM, DMAX>(vs, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs, stride_vs,
+                       keys, d_v, vec_v != 0, false, nullptr, 0);
+    const int q_start = q_first / BQ * BQ;
+
+    for (int hh = 0; hh < group; ++hh) {
+        const long long h = g * group + hh;
+        for (int i0 = q_start; i0 < nq; i0 += BQ) {
+            __syncthreads();  // the previous tile's Q, dO and row values are no longer read
+            const int rows = static_cast<int>(clamp(nq - i0, 0, BQ));
+            const bool diagonal = causal && j0 + keys - 1 > pos + i0;
+            stage<T, BQ, DMAX>(qs, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs,
+                               stride_qs, rows, d, vec_q != 0, diagonal, nullptr, 0);
+            stage_kind<T, BQ, DMAX>(dos, L::LD_T, d_o, do_kind,
+                                    b * stride_dob + h * stride_doh + i0 * stride_dos, stride_dos,
+                                    rows, d_v);
+            for (int c = threadIdx.x; c < BQ; c += blockDim.x) {
+                const long long i = i0 + c;
+                float li = 0.0f, mi = 0.0f, di = 0.0f;
+                if (i < nq) {
+                    li = l[b * stride_lb + h * stride_lh + i * stride_ls];
+                    mi = m[b * stride_mb + h * stride_mh + i * stride_ms];
+                    di = delta[b * stride_db + h * stride_dh + i * stride_ds];
+                }
+                lim[c] = key_limit(i, nq, nk, pos, causal, li);
+                lse2[c] = lse2_of(mi, li);
+                dl[c] = di;
+            }
+            __syncthreads();
+            WarpMma<T, BQ, DMAX>::scores(ss, L::LD_S, ks + warp * 16 * L::LD_T, L::LD_T, qs,
+                                         L::LD_T);
+            WarpMma<T, BQ, DMAX>::scores(dps, L::LD_S, vs + warp * 16 * L::LD_T, L::LD_T, dos,
+                                         L::LD_T);
+            __syncwarp(xk::FULL_MASK);
+            for (int c = half * (BQ / 2); c < (half + 1) * (BQ / 2); ++c) {
+                float p, ds;
+                pair_grads(key < lim[c], ss[r * L::LD_S + c], dps[r * L::LD_S + c], lse2[c],
+                           dl[c], scale_log2, p, ds);
+                ps[r * LD_P + c] = xk::from_float<T>(p);
+                dss[r * LD_P + c] = xk::from_float<T>(ds);
+            }
+            __syncwarp(xk::FULL_MASK);
+            WarpMma<T, BQ, DMAX>::accumulate(dv_acc, L::LD_O, ps, LD_P, dos, L::LD_T);
+            WarpMma<T, BQ, DMAX>::accumulate(dk_acc, L::LD_O, dss, LD_P, qs, L::LD_T);
+            __syncwarp(xk::FULL_MASK);
+        }
+    }
+
+    if (key >= sk) return;
+    const long long at_k = b * stride_dkb + g * stride_dkh + key * stride_dks;
+    const long long at_v = b * stride_dvb + g * stride_dvh + key * stride_dvs;
+    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) {
+        if (c < d) store_out(dk, dk_kind, at_k + c, key < nk ? dk_acc[r * L::LD_O + c] * scale : 0.0f);
+        if (c < d_v) store_out(dv, dv_kind, at_v + c, key < nk ? dv_acc[r * L::LD_O + c] : 0.0f);
+    }
+}
+
+template <typename T, int BN, int DMAX>
+__global__ void __launch_bounds__(32 * WARPS, 1) attention_backward_dq(
+    void* __restrict__ dq, int dq_kind,   // (B, H, Sq, D)
+    const T* q, const T* k, const T* v,
+    const void* d_o, int do_kind,         // (B, H, Sq, Dv)
+    const float* m, const float* l, const float* delta,   // (B, H, Sq)
+    const void* q_lengths, long long stride_qlen, int width_qlen,
+    const void* k_lengths, long long stride_klen, int width_klen,
+    const void* input_pos, long long stride_pos, int width_pos,
+    long long pos_value,
+    int heads, int group, int sq, int sk, int d, int d_v,
+    int q_tiles,                          // ceil(Sq / BM)
+    int causal, float scale, float scale_log2,
+    int vec_q, int vec_k, int vec_v,
+    unsigned long long shared_bytes,
+    long long stride_qb, long long stride_qh, long long stride_qs,
+    long long stride_kb, long long stride_kh, long long stride_ks,
+    long long stride_vb, long long stride_vh, long long stride_vs,
+    long long stride_dob, long long stride_doh, long long stride_dos,
+    long long stride_mb, long long stride_mh, long long stride_ms,
+    long long stride_lb, long long stride_lh, long long stride_ls,
+    long long stride_db, long long stride_dh, long long stride_ds,
+    long long stride_dqb, long long stride_dqh, long long stride_dqs)
+{
+    using L = BackwardLayout<T, BM, BN, DMAX, 1, 1, 0>;
+    unsigned char* base = backward_smem<L>(shared_bytes);
+    const int block = static_cast<int>(blockIdx.x);
+    const int i0 = (q_tiles - 1 - block % q_tiles) * BM;  // the longest causal tiles first
+    const int bh = block / q_tiles;
+    const long long b = bh / heads, h = bh % heads, g = (bh % heads) / group;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    const long long nk = clamp(batch_value(k_lengths, stride_klen, width_klen, b, sk), 0, sk);
+    const long long nq = clamp(batch_value(q_lengths, stride_qlen, width_qlen, b, sq), 0, sq);
+    const long long pos =
+        causal ? clamp(batch_value(input_pos, stride_pos, width_pos, b, pos_value), -sq, sk) : 0;
+    const int rows = static_cast<int>(clamp(nq - i0, 0, BM));
+    const int k_end =
+        rows == 0 ? 0 : causal ? static_cast<int>(clamp(pos + i0 + rows, 0, nk)) : static_cast<int>(nk);
+
+    T* qs = reinterpret_cast<T*>(base + L::OWN1);
+    T* dos = reinterpret_cast<T*>(base + L::OWN2);
+    T* ks = reinterpret_cast<T*>(base + L::WALK1);
+    T* vs = reinterpret_cast<T*>(base + L::WALK2);
+    float* ss = reinterpret_cast<float*>(base + L::S) + warp * 16 * L::LD_S;
+    float* dps = reinterpret_cast<float*>(base + L::DP) + warp * 16 * L::LD_S;
+    constexpr int LD_P = L::LD_PS;
+    T* dss = reinterpret_cast<T*>(base + L::tile(0)) + warp * 16 * LD_P;
+    float* dq_acc = reinterpret_cast<float*>(base + L::ACC) + warp * 16 * L::LD_O;
+
+    // Lane (r, half): query row r of the warp's 16, half of the columns.
+    const int r = lane & 15, half = lane >> 4;
+    const int row = i0 + warp * 16 + r;
+    float l_row = 0.0f, m_row = 0.0f, delta_row = 0.0f;
+    if (row < nq) {
+        l_row = l[b * stride_lb + h * stride_lh + row * stride_ls];
+        m_row = m[b * stride_mb + h * stride_mh + row * stride_ms];
+        delta_row = delta[b * stride_db + h * stride_dh + row * stride_ds];
+    }
+    const int limit = key_limit(row, nq, nk, pos, causal, l_row);
+    const float lse2 = lse2_of(m_row, l_row);
+    const int warp_first = i0 + warp * 16;
+    const long long warp_last_pos = pos + clamp(nq - 1, 0, warp_first + 15);
+
+    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) dq_acc[r * L::LD_O + c] = 0.0f;
+    stage<T, BM, DMAX>(qs, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs, stride_qs,
+                       rows, d, vec_q != 0, false, nullptr, 0);
+    stage_kind<T, BM, DMAX>(dos, L::LD_T, d_o, do_kind,
+                            b * stride_dob + h * stride_doh + i0 * stride_dos, stride_dos, rows,
+                            d_v);
+
+    for (int j0 = 0; j0 < k_end; j0 += BN) {
+        __syncthreads();  // the previous tile's K and V are no longer read (Q, dO staged)
+        const int keys = static_cast<int>(nk - j0 < BN ? nk - j0 : BN);
+        const bool diagonal = causal && j0 + keys - 1 > pos + i0;
+        stage<T, BN, DMAX>(ks, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks,
+                           stride_ks, keys, d, vec_k != 0, diagonal, nullptr, 0);
+        stage<T, BN, DMAX>(vs, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs,
+                           stride_vs, keys, d_v, vec_v != 0, false, nullptr, 0);
+        __syncthreads();
+        if (warp_first >= nq || (causal && j0 > warp_last_pos)) continue;  // warp-uniform
+        WarpMma<T, BN, DMAX>::scores(ss, L::LD_S, qs + warp * 16 * L::LD_T, L::LD_T, ks, L::LD_T);
+        WarpMma<T, BN, DMAX>::scores(dps, L::LD_S, dos + warp * 16 * L::LD_T, L::LD_T, vs,
+                                     L::LD_T);
+        __syncwarp(xk::FULL_MASK);
+        for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
+            float p, ds;
+            pair_grads(j0 + c < limit, ss[r * L::LD_S + c], dps[r * L::LD_S + c], lse2, delta_row,
+                       scale_log2, p, ds);
+            dss[r * LD_P + c] = xk::from_float<T>(ds);
+        }
+        __syncwarp(xk::FULL_MASK);
+        WarpMma<T, BN, DMAX>::accumulate(dq_acc, L::LD_O, dss, LD_P, ks, L::LD_T);
+        __syncwarp(xk::FULL_MASK);
+    }
+
+    if (row >= sq) return;
+    const long long at = b * stride_dqb + h * stride_dqh + row * stride_dqs;
+    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2) && c < d; ++c)
+        store_out(dq, dq_kind, at + c, limit > 0 ? dq_acc[r * L::LD_O + c] * scale : 0.0f);
 }
