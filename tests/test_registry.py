@@ -197,17 +197,17 @@ def test_cupy_ops_without_kernels_fall_back_with_one_warning(cupy_arrays_on_cuda
     arrays = _arrays(np)
     with pytest.warns(
         RuntimeWarning,
-        match="because backend 'cupy' cannot serve it: it has no attention_varlen kernel",
+        match="because backend 'cupy' cannot serve it: it has no merge_attention_states kernel",
     ):
-        assert resolve("attention_varlen", arrays).backend == "array_api"
+        assert resolve("merge_attention_states", arrays).backend == "array_api"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve("attention_varlen", arrays).backend == "array_api"
+        assert resolve("merge_attention_states", arrays).backend == "array_api"
     with pytest.raises(
         BackendError,
-        match="'cupy' .* cannot serve cupy arrays on cuda: it has no attention_varlen kernel",
+        match="'cupy' .* cannot serve cupy arrays on cuda: it has no merge_attention_states kernel",
     ):
-        resolve("attention_varlen", arrays, backend="cupy")
+        resolve("merge_attention_states", arrays, backend="cupy")
 
 
 def test_cupy_without_a_device_falls_back_or_refuses(cupy_arrays_on_cuda):
@@ -232,8 +232,8 @@ def test_explicit_cupy_on_numpy_needs_emulate(monkeypatch):
     with cudacpu.emulate():
         assert resolve("rms_norm", arrays).backend == "array_api"
         assert resolve("rms_norm", arrays, backend="cupy").backend == "cupy"
-        with pytest.raises(BackendError, match="it has no attention_varlen kernel"):
-            resolve("attention_varlen", arrays, backend="cupy")
+        with pytest.raises(BackendError, match="it has no merge_attention_states kernel"):
+            resolve("merge_attention_states", arrays, backend="cupy")
 
 
 def test_backends_lists_cupy_with_its_reason(monkeypatch):
@@ -244,6 +244,7 @@ def test_backends_lists_cupy_with_its_reason(monkeypatch):
         "layer_norm",
         "softmax",
         "attention",
+        "attention_varlen",
         "decode_attention",
     ) and row.namespaces == ("cupy", "numpy")
     if importlib.util.find_spec("cupy") is None:

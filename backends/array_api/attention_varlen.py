@@ -19,7 +19,7 @@ import array_api_compat
 
 from . import attention
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "forward_per_sequence", "backward_per_sequence"]
 
 
 def _spans(cu, total: int) -> list[tuple[int, int]]:
@@ -78,13 +78,23 @@ def forward(
     Hkv, Dv); ``m``, ``l``: (H, Tq) float32 or None; ``cu_seqlens_q``,
     ``cu_seqlens_k``: (B + 1,) int32; ``input_pos`` an int or a (B,) array.
     """
+    forward_per_sequence(
+        attention, o, q, k, v, m, l, cu_seqlens_q, cu_seqlens_k, scale, causal, input_pos
+    )
+
+
+def forward_per_sequence(
+    impl, o, q, k, v, m, l, cu_seqlens_q, cu_seqlens_k, scale, causal, input_pos
+) -> None:
+    """:func:`forward` through ``impl``, any backend's attention module (its ``forward`` on
+    each sequence's ``(1, H, S, D)`` views, without lengths)."""
     xp = array_api_compat.array_namespace(o, q, k, v)
     q_spans = _spans(cu_seqlens_q, q.shape[0])
     k_spans = _spans(cu_seqlens_k, k.shape[0])
     for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
         if q_span[1] == q_span[0]:
             continue
-        attention.forward(
+        impl.forward(
             *forward_views(xp, (o, q, k, v, m, l), q_span, k_span),
             scale=scale,
             causal=causal,
@@ -122,14 +132,22 @@ def backward(
     ``delta`` (H, Tq) and ``dq_accum`` (Tq, H, D) are attention's scratch,
     viewed per sequence. Shapes and options as :func:`forward`.
     """
+    arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)
+    backward_per_sequence(attention, arrays, cu_seqlens_q, cu_seqlens_k, scale, causal, input_pos)
+
+
+def backward_per_sequence(impl, arrays, cu_seqlens_q, cu_seqlens_k, scale, causal, input_pos):
+    """:func:`backward` through ``impl``, any backend's attention module, over ``arrays``
+    ``(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)`` (``dq_accum`` may be None where
+    ``impl`` uses none)."""
+    do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum = arrays
     xp = array_api_compat.array_namespace(do, q, k, v, o)
     q_spans = _spans(cu_seqlens_q, q.shape[0])
     k_spans = _spans(cu_seqlens_k, k.shape[0])
-    arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)
     for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
         if q_span[1] == q_span[0] and k_span[1] == k_span[0]:
             continue
-        attention.backward(
+        impl.backward(
             *backward_views(xp, arrays, q_span, k_span),
             scale=scale,
             causal=causal,
@@ -158,7 +176,8 @@ def forward_views(xp, arrays, q_span, k_span) -> tuple:
 
 
 def backward_views(xp, arrays, q_span, k_span) -> tuple:
-    """Sequence views of the backward's ``(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)``."""
+    """Sequence views of the backward's ``(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)``
+    (``dq_accum`` may be None: its view is None)."""
     do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum = arrays
     (q0, q1), (k0, k1) = q_span, k_span
     return (
@@ -173,7 +192,7 @@ def backward_views(xp, arrays, q_span, k_span) -> tuple:
         _heads_first(xp, dk, k0, k1),
         _heads_first(xp, dv, k0, k1),
         _rows(xp, delta, q0, q1),
-        _heads_first(xp, dq_accum, q0, q1),
+        None if dq_accum is None else _heads_first(xp, dq_accum, q0, q1),
     )
 
 

@@ -6,7 +6,8 @@ a GPU through ``cupy.RawModule`` (NVRTC) and on the CPU through
 :mod:`xpkernels.testing.cudacpu` (``with cudacpu.emulate(): ...``). Only CuPy
 is imported on the GPU path: no torch, no triton. So far ``rms_norm``,
 ``layer_norm``, ``softmax``, ``decode_attention`` and ``attention`` (forward
-and backward) have CUDA C kernels; routing sends the other ops on CuPy
+and backward; ``attention_varlen`` runs them per sequence) have CUDA C
+kernels; routing sends the other ops on CuPy
 arrays to the array_api backend (warned once).
 
 Routing reads :data:`BACKEND`, which serves two kinds of calls:
@@ -105,6 +106,10 @@ BACKEND = Backend(
         # memory per block: attention.shared_bytes and backward_shared_bytes, at most ~163 KiB);
         # the backward computes dQ in its own pass: no dq_accum scratch.
         "attention": Capability(
+            dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",)
+        ),
+        # The attention kernels on each sequence's views (attention_varlen.py).
+        "attention_varlen": Capability(
             dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",)
         ),
         "decode_attention": Capability(

@@ -115,12 +115,10 @@ def backward(
     visits, q_spans, k_spans = sequences(
         cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], input_pos, planner, backward=True
     )
-    # dq stands in for dq_accum (not used, maybe None): its view is replaced by None
-    arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq)
+    arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, None)  # dq_accum is not used
     for b, q_span, k_span, position, plan in visits:
-        views: list = [*backward_views(xp, arrays, q_span, k_span)[:11], None]
         flex_attention.backward(
-            *views,
+            *backward_views(xp, arrays, q_span, k_span),
             scale=scale,
             input_pos=position,
             score_mod=_offset(score_mod, b),
