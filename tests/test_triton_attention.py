@@ -691,3 +691,27 @@ def test_decode_groups_and_head_dims_match_reference(case, dtype):
     tri_decode.forward(o, q, k, v, _int(lengths), o_partial, m_partial, l_partial, scale=scale)
     ref = reference_decode(*(t.double().cpu().numpy() for t in (q, k, v)), lengths, scale)
     assert _err(o, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dim_256_backward_with_the_compiled_default_tiles(monkeypatch, causal):
+    """The 2-byte D=256 backward at its sm_90 default tiles (dQ: 64 query rows, 16-key
+    steps), not the interpreter's 16 x 16 ones: query tiles past the rows and, causal,
+    64-row tiles crossing the diagonal in 16-key steps."""
+    from xpkernels.backends.triton import _attn_common
+
+    monkeypatch.setattr(_attn_common, "interpreted", lambda: False)
+    assert tri_attention._DQ_TILES.choose(256, 2).block_m == 64
+    case = ("d256", 1, 2, 1, 80, 80, 256, 256, causal, 0, None, None, False)
+    rng = np.random.default_rng(256 + causal)
+    tensors, exact, opts, ref_opts = _attn_inputs(case, torch.float16, rng)
+    ref_out, ref_grad = reference_attention(
+        exact["q"], exact["k"], exact["v"], exact["do"], **ref_opts
+    )
+    state = [
+        _tensor(ref_out["o"], torch.float16),
+        *(torch.from_numpy(ref_out[s]).float().to(DEVICE) for s in ("m", "l")),
+    ]
+    grads = _run_backward(tensors, *state, opts)
+    for name in ("q", "k", "v"):
+        assert _err(grads[name], ref_grad[name]) <= BACKWARD_TOL[torch.float16], f"d{name}"
