@@ -36,7 +36,7 @@ def _report():
 #: Cases compiled in CI: one of each kernel family at the benchmark shapes
 #: (every attention kernel at D=128 causal, the forward at D=64, decode, the
 #: fused and streaming norm backwards with their dW reduction, a streaming
-#: forward and a fused softmax backward): 15 kernels, about 2 minutes on 2 shared CPU cores.
+#: forward and a fused softmax backward): 18 kernels, about 2 minutes on 2 shared CPU cores.
 CI_CASES = [
     "attention.fwd.D128.causal",
     "attention.bwd.D128.causal",
@@ -58,10 +58,13 @@ CI_KERNELS = [
     "decode.D128/_combine_kernel",
     "rms_norm.bwd.32768x4096/_backward_fused",
     "rms_norm.bwd.32768x4096/_reduce_partials_kernel",
+    "rms_norm.bwd.32768x4096/_cast_row_kernel",
     "rms_norm.bwd.4096x65536/_backward_streaming",
     "rms_norm.bwd.4096x65536/_reduce_partials_kernel",
+    "rms_norm.bwd.4096x65536/_cast_row_kernel",
     "layer_norm.bwd.4096x65536/_backward_streaming",
     "layer_norm.bwd.4096x65536/_reduce_partials_kernel",
+    "layer_norm.bwd.4096x65536/_cast_row_kernel",
     "layer_norm.fwd.4096x65536/_forward_streaming",
     "softmax.bwd.32768x4096/_backward_fused",
 ]

@@ -658,3 +658,60 @@ def test_odd_head_dims_use_the_masked_head_dim_variant(case, dtype):
     grads = _run_backward(tensors, o, m, l, opts)
     for name in ("q", "k", "v"):
         assert _err(grads[name], ref_grad[name]) <= BACKWARD_TOL[dtype], f"d{name}"
+
+
+# The transposed split kernel (s^T = K q^T, o^T += V^T p^T): GQA groups of 1, 4 and 8
+# query heads (padded to the 16 columns of both dots), even and odd head dims (the
+# q tile masked on D only when odd), several splits with a partial last tile.
+TRANSPOSED_DECODE_CASES = [
+    # id, H, Hkv, D, Dv
+    ("group1-odd-d", 3, 3, 20, 12),
+    ("group4-even-d", 8, 2, 32, 32),
+    ("group8-odd-d", 16, 2, 24, 40),
+    ("group8-even-d", 8, 1, 16, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "case", TRANSPOSED_DECODE_CASES, ids=[c[0] for c in TRANSPOSED_DECODE_CASES]
+)
+def test_decode_groups_and_head_dims_match_reference(case, dtype):
+    _, H, Hkv, D, Dv = case
+    B, Smax, n_splits, lengths = 2, 53, 3, [53, 18]
+    rng = np.random.default_rng(17)
+    q = torch.from_numpy(rng.standard_normal((B, H, D))).to(dtype).to(DEVICE)
+    k = _tensor(rng.standard_normal((B, Hkv, Smax, D)), dtype)
+    v = _tensor(rng.standard_normal((B, Hkv, Smax, Dv)), dtype)
+    o = torch.full((B, H, Dv), float("nan"), dtype=dtype, device=DEVICE)
+    o_partial = torch.full((B, H, n_splits, Dv), float("nan"), dtype=torch.float32, device=DEVICE)
+    m_partial = torch.full((B, H, n_splits), float("nan"), dtype=torch.float32, device=DEVICE)
+    l_partial = torch.full_like(m_partial, float("nan"))
+    scale = 1.0 / np.sqrt(D)
+    tri_decode.forward(o, q, k, v, _int(lengths), o_partial, m_partial, l_partial, scale=scale)
+    ref = reference_decode(*(t.double().cpu().numpy() for t in (q, k, v)), lengths, scale)
+    assert _err(o, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dim_256_backward_with_the_compiled_default_tiles(monkeypatch, causal):
+    """The 2-byte D=256 backward at its sm_90 default tiles (dQ: 64 query rows, 16-key
+    steps), not the interpreter's 16 x 16 ones: query tiles past the rows and, causal,
+    64-row tiles crossing the diagonal in 16-key steps."""
+    from xpkernels.backends.triton import _attn_common
+
+    monkeypatch.setattr(_attn_common, "interpreted", lambda: False)
+    assert tri_attention._DQ_TILES.choose(256, 2).block_m == 64
+    case = ("d256", 1, 2, 1, 80, 80, 256, 256, causal, 0, None, None, False)
+    rng = np.random.default_rng(256 + causal)
+    tensors, exact, opts, ref_opts = _attn_inputs(case, torch.float16, rng)
+    ref_out, ref_grad = reference_attention(
+        exact["q"], exact["k"], exact["v"], exact["do"], **ref_opts
+    )
+    state = [
+        _tensor(ref_out["o"], torch.float16),
+        *(torch.from_numpy(ref_out[s]).float().to(DEVICE) for s in ("m", "l")),
+    ]
+    grads = _run_backward(tensors, *state, opts)
+    for name in ("q", "k", "v"):
+        assert _err(grads[name], ref_grad[name]) <= BACKWARD_TOL[torch.float16], f"d{name}"

@@ -356,9 +356,9 @@ def test_reduce_partials_strided_into_half():
     partial = partial64.t().contiguous().float().to(DEVICE).t()
     assert partial.stride(1) != 1
     out = _vector(150, stride=2, dtype=torch.float16)[:37]
+    want = _exact(partial).sum(0)
     rms.reduce_partials(partial, out)
     assert out.dtype == torch.float16
-    want = _exact(partial).sum(0)
     assert max_error(_numpy(out), _numpy(want)) <= floor("rms_norm", "forward", "float16")
 
 
@@ -442,3 +442,17 @@ def test_cpu_tensors_without_interpreter_raise_backend_error():
     )
     assert out.returncode == 0, out.stderr
     assert "BackendError:" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reduce_partials_over_several_cast_blocks(dtype):
+    """Every column of a row wider than one cast block (and a partial past the last) is its
+    float32 sum in ``out``'s dtype: straight into float32, through row 0 of ``partial`` into
+    a 16-bit ``out``."""
+    m = _common.CAST_BLOCK + 5
+    partial = _randn((_common.REDUCE_BLOCK_P + 6, m), ("red-cast", m)).float().to(DEVICE)
+    want = _exact(partial).sum(0)
+    out = _vector(m, dtype=getattr(torch, dtype))
+    rms.reduce_partials(partial, out)
+    assert not torch.isnan(out).any()
+    assert max_error(_numpy(out), _numpy(want)) <= floor("rms_norm", "forward", dtype)

@@ -51,6 +51,7 @@ __all__ = [
     "RowConfig",
     "fill_empty_row_checkpoints",
     "launch_context",
+    "load_row_vector",
     "partial_programs",
     "resident_programs",
     "reduce_partials",
@@ -265,14 +266,29 @@ def fill_empty_row_checkpoints(eps: float, rstd, mean=None) -> None:
 
 
 @triton.jit
+def load_row_vector(ptr, cols, col_ok, ROWS: tl.constexpr):
+    """``ptr[cols]`` (0 where not ``col_ok``) as float32, repeated down ``ROWS`` rows.
+
+    Loaded as a ``(ROWS, BLOCK)`` tile, in the layout of the row tile it
+    scales: each thread reads its own 16-byte run of the vector (the copies
+    down the rows are L1 hits). A 1-D load of a chunk spread over a wide tile's
+    threads would be split into 2- or 4-byte pieces and re-laid out through
+    shared memory.
+    """
+    ptrs = tl.broadcast_to(ptr + cols[None, :], (ROWS, cols.shape[0]))
+    mask = tl.broadcast_to(col_ok[None, :], (ROWS, cols.shape[0]))
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _reduce_partials_kernel(
     partial_ptr,  # (P, M) float32 partial sums
-    out_ptr,  # (M,) output, any float dtype
+    total_ptr,  # (M,) column sums: out, or row 0 of partial (then cast by _cast_row_kernel)
     p,  # number of partial rows P
     m,  # row length M
     stride_partial_p,  # element stride between partial rows
     stride_partial_m,  # element stride along a partial row
-    stride_out,  # element stride of out
+    stride_total,  # element stride of total
     BLOCK_P: tl.constexpr,  # partial rows summed per step
     BLOCK_N: tl.constexpr,  # columns per program
 ):
@@ -289,39 +305,75 @@ def _reduce_partials_kernel(
         acc += tl.load(ptrs, mask=mask, other=0.0)
         start += BLOCK_P
     total = tl.sum(acc, axis=0)
-    tl.store(out_ptr + cols64 * stride_out, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(total_ptr + cols64 * stride_total, total.to(total_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _cast_row_kernel(
+    src_ptr,  # (M,) float32 column sums
+    out_ptr,  # (M,) output, a 16-bit float dtype
+    m,  # row length M
+    stride_src,  # element stride of src
+    stride_out,  # element stride of out
+    BLOCK: tl.constexpr,  # columns per program: 8 per thread, one 16-byte store each
+):
+    cols = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    ok = cols < m
+    total = tl.load(src_ptr + cols * stride_src, mask=ok, other=0.0)
+    tl.store(out_ptr + cols * stride_out, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 #: Columns per program (one 128-byte line of float32) and partial rows per step of
 #: the reduction: narrow column blocks give M / 32 programs (128 at M = 4096).
 REDUCE_BLOCK_N = 32
 REDUCE_BLOCK_P = 64
+#: Warps and columns per program of the cast to a 16-bit ``out``: 8 columns a thread
+#: (a 16-byte store; fewer columns than ``8 x threads`` would split it into 2-byte ones).
+CAST_WARPS = 4
+CAST_BLOCK = 8 * 32 * CAST_WARPS
 
 
 def reduce_partials(partial, out) -> None:
     """``out[:] = partial.sum(0)``, accumulated in float32, written in ``out``'s dtype.
 
+    The column sums of the narrow column blocks go straight to a float32
+    ``out``; for a 16-bit ``out`` they overwrite row 0 of ``partial`` (each
+    block's program has read its columns of every row first) and a second
+    kernel casts them into ``out`` with 16-byte stores.
+
     Parameters
     ----------
     partial : torch.Tensor
-        ``(P, M)`` float32 partial sums, any strides.
+        ``(P, M)`` float32 partial sums, any strides; row 0 is overwritten
+        when ``out`` is not float32.
     out : torch.Tensor
         ``(M,)`` output, any float dtype and stride.
     """
     p, m = partial.shape
     if m == 0:
         return
-    kernel = _reduce_partials_kernel
-    with launch_context(kernel, partial):
-        traced(kernel, partial)[(triton.cdiv(m, REDUCE_BLOCK_N),)](
+    direct = out.dtype == partial.dtype or p == 0
+    total = out if direct else partial[0]
+    with launch_context(_reduce_partials_kernel, partial):
+        traced(_reduce_partials_kernel, partial)[(triton.cdiv(m, REDUCE_BLOCK_N),)](
             partial,
-            out,
+            total,
             p,
             m,
             partial.stride(0),
             partial.stride(1),
-            out.stride(0),
+            total.stride(0),
             BLOCK_P=REDUCE_BLOCK_P,
             BLOCK_N=REDUCE_BLOCK_N,
             num_warps=4,
         )
+        if not direct:
+            traced(_cast_row_kernel, partial)[(triton.cdiv(m, CAST_BLOCK),)](
+                total,
+                out,
+                m,
+                total.stride(0),
+                out.stride(0),
+                BLOCK=CAST_BLOCK,
+                num_warps=CAST_WARPS,
+            )

@@ -1366,14 +1366,15 @@ _DKDV_TILES = TileTable(
         256: (Tile(32, 32, 8, 2),),
     },
 )
-# dQ: BLOCK_M query rows per program, BLOCK_N keys per step.
+# dQ: BLOCK_M query rows per program (the M dimension of every product: wgmma from 64),
+# BLOCK_N keys per step. At D=256, 64 rows fit with 16-key steps (32 spill).
 _DQ_TILES = TileTable(
-    default={64: Tile(64, 64, 4, 3), 128: Tile(128, 64, 8, 2), 256: Tile(32, 32, 4, 2)},
+    default={64: Tile(64, 64, 4, 3), 128: Tile(128, 64, 8, 2), 256: Tile(64, 16, 8, 2)},
     wide_default={64: Tile(32, 32, 4, 2), 128: Tile(16, 16, 4, 1), 256: Tile(16, 16, 8, 1)},
     candidates={
         64: (Tile(128, 64, 8, 3), Tile(64, 64, 4, 3), Tile(128, 32, 4, 3)),
         128: (Tile(128, 32, 8, 3), Tile(128, 64, 8, 2), Tile(64, 64, 8, 3)),
-        256: (Tile(32, 32, 4, 2), Tile(32, 64, 8, 2)),
+        256: (Tile(64, 16, 8, 2), Tile(32, 32, 4, 2), Tile(32, 64, 8, 2)),
     },
 )
 _TUNE_KEY = ["Sq", "Sk", "BLOCK_D", "BLOCK_DV", "CAUSAL"]

@@ -6,8 +6,11 @@ and V once at full bandwidth:
 1. ``_split_kernel``: one program per (split, batch, kv head). Batch ``b``'s
    keys ``[0, lengths[b])`` are cut into ``n_splits`` chunks (whole key tiles
    each); a program streams its chunk once for ALL the query heads of its GQA
-   group (a ``(group, D) x (D, BLOCK_N)`` product per tile), runs the online
-   softmax in base 2 and writes, per query head and split, ``m_partial`` (the
+   group, in the transposed form: ``s^T = K q^T`` (``(BLOCK_N, D) x (D, group)``)
+   and ``o^T += V^T p^T`` (``(DV, BLOCK_N) x (BLOCK_N, group)``), so the rows
+   (M) of both products are the key tile and the value dims, never the small
+   group (wgmma needs M a multiple of 64). It runs the online softmax in base 2
+   down the key axis and writes, per query head and split, ``m_partial`` (the
    chunk's score max ``m_s``, natural-log units), ``l_partial``
    (``l_s = sum exp(s - m_s)``) and ``o_partial`` (the unnormalised
    ``sum exp(s - m_s) v``). Only the last, partial tile of a chunk evaluates a
@@ -59,7 +62,7 @@ __all__ = ["default_splits", "forward"]
 #: Split programs one SM holds at once, by head-dim class, for 2-byte inputs at the
 #: default tile (the sm_90 build's occupancy: registers and shared memory; the offline
 #: compile test holds the D=64 and D=128 entries against the compiled kernels).
-SPLIT_PROGRAMS_PER_SM = {64: 6, 128: 3, 256: 2}
+SPLIT_PROGRAMS_PER_SM = {64: 4, 128: 2, 256: 3}
 #: Share of its waves' program slots a default grid must fill (more splits add combine work).
 WAVE_FILL = 0.9
 #: Fewest keys a default split holds (shorter chunks cost more to combine than they save).
@@ -178,7 +181,7 @@ def _decode_step(
     acc,
     m_i,
     l_i,
-    q,
+    q_t,
     k_base,
     v_base,
     bt_row,
@@ -237,7 +240,9 @@ def _decode_step(
         HAS_WINDOW,
         BLOCK_N,
     )
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+    # Transposed: the keys are the M rows of s^T = K q^T and the value dims those of
+    # o^T = V^T p^T, so both dots have M >= 64 (wgmma) however small the GQA group.
+    s = tl.dot(k.to(q_t.dtype), q_t, input_precision=PRECISION) * qk_scale
     if HAS_SOFTCAP:
         s = softcap * _tanh(s / softcap)
     if MASKED:
@@ -245,13 +250,13 @@ def _decode_step(
         key_ok = keys < length
         if HAS_WINDOW:
             key_ok = key_ok & (keys >= lo)
-        s = tl.where(key_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
+        s = tl.where(key_ok[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    p = tl.exp2(s - m_new[None, :])
     alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    acc = acc * alpha[None, :]
+    acc = tl.dot(tl.trans(v.to(q_t.dtype)), p.to(q_t.dtype), acc, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
@@ -260,7 +265,7 @@ def _decode_tiles(
     acc,
     m_i,
     l_i,
-    q,
+    q_t,
     k_base,
     v_base,
     bt_row,
@@ -303,7 +308,7 @@ def _decode_tiles(
                 acc,
                 m_i,
                 l_i,
-                q,
+                q_t,
                 k_base,
                 v_base,
                 bt_row,
@@ -341,7 +346,7 @@ def _decode_tiles(
                 acc,
                 m_i,
                 l_i,
-                q,
+                q_t,
                 k_base,
                 v_base,
                 bt_row,
@@ -436,7 +441,7 @@ def _split_kernel(
     PAGE_SIZE: tl.constexpr,  # keys per page (PAGED)
     HAS_WINDOW: tl.constexpr,  # the query sees only the last `window` keys
     HAS_SOFTCAP: tl.constexpr,  # scores are capped by softcap * tanh(s / softcap)
-    BLOCK_G: tl.constexpr,  # query heads of a group, padded to >= 16 rows for tl.dot
+    BLOCK_G: tl.constexpr,  # query heads of a group, padded to >= 16 (the N of both dots)
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,  # padded head dims
     BLOCK_N: tl.constexpr,  # key tile
@@ -470,11 +475,14 @@ def _split_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     head_ok = offs_g < GROUP
     heads = (kvh * GROUP + offs_g).to(tl.int64)
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=head_ok[:, None] & (offs_d[None, :] < D),
-        other=0.0,
-    ).to(DOT_TYPE)
+    # The (padded group, D) query tile in one load, masked on the D axis only for odd D
+    # (a row mask alone keeps 16-byte vectors), then transposed for s^T = K q^T.
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    if EVEN_D:
+        q = tl.load(q_ptrs, mask=head_ok[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=head_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    q_t = tl.trans(q.to(DOT_TYPE))
     if PAGED:
         k_base = k_ptr + kvh.to(tl.int64) * stride_kh
         v_base = v_ptr + kvh.to(tl.int64) * stride_vh
@@ -483,7 +491,7 @@ def _split_kernel(
         v_base = v_ptr + b * stride_vb + kvh.to(tl.int64) * stride_vh
     bt_row = bt_ptr + b * stride_btb
 
-    acc = tl.zeros((BLOCK_G, BLOCK_DV), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_DV, BLOCK_G), dtype=tl.float32)  # o^T
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     if HAS_WINDOW:
@@ -491,7 +499,7 @@ def _split_kernel(
             acc,
             m_i,
             l_i,
-            q,
+            q_t,
             k_base,
             v_base,
             bt_row,
@@ -527,7 +535,7 @@ def _split_kernel(
         acc,
         m_i,
         l_i,
-        q,
+        q_t,
         k_base,
         v_base,
         bt_row,
@@ -563,7 +571,7 @@ def _split_kernel(
         acc,
         m_i,
         l_i,
-        q,
+        q_t,
         k_base,
         v_base,
         bt_row,
@@ -601,7 +609,7 @@ def _split_kernel(
     o_part = o_part_ptr + b * stride_opb + split * stride_ops
     tl.store(
         o_part + heads[:, None] * stride_oph + offs_dv[None, :],
-        acc,
+        tl.trans(acc),
         mask=head_ok[:, None] & (offs_dv[None, :] < DV),
     )
     tl.store(

@@ -27,6 +27,7 @@ import triton.language as tl
 from ._common import (
     fill_empty_row_checkpoints,
     launch_context,
+    load_row_vector,
     partial_programs,
     reduce_partials,
     row_config,
@@ -38,7 +39,7 @@ __all__ = ["backward", "forward", "partials", "reduce_partials"]
 #: Registers per thread of the backward kernels' sm_90 builds at the benchmark shapes in
 #: bfloat16, by whether the kernel streams (False: fused, True: streaming); they size the
 #: persistent grid to one wave (``_common.partial_programs``).
-BACKWARD_REGISTERS = {False: 64, True: 98}
+BACKWARD_REGISTERS = {False: 64, True: 100}
 
 
 @triton.jit
@@ -308,7 +309,7 @@ def _backward_streaming(
             g = tl.load(dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
             g = g.to(tl.float32)
             if w_ptr is not None:
-                g *= tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                g *= load_row_vector(w_ptr, cols, col_ok, ROWS)
             g_sum += g
             gx_sum += g * tl.where(mask, x.to(tl.float32) - mean[:, None], 0.0)
         g_mean = tl.sum(g_sum, axis=1) / m
@@ -324,7 +325,7 @@ def _backward_streaming(
             dy = dy.to(tl.float32)
             x_hat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
             if w_ptr is not None:
-                g = dy * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                g = dy * load_row_vector(w_ptr, cols, col_ok, ROWS)
             else:
                 g = dy
             dx = (g - g_mean[:, None] - x_hat * proj[:, None]) * rstd[:, None]

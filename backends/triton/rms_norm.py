@@ -23,6 +23,7 @@ import triton.language as tl
 from ._common import (
     fill_empty_row_checkpoints,
     launch_context,
+    load_row_vector,
     partial_programs,
     reduce_partials,
     row_config,
@@ -44,6 +45,16 @@ def _weight(w_ptr, cols, col_ok, offset):
         w = tl.where(col_ok, 1.0, 0.0)
     else:
         w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    return w
+
+
+@triton.jit
+def _weight_rows(w_ptr, cols, col_ok, offset, ROWS: tl.constexpr):
+    """:func:`_weight` repeated down ``ROWS`` rows, loaded 16 bytes a thread (``load_row_vector``)."""
+    if w_ptr is None:
+        w = tl.broadcast_to(tl.where(col_ok, 1.0, 0.0)[None, :], (ROWS, cols.shape[0]))
+    else:
+        w = load_row_vector(w_ptr, cols, col_ok, ROWS) + offset
     return w
 
 
@@ -262,8 +273,8 @@ def _backward_streaming(
             dy = tl.load(
                 dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last"
             )
-            w = _weight(w_ptr, cols, col_ok, offset)
-            gx += dy.to(tl.float32) * w[None, :] * x.to(tl.float32)
+            w = _weight_rows(w_ptr, cols, col_ok, offset, ROWS)
+            gx += dy.to(tl.float32) * w * x.to(tl.float32)
         proj = tl.sum(gx, axis=1) * rstd / m
         for k in range(N_CHUNKS):
             cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -273,10 +284,10 @@ def _backward_streaming(
             dy = tl.load(
                 dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
             )
-            w = _weight(w_ptr, cols, col_ok, offset)
+            w = _weight_rows(w_ptr, cols, col_ok, offset, ROWS)
             x_hat = x.to(tl.float32) * rstd[:, None]
             dy = dy.to(tl.float32)
-            dx = (dy * w[None, :] - x_hat * proj[:, None]) * rstd[:, None]
+            dx = (dy * w - x_hat * proj[:, None]) * rstd[:, None]
             tl.store(dx_rows + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if dw_partial_ptr is not None:
                 ptrs = dw_partial_ptr + partial_row + cols * stride_partial_m
