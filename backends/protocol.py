@@ -351,7 +351,8 @@ def partials(rows: int, m: int, like) -> int:
 
 
 def reduce_partials(partial, out) -> None:
-    """``out[...] = sum(partial, axis=0)`` in ``out``'s dtype. Default: the Array API sum."""
+    """``out[...] = sum(partial, axis=0)`` in ``out``'s dtype. ``partial`` is scratch: a
+    backend may overwrite it (triton does, for 16-bit ``out``). Default: the Array API sum."""
     import array_api_compat
 
     xp = array_api_compat.array_namespace(partial, out)
