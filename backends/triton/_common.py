@@ -161,7 +161,9 @@ def resident_programs(registers: int, num_warps: int) -> int:
     return max(1, min(MAX_PROGRAMS_PER_SM, SM_REGISTERS // (allocated * 32 * num_warps)))
 
 
-def partial_programs(rows: int, m: int, like, registers: dict[bool, int]) -> int:
+def partial_programs(
+    rows: int, m: int, like, registers: dict[bool, int], config: RowConfig | None = None
+) -> int:
     """Programs (and partial-sum rows ``P``) of a backward that reduces ``dW``/``dB``.
 
     On CUDA, one whole wave: the SM count times the programs one SM holds
@@ -182,12 +184,16 @@ def partial_programs(rows: int, m: int, like, registers: dict[bool, int]) -> int
         Registers per thread of the kernel's sm_90 build, by whether it
         streams (``RowConfig.streaming``); ``tests/test_compile_report.py``
         holds them against the compiled kernels.
+    config : RowConfig, optional
+        The kernel's launch configuration, when it is not
+        ``row_config(m, ..., "backward")``.
 
     Returns
     -------
     int
     """
-    config = row_config(m, like.element_size(), "backward")
+    if config is None:
+        config = row_config(m, like.element_size(), "backward")
     if like.device.type == "cuda":
         index = like.device.index if like.device.index is not None else torch.cuda.current_device()
         per_sm = resident_programs(registers[config.streaming], config.num_warps)

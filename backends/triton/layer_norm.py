@@ -21,10 +21,13 @@ buffers and reduced by :func:`reduce_partials`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import triton
 import triton.language as tl
 
 from ._common import (
+    RowConfig,
     fill_empty_row_checkpoints,
     launch_context,
     load_row_vector,
@@ -39,7 +42,25 @@ __all__ = ["backward", "forward", "partials", "reduce_partials"]
 #: Registers per thread of the backward kernels' sm_90 builds at the benchmark shapes in
 #: bfloat16, by whether the kernel streams (False: fused, True: streaming); they size the
 #: persistent grid to one wave (``_common.partial_programs``).
-BACKWARD_REGISTERS = {False: 64, True: 100}
+BACKWARD_REGISTERS = {False: 64, True: 126}
+
+#: Warps of the streaming backward on 16-bit rows. At the 16 its chunk would get, it compiled
+#: (sm_90, 4096 x 65536 bfloat16) to 100 registers a thread, one program per SM; at 8, to 126
+#: registers with no spills, two programs per SM (1344 SASS instructions a program against
+#: 1056 for twice the threads), so the persistent grid is one wave of two programs per SM.
+#: Float32 rows keep 16 warps: at 8 they compiled to 162 registers, still one program per SM.
+STREAMING_BACKWARD_WARPS = 8
+
+
+def _backward_config(m: int, itemsize: int) -> RowConfig:
+    """The backward's launch configuration: ``row_config``'s, the streaming kernel's warps
+    on 16-bit rows capped at :data:`STREAMING_BACKWARD_WARPS`."""
+    config = row_config(m, itemsize, "backward")
+    if config.streaming and itemsize == 2:
+        return dataclasses.replace(
+            config, num_warps=min(config.num_warps, STREAMING_BACKWARD_WARPS)
+        )
+    return config
 
 
 @triton.jit
@@ -379,7 +400,7 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
     rows, m = x.shape
     if m == 0:
         return  # no element of dx and no column of dw_partial or db_partial to write
-    config = row_config(m, x.element_size(), "backward")
+    config = _backward_config(m, x.element_size())
     partial = dw_partial if dw_partial is not None else db_partial
     if partial is None:
         if rows == 0:
@@ -424,4 +445,5 @@ def partials(rows: int, m: int, like) -> int:
     One per program: one wave of the SM count times the programs an SM holds
     on CUDA (capped by the row tiles), a few on CPU.
     """
-    return partial_programs(rows, m, like, BACKWARD_REGISTERS)
+    config = _backward_config(m, like.element_size())
+    return partial_programs(rows, m, like, BACKWARD_REGISTERS, config)
