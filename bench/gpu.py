@@ -487,8 +487,11 @@ def flex_case(bench: Bench, compiler: CompileBudget, B, H, S, D, mods) -> None:
     xk.flex_attention_(o, q, k, v, checkpoints=ck, **options)
     O = Duplicated(o, do)
     Q, K, V = (Duplicated(t, torch.empty_like(t)) for t in (q, k, v))
-    scratch = xk.allocate_scratchspace(xk.flex_attention_backward_, O, Q, K, V)
     grads = xk.grad_shadow(score) if score is not None else None
+    # sized for the deterministic score-mod gradients (their partial rows), which need the most
+    scratch = xk.allocate_scratchspace(
+        xk.flex_attention_backward_, O, Q, K, V, score_mod_grad=grads, **options
+    )
     # score-mod gradients: the default (deterministic partial rows), against float32 atomics
     # and against the same backward computing no score-mod gradients
     others = {}
