@@ -1,4 +1,4 @@
-"""GPU benchmarks of xpkernels' Triton backend, against ceilings measured in the same run.
+"""GPU benchmarks of xpkernels' Triton and CuPy backends, against ceilings measured in the same run.
 
 Run by ``bench/device.sh`` (see ``bench/README.md``); by hand::
 
@@ -33,10 +33,16 @@ Measures, in order:
    the compile budget lasts) and to xpkernels' attention kernel; the
    backwards with score-mod gradients (ALiBi, the table: deterministic, the
    default) also next to the same call with ``deterministic=False`` (float32
-   atomics) and to the same call computing no score-mod gradients.
+   atomics) and to the same call computing no score-mod gradients;
+6. the cupy backend (CUDA C through ``cupy.RawModule``) on CuPy views of the same
+   CUDA tensors, float16: the norms and softmax at ``(32768, 4096)``, attention
+   at ``D=128`` causal and not, decode attention, next to the same call on the
+   triton backend (target: at most 1.25x slower) and to PyTorch's op. In a dry
+   run these calls run the same ``.cu`` on NumPy views through
+   ``xpkernels.testing.cudacpu``.
 
 Every xpkernels call is made through the public in-place functions with
-``backend="triton"`` and preallocated buffers (checkpoints, scratch), so a
+``backend="triton"`` (``"cupy"`` in section 6) and preallocated buffers (checkpoints, scratch), so a
 timing is the kernels alone. Writes ``gpu.json`` into ``--out`` and prints a
 table. An entry that raises is recorded with its traceback and the run goes
 on; the exit status is 1 if any entry failed or was skipped for time.
@@ -88,6 +94,7 @@ class Bench:
         self.entries: list[Entry] = []
         self.ceilings: dict[str, float] = {}
         self.skipped: list[str] = []
+        self.sections_skipped: dict[str, str] = {}  # a section that could not run here: why
 
     def time_ms(self, fn) -> float:
         """Median milliseconds of ``fn()``; one warm call and one timed call in a dry run."""
@@ -693,6 +700,248 @@ def paged_decode_case(bench: Bench, q, k_cache, v_cache, lengths, contiguous_scr
     print(f"  paged decode n_splits = {scratch.o_partial.shape[2]}", flush=True)
 
 
+class CupyViews:
+    """The cupy backend's arrays over torch tensors, and the context its calls run in.
+
+    On a GPU: zero-copy CuPy views (``cupy.from_dlpack``) of the CUDA tensors. In a dry run:
+    NumPy views of the CPU tensors, served by the same launchers and ``.cu`` files through
+    :mod:`xpkernels.testing.cudacpu` (every call runs inside ``cudacpu.emulate()``).
+    """
+
+    def __init__(self, bench: Bench):
+        self.dry = bench.dry
+        if self.dry:
+            from xpkernels.testing import cudacpu
+
+            self.context = cudacpu.emulate
+        else:
+            import contextlib
+
+            import cupy
+
+            self.context = contextlib.nullcontext
+            self.cupy = cupy
+
+    def __call__(self, t):
+        return t.numpy() if self.dry else self.cupy.from_dlpack(t)
+
+    def call(self, fn):
+        """``fn`` run in the backend's context (``cudacpu.emulate()`` in a dry run)."""
+
+        def run():
+            with self.context():
+                fn()
+
+        return run
+
+
+def cupy_section(bench: Bench) -> None:
+    """Every primitive on the cupy backend, float16 (the dtype CuPy arrays hold natively), next
+    to the same call on the triton backend and PyTorch's op: the shapes of the sections above."""
+    try:
+        views = CupyViews(bench)
+    except ImportError as exc:
+        bench.sections_skipped["cupy"] = f"{type(exc).__name__}: {exc}"
+        print(f"  skipped: {exc}", flush=True)
+        return
+    rows, m = (64, 256) if bench.dry else (32768, 4096)
+    cupy_rows_case(bench, views, rows, m)
+    bench.free()
+    B, H, S = (1, 2, 48) if bench.dry else (4, 32, 4096)
+    D = 32 if bench.dry else 128
+    for causal in (False, True):
+        cupy_attention_case(bench, views, B, H, S, D, causal)
+    bench.free()
+    B, H, Hkv, S, D = (2, 8, 2, 96, 32) if bench.dry else (16, 32, 8, 32768, 128)
+    cupy_decode_case(bench, views, B, H, Hkv, S, D)
+    bench.free()
+
+
+def _cupy_entry(op, pass_, shape, unit, formula, amount, ceiling) -> Entry:
+    return Entry("cupy", f"cupy {op}", pass_, "float16", shape, unit, formula, amount, ceiling)
+
+
+def _both_backends(views: CupyViews, make):
+    """``make(wrap, backend)`` -- the calls (one, or a tuple per pass) on the arrays ``wrap(t)``
+    -- set up for cupy (run in its context) and for triton (on the torch tensors)."""
+    with views.context():
+        ours = make(views, "cupy")
+    theirs = make(lambda t: t, "triton")
+    if isinstance(ours, tuple):
+        return tuple(views.call(f) for f in ours), theirs
+    return views.call(ours), theirs
+
+
+def cupy_rows_case(bench: Bench, views: CupyViews, rows: int, m: int) -> None:
+    """RMSNorm, LayerNorm and softmax on ``(rows, m)`` float16, forward and backward."""
+    import torch.nn.functional as F
+
+    import xpkernels as xk
+    from xpkernels import Duplicated
+
+    torch = bench.torch
+    eps = 1e-6
+    x, dy, y, dx = (
+        torch.randn(rows, m, dtype=torch.float16, device=bench.device) for _ in range(4)
+    )
+    w, b, dw, db = (torch.randn(m, dtype=torch.float16, device=bench.device) for _ in range(4))
+    xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
+    rmm = rows * m * 2
+
+    def norm(op, weights):
+        forward, backward = getattr(xk, f"{op}_"), getattr(xk, f"{op}_backward_")
+
+        def make(wrap, backend):
+            xs, ys, ws = wrap(x), wrap(y), [wrap(t) for t in weights]
+            ck = xk.allocate_checkpoints(forward, xs, *ws)
+            forward(ys, xs, *ws, eps=eps, checkpoints=ck, backend=backend)
+            Y, X = Duplicated(ys, wrap(dy)), Duplicated(xs, wrap(dx))
+            W = [Duplicated(t, wrap(g)) for t, g in zip(ws, (dw, db))]
+            scratch = xk.allocate_scratchspace(backward, Y, X, *W, backend=backend)
+            return (
+                lambda: forward(ys, xs, *ws, eps=eps, checkpoints=ck, backend=backend),
+                lambda: backward(Y, X, *W, checkpoints=ck, scratch=scratch, backend=backend),
+            )
+
+        return make
+
+    def make_softmax(wrap, backend):
+        xs, ys = wrap(x), wrap(y)
+        xk.softmax_(ys, xs, backend=backend)
+        Y, X = Duplicated(ys, wrap(dy)), Duplicated(xs, wrap(dx))
+        return (
+            lambda: xk.softmax_(ys, xs, backend=backend),
+            lambda: xk.softmax_backward_(Y, X, backend=backend),
+        )
+
+    def grad(out, inputs):
+        return lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True)
+
+    rms = F.rms_norm(xr, (m,), wr, eps=eps)
+    ln = F.layer_norm(xr, (m,), wr, br, eps=eps)
+    cases = [
+        (
+            "rms_norm",
+            norm("rms_norm", (w,)),
+            ("2*R*M*s (x read, y written) + M*s (w) + 4*R (rstd)", 2 * rmm + m * 2 + 4 * rows),
+            ("3*R*M*s + 2*M*s (w read, dw written) + 4*R", 3 * rmm + 2 * m * 2 + 4 * rows),
+            lambda: F.rms_norm(x, (m,), w, eps=eps),
+            grad(rms, (xr, wr)),
+        ),
+        (
+            "layer_norm",
+            norm("layer_norm", (w, b)),
+            ("2*R*M*s + 2*M*s (w, b) + 8*R (mean, rstd)", 2 * rmm + 2 * m * 2 + 8 * rows),
+            ("3*R*M*s + 3*M*s (w read, dw, db written) + 8*R", 3 * rmm + 3 * m * 2 + 8 * rows),
+            lambda: F.layer_norm(x, (m,), w, b, eps=eps),
+            grad(ln, (xr, wr, br)),
+        ),
+        (
+            "softmax",
+            make_softmax,
+            ("2*R*M*s (x read, y written)", 2 * rmm),
+            ("3*R*M*s (y, dy read, dx written)", 3 * rmm),
+            lambda: torch.softmax(x, -1),
+            grad(torch.softmax(xr, -1), (xr,)),
+        ),
+    ]
+    for op, make, fwd_bytes, bwd_bytes, torch_fwd, torch_bwd in cases:
+        ours, triton_calls = _both_backends(views, make)
+        for i, (pass_, (formula, amount), torch_call) in enumerate(
+            (("forward", fwd_bytes, torch_fwd), ("backward", bwd_bytes, torch_bwd))
+        ):
+            bench.run(
+                _cupy_entry(op, pass_, (rows, m), "GB/s", f"s = 2; {formula}", amount, "copy"),
+                ours[i],
+                {"xk triton": triton_calls[i], f"torch {op}": torch_call},
+            )
+
+
+def cupy_attention_case(bench: Bench, views: CupyViews, B, H, S, D, causal: bool) -> None:
+    """Attention forward and backward, float16, ``(B, H, S, D)``."""
+    import torch.nn.functional as F
+
+    import xpkernels as xk
+    from xpkernels import Duplicated
+
+    torch = bench.torch
+    q, k, v, do, o, dq, dk, dv = (
+        torch.randn(B, H, S, D, dtype=torch.float16, device=bench.device) for _ in range(8)
+    )
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def make(wrap, backend):
+        qs, ks, vs, os_ = wrap(q), wrap(k), wrap(v), wrap(o)
+        ck = xk.allocate_checkpoints(xk.attention_, qs, ks, vs)
+        options = {"causal": causal, "checkpoints": ck, "backend": backend}
+        xk.attention_(os_, qs, ks, vs, **options)
+        O = Duplicated(os_, wrap(do))
+        Q, K, V = (Duplicated(wrap(t), wrap(g)) for t, g in ((q, dq), (k, dk), (v, dv)))
+        scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V, backend=backend)
+        return (
+            lambda: xk.attention_(os_, qs, ks, vs, **options),
+            lambda: xk.attention_backward_(O, Q, K, V, scratch=scratch, **options),
+        )
+
+    ours, triton_calls = _both_backends(views, make)
+    out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
+    flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    name = "attention-causal" if causal else "attention"
+    passes = (
+        ("forward", "4*B*H*S*S*D, halved when causal", flops),
+        ("backward", "2.5 x forward FLOPs", 2.5 * flops),
+    )
+    torch_calls = (
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+        lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True),
+    )
+    for i, (pass_, formula, amount) in enumerate(passes):
+        bench.run(
+            _cupy_entry(name, pass_, (B, H, S, D), "TFLOP/s", formula, amount, "matmul"),
+            ours[i],
+            {"xk triton": triton_calls[i], "F.sdpa": torch_calls[i]},
+        )
+
+
+def cupy_decode_case(bench: Bench, views: CupyViews, B, H, Hkv, S, D) -> None:
+    """Decode attention, float16, every cache full."""
+    import torch.nn.functional as F
+
+    import xpkernels as xk
+
+    torch = bench.torch
+    k_cache, v_cache = (
+        torch.randn(B, Hkv, S, D, dtype=torch.float16, device=bench.device) for _ in range(2)
+    )
+    q, o = (torch.randn(B, H, D, dtype=torch.float16, device=bench.device) for _ in range(2))
+    lengths = torch.full((B,), S, dtype=torch.int32, device=bench.device)
+
+    def make(wrap, backend):
+        arrays = [wrap(t) for t in (o, q, k_cache, v_cache, lengths)]
+        scratch = xk.allocate_scratchspace(xk.decode_attention_, *arrays, backend=backend)
+        return lambda: xk.decode_attention_(*arrays, scratch=scratch, backend=backend)
+
+    ours, triton_call = _both_backends(views, make)
+    bench.run(
+        _cupy_entry(
+            "decode_attention",
+            "forward",
+            (B, H, Hkv, S, D),
+            "GB/s",
+            "2*B*Hkv*S*D*2 (K and V caches read) + 2*B*H*D*2 (q read, o written)",
+            2 * B * Hkv * S * D * 2 + 2 * B * H * D * 2,
+            "copy",
+        ),
+        ours,
+        {
+            "xk triton": triton_call,
+            "F.sdpa(enable_gqa)": lambda: F.scaled_dot_product_attention(
+                q[:, :, None, :], k_cache, v_cache, enable_gqa=True
+            ),
+        },
+    )
+
+
 #: DESIGN section 8 targets: (section, pass) -> minimum share of the copy bandwidth (%).
 BANDWIDTH_TARGETS = {
     ("rows", "forward"): 90.0,
@@ -702,6 +951,9 @@ BANDWIDTH_TARGETS = {
 }
 #: Attention targets, bfloat16 at head dim 128 without a mask: pass -> minimum TFLOP/s.
 ATTENTION_TARGETS = {"forward": 500.0, "backward": 300.0}
+#: The cupy backend against the triton backend on the same call (DESIGN section 8): at most 1.25x
+#: slower, every entry of the cupy section.
+CUPY_TARGET = ("xk triton", 1 / 1.25)
 #: Flex targets (issue 10), each pass: op -> (baseline, minimum speed relative to it).
 FLEX_TARGETS = {
     "flex-nomod": ("xk attention", 1 / 1.1),
@@ -714,6 +966,9 @@ def target_of(e: Entry) -> tuple[str, float] | None:
     """``("%copy", "TFLOP/s" or "x <baseline>", minimum)`` set for ``e``, or None."""
     if e.op in FLEX_TARGETS:
         baseline, minimum = FLEX_TARGETS[e.op]
+        return f"x {baseline}", minimum
+    if e.section == "cupy":
+        baseline, minimum = CUPY_TARGET
         return f"x {baseline}", minimum
     if (e.section, e.pass_) in BANDWIDTH_TARGETS:
         return "%copy", BANDWIDTH_TARGETS[(e.section, e.pass_)]
@@ -751,11 +1006,13 @@ def _speedup(e: Entry, name: str | None) -> str:
 
 
 def summary_rows(entries: list[Entry], dry: bool) -> list[dict]:
-    """One row per entry: its figure, the share of its ceiling, speed-ups over PyTorch's op and
-    over ``torch.compile`` (Liger-style fused PyTorch), and the verdict against its target."""
+    """One row per entry: its figure, the share of its ceiling, speed-ups over PyTorch's op, over
+    ``torch.compile`` (Liger-style fused PyTorch) and over the xpkernels kernel it is compared
+    with (flex: our attention; cupy: our triton), and the verdict against its target."""
     rows = []
     for e in entries:
-        eager = next((n for n in e.baselines if n != "torch.compile"), None)
+        eager = next((n for n in e.baselines if n != "torch.compile" and n[:3] != "xk "), None)
+        ours = next((n for n in e.baselines if n[:3] == "xk "), None)
         target = target_of(e)
         rows.append(
             {
@@ -770,6 +1027,7 @@ def summary_rows(entries: list[Entry], dry: bool) -> list[dict]:
                 "vs_torch": _speedup(e, eager),
                 "torch_op": eager or "-",
                 "vs_compile": _speedup(e, "torch.compile"),
+                "vs_xk": "-" if ours is None else f"{_speedup(e, ours)} {ours[3:]}",
                 "target": "-" if target is None else f">= {target[1]:.3g} {target[0]}",
                 "verdict": verdict(e, dry),
             }
@@ -788,6 +1046,7 @@ def format_summary(rows: list[dict]) -> str:
         ("ceiling", "of ceiling"),
         ("vs_torch", "vs torch op"),
         ("vs_compile", "vs compile"),
+        ("vs_xk", "vs our other kernel"),
         ("target", "target"),
         ("verdict", ""),
     ]
@@ -891,10 +1150,14 @@ def main(argv=None) -> int:
     print("flex attention (TFLOP/s):", flush=True)
     flex_section(bench, compiler)
     bench.free()
+    print("cupy backend (CUDA C; baselines: the triton backend and PyTorch's op):", flush=True)
+    cupy_section(bench)
     failed = [e for e in bench.entries if e.error]
     summary = summary_rows(bench.entries, bench.dry)
     print("\nsummary (DESIGN section 8 targets):")
     print(format_summary(summary), flush=True)
+    for name, why in bench.sections_skipped.items():
+        print(f"section {name} not run: {why}", flush=True)
     report = {
         "environment": environment(bench),
         "ceilings": bench.ceilings,
@@ -903,6 +1166,7 @@ def main(argv=None) -> int:
         "seconds": round(time.monotonic() - started, 1),
         "entries": [asdict(e) for e in bench.entries],
         "failed": [f"{e.op} {e.pass_} {e.dtype} {e.shape}" for e in failed],
+        "sections_skipped": bench.sections_skipped,
         "summary": summary,
     }
     path = os.path.join(args.out, "gpu.json")

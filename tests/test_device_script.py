@@ -39,7 +39,7 @@ def test_device_script_dry_run_writes_every_entry(tmp_path):
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert report["environment"]["dry_run"] is True
     assert set(report["ceilings"]) == {"copy", "matmul"}
-    assert report["failed"] == []
+    assert report["failed"] == [] and report["sections_skipped"] == {}
     seen = {(e["op"], e["pass_"], e["dtype"]) for e in report["entries"]}
     for op in ("rms_norm", "layer_norm", "softmax"):
         for pass_ in ("forward", "backward"):
@@ -50,6 +50,10 @@ def test_device_script_dry_run_writes_every_entry(tmp_path):
             assert (op, pass_, "bfloat16") in seen
     assert ("decode_attention", "forward", "bfloat16") in seen
     assert ("decode_attention-paged16", "forward", "bfloat16") in seen
+    for op in ("rms_norm", "layer_norm", "softmax", "attention", "attention-causal"):
+        for pass_ in ("forward", "backward"):
+            assert (f"cupy {op}", pass_, "float16") in seen
+    assert ("cupy decode_attention", "forward", "float16") in seen
     for e in report["entries"]:
         assert e["ms"] > 0 and e["rate"] > 0 and e["formula"], e["op"]
     assert len(report["summary"]) == len(report["entries"])
@@ -173,3 +177,28 @@ def test_summary_judges_each_entry_against_its_target():
     assert len(text.splitlines()) == len(entries) + 2
     assert "targets: 4 PASS, 3 FAIL" in text
     assert {r["verdict"] for r in gpu.summary_rows(entries, dry=True)} == {"dry", "-"}
+
+
+def test_cupy_entries_are_judged_against_the_triton_backend():
+    gpu = _gpu_module()
+
+    def entry(rate, baselines):
+        e = gpu.Entry(
+            "cupy", "cupy rms_norm", "forward", "float16", (8, 4096), "GB/s", "f", 1.0, "copy"
+        )
+        e.rate, e.pct_of_ceiling, e.baselines = rate, 50.0, baselines
+        return e
+
+    torch_op = {"torch rms_norm": {"rate": 1000.0}}
+    rows = gpu.summary_rows(
+        [
+            entry(2000.0, {"xk triton": {"rate": 2400.0}, **torch_op}),  # 1.2x slower: within 1.25x
+            entry(1800.0, {"xk triton": {"rate": 2400.0}, **torch_op}),  # 1.33x slower
+            entry(1800.0, {"xk triton": {"error": "boom"}}),
+        ],
+        dry=False,
+    )
+    assert [r["verdict"] for r in rows] == ["PASS", "FAIL", "no baseline"]
+    assert rows[0]["target"] == ">= 0.8 x xk triton"
+    assert (rows[0]["vs_torch"], rows[0]["vs_xk"]) == ("2.00x", "0.83x triton")
+    assert rows[2]["vs_torch"] == "-"
