@@ -249,7 +249,7 @@ def _split(
     q_scaled = to(xp, q[b, heads_g, :], acc) * scale
     m_run = l_run = o_acc = None
     for k_tile, v_tile in cache.tiles(g, start, stop):
-        s = q_scaled @ to(xp, k_tile, acc).mT
+        s = _scores(xp, q_scaled, to(xp, k_tile, acc))
         if softcap is not None:
             s = xp.tanh(s / softcap) * softcap
         row_max = xp.max(s, axis=1)
@@ -268,6 +268,20 @@ def _split(
     o_partial[b, heads_g, split, :] = to(xp, o_acc, o_partial.dtype)
     m_partial[b, heads_g, split] = to(xp, m_run, m_partial.dtype)
     l_partial[b, heads_g, split] = to(xp, l_run, l_partial.dtype)
+
+
+def _scores(xp, q_scaled, k_tile):
+    """``q_scaled @ k_tile.mT``: ``(group, keys)``, C-contiguous.
+
+    On NumPy computed as ``k_tile @ q_scaled.mT`` and copied to rows: OpenBLAS
+    runs the product with ``group`` columns faster than the one with
+    ``group`` rows (measured, one thread, group 4, D 64, a 1024-key tile in
+    cache: 16 against 27 us; with the copy and the softmax 30 against 45 us).
+    """
+    if not array_api_compat.is_numpy_namespace(xp):
+        return q_scaled @ k_tile.mT
+    s_t = k_tile @ q_scaled.mT
+    return xp.reshape(s_t.mT, s_t.mT.shape, copy=True)
 
 
 def _combine(xp, o, o_partial, m_partial, l_partial, b) -> None:
