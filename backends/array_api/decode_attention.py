@@ -190,7 +190,8 @@ class _Gather:
     The gather is not overlapped with the products. Gathering the next tile on
     a worker thread of :mod:`._blocks`'s pool into a second buffer, with
     1024-key tiles (so that OpenBLAS does not thread the products), was measured
-    on 2 cores at the bench shape, interleaved in one process: median 2.21x
+    on 2 cores shared with other work at the bench shape, interleaved in one
+    process, before :func:`_scores` turned the score product: median 2.21x
     the contiguous decode against 1.58x for this serial gather (11 repeats, default
     BLAS threads), 2.65x against 1.41x with one BLAS thread. Only under heavy
     load did it win, by its small tiles: the contiguous decode's 2048-key
