@@ -115,6 +115,16 @@ BACKEND = Backend(
         "decode_attention": Capability(
             dtypes=_DTYPES, max_head_dim=_DECODE_HEAD_DIM, hooks=("default_splits",)
         ),
+        # The attention kernels walking the tile plan's lists, with the mods' generated CUDA C
+        # (flex_attention.py). Score-mod gradients are summed with float32 atomics: calls asking
+        # for bit-identical ones (deterministic=True, the default) go to array_api.
+        "flex_attention": Capability(
+            dtypes=_DTYPES,
+            max_head_dim=_ATTENTION_HEAD_DIM,
+            hooks=("default_tiles", "score_mod_workspace"),
+            scratch=("delta",),
+            lacks=("deterministic_score_mod_grad",),
+        ),
     },
     device_problem=device_problem,
 )

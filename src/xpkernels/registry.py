@@ -221,6 +221,7 @@ def resolve(
     *,
     backend: str | None = None,
     head_dim: int | None = None,
+    features: tuple[str, ...] = (),
 ) -> Route:
     """Choose the backend for one call.
 
@@ -235,6 +236,9 @@ def resolve(
         Explicit choice; overrides ``use_backend`` and ``XPKERNELS_BACKEND``.
     head_dim : int, optional
         Largest head dim of an attention call, checked against capabilities.
+    features : tuple of str
+        Per-call features the call asks for (``protocol.FEATURES``), checked
+        against what each capability ``lacks``.
 
     Returns
     -------
@@ -269,7 +273,7 @@ def resolve(
             )
     dtypes = {dtype_name(xp, a.dtype) for _, a in named if xp.isdtype(a.dtype, "real floating")}
     kind = device_kind(first)
-    call = Call(ns, kind, tuple(sorted(dtypes)), head_dim)
+    call = Call(ns, kind, tuple(sorted(dtypes)), head_dim, tuple(features))
 
     chosen, source = _explicit_choice(backend)
     if chosen is not None:
