@@ -5,10 +5,13 @@ interface of :mod:`._loader`, so the same launchers and ``.cu`` files run on
 a GPU through ``cupy.RawModule`` (NVRTC) and on the CPU through
 :mod:`xpkernels.testing.cudacpu` (``with cudacpu.emulate(): ...``). Only CuPy
 is imported on the GPU path: no torch, no triton. So far ``rms_norm``,
-``layer_norm``, ``softmax``, ``decode_attention`` and ``attention`` (forward
-and backward; ``attention_varlen`` runs them per sequence) have CUDA C
-kernels; routing sends the other ops on CuPy
-arrays to the array_api backend (warned once).
+``layer_norm``, ``softmax``, ``decode_attention``, ``attention`` (forward
+and backward; ``attention_varlen`` runs them per sequence) and
+``flex_attention`` (forward and backward, the mods' CUDA C generated per mod
+structure) have CUDA C kernels; routing sends the other ops on CuPy arrays
+to the array_api backend (warned once), and so does a flex backward asking
+for deterministic score-mod gradients (the cupy kernels add them with
+atomics: ``Capability.lacks``).
 
 Routing reads :data:`BACKEND`, which serves two kinds of calls:
 

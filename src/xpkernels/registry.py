@@ -11,7 +11,8 @@ torch               cuda    ``triton``    ``array_api`` on torch ops, warned onc
 torch               cpu     ``array_api``  -- (``triton`` only when asked for)
 cupy                cuda    ``cupy``      ``array_api`` on cupy ops, warned once
                                           (ops the cupy backend has no CUDA C kernel
-                                          for: see ``xk.backends()``)
+                                          for: see ``xk.backends()``; calls asking a
+                                          per-call feature it lacks)
 any other           any     ``array_api``  --
 ==================  ======  ============  =========================================
 
