@@ -6,7 +6,8 @@ has none), the largest padded head dim, positions differing per batch read
 on the device, a BlockMask whose tiles the kernels' do not divide (pairs read
 their plan state), checkpoints feeding the array_api backward and back, the
 determinism routing rule (atomic score-mod gradients), planted kernel bugs
-the tests must catch, and the NVRTC build of a generated unit for
+the tests must catch, runs under AddressSanitizer and ThreadSanitizer, and
+the NVRTC build of a generated unit for
 sm_80/sm_90 (no warnings, no spills, tensor cores for 16-bit inputs).
 """
 
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -359,6 +363,48 @@ def test_planted_kernel_bugs_are_caught(tmp_path, monkeypatch, old, new, schedul
     _planted(tmp_path, monkeypatch, old, new)
     broken = _planted_case(schedule)
     assert isinstance(broken, str) or broken > 10 * tol, broken
+
+
+SANITIZED_RUN = """
+import math, os, numpy as np
+from xpkernels import mods as xm
+from xpkernels.backends.cupy import flex_attention as F
+from xpkernels.testing import cudacpu
+rng = np.random.default_rng(0)
+sanitizer = os.environ["XPKERNELS_CUDACPU_SANITIZE"]
+slopes = np.full(2, 0.1, np.float32)
+score, mask = xm.AliBiScore(slopes), xm.SlidingWindowMask(20) & xm.CausalMask()
+# float16 (the wmma path) under both sanitizers, float32 (SIMT, in-place P and dS) under ASan
+for t in (np.float16,) if sanitizer == "thread" else (np.float16, np.float32):
+    plan = xm.plan_tiles(mask, xm.build_block_mask(mask, 70, 70, tile_m=24, tile_n=40),
+                         block_sparse=True, n_q=70, n_kv=70, positions=(0,), tile_m=64,
+                         tile_n=64)
+    options = dict(scale=0.25, input_pos=(0,), score_mod=score.graph, mask_mod=mask.graph,
+                   plan=plan)
+    with cudacpu.emulate():
+        q, do = (cudacpu.empty((1, 2, 70, 16), t) for _ in range(2))
+        k, v = (cudacpu.empty((1, 1, 70, 16), t) for _ in range(2))
+        o, dq, dk, dv = (cudacpu.empty(a.shape, t) for a in (q, q, k, v))
+        m, l, delta = (cudacpu.empty((1, 2, 70), np.float32) for _ in range(3))
+        for a in (q, k, v, do):
+            a[...] = rng.standard_normal(a.shape)
+        F.forward(o, q, k, v, m, l, **options)
+        grad = np.zeros(2, np.float32)
+        F.backward(do, q, k, v, o, m, l, dq, dk, dv, delta, None, score_mod_grads=(grad,),
+                   deterministic=False, score_mod_workspace=None, **options)
+        assert all(np.isfinite(a.astype(np.float32)).all() for a in (o, dq, dk, dv, grad))
+print("clean")
+"""
+
+
+@pytest.mark.parametrize("kind", ["address", "thread"])
+def test_kernels_run_clean_under_sanitizers(kind):
+    env = {**os.environ, **cudacpu.sanitizer_env(kind)}
+    proc = subprocess.run(
+        [sys.executable, "-c", SANITIZED_RUN], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr[-4000:]
+    assert "Sanitizer" not in proc.stderr, proc.stderr[-4000:]
 
 
 def _compile_report():
