@@ -425,21 +425,7 @@ def test_nvrtc_builds_a_generated_unit_on_tensor_cores_without_spills(arch, tmp_
         report._nvrtc()
     except report.NvrtcUnavailable as exc:
         pytest.skip(f"NVRTC check needs nvidia-cuda-nvrtc/-runtime/-crt, cuda-bindings: {exc}")
-    rng = np.random.default_rng(0)
-    score = xm.PairFeatureScore(
-        lambda qv, kv: [qv[0] * kv[0], xm.tanh(qv[1] - kv[1])],
-        rng.standard_normal((1, 8, 2)).astype(np.float32),
-        rng.standard_normal((1, 8, 2)).astype(np.float32),
-        rng.standard_normal((2, 2)).astype(np.float32),
-    )
-    doc = np.zeros((1, 8), np.int32)
-    mask = xm.SlidingWindowMask(4) & xm.DocumentMask(doc)
-    grads = tuple(range(len(score.graph.slots)))
-    # named flex_attention.cu beside the headers: the report compiles the launcher's expressions
-    for header in Path(F.__file__).parent.glob("*.cuh"):
-        (tmp_path / header.name).write_text(header.read_text())
-    unit = tmp_path / "flex_attention.cu"
-    unit.write_text(F.unit_source(score.graph, mask.graph, grads))
+    unit = report.flex_unit(tmp_path)
     entry = report.compile_source(unit, arch)
     assert entry["ok"], entry["log"]
     assert not entry["warnings"], entry["log"]
