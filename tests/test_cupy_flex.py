@@ -4,7 +4,7 @@ through the CPU harness.
 What the conformance suite's cupy-cpu targets do not reach: bfloat16 (NumPy
 has none), the largest padded head dim, positions differing per batch read
 on the device, a BlockMask whose tiles the kernels' do not divide (pairs read
-their plan state), checkpoints feeding the array_api backward and back, the
+their plan state; one whose states overrule the mask), checkpoints feeding the array_api backward and back, the
 determinism routing rule (atomic score-mod gradients), planted kernel bugs
 the tests must catch, runs under AddressSanitizer and ThreadSanitizer, and
 the NVRTC build of a generated unit for
@@ -13,6 +13,7 @@ sm_80/sm_90 (no warnings, no spills, tensor cores for 16-bit inputs).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -63,6 +64,15 @@ def _config(name, rng):
         mask = xm.SlidingWindowMask(10)
         block = xm.build_block_mask(mask, 50, 60, tile_m=12, tile_n=20)
         return shape, xm.BiasScore(bias), mask, block, 0
+    if name == "edited-block-12x20-sliding-bias":
+        # the BlockMask rules over the mask: a tile the mask keeps pairs of declared SKIP, a
+        # PARTIAL one declared FULL (array_api honours both; straddling pairs must read them)
+        shape, score, mask, block, input_pos = _config("block-12x20-sliding-bias", rng)
+        states = block.states.copy()
+        partial = np.argwhere(states[0, 0] == xm.PARTIAL)
+        states[0, 0][tuple(partial[0])] = xm.SKIP
+        states[0, 0][tuple(partial[3])] = xm.FULL
+        return shape, score, mask, dataclasses.replace(block, states=states), input_pos
     if name == "late-rows-fully-masked":
         shape = (1, 2, 1, 70, 70, 32, 32)
         slopes = (rng.random(2) * 0.2).astype(np.float32)
@@ -77,6 +87,7 @@ def _config(name, rng):
 CONFIGS = (
     "gqa-causal-alibi-positions-per-batch",
     "block-12x20-sliding-bias",
+    "edited-block-12x20-sliding-bias",
     "late-rows-fully-masked",
     "d128-dv100-softcap",
 )
@@ -323,11 +334,11 @@ def _planted(tmp_path, monkeypatch, old: str, new: str):
     monkeypatch.setattr(F, "_UNITS", {})
 
 
-def _planted_case(schedule):
-    """float16, GQA, causal + ALiBi: the largest relative error of o, dq, dk, dv, the slopes'
-    gradient (or the harness's error)."""
+def _planted_case(schedule, config="gqa-causal-alibi-positions-per-batch"):
+    """float16: the largest relative error of o, dq, dk, dv and the score-mod gradients (or
+    the harness's error)."""
     rng = np.random.default_rng(23)
-    shape, score, mask, block, input_pos = _config("gqa-causal-alibi-positions-per-batch", rng)
+    shape, score, mask, block, input_pos = _config(config, rng)
     q, k, v, do = _inputs(rng, np.float16, shape)
     want, mods_want = _array_api(q, k, v, do, score, mask, block, input_pos)
     try:
@@ -340,28 +351,41 @@ def _planted_case(schedule):
 
 
 @pytest.mark.parametrize(
-    ("old", "new", "schedule"),
+    ("old", "new", "schedule", "config"),
     [
         (
             "return flex_mask(b, h, pos + row, key, row, mask_args);",
             "return true;",
             "default",
+            "gqa-causal-alibi-positions-per-batch",
         ),
-        ("ds = flex_vjp(", "ds = flex_dscore(", "default"),
+        (
+            "ds = flex_vjp(",
+            "ds = flex_dscore(",
+            "default",
+            "gqa-causal-alibi-positions-per-batch",
+        ),
         (
             "            __syncthreads();  // the previous tile's Q, dO and row values",
             "            // the previous tile's Q, dO and row values",
             "shuffled",
+            "gqa-causal-alibi-positions-per-batch",
         ),
+        ("if (!plan.exact) {", "if (false) {", "default", "edited-block-12x20-sliding-bias"),
     ],
-    ids=["mask-skipped", "score-mod-gradients-dropped", "dkdv-missing-syncthreads"],
+    ids=[
+        "mask-skipped",
+        "score-mod-gradients-dropped",
+        "dkdv-missing-syncthreads",
+        "plan-states-of-straddling-pairs-ignored",
+    ],
 )
-def test_planted_kernel_bugs_are_caught(tmp_path, monkeypatch, old, new, schedule):
+def test_planted_kernel_bugs_are_caught(tmp_path, monkeypatch, old, new, schedule, config):
     tol = 32 * _eps(np.float16)
-    intact = _planted_case(schedule)
+    intact = _planted_case(schedule, config)
     assert isinstance(intact, float) and intact <= tol, intact
     _planted(tmp_path, monkeypatch, old, new)
-    broken = _planted_case(schedule)
+    broken = _planted_case(schedule, config)
     assert isinstance(broken, str) or broken > 10 * tol, broken
 
 
