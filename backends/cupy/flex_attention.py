@@ -220,11 +220,15 @@ def _check_inputs(what: str, q, k, v) -> str:
     kv_heads, sk, dv = k.shape[1], k.shape[2], v.shape[3]
     if max(d, dv) > MAX_HEAD_DIM:
         raise ValueError(f"cupy flex_attention: head dims up to {MAX_HEAD_DIM}, got {d}/{dv}")
-    tiles = -(-sq // BLOCK_M)
-    if max(sq, sk) > _INT32_MAX or batch * heads * max(tiles, sq) > _INT32_MAX:
+    kv_tiles = -(-sk // BLOCK_M)
+    if (
+        max(sq, sk) > _INT32_MAX
+        or batch * heads * max(-(-sq // BLOCK_M) * BLOCK_M, sq) > _INT32_MAX
+        or batch * kv_heads * kv_tiles > _INT32_MAX
+    ):
         raise ValueError(
-            f"cupy flex_attention{what}: Sq, Sk and B * H * Sq must stay below 2**31, got "
-            f"B={batch}, H={heads}, Hkv={kv_heads}, Sq={sq}, Sk={sk}"
+            f"cupy flex_attention{what}: Sq, Sk, B * H * Sq and B * Hkv * ceil(Sk / {BLOCK_M}) "
+            f"must stay below 2**31, got B={batch}, H={heads}, Hkv={kv_heads}, Sq={sq}, Sk={sk}"
         )
     return t
 
