@@ -18,7 +18,8 @@ one module ``<name>/<op>.py`` per op it declares, providing:
   caller's scratch is accepted when every field the backend uses is present.
 
 Routing asks the declaration, never names a backend: :meth:`Backend.supports`
-answers a :class:`Call` (namespace, device, dtypes, head dim) with a
+answers a :class:`Call` (namespace, device, dtypes, head dim, the per-call
+features of :data:`FEATURES` it asks for) with a
 :class:`Support` and its reason, from the declared namespaces, devices,
 requirements and capabilities, then the backend's own ``device_problem``
 (for example "set TRITON_INTERPRET=1" for triton on CPU tensors).
@@ -42,6 +43,7 @@ from typing import Any, Protocol
 
 __all__ = [
     "ANY",
+    "FEATURES",
     "FLOAT_DTYPES",
     "OPS",
     "PRIMITIVES",
@@ -95,12 +97,23 @@ class Call:
         The floating dtypes among the call's arrays.
     head_dim : int or None
         Largest attention head dim (D or Dv) of the call; None for other ops.
+    features : tuple of str
+        What the call asks beyond its arrays (names from :data:`FEATURES`).
     """
 
     namespace: str
     device: str
     dtypes: tuple[str, ...] = ()
     head_dim: int | None = None
+    features: tuple[str, ...] = ()
+
+
+#: Per-call features a backend's op may lack (``Capability.lacks``), with what each asks.
+FEATURES = {
+    "deterministic_score_mod_grad": (
+        "bit-identical score-mod gradients (deterministic=True with score_mod_grad)"
+    ),
+}
 
 
 # -- What each primitive's backend module provides -------------------------------------------
@@ -486,12 +499,16 @@ class Capability:
         Which of the op's optional scratch fields (``Primitive.optional_scratch``)
         its passes use; None for all of them. The fronts allocate only the
         fields used and pass None for the others.
+    lacks : tuple of str
+        Per-call features (:data:`FEATURES`) it cannot honour: a call asking
+        for one is not served (routing falls back, an explicit choice raises).
     """
 
     dtypes: tuple[str, ...]
     max_head_dim: int | None = None
     hooks: tuple[str, ...] = ()
     scratch: tuple[str, ...] | None = None
+    lacks: tuple[str, ...] = ()
 
     def hook(self, module, op: str, name: str) -> Callable[..., Any]:
         """``module``'s hook ``name`` when declared, else the protocol's default for ``op``."""
@@ -570,6 +587,9 @@ class Backend:
         limit = capability.max_head_dim
         if call.head_dim is not None and limit is not None and call.head_dim > limit:
             return Support(False, f"its {op} supports head dims up to {limit}, not {call.head_dim}")
+        for feature in call.features:
+            if feature in capability.lacks:
+                return Support(False, f"its {op} cannot give {FEATURES[feature]}")
         problem = None if self.device_problem is None else self.device_problem(call.device)
         return Support(False, problem) if problem else Support(True)
 

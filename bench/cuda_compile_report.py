@@ -1,4 +1,5 @@
-"""Compile every ``.cu`` of the cupy backend with NVRTC, offline (no GPU, no driver), and report.
+"""Compile every ``.cu`` of the cupy backend (and a generated FlexAttention unit) with NVRTC,
+offline (no GPU, no driver), and report.
 
 For each source and architecture (sm_80, sm_90): NVRTC compiles all the
 launcher's template instantiations (its ``name_expressions()``) to a cubin
@@ -183,11 +184,41 @@ def sources() -> list[Path]:
     return sorted(BACKEND_DIR.glob("*.cu"))
 
 
+def flex_unit(directory: Path) -> Path:
+    """A generated FlexAttention unit, written into ``directory`` as ``flex_attention.cu``
+    beside copies of the backend's headers (so :func:`compile_source` compiles every
+    instantiation of ``backends/cupy/flex_attention.py``): pair features with their gradients
+    (float gathers, atomics) under sliding window & document (integer gathers)."""
+    import numpy as np
+    from xpkernels.backends.cupy import flex_attention
+
+    from xpkernels import mods as xm
+
+    rng = np.random.default_rng(0)
+    score = xm.PairFeatureScore(
+        lambda qv, kv: [qv[0] * kv[0], xm.tanh(qv[1] - kv[1])],
+        rng.standard_normal((1, 8, 2)).astype(np.float32),
+        rng.standard_normal((1, 8, 2)).astype(np.float32),
+        rng.standard_normal((2, 2)).astype(np.float32),
+    )
+    mask = xm.SlidingWindowMask(4) & xm.DocumentMask(np.zeros((1, 8), np.int32))
+    for header in BACKEND_DIR.glob("*.cuh"):
+        (directory / header.name).write_text(header.read_text())
+    unit = directory / "flex_attention.cu"
+    grads = tuple(range(len(score.graph.slots)))
+    unit.write_text(flex_attention.unit_source(score.graph, mask.graph, grads))
+    return unit
+
+
 def report(arches=ARCHES) -> dict:
-    """Compile every source for every arch; the JSON-ready report."""
+    """Compile every source and a generated flex unit for every arch; the JSON-ready report."""
+    import tempfile
     from importlib.metadata import version
 
     entries = [compile_source(cu, arch) for cu in sources() for arch in arches]
+    with tempfile.TemporaryDirectory() as directory:
+        unit = flex_unit(Path(directory))
+        entries += [compile_source(unit, arch) for arch in arches]
     return {
         "nvrtc": version("nvidia-cuda-nvrtc"),
         "python": platform.python_version(),

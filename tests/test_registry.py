@@ -246,6 +246,8 @@ def test_backends_lists_cupy_with_its_reason(monkeypatch):
         "attention",
         "attention_varlen",
         "decode_attention",
+        "flex_attention",
+        "flex_attention_varlen",
     ) and row.namespaces == ("cupy", "numpy")
     if importlib.util.find_spec("cupy") is None:
         assert not row.available

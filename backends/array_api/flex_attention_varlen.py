@@ -10,6 +10,12 @@ within the packed lengths); rows no sequence covers are fully masked (``o =
 0``, ``m = -inf``, ``l = 0``, zero gradients). The score mod's array
 gradients are added sequence after sequence. ``max_seqlen_q`` and
 ``max_seqlen_k`` are not used.
+
+The GPU backends run their flex kernels on the same views through
+:func:`offset_walk`: instead of ``first_batch``, each graph reading
+``b`` is offset by the sequence's index
+(:meth:`~xpkernels.mods.Graph.offset_batch`, a run-time constant, so every
+sequence shares one compiled kernel).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from .attention_varlen import (
 )
 from .flex_attention import default_tiles
 
-__all__ = ["forward", "backward", "default_tiles"]
+__all__ = ["forward", "backward", "default_tiles", "offset_walk"]
 
 
 def _position(input_pos, b: int):
@@ -143,3 +149,89 @@ def backward(
             first_batch=b,
         )
     clear_backward_gaps(dq, dk, dv, q_spans, k_spans)
+
+
+def _offset(graph, b: int):
+    return None if graph is None else graph.offset_batch(b)
+
+
+def offset_walk(module):
+    """``(forward, backward, score_mod_workspace)`` of a GPU backend's ``flex_attention_varlen``:
+    flex backend module ``module`` on each sequence's views, each graph reading ``b`` offset
+    by the sequence's index (the score-mod workspace, sized for the largest sequence's pass,
+    serves every pass in turn)."""
+
+    def forward(
+        o, q, k, v, m, l, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+        input_pos, score_mod, mask_mod, planner,
+    ) -> None:  # fmt: skip
+        """Write ``o`` (and ``m``, ``l`` unless None) for validated packed inputs, sequence by
+        sequence. ``o``: (Tq, H, Dv); ``q``: (Tq, H, D); ``k``: (Tk, Hkv, D); ``v``: (Tk, Hkv,
+        Dv); ``m``, ``l``: (H, Tq) float32 or None; ``input_pos``: a tuple of ints (one per
+        sequence, or one shared) or a (B,) device array; mods: traced graphs or None."""
+        xp = array_api_compat.array_namespace(o, q, k, v)
+        visits, q_spans, _ = sequences(
+            cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], input_pos, planner
+        )
+        for b, q_span, k_span, position, plan in visits:
+            module.forward(
+                *forward_views(xp, (o, q, k, v, m, l), q_span, k_span),
+                scale=scale,
+                input_pos=position,
+                score_mod=_offset(score_mod, b),
+                mask_mod=_offset(mask_mod, b),
+                plan=plan,
+            )
+        clear_forward_gaps(o, m, l, q_spans)
+
+    def backward(
+        do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, scale, input_pos, score_mod, mask_mod, planner,
+        score_mod_grads, deterministic=True, score_mod_workspace=None,
+    ) -> None:  # fmt: skip
+        """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
+        ``delta`` (H, Tq) float32 is flex's scratch, viewed per sequence; ``dq_accum`` is not
+        used (flex's dQ is its own pass)."""
+        xp = array_api_compat.array_namespace(do, q, k, v, o)
+        visits, q_spans, k_spans = sequences(
+            cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], input_pos, planner, backward=True
+        )
+        arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, None)
+        for b, q_span, k_span, position, plan in visits:
+            module.backward(
+                *backward_views(xp, arrays, q_span, k_span),
+                scale=scale,
+                input_pos=position,
+                score_mod=_offset(score_mod, b),
+                mask_mod=_offset(mask_mod, b),
+                plan=plan,
+                score_mod_grads=score_mod_grads,
+                deterministic=deterministic,
+                score_mod_workspace=score_mod_workspace,
+            )
+        clear_backward_gaps(dq, dk, dv, q_spans, k_spans)
+
+    def score_mod_workspace(
+        q, k, v, score_mod, planner, cu_seqlens_q, cu_seqlens_k, input_pos, score_mod_grads,
+        deterministic,
+    ) -> int:  # fmt: skip
+        """Float32 elements of the workspace the backward needs: the most any sequence's pass
+        needs (``module.score_mod_workspace`` on its views; its ValueError passes through)."""
+        if score_mod is None or all(g is None for g in score_mod_grads):
+            return 0
+        xp = array_api_compat.array_namespace(q, k, v)
+        visits, _, _ = sequences(
+            cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], input_pos, planner, backward=True
+        )
+        need = 0
+        for b, q_span, k_span, _, plan in visits:
+            _, q_b, k_b, v_b, _, _ = forward_views(xp, (q, q, k, v, None, None), q_span, k_span)
+            need = max(
+                need,
+                module.score_mod_workspace(
+                    q_b, k_b, v_b, _offset(score_mod, b), plan, score_mod_grads, deterministic
+                ),
+            )
+        return need
+
+    return forward, backward, score_mod_workspace

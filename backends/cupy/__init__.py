@@ -5,10 +5,14 @@ interface of :mod:`._loader`, so the same launchers and ``.cu`` files run on
 a GPU through ``cupy.RawModule`` (NVRTC) and on the CPU through
 :mod:`xpkernels.testing.cudacpu` (``with cudacpu.emulate(): ...``). Only CuPy
 is imported on the GPU path: no torch, no triton. So far ``rms_norm``,
-``layer_norm``, ``softmax``, ``decode_attention`` and ``attention`` (forward
-and backward; ``attention_varlen`` runs them per sequence) have CUDA C
-kernels; routing sends the other ops on CuPy
-arrays to the array_api backend (warned once).
+``layer_norm``, ``softmax``, ``decode_attention``, ``attention`` (forward
+and backward; ``attention_varlen`` runs them per sequence) and
+``flex_attention`` (forward and backward, the mods' CUDA C generated per mod
+structure; ``flex_attention_varlen`` runs them per sequence) have CUDA C
+kernels; routing sends the other ops on CuPy arrays
+to the array_api backend (warned once), and so does a flex backward asking
+for deterministic score-mod gradients (the cupy kernels add them with
+atomics: ``Capability.lacks``).
 
 Routing reads :data:`BACKEND`, which serves two kinds of calls:
 
@@ -114,6 +118,24 @@ BACKEND = Backend(
         ),
         "decode_attention": Capability(
             dtypes=_DTYPES, max_head_dim=_DECODE_HEAD_DIM, hooks=("default_splits",)
+        ),
+        # The attention kernels walking the tile plan's lists, with the mods' generated CUDA C
+        # (flex_attention.py). Score-mod gradients are summed with float32 atomics: calls asking
+        # for bit-identical ones (deterministic=True, the default) go to array_api.
+        "flex_attention": Capability(
+            dtypes=_DTYPES,
+            max_head_dim=_ATTENTION_HEAD_DIM,
+            hooks=("default_tiles", "score_mod_workspace"),
+            scratch=("delta",),
+            lacks=("deterministic_score_mod_grad",),
+        ),
+        # The flex kernels on each sequence's views (flex_attention_varlen.py).
+        "flex_attention_varlen": Capability(
+            dtypes=_DTYPES,
+            max_head_dim=_ATTENTION_HEAD_DIM,
+            hooks=("default_tiles", "score_mod_workspace"),
+            scratch=("delta",),
+            lacks=("deterministic_score_mod_grad",),
         ),
     },
     device_problem=device_problem,

@@ -40,7 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from xpkernels.mods import FULL, PARTIAL, SKIP
+from xpkernels.mods import FULL, PARTIAL
+from xpkernels.mods.bands import kernel_states, tile_lists_of
 from xpkernels.mods.codegen import constants, triton_source
 
 from ._common import launch_context, traced
@@ -413,40 +414,6 @@ class Lists:
     exact: bool
 
 
-def _kernel_states(states, tile_m, tile_n, block_m, block_n, n_q, n_kv):
-    """``(Bp, Hp, NQ, NK)`` states of kernel tiles, and whether each lies in one plan tile."""
-    nq, nk = triton.cdiv(n_q, block_m), triton.cdiv(n_kv, block_n)
-    exact = tile_m % block_m == 0 and tile_n % block_n == 0
-    if exact:
-        rows = np.arange(nq) * block_m // tile_m
-        cols = np.arange(nk) * block_n // tile_n
-        return states[:, :, rows][:, :, :, cols], True
-    low = np.full(states.shape[:2] + (nq, nk), FULL, dtype=np.int8)
-    high = np.full(states.shape[:2] + (nq, nk), SKIP, dtype=np.int8)
-    for i in range(nq):
-        r0, r1 = i * block_m // tile_m, (min(n_q, (i + 1) * block_m) - 1) // tile_m
-        band = states[:, :, r0 : r1 + 1]
-        for j in range(nk):
-            c0, c1 = j * block_n // tile_n, (min(n_kv, (j + 1) * block_n) - 1) // tile_n
-            tile = band[:, :, :, c0 : c1 + 1]
-            low[:, :, i, j] = tile.min(axis=(2, 3))
-            high[:, :, i, j] = tile.max(axis=(2, 3))
-    combined = np.where(high == SKIP, SKIP, np.where(low == FULL, FULL, PARTIAL))
-    return combined.astype(np.int8), False
-
-
-def _packed(states, axis):
-    """``(count, entries)``: per row of ``states`` along ``axis`` (2: rows are query tiles)."""
-    s = states if axis == 2 else np.swapaxes(states, 2, 3)
-    visited = s != SKIP
-    count = visited.sum(axis=3).astype(np.int32)
-    index = np.arange(s.shape[3], dtype=np.int32)
-    # visited tiles first, in order; the rest never read
-    order = np.argsort(~visited, axis=3, kind="stable").astype(np.int32)
-    entries = np.take_along_axis(index[None, None, None, :] * 4 + s.astype(np.int32), order, 3)
-    return np.ascontiguousarray(count), np.ascontiguousarray(entries.astype(np.int32))
-
-
 def upload(a: np.ndarray, device) -> torch.Tensor:
     """Host array ``a`` as a tensor on ``device`` (the one host-to-device copy of the kernels)."""
     return torch.from_numpy(np.ascontiguousarray(a)).to(device)
@@ -470,9 +437,9 @@ def tile_lists(plan, n_q, n_kv, block_m, block_n, device) -> Lists:
     if hit is not None:
         _LISTS.move_to_end(key)
         return hit
-    kernel, exact = _kernel_states(states, plan.tile_m, plan.tile_n, block_m, block_n, n_q, n_kv)
-    fc, fwd = _packed(kernel, 2)
-    bc, bwd = _packed(kernel, 3)
+    kernel, exact = kernel_states(states, plan.tile_m, plan.tile_n, block_m, block_n, n_q, n_kv)
+    fc, fwd = tile_lists_of(kernel, 2)
+    bc, bwd = tile_lists_of(kernel, 3)
     lists = Lists(
         upload(fc, device),
         upload(fwd, device),

@@ -624,15 +624,16 @@ def _allocate_scratch(route, q) -> AttentionBackwardScratch:
     )
 
 
-def _scratch_route(op, fn, O, Q, K, V, backend):
-    """The route a backward of ``op`` over these arguments takes (validates ``Q``'s rank and dtype)."""
+def _scratch_route(op, fn, O, Q, K, V, backend, features=()):
+    """The route a backward of ``op`` over these arguments (and per-call ``features``) takes
+    (validates ``Q``'s rank and dtype)."""
     q = primal(Q)
     xp = check.namespace(fn, "Q", q)
     check.rank(fn, "Q", q, 4, "(B, H, Sq, D)")
     check.floating(fn, "Q", xp, q)
     arrays = {"Q": q, "O": primal(O), "K": primal(K), "V": primal(V)}
     head_dim = max(a.shape[-1] for a in arrays.values() if a is not None)
-    return resolve(op, arrays, backend=backend, head_dim=head_dim), q
+    return resolve(op, arrays, backend=backend, head_dim=head_dim, features=features), q
 
 
 @scratchspace_for(attention_backward_)

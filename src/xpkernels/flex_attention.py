@@ -805,7 +805,13 @@ def flex_attention_backward_(
         **call.captured(),
         **{f"score_mod_grad {i}": g for i, g in enumerate(grads)},
     }
-    route = resolve("flex_attention", arrays, backend=backend, head_dim=max(q.shape[3], v.shape[3]))
+    route = resolve(
+        "flex_attention",
+        arrays,
+        backend=backend,
+        head_dim=max(q.shape[3], v.shape[3]),
+        features=_features(deterministic, any(g is not None for g in grads)),
+    )
     options = call.options(route, q.shape[2], k.shape[2])
     need = _workspace_need(fn, route, q, k, v, options, grads, deterministic)
     if scratch is None:
@@ -834,6 +840,11 @@ def flex_attention_backward_(
 
 
 _ALLOCATOR = "allocate_scratchspace(flex_attention_backward_, O, Q, K, V, **options)"
+
+
+def _features(deterministic: bool, mod_grads: bool) -> tuple[str, ...]:
+    """The per-call routing features of a backward (``protocol.FEATURES``)."""
+    return ("deterministic_score_mod_grad",) if deterministic and mod_grads else ()
 
 
 def _workspace_need(fn, route, q, k, v, options, grads, deterministic) -> int:
@@ -882,7 +893,8 @@ def allocate_flex_attention_backward_scratch(
     fn = "allocate_scratchspace(flex_attention_backward_)"
     if not isinstance(deterministic, bool):
         raise TypeError(f"{fn}: deterministic must be a bool, got {deterministic!r}")
-    route, q = _scratch_route("flex_attention", fn, O, Q, K, V, backend)
+    features = _features(deterministic, score_mod_grad is not None)
+    route, q = _scratch_route("flex_attention", fn, O, Q, K, V, backend, features)
     delta, dq_accum = _allocate_scratch(route, q)
     workspace = None
     if score_mod_grad is not None:

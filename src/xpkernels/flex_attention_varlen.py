@@ -62,7 +62,14 @@ from .buffers import (
     scratchspace_for,
     with_new_shadows,
 )
-from .flex_attention import _Call, _mod_grads, _score_mod_workspace, _scratch, _slots
+from .flex_attention import (
+    _Call,
+    _features,
+    _mod_grads,
+    _score_mod_workspace,
+    _scratch,
+    _slots,
+)
 from .registry import resolve
 
 __all__ = [
@@ -519,7 +526,13 @@ def flex_attention_varlen_backward_(
         **packed.call.captured(),
         **{f"score_mod_grad {i}": g for i, g in enumerate(grads)},
     }
-    route = resolve("flex_attention_varlen", arrays, backend=backend, head_dim=_head_dim(q, v))
+    route = resolve(
+        "flex_attention_varlen",
+        arrays,
+        backend=backend,
+        head_dim=_head_dim(q, v),
+        features=_features(deterministic, any(g is not None for g in grads)),
+    )
     options = packed.options(route)
     need = packed.workspace_need(fn, route, q, k, v, options, grads, deterministic)
     if scratch is None:
@@ -591,7 +604,10 @@ def allocate_flex_attention_varlen_backward_scratch(
     check.floating(fn, "Q", xp, q)
     arrays = {"Q": q, "O": primal(O), "K": primal(K), "V": primal(V)}
     head_dim = max(a.shape[-1] for a in arrays.values() if a is not None)
-    route = resolve("flex_attention_varlen", arrays, backend=backend, head_dim=head_dim)
+    features = _features(deterministic, score_mod_grad is not None)
+    route = resolve(
+        "flex_attention_varlen", arrays, backend=backend, head_dim=head_dim, features=features
+    )
     delta, dq_accum = _allocate_scratch(route, q)
     workspace = None
     if score_mod_grad is not None:

@@ -11,7 +11,8 @@ torch               cuda    ``triton``    ``array_api`` on torch ops, warned onc
 torch               cpu     ``array_api``  -- (``triton`` only when asked for)
 cupy                cuda    ``cupy``      ``array_api`` on cupy ops, warned once
                                           (ops the cupy backend has no CUDA C kernel
-                                          for: see ``xk.backends()``)
+                                          for: see ``xk.backends()``; calls asking a
+                                          per-call feature it lacks)
 any other           any     ``array_api``  --
 ==================  ======  ============  =========================================
 
@@ -221,6 +222,7 @@ def resolve(
     *,
     backend: str | None = None,
     head_dim: int | None = None,
+    features: tuple[str, ...] = (),
 ) -> Route:
     """Choose the backend for one call.
 
@@ -235,6 +237,9 @@ def resolve(
         Explicit choice; overrides ``use_backend`` and ``XPKERNELS_BACKEND``.
     head_dim : int, optional
         Largest head dim of an attention call, checked against capabilities.
+    features : tuple of str
+        Per-call features the call asks for (``protocol.FEATURES``), checked
+        against what each capability ``lacks``.
 
     Returns
     -------
@@ -269,7 +274,7 @@ def resolve(
             )
     dtypes = {dtype_name(xp, a.dtype) for _, a in named if xp.isdtype(a.dtype, "real floating")}
     kind = device_kind(first)
-    call = Call(ns, kind, tuple(sorted(dtypes)), head_dim)
+    call = Call(ns, kind, tuple(sorted(dtypes)), head_dim, tuple(features))
 
     chosen, source = _explicit_choice(backend)
     if chosen is not None:

@@ -1,7 +1,9 @@
 """Tile skipping from the bands masks declare: tile states and tile plans.
 
-The states SKIP / PARTIAL / FULL, :func:`band_states`, :class:`TilePlan` and
-:func:`plan_tiles`.
+The states SKIP / PARTIAL / FULL, :func:`band_states`, :class:`TilePlan`,
+:func:`plan_tiles`, and the kernels' view of a plan shared by the GPU backends:
+:func:`kernel_states` (a plan's states at a kernel's tiles) and
+:func:`tile_lists_of` (per row of tiles, the tiles it visits).
 """
 
 from __future__ import annotations
@@ -93,3 +95,46 @@ def plan_tiles(mask, block_mask, *, block_sparse, n_q, n_kv, positions, tile_m, 
     distinct = {p: band_states(mask, p, n_q, n_kv, tile_m, tile_n) for p in set(positions)}
     states = np.stack([distinct[p] for p in positions])[:, None]
     return TilePlan(tile_m, tile_n, states)
+
+
+def kernel_states(states, tile_m, tile_n, block_m, block_n, n_q, n_kv):
+    """``(Bp, Hp, NQ, NK)`` states of kernel tiles ``block_m`` x ``block_n``, and whether each
+    lies in one plan tile.
+
+    ``states`` are a plan's ``(Bp, Hp, NQp, NKp)`` states at tiles ``tile_m`` x
+    ``tile_n``. When the kernel's tiles divide the plan's, each takes its plan
+    tile's state (exact); otherwise a kernel tile straddling plan tiles is
+    SKIP or FULL only when all it covers are, else PARTIAL, and a kernel then
+    reads each pair's plan state there.
+    """
+    nq, nk = _n_tiles(n_q, block_m), _n_tiles(n_kv, block_n)
+    exact = tile_m % block_m == 0 and tile_n % block_n == 0
+    if exact:
+        rows = np.arange(nq) * block_m // tile_m
+        cols = np.arange(nk) * block_n // tile_n
+        return states[:, :, rows][:, :, :, cols], True
+    low = np.full(states.shape[:2] + (nq, nk), FULL, dtype=np.int8)
+    high = np.full(states.shape[:2] + (nq, nk), SKIP, dtype=np.int8)
+    for i in range(nq):
+        r0, r1 = i * block_m // tile_m, (min(n_q, (i + 1) * block_m) - 1) // tile_m
+        band = states[:, :, r0 : r1 + 1]
+        for j in range(nk):
+            c0, c1 = j * block_n // tile_n, (min(n_kv, (j + 1) * block_n) - 1) // tile_n
+            tile = band[:, :, :, c0 : c1 + 1]
+            low[:, :, i, j] = tile.min(axis=(2, 3))
+            high[:, :, i, j] = tile.max(axis=(2, 3))
+    combined = np.where(high == SKIP, SKIP, np.where(low == FULL, FULL, PARTIAL))
+    return combined.astype(np.int8), False
+
+
+def tile_lists_of(states, axis):
+    """``(count, entries)``: per row of kernel ``states`` along ``axis`` (2: rows are query
+    tiles, 3: key tiles), how many tiles it visits and which, as int32 ``tile * 4 + state``
+    (visited tiles first, in order; the entries past ``count`` are never read)."""
+    s = states if axis == 2 else np.swapaxes(states, 2, 3)
+    visited = s != SKIP
+    count = visited.sum(axis=3).astype(np.int32)
+    index = np.arange(s.shape[3], dtype=np.int32)
+    order = np.argsort(~visited, axis=3, kind="stable").astype(np.int32)
+    entries = np.take_along_axis(index[None, None, None, :] * 4 + s.astype(np.int32), order, 3)
+    return np.ascontiguousarray(count), np.ascontiguousarray(entries.astype(np.int32))

@@ -35,6 +35,7 @@ from xpkernels.flex_attention import (
     flex_attention_backward,
     flex_attention_backward_,
 )
+from xpkernels.registry import BACKENDS
 from xpkernels.testing import references as ref
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 from xpkernels.testing.specs.attention import _bshd, _dims, _scale, arrange_qkv, cotangent_o
@@ -551,8 +552,16 @@ def _forward(case, arrays, checkpoints, backend):
     return {"o": o}
 
 
+def deterministic_for(backend, op="flex_attention") -> bool:
+    """``deterministic`` of the backward calls: True (the default) unless ``backend`` cannot
+    honour it with score-mod gradients (cupy sums them with float32 atomics), so that every
+    backend runs the cases."""
+    capability = next((b.ops.get(op) for b in BACKENDS if b.name == backend), None)
+    return capability is None or "deterministic_score_mod_grad" not in capability.lacks
+
+
 def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
-    options = _options(case, arrays)
+    options = {**_options(case, arrays), "deterministic": deterministic_for(backend)}
     O = Duplicated(outs["o"], cotangents["o"])
     Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
     mod_grad = _mod_grad(case, options)
@@ -574,7 +583,7 @@ def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
 
 
 def _backward(case, arrays, outs, cotangents, checkpoints, backend):
-    options = _options(case, arrays)
+    options = {**_options(case, arrays), "deterministic": deterministic_for(backend)}
     mod_grad = _mod_grad(case, options)
     dq, dk, dv = flex_attention_backward(
         cotangents["o"],

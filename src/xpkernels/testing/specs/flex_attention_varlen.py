@@ -30,7 +30,12 @@ from xpkernels.flex_attention_varlen import (
 from xpkernels.testing import references as ref
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 from xpkernels.testing.specs.attention_varlen import _cu, _packed, _padded
-from xpkernels.testing.specs.flex_attention import _namespace, _reshape, write_params
+from xpkernels.testing.specs.flex_attention import (
+    _namespace,
+    _reshape,
+    deterministic_for,
+    write_params,
+)
 
 _BASE = {
     "H": 2,
@@ -330,7 +335,10 @@ def _forward(case, arrays, checkpoints, backend):
 
 
 def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
-    options = _options(case, arrays)
+    options = {
+        **_options(case, arrays),
+        "deterministic": deterministic_for(backend, "flex_attention_varlen"),
+    }
     O = Duplicated(outs["o"], cotangents["o"])
     Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
     mod_grad = _mod_grad(case, options)
@@ -361,7 +369,10 @@ def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
 
 
 def _backward(case, arrays, outs, cotangents, checkpoints, backend):
-    options = _options(case, arrays)
+    options = {
+        **_options(case, arrays),
+        "deterministic": deterministic_for(backend, "flex_attention_varlen"),
+    }
     mod_grad = _mod_grad(case, options)
     dq, dk, dv = flex_attention_varlen_backward(
         cotangents["o"],

@@ -1,0 +1,496 @@
+r"""FlexAttention forward and backward in CUDA C (``flex_attention.cuh``), with generated mod code.
+
+The score and mask mods arrive as traced graphs. For each mod structure the
+launcher writes one translation unit into a private directory, named by the
+hash of its text: the mods' device functions from
+:func:`xpkernels.mods.codegen_cuda.cuda_source` (``flex_mask``,
+``flex_score``, ``flex_dscore`` and ``flex_vjp``; an absent mod is the
+generator's own identity, :class:`~xpkernels.mods.NoOpScore` or
+:class:`~xpkernels.mods.FullMask`), then ``#include "flex_attention.cuh"``.
+Captured arrays, their extents and strides and the graphs' constants travel
+at run time (:func:`~xpkernels.mods.codegen_cuda.pack_arguments`), so a new
+table or constant never recompiles. Both loaders key their modules on the
+unit's path.
+
+The kernels are the attention kernels' (``attention_tiles.cuh``: wmma for
+float16/bfloat16, SIMT for float32) walking tile lists instead of causal
+ranges: the call's :class:`~xpkernels.mods.TilePlan` becomes, per (batch,
+head, query tile), the key tiles to visit and per (batch, head, key tile)
+the query tiles (:func:`xpkernels.mods.bands.kernel_states`,
+:func:`~xpkernels.mods.bands.tile_lists_of`); the mask runs only on PARTIAL
+tiles. Default plan tiles are :data:`PLAN_TILE` square, which every kernel
+tile divides; a BlockMask's own tiles may not, and pairs of a kernel tile
+straddling plan tiles then read their plan state.
+
+Forward, one block per (query tile, batch, query head): ``s = scale q.k``
+goes through the score mod, masked pairs are ``-inf``, the online softmax
+runs in base 2, and the checkpoints leave in attention's natural-log ``(m,
+l)`` contract (a row keeping no key: ``o = 0``, ``m = -inf``, ``l = 0``), so
+either pass interchanges with another backend's. Backward: attention's delta
+kernel, one dK/dV block per (batch, kv head, key tile) summing over the GQA
+group (the score mod's array gradients are added there with float32
+``atomicAdd``, into the caller's float32 accumulators or float32
+temporaries in ``scratch.score_mod_workspace`` for other dtypes), and one dQ
+block per query tile. Atomic sums are not bit-identical run to run, so this
+backend declares that it lacks ``deterministic_score_mod_grad``: routing
+sends such calls to array_api (or raises for ``backend="cupy"``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import shutil
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+
+import array_api_compat
+import numpy as np
+
+from xpkernels.mods import FullMask, NoOpScore
+from xpkernels.mods.bands import kernel_states, tile_lists_of
+from xpkernels.mods.codegen_cuda import cuda_source, pack_arguments
+
+from . import attention as _attention
+from ._loader import OPTIONS, loader_for
+from ._rows import CTYPES, NULL, raise_shared_limit
+
+__all__ = ["backward", "default_tiles", "forward", "name_expressions", "score_mod_workspace"]
+
+#: Plan tiles (queries x keys) when no BlockMask fixes them: every kernel tile divides them.
+PLAN_TILE = 64
+WARPS = _attention.WARPS
+BLOCK_M = _attention.BLOCK_M
+BLOCK_N = _attention.BLOCK_N
+BLOCK_Q = _attention.BLOCK_Q
+HEAD_DIMS = _attention.HEAD_DIMS
+MAX_HEAD_DIM = _attention.MAX_HEAD_DIM
+_INT32_MAX = 2**31 - 1
+#: Workspace carves start at multiples of this many float32 elements (64 bytes).
+_ALIGN = 16
+
+_DIRECTORY: list[Path] = []
+_UNITS: dict[str, Path] = {}
+_LISTS: OrderedDict = OrderedDict()
+_LISTS_KEPT = 64
+
+
+def default_tiles(n_q: int, n_kv: int, group: int, masked: bool) -> tuple[int, int]:
+    """``(tile_m, tile_n)`` of a plan: :data:`PLAN_TILE` square."""
+    return PLAN_TILE, PLAN_TILE
+
+
+def _names(t: str, dmax: int) -> tuple[str, str, str]:
+    """The forward, dK/dV and dQ kernels for input type ``t`` and padded head dim ``dmax``."""
+    return (
+        f"flex_forward<{t},{BLOCK_N[t]},{dmax}>",
+        f"flex_backward_dkdv<{t},{BLOCK_Q[t]},{dmax}>",
+        f"flex_backward_dq<{t},{BLOCK_N[t]},{dmax}>",
+    )
+
+
+def name_expressions() -> list[str]:
+    """Every template instantiation of a unit (for offline compile reports)."""
+    return [n for t in CTYPES.values() for dmax in HEAD_DIMS for n in _names(t, dmax)]
+
+
+def _directory() -> Path:
+    if not _DIRECTORY:
+        path = tempfile.mkdtemp(prefix="xpkernels-cupy-flex-")
+        atexit.register(shutil.rmtree, path, True)
+        _DIRECTORY.append(Path(path))
+    return _DIRECTORY[0]
+
+
+def unit_source(score, mask, grads: tuple[int, ...] = ()) -> str:
+    """The translation unit of mod graphs ``score`` and ``mask`` (None: absent); the dK/dV
+    pass's ``flex_vjp`` adds the gradients of score slots ``grads``."""
+    score_graph = NoOpScore().graph if score is None else score
+    mask_graph = FullMask().graph if mask is None else mask
+    parts = [
+        cuda_source(mask_graph, "mask", "flex_mask"),
+        cuda_source(score_graph, "score", "flex_score"),
+        cuda_source(score_graph, "vjp", "flex_dscore"),
+        cuda_source(score_graph, "vjp", "flex_vjp", grads),
+    ]
+    return "\n".join(parts) + '\n#include "flex_attention.cuh"\n'
+
+
+def unit(score, mask, grads: tuple[int, ...] = ()) -> Path:
+    """The unit's file (written once per process, named by its hash)."""
+    source = unit_source(score, mask, grads)
+    path = _UNITS.get(source)
+    if path is None:
+        digest = hashlib.sha256(source.encode()).hexdigest()[:24]
+        path = _directory() / f"flex_{digest}.cu"
+        path.write_text(source, encoding="utf-8")
+        _UNITS[source] = path
+    return path
+
+
+def _on_device(host: np.ndarray, like):
+    """Host array ``host`` in ``like``'s namespace (a copy to the GPU for CuPy)."""
+    if isinstance(like, np.ndarray):
+        return np.ascontiguousarray(host)
+    return array_api_compat.array_namespace(like).asarray(np.ascontiguousarray(host))
+
+
+def _device_key(like) -> str:
+    return "cpu" if isinstance(like, np.ndarray) else f"cuda:{like.device.id}"
+
+
+def _broadcast_strides(a) -> list:
+    """Element strides of ``a`` (int64), 0 along the batch and head axes it broadcasts over."""
+    return [
+        np.int64(0 if axis < 2 and a.shape[axis] == 1 else a.strides[axis] // a.itemsize)
+        for axis in range(a.ndim)
+    ]
+
+
+def _lists(plan, n_q, n_kv, block_m, block_n, axis, like) -> tuple:
+    """Kernel arguments of ``plan``'s tile lists at kernel tiles ``block_m`` x ``block_n``
+    along ``axis`` (2: per query tile, 3: per key tile), cached by content on the device."""
+    states = np.ascontiguousarray(plan.states, dtype=np.int8)
+    key = (
+        _device_key(like),
+        states.shape,
+        states.tobytes(),
+        plan.tile_m,
+        plan.tile_n,
+        n_q,
+        n_kv,
+        block_m,
+        block_n,
+        axis,
+    )
+    hit = _LISTS.get(key)
+    if hit is None:
+        kernel, exact = kernel_states(states, plan.tile_m, plan.tile_n, block_m, block_n, n_q, n_kv)
+        count, entries = tile_lists_of(kernel, axis)
+        count, entries, states_d = (_on_device(a, like) for a in (count, entries, states))
+        hit = (
+            count,
+            entries,
+            *_broadcast_strides(count)[:2],
+            *_broadcast_strides(entries)[:3],
+            states_d,
+            *_broadcast_strides(states_d)[:3],
+            np.int32(plan.tile_m),
+            np.int32(plan.tile_n),
+            np.int32(1 if exact else 0),
+        )
+        _LISTS[key] = hit
+        if len(_LISTS) > _LISTS_KEPT:
+            _LISTS.popitem(last=False)
+    else:
+        _LISTS.move_to_end(key)
+    return hit
+
+
+def _mod_arguments(graph, like, grads=(), accumulators=()) -> tuple:
+    """``(ptrs, ints, floats)`` of a graph's ModArgs on ``like``'s device (nulls without one).
+
+    The device copies are returned to be kept alive while the kernels run.
+    """
+    if graph is None:
+        return NULL, NULL, NULL
+    packed = pack_arguments(graph, None, grads, accumulators)
+    return tuple(_on_device(a, like) for a in packed)
+
+
+def _positions(input_pos, batch, like) -> tuple:
+    """``(pointer, stride, width, value)`` of ``input_pos`` for the kernels."""
+    if isinstance(input_pos, tuple):
+        if len(input_pos) == 1 or len(set(input_pos)) == 1:
+            return NULL, np.int64(0), np.int32(0), np.int64(input_pos[0])
+        values = _on_device(np.asarray(input_pos, dtype=np.int64), like)
+        return values, np.int64(1), np.int32(8), np.int64(0)
+    return (*_attention._index("input_pos", input_pos, batch), np.int64(0))
+
+
+def _check_inputs(what: str, q, k, v) -> str:
+    t = CTYPES.get(str(q.dtype))
+    if t is None or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"cupy flex_attention{what}: q, k and v must share one of float32, float16, "
+            f"bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    batch, heads, sq, d = q.shape
+    kv_heads, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    if max(d, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"cupy flex_attention: head dims up to {MAX_HEAD_DIM}, got {d}/{dv}")
+    kv_tiles = -(-sk // BLOCK_M)
+    if (
+        max(sq, sk) > _INT32_MAX
+        or batch * heads * max(-(-sq // BLOCK_M) * BLOCK_M, sq) > _INT32_MAX
+        or batch * kv_heads * kv_tiles > _INT32_MAX
+    ):
+        raise ValueError(
+            f"cupy flex_attention{what}: Sq, Sk, B * H * Sq and B * Hkv * ceil(Sk / {BLOCK_M}) "
+            f"must stay below 2**31, got B={batch}, H={heads}, Hkv={kv_heads}, Sq={sq}, Sk={sk}"
+        )
+    return t
+
+
+def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) -> None:
+    """Write ``o`` (and the checkpoints ``m``, ``l`` unless None) for validated inputs.
+
+    ``o``: (B, H, Sq, Dv); ``q``: (B, H, Sq, D); ``k``: (B, Hkv, Sk, D); ``v``:
+    (B, Hkv, Sk, Dv); ``m``, ``l``: (B, H, Sq) float32 or None; ``input_pos``
+    a tuple of ints (one, or one per batch) or a (B,) integer array;
+    ``score_mod``, ``mask_mod``: graphs or None; ``plan``: the tile plan.
+    """
+    t = _check_inputs("", q, k, v)
+    o_kind = _attention._OUT_KINDS.get(str(o.dtype))
+    if o_kind is None:
+        raise TypeError(
+            f"cupy flex_attention: o must be float32, float16 or bfloat16, got {o.dtype}"
+        )
+    batch, heads, sq, d = q.shape
+    kv_heads, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    if batch * heads * sq == 0:
+        return
+    if sk == 0:
+        o[...] = 0
+        if m is not None:
+            m[...] = -np.inf
+            l[...] = 0
+        return
+    dmax = next(n for n in HEAD_DIMS if n >= max(d, dv))
+    name = _names(t, dmax)[0]
+    q_tiles = -(-sq // BLOCK_M)
+    lists = _lists(plan, sq, sk, BLOCK_M, BLOCK_N[t], 2, q)
+    score_args = _mod_arguments(score_mod, q)
+    mask_args = _mod_arguments(mask_mod, q)
+    shared = _attention.shared_bytes(t, dmax)
+    module = loader_for(q).module(unit(score_mod, mask_mod), [name], OPTIONS)
+    kernel = module.get_function(name)
+    raise_shared_limit(kernel, shared)
+    zeros = [np.int64(0)] * 3
+    kernel(
+        (batch * heads * q_tiles,),
+        (32 * WARPS,),
+        (
+            o,
+            np.int32(o_kind),
+            NULL if m is None else m,
+            NULL if l is None else l,
+            q,
+            k,
+            v,
+            *_positions(input_pos, batch, q),
+            *lists,
+            *score_args,
+            *mask_args,
+            np.int32(heads),
+            np.int32(heads // kv_heads),
+            np.int32(sq),
+            np.int32(sk),
+            np.int32(d),
+            np.int32(dv),
+            np.int32(q_tiles),
+            np.float32(scale),
+            _attention._vector_ok(q, d),
+            _attention._vector_ok(k, d),
+            _attention._vector_ok(v, dv),
+            np.uint64(shared),
+            *_attention._strides(q, (0, 1, 2)),
+            *_attention._strides(k, (0, 1, 2)),
+            *_attention._strides(v, (0, 1, 2)),
+            *_attention._strides(o, (0, 1, 2)),
+            *(zeros if m is None else _attention._strides(m, (0, 1, 2))),
+            *(zeros if l is None else _attention._strides(l, (0, 1, 2))),
+        ),
+        shared_mem=shared,
+    )
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def score_mod_workspace(q, k, v, score_mod, plan, score_mod_grads, deterministic) -> int:
+    """Float32 elements :func:`backward` needs: a float32 temporary per score-mod gradient
+    whose accumulator is not float32 (the kernels add with float32 ``atomicAdd``)."""
+    if score_mod is None:
+        return 0
+    return sum(
+        _aligned(int(np.prod(g.shape)))
+        for g in score_mod_grads
+        if g is not None and str(g.dtype) != "float32"
+    )
+
+
+def backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    m,
+    l,
+    dq,
+    dk,
+    dv,
+    delta,
+    dq_accum,
+    *,
+    scale,
+    input_pos,
+    score_mod,
+    mask_mod,
+    plan,
+    score_mod_grads,
+    deterministic,
+    score_mod_workspace=None,
+) -> None:
+    """Overwrite ``dq``, ``dk``, ``dv`` and ADD the score mod's array gradients.
+
+    Recomputes the probabilities from the checkpoints ``m``, ``l`` (from a
+    forward on any backend); ``delta`` (B, H, Sq) float32 receives
+    ``rowsum(do * o)``; ``dq_accum`` is not used (None). ``score_mod_grads``:
+    one accumulator or None per captured array of ``score_mod``, summed with
+    float32 atomics, so ``deterministic`` must be False when any is given
+    (routing never sends such a call here). ``score_mod_workspace``: float32
+    scratch of at least :func:`score_mod_workspace` elements, or None.
+    """
+    t = _check_inputs(" backward", q, k, v)
+    kinds = {
+        name: _attention._check_float(name, a)
+        for name, a in dict(do=do, o=o, dq=dq, dk=dk, dv=dv).items()
+    }
+    if any(str(a.dtype) != "float32" for a in (m, l, delta)):
+        raise TypeError("cupy flex_attention backward: m, l and delta must be float32")
+    wanted = tuple(
+        i for i, g in enumerate(score_mod_grads or ()) if g is not None and score_mod is not None
+    )
+    if wanted and deterministic:
+        raise ValueError(
+            "cupy flex_attention backward: score-mod gradients are summed with float32 atomics; "
+            "deterministic=True cannot be honoured (route it to another backend)"
+        )
+    batch, heads, sq, d = q.shape
+    kv_heads, sk, d_v = k.shape[1], k.shape[2], v.shape[3]
+    if batch == 0 or heads == 0:
+        return
+    if sk == 0 or sq == 0:
+        dq[...] = 0
+        dk[...] = 0
+        dv[...] = 0
+        return
+    accumulators, pending, offset = [], [], 0
+    for i in wanted:
+        target = score_mod_grads[i]
+        if str(target.dtype) == "float32":
+            accumulators.append(target)
+            continue
+        n = int(np.prod(target.shape))
+        acc = score_mod_workspace[offset : offset + n].reshape(tuple(target.shape))
+        acc[...] = 0
+        offset += _aligned(n)
+        accumulators.append(acc)
+        pending.append((target, acc))
+    dmax = next(n for n in HEAD_DIMS if n >= max(d, d_v))
+    _, dkdv_name, dq_name = _names(t, dmax)
+    module = loader_for(q).module(unit(score_mod, mask_mod, wanted), [dkdv_name, dq_name], OPTIONS)
+    delta_kernel = (
+        loader_for(q)
+        .module(_attention.SOURCE, [_attention.DELTA_KERNEL], OPTIONS)
+        .get_function(_attention.DELTA_KERNEL)
+    )
+    bhs = (0, 1, 2)
+    rows = batch * heads * sq
+    delta_kernel(
+        (-(-rows // _attention.DELTA_ROWS),),
+        (32 * _attention.DELTA_ROWS,),
+        (
+            delta,
+            do,
+            kinds["do"],
+            o,
+            kinds["o"],
+            *_attention._index("q_lengths", None, batch),
+            np.int32(heads),
+            np.int32(sq),
+            np.int32(d_v),
+            np.int32(rows),
+            *_attention._strides(delta, bhs),
+            *_attention._strides(do, bhs),
+            *_attention._strides(o, bhs),
+        ),
+    )
+    positions = _positions(input_pos, batch, q)
+    common = (q, k, v, do, kinds["do"], m, l, delta, *positions)
+    mask_args = _mod_arguments(mask_mod, q)
+    flags = (
+        np.float32(scale),
+        _attention._vector_ok(q, d),
+        _attention._vector_ok(k, d),
+        _attention._vector_ok(v, d_v),
+    )
+    strides = (
+        *_attention._strides(q, bhs),
+        *_attention._strides(k, bhs),
+        *_attention._strides(v, bhs),
+        *_attention._strides(do, bhs),
+        *_attention._strides(m, bhs),
+        *_attention._strides(l, bhs),
+        *_attention._strides(delta, bhs),
+    )
+    dims = (np.int32(heads // kv_heads), np.int32(sq), np.int32(sk), np.int32(d), np.int32(d_v))
+
+    kv_tiles = -(-sk // BLOCK_M)
+    shared = _attention.backward_shared_bytes(t, dmax, "dkdv")
+    kernel = module.get_function(dkdv_name)
+    raise_shared_limit(kernel, shared)
+    kernel(
+        (batch * kv_heads * kv_tiles,),
+        (32 * WARPS,),
+        (
+            dk,
+            kinds["dk"],
+            dv,
+            kinds["dv"],
+            *common,
+            *_lists(plan, sq, sk, BLOCK_Q[t], BLOCK_M, 3, q),
+            *_mod_arguments(score_mod, q, wanted, accumulators),
+            *mask_args,
+            np.int32(kv_heads),
+            *dims,
+            np.int32(kv_tiles),
+            *flags,
+            np.uint64(shared),
+            *strides,
+            *_attention._strides(dk, bhs),
+            *_attention._strides(dv, bhs),
+        ),
+        shared_mem=shared,
+    )
+
+    q_tiles = -(-sq // BLOCK_M)
+    shared = _attention.backward_shared_bytes(t, dmax, "dq")
+    kernel = module.get_function(dq_name)
+    raise_shared_limit(kernel, shared)
+    kernel(
+        (batch * heads * q_tiles,),
+        (32 * WARPS,),
+        (
+            dq,
+            kinds["dq"],
+            *common,
+            *_lists(plan, sq, sk, BLOCK_M, BLOCK_N[t], 2, q),
+            *_mod_arguments(score_mod, q),
+            *mask_args,
+            np.int32(heads),
+            *dims,
+            np.int32(q_tiles),
+            *flags,
+            np.uint64(shared),
+            *strides,
+            *_attention._strides(dq, bhs),
+        ),
+        shared_mem=shared,
+    )
+    for target, acc in pending:
+        target += acc.astype(target.dtype)
