@@ -696,12 +696,15 @@ def test_decode_groups_and_head_dims_match_reference(case, dtype):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dim_256_backward_with_the_compiled_default_tiles(monkeypatch, causal):
     """The 2-byte D=256 backward at its sm_90 default tiles (dQ: 64 query rows, 16-key
-    steps), not the interpreter's 16 x 16 ones: query tiles past the rows and, causal,
-    64-row tiles crossing the diagonal in 16-key steps."""
+    steps; dK/dV non-causal: 64 keys, split over a dV and a dK program), not the
+    interpreter's 16 x 16 ones: query tiles past the rows and, causal, 64-row tiles
+    crossing the diagonal in 16-key steps."""
     from xpkernels.backends.triton import _attn_common
 
     monkeypatch.setattr(_attn_common, "interpreted", lambda: False)
     assert tri_attention._DQ_TILES.choose(256, 2).block_m == 64
+    assert tri_attention.dkdv_split(256, causal) is not causal
+    assert tri_attention._DKDV_SPLIT_TILES.choose(256, 2).block_n == 64
     case = ("d256", 1, 2, 1, 80, 80, 256, 256, causal, 0, None, None, False)
     rng = np.random.default_rng(256 + causal)
     tensors, exact, opts, ref_opts = _attn_inputs(case, torch.float16, rng)

@@ -77,6 +77,7 @@ from ._attn_common import (
     dim_block,
     dot_precision,
     dot_type,
+    head_class,
     kv_tile,
     launch,
     row_max,
@@ -675,6 +676,8 @@ def _dkdv_step(
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr,
+    WITH_DK: tl.constexpr,
+    WITH_DV: tl.constexpr,
 ):
     """Add the query tile at ``m0`` of one query head to a key tile's ``dk`` (unscaled) and ``dv``.
 
@@ -684,7 +687,9 @@ def _dkdv_step(
     lowers to a warpgroup MMA on Hopper, Q and dO being the shared-memory B
     operands. ``MASKED``
     applies the causal mask (query tiles crossing the diagonal); rows
-    ``>= q_len`` are excluded by the loads (``P = 0`` there).
+    ``>= q_len`` are excluded by the loads (``P = 0`` there). ``WITH_DK`` /
+    ``WITH_DV`` select the gradients formed (the other is returned as given):
+    dV alone needs neither ``dp`` nor ``v``.
     """
     rows = m0 + offs_m
     row_ok = rows < q_len
@@ -709,16 +714,20 @@ def _dkdv_step(
         # carry NaN in ds already.
         visible = key_pos[:, None] <= (pos0 + rows)[None, :]
         p_t = tl.where(visible, p_t, 0.0)
-        dv = tl.dot(p_t.to(k.dtype), do, dv, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = tl.where(visible, p_t * (dp_t - delta[None, :]), 0.0)
-        q_finite = tl.where(tl.abs(q.to(tl.float32)) < float("inf"), q, 0.0).to(k.dtype)
-        dk = tl.dot(ds_t.to(k.dtype), q_finite, dk, input_precision=PRECISION)
+        if WITH_DV:
+            dv = tl.dot(p_t.to(k.dtype), do, dv, input_precision=PRECISION)
+        if WITH_DK:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            ds_t = tl.where(visible, p_t * (dp_t - delta[None, :]), 0.0)
+            q_finite = tl.where(tl.abs(q.to(tl.float32)) < float("inf"), q, 0.0).to(k.dtype)
+            dk = tl.dot(ds_t.to(k.dtype), q_finite, dk, input_precision=PRECISION)
     else:
-        dv = tl.dot(p_t.to(k.dtype), do, dv, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(k.dtype), q, dk, input_precision=PRECISION)
+        if WITH_DV:
+            dv = tl.dot(p_t.to(k.dtype), do, dv, input_precision=PRECISION)
+        if WITH_DK:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = tl.dot(ds_t.to(k.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
@@ -753,6 +762,8 @@ def _dkdv_tiles(
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr,
+    WITH_DK: tl.constexpr,
+    WITH_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     """:func:`_dkdv_step` over the query tiles ``[m_lo, m_hi)`` (see ``RANGE_LOOPS``)."""
@@ -787,6 +798,8 @@ def _dkdv_tiles(
                 EVEN_D,
                 EVEN_DV,
                 PRECISION,
+                WITH_DK,
+                WITH_DV,
             )
     else:
         m0 = m_lo
@@ -820,99 +833,78 @@ def _dkdv_tiles(
                 EVEN_D,
                 EVEN_DV,
                 PRECISION,
+                WITH_DK,
+                WITH_DV,
             )
             m0 += BLOCK_M
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["HKV", "GROUP", "Sq", "Sk", "pos_scalar", "D", "DV"])
-def _dkdv_kernel(
+@triton.jit
+def _dkdv_program(
     q_ptr,
     k_ptr,
     v_ptr,
-    do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    do_ptr,
     m_ptr,
     l_ptr,
-    delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
+    delta_ptr,
     dk_ptr,
-    dv_ptr,  # (B,Hkv,Sk,D), (B,Hkv,Sk,DV) shadows, overwritten
-    q_len_ptr,
-    k_len_ptr,
-    pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
+    dv_ptr,
     stride_qb,
     stride_qh,
-    stride_qm,  # q strides
+    stride_qm,
     stride_kb,
     stride_kh,
-    stride_kn,  # k strides
+    stride_kn,
     stride_vb,
     stride_vh,
-    stride_vn,  # v strides
+    stride_vn,
     stride_dob,
     stride_doh,
-    stride_dom,  # do strides
+    stride_dom,
     stride_mb,
     stride_mh,
-    stride_mm,  # m strides
+    stride_mm,
     stride_lb,
     stride_lh,
-    stride_lm,  # l strides
+    stride_lm,
     stride_deb,
     stride_deh,
-    stride_dem,  # delta strides
+    stride_dem,
     stride_dkb,
     stride_dkh,
-    stride_dkn,  # dk strides
+    stride_dkn,
     stride_dvb,
     stride_dvh,
-    stride_dvn,  # dv strides
-    HKV,
+    stride_dvn,
+    bq,
+    bk,
+    kvh,
+    q_len,
+    k_len,
+    pos0,
+    k_rows,
+    start_n,
     GROUP,
-    Sq,
-    Sk,  # kv heads, query heads per kv head, query and key lengths
-    pos_scalar,  # input_pos when it is one integer
     scale,
-    qk_scale,  # softmax scale, and scale * log2(e)
+    qk_scale,
     D,
-    DV,  # head dims
+    DV,
     CAUSAL: tl.constexpr,
-    HAS_QLEN: tl.constexpr,
-    HAS_KLEN: tl.constexpr,
-    POS_ARRAY: tl.constexpr,
-    PRECISION: tl.constexpr,  # tl.dot input precision
-    DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
+    PRECISION: tl.constexpr,
+    DOT_TYPE: tl.constexpr,
     EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,  # the padded head dims equal D, DV
+    EVEN_DV: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # query tile, key tile
-    VARLEN: tl.constexpr = False,  # packed sequences; grid (key tiles of max_seqlen_k, B * Hkv)
+    BLOCK_N: tl.constexpr,
+    WITH_DK: tl.constexpr,
+    WITH_DV: tl.constexpr,
 ):
-    """One key tile of one (batch, kv head): dK and dV, summed over the GQA group."""
-    if VARLEN:
-        pid_n = tl.program_id(0)
-        pid_bkv = tl.program_id(1)
-    else:
-        n_tiles = tl.cdiv(Sk, BLOCK_N)
-        pid_n = tl.program_id(0) % n_tiles
-        pid_bkv = tl.program_id(0) // n_tiles
-    b = pid_bkv // HKV
-    kvh = pid_bkv % HKV
-    bq, bk, q_len, k_len, pos0, _, k_rows = _sequence_context(
-        b,
-        q_len_ptr,
-        k_len_ptr,
-        pos_ptr,
-        pos_scalar,
-        Sq,
-        Sk,
-        HAS_QLEN,
-        HAS_KLEN,
-        POS_ARRAY,
-        VARLEN,
-    )
-    start_n = pid_n * BLOCK_N
+    """dK and/or dV (``WITH_DK``, ``WITH_DV``) of the key tile at ``start_n``, summed over the
+    GQA group and stored; the arguments are :func:`_dkdv_kernel`'s and its program's context."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -978,6 +970,8 @@ def _dkdv_kernel(
                 EVEN_D,
                 EVEN_DV,
                 PRECISION,
+                WITH_DK,
+                WITH_DV,
                 BLOCK_M,
             )
         dk, dv = _dkdv_tiles(
@@ -1010,19 +1004,325 @@ def _dkdv_kernel(
             EVEN_D,
             EVEN_DV,
             PRECISION,
+            WITH_DK,
+            WITH_DV,
             BLOCK_M,
         )
         g += 1
 
-    dk = tl.where(key_ok[:, None], dk * scale, 0.0)
-    dv = tl.where(key_ok[:, None], dv, 0.0)
     in_bounds = key_pos < k_rows
     kvh64 = kvh.to(tl.int64)
     key_off = start_n.to(tl.int64)
-    dk_base = dk_ptr + bk * stride_dkb + kvh64 * stride_dkh + key_off * stride_dkn
-    dv_base = dv_ptr + bk * stride_dvb + kvh64 * stride_dvh + key_off * stride_dvn
-    _store_rows(dk_base, stride_dkn, offs_n, offs_d, in_bounds, D, dk, EVEN_D)
-    _store_rows(dv_base, stride_dvn, offs_n, offs_dv, in_bounds, DV, dv, EVEN_DV)
+    if WITH_DK:
+        dk = tl.where(key_ok[:, None], dk * scale, 0.0)
+        dk_base = dk_ptr + bk * stride_dkb + kvh64 * stride_dkh + key_off * stride_dkn
+        _store_rows(dk_base, stride_dkn, offs_n, offs_d, in_bounds, D, dk, EVEN_D)
+    if WITH_DV:
+        dv = tl.where(key_ok[:, None], dv, 0.0)
+        dv_base = dv_ptr + bk * stride_dvb + kvh64 * stride_dvh + key_off * stride_dvn
+        _store_rows(dv_base, stride_dvn, offs_n, offs_dv, in_bounds, DV, dv, EVEN_DV)
+
+
+@triton.jit(do_not_specialize=["HKV", "GROUP", "Sq", "Sk", "pos_scalar", "D", "DV"])
+def _dkdv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    m_ptr,
+    l_ptr,
+    delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
+    dk_ptr,
+    dv_ptr,  # (B,Hkv,Sk,D), (B,Hkv,Sk,DV) shadows, overwritten
+    q_len_ptr,
+    k_len_ptr,
+    pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
+    stride_qb,
+    stride_qh,
+    stride_qm,  # q strides
+    stride_kb,
+    stride_kh,
+    stride_kn,  # k strides
+    stride_vb,
+    stride_vh,
+    stride_vn,  # v strides
+    stride_dob,
+    stride_doh,
+    stride_dom,  # do strides
+    stride_mb,
+    stride_mh,
+    stride_mm,  # m strides
+    stride_lb,
+    stride_lh,
+    stride_lm,  # l strides
+    stride_deb,
+    stride_deh,
+    stride_dem,  # delta strides
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,  # dk strides
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,  # dv strides
+    HKV,
+    GROUP,
+    Sq,
+    Sk,  # kv heads, query heads per kv head, query and key lengths
+    pos_scalar,  # input_pos when it is one integer
+    scale,
+    qk_scale,  # softmax scale, and scale * log2(e)
+    D,
+    DV,  # head dims
+    CAUSAL: tl.constexpr,
+    HAS_QLEN: tl.constexpr,
+    HAS_KLEN: tl.constexpr,
+    POS_ARRAY: tl.constexpr,
+    PRECISION: tl.constexpr,  # tl.dot input precision
+    DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,  # the padded head dims equal D, DV
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # query tile, key tile
+    SPLIT: tl.constexpr = False,  # two programs per key tile: dV in the even one, dK in the odd
+    VARLEN: tl.constexpr = False,  # packed sequences; grid (key tiles of max_seqlen_k, B * Hkv)
+):
+    """One key tile of one (batch, kv head): dK and dV, summed over the GQA group.
+
+    With ``SPLIT`` (non-causal head dims of 256, see :func:`dkdv_split`) the grid has two
+    programs per key tile, next to each other so that they read the same Q
+    and dO tiles from L2 at about the same time: the even one forms dV, the
+    odd one dK. Each then holds one ``(BLOCK_N, 256)`` float32 accumulator
+    instead of two, which is what lets a 64-key tile -- the M dimension of
+    Hopper's warpgroup MMA -- fit the register file without spilling. The
+    price is ``s^T = k q^T`` formed twice: per key and query tile the pair
+    forms 5 products of ``2 * BLOCK_N * BLOCK_M * D`` FLOPs (s, dv | s, dp,
+    dk) instead of 4, so this kernel does 1.25x the FLOPs and the backward
+    (dQ forms 3) 8/7 = 1.14x. Splitting the head dim of both accumulators
+    instead would form s and dp in both programs (6 products, 1.5x); 16
+    warps, or 1 stage, spill at 64 keys with both accumulators.
+    """
+    if VARLEN:
+        pid_n = tl.program_id(0)
+        pid_bkv = tl.program_id(1)
+        if SPLIT:
+            part = pid_n % 2
+            pid_n = pid_n // 2
+    else:
+        n_tiles = tl.cdiv(Sk, BLOCK_N)
+        pid = tl.program_id(0)
+        if SPLIT:
+            part = pid % 2
+            pid = pid // 2
+        pid_n = pid % n_tiles
+        pid_bkv = pid // n_tiles
+    b = pid_bkv // HKV
+    kvh = pid_bkv % HKV
+    bq, bk, q_len, k_len, pos0, _, k_rows = _sequence_context(
+        b,
+        q_len_ptr,
+        k_len_ptr,
+        pos_ptr,
+        pos_scalar,
+        Sq,
+        Sk,
+        HAS_QLEN,
+        HAS_KLEN,
+        POS_ARRAY,
+        VARLEN,
+    )
+    start_n = pid_n * BLOCK_N
+    if SPLIT:
+        if part == 0:
+            _dkdv_program(
+                q_ptr,
+                k_ptr,
+                v_ptr,
+                do_ptr,
+                m_ptr,
+                l_ptr,
+                delta_ptr,
+                dk_ptr,
+                dv_ptr,
+                stride_qb,
+                stride_qh,
+                stride_qm,
+                stride_kb,
+                stride_kh,
+                stride_kn,
+                stride_vb,
+                stride_vh,
+                stride_vn,
+                stride_dob,
+                stride_doh,
+                stride_dom,
+                stride_mb,
+                stride_mh,
+                stride_mm,
+                stride_lb,
+                stride_lh,
+                stride_lm,
+                stride_deb,
+                stride_deh,
+                stride_dem,
+                stride_dkb,
+                stride_dkh,
+                stride_dkn,
+                stride_dvb,
+                stride_dvh,
+                stride_dvn,
+                bq,
+                bk,
+                kvh,
+                q_len,
+                k_len,
+                pos0,
+                k_rows,
+                start_n,
+                GROUP,
+                scale,
+                qk_scale,
+                D,
+                DV,
+                CAUSAL,
+                PRECISION,
+                DOT_TYPE,
+                EVEN_D,
+                EVEN_DV,
+                BLOCK_D,
+                BLOCK_DV,
+                BLOCK_M,
+                BLOCK_N,
+                False,
+                True,
+            )
+        else:
+            _dkdv_program(
+                q_ptr,
+                k_ptr,
+                v_ptr,
+                do_ptr,
+                m_ptr,
+                l_ptr,
+                delta_ptr,
+                dk_ptr,
+                dv_ptr,
+                stride_qb,
+                stride_qh,
+                stride_qm,
+                stride_kb,
+                stride_kh,
+                stride_kn,
+                stride_vb,
+                stride_vh,
+                stride_vn,
+                stride_dob,
+                stride_doh,
+                stride_dom,
+                stride_mb,
+                stride_mh,
+                stride_mm,
+                stride_lb,
+                stride_lh,
+                stride_lm,
+                stride_deb,
+                stride_deh,
+                stride_dem,
+                stride_dkb,
+                stride_dkh,
+                stride_dkn,
+                stride_dvb,
+                stride_dvh,
+                stride_dvn,
+                bq,
+                bk,
+                kvh,
+                q_len,
+                k_len,
+                pos0,
+                k_rows,
+                start_n,
+                GROUP,
+                scale,
+                qk_scale,
+                D,
+                DV,
+                CAUSAL,
+                PRECISION,
+                DOT_TYPE,
+                EVEN_D,
+                EVEN_DV,
+                BLOCK_D,
+                BLOCK_DV,
+                BLOCK_M,
+                BLOCK_N,
+                True,
+                False,
+            )
+    else:
+        _dkdv_program(
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            do_ptr,
+            m_ptr,
+            l_ptr,
+            delta_ptr,
+            dk_ptr,
+            dv_ptr,
+            stride_qb,
+            stride_qh,
+            stride_qm,
+            stride_kb,
+            stride_kh,
+            stride_kn,
+            stride_vb,
+            stride_vh,
+            stride_vn,
+            stride_dob,
+            stride_doh,
+            stride_dom,
+            stride_mb,
+            stride_mh,
+            stride_mm,
+            stride_lb,
+            stride_lh,
+            stride_lm,
+            stride_deb,
+            stride_deh,
+            stride_dem,
+            stride_dkb,
+            stride_dkh,
+            stride_dkn,
+            stride_dvb,
+            stride_dvh,
+            stride_dvn,
+            bq,
+            bk,
+            kvh,
+            q_len,
+            k_len,
+            pos0,
+            k_rows,
+            start_n,
+            GROUP,
+            scale,
+            qk_scale,
+            D,
+            DV,
+            CAUSAL,
+            PRECISION,
+            DOT_TYPE,
+            EVEN_D,
+            EVEN_DV,
+            BLOCK_D,
+            BLOCK_DV,
+            BLOCK_M,
+            BLOCK_N,
+            True,
+            True,
+        )
 
 
 @triton.jit
@@ -1354,8 +1654,10 @@ _FORWARD_TILES = TileTable(
     },
 )
 # dK/dV: BLOCK_N keys per program, BLOCK_M query rows per step. BLOCK_N is the M
-# dimension of every product (wgmma from 64); at D=256 a 64-key tile spills
-# (two 64x256 float32 accumulators), so that class keeps 32 keys and mma.sync.
+# dimension of every product (wgmma from 64). At D=256 a 64-key program holding both
+# accumulators spills (two 64x256 float32 tiles), so non-causal launches of that class
+# split dK and dV over two programs (_DKDV_SPLIT_TILES, see dkdv_split); this table
+# holds the one-program tiles (causal D=256: 32 keys, mma.sync; also flex attention's).
 # Every candidate compiles for sm_90 without spills, causal or not.
 _DKDV_TILES = TileTable(
     default={64: Tile(32, 64, 4, 3), 128: Tile(32, 64, 8, 2), 256: Tile(32, 32, 8, 2)},
@@ -1365,6 +1667,14 @@ _DKDV_TILES = TileTable(
         128: (Tile(32, 64, 8, 2), Tile(16, 128, 8, 2)),
         256: (Tile(32, 32, 8, 2),),
     },
+)
+# dK/dV split over two programs per key tile (non-causal head dims of 256): one
+# float32 accumulator each, so 64 keys fit with 16-row query steps (sm_90: 219
+# registers at 2 stages, 233 at 3, no spills; 32-row steps spill 21 bytes).
+_DKDV_SPLIT_TILES = TileTable(
+    default={256: Tile(16, 64, 8, 2)},
+    wide_default={256: Tile(16, 16, 4, 1)},
+    candidates={256: (Tile(16, 64, 8, 2), Tile(16, 64, 8, 3))},
 )
 # dQ: BLOCK_M query rows per program (the M dimension of every product: wgmma from 64),
 # BLOCK_N keys per step. At D=256, 64 rows fit with 16-key steps (32 spill).
@@ -1380,9 +1690,37 @@ _DQ_TILES = TileTable(
 _TUNE_KEY = ["Sq", "Sk", "BLOCK_D", "BLOCK_DV", "CAUSAL"]
 _forward_tuned = autotuned(_forward_kernel, _FORWARD_TILES, _TUNE_KEY)
 _dkdv_tuned = autotuned(_dkdv_kernel, _DKDV_TILES, _TUNE_KEY)
+_dkdv_split_tuned = autotuned(_dkdv_kernel, _DKDV_SPLIT_TILES, _TUNE_KEY)
 _dq_tuned = autotuned(_dq_kernel, _DQ_TILES, _TUNE_KEY)
 #: Elements of one ``delta`` tile (rows x padded Dv): 64 per thread of 4 warps.
 _DELTA_TILE = 8192
+
+
+def dkdv_split(block_d: int, causal: bool) -> bool:
+    """Whether :func:`_dkdv_kernel` runs two programs per key tile (dV, dK): non-causal head dims
+    of 256.
+
+    Causal launches keep one program per key tile (``_DKDV_TILES``, 32 keys, mma.sync): the
+    dK program's diagonal tiles turn non-finite query entries into zeros in registers before
+    they enter ``ds^T q``, and with that the split 64-key program spills on sm_90 (166 bytes
+    at 2 stages, 18 at 3; 32 x 32 holding both accumulators: 0).
+    """
+    return head_class(block_d) == 256 and not causal
+
+
+def launch_dkdv(key_grid, args, meta, work: int, like) -> None:
+    """Launch :func:`_dkdv_kernel` on ``args`` and ``meta``; ``key_grid(blocks)`` counts key
+    tiles on its axis 0, doubled here when :func:`dkdv_split` (``SPLIT``)."""
+    if not dkdv_split(meta["BLOCK_D"], meta["CAUSAL"]):
+        launch(_dkdv_kernel, _dkdv_tuned, _DKDV_TILES, key_grid, args, meta, work, like)
+        return
+
+    def grid(blocks):
+        tiles, *rest = key_grid(blocks)
+        return (2 * tiles, *rest)
+
+    meta = {**meta, "SPLIT": True}
+    launch(_dkdv_kernel, _dkdv_split_tuned, _DKDV_SPLIT_TILES, grid, args, meta, work, like)
 
 
 def _options(q, k, v, input_pos, q_lengths, k_lengths):
@@ -1566,10 +1904,7 @@ def backward(
             *delta.stride(),
         )
         if Sk > 0:
-            launch(
-                _dkdv_kernel,
-                _dkdv_tuned,
-                _DKDV_TILES,
+            launch_dkdv(
                 lambda blocks: (triton.cdiv(Sk, blocks["BLOCK_N"]) * B * Hkv,),
                 (
                     q,
