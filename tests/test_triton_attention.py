@@ -635,6 +635,8 @@ ODD_HEAD_CASES = [
     ("d96-dv111-full", 1, 1, 1, 17, 19, 96, 111, False, 0, None, [13], False),
     ("d111-dv40-causal", 1, 2, 2, 17, 18, 111, 40, True, 1, None, None, True),
     ("d80-dv96-causal", 1, 1, 1, 19, 17, 80, 96, True, 0, [15], None, False),
+    # head-dim class 256, not causal: dK/dV split over a dV and a dK program per key tile
+    ("d200-dv256-full-gqa", 2, 2, 1, 19, 37, 200, 256, False, 0, [19, 6], [37, 21], False),
 ]
 
 
@@ -646,8 +648,8 @@ ODD_HEAD_CASES = [
     ],
 )
 def test_odd_head_dims_use_the_masked_head_dim_variant(case, dtype):
-    """Head dims 40/80/96/111 pad to a power-of-two tile (EVEN_D/EVEN_DV false): the padded
-    columns must stay out of every product and every store of the backward."""
+    """Head dims 40/80/96/111/200 pad to a power-of-two tile (EVEN_D/EVEN_DV false): the
+    padded columns must stay out of every product and every store of the backward."""
     rng = np.random.default_rng(zlib.crc32(case[0].encode()))
     tensors, exact, opts, ref_opts = _attn_inputs(case, dtype, rng)
     ref_out, ref_grad = reference_attention(
