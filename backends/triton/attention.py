@@ -1708,19 +1708,20 @@ def dkdv_split(block_d: int, causal: bool) -> bool:
     return head_class(block_d) == 256 and not causal
 
 
-def launch_dkdv(key_grid, args, meta, work: int, like) -> None:
-    """Launch :func:`_dkdv_kernel` on ``args`` and ``meta``; ``key_grid(blocks)`` counts key
-    tiles on its axis 0, doubled here when :func:`dkdv_split` (``SPLIT``)."""
+def dkdv_launch(key_grid, meta):
+    """``(tuned, table, grid, meta)`` that :func:`launch` takes for :func:`_dkdv_kernel`.
+
+    ``key_grid(blocks)`` counts key tiles on its axis 0; with :func:`dkdv_split` the grid
+    doubles that axis, the tiles come from ``_DKDV_SPLIT_TILES`` and ``meta`` gains ``SPLIT``.
+    """
     if not dkdv_split(meta["BLOCK_D"], meta["CAUSAL"]):
-        launch(_dkdv_kernel, _dkdv_tuned, _DKDV_TILES, key_grid, args, meta, work, like)
-        return
+        return _dkdv_tuned, _DKDV_TILES, key_grid, meta
 
     def grid(blocks):
         tiles, *rest = key_grid(blocks)
         return (2 * tiles, *rest)
 
-    meta = {**meta, "SPLIT": True}
-    launch(_dkdv_kernel, _dkdv_split_tuned, _DKDV_SPLIT_TILES, grid, args, meta, work, like)
+    return _dkdv_split_tuned, _DKDV_SPLIT_TILES, grid, {**meta, "SPLIT": True}
 
 
 def _options(q, k, v, input_pos, q_lengths, k_lengths):
@@ -1904,8 +1905,14 @@ def backward(
             *delta.stride(),
         )
         if Sk > 0:
-            launch_dkdv(
-                lambda blocks: (triton.cdiv(Sk, blocks["BLOCK_N"]) * B * Hkv,),
+            tuned, table, grid, dkdv_meta = dkdv_launch(
+                lambda blocks: (triton.cdiv(Sk, blocks["BLOCK_N"]) * B * Hkv,), even
+            )
+            launch(
+                _dkdv_kernel,
+                tuned,
+                table,
+                grid,
                 (
                     q,
                     k,
@@ -1930,7 +1937,7 @@ def backward(
                     D,
                     DV,
                 ),
-                even,
+                dkdv_meta,
                 work,
                 q,
             )
