@@ -902,9 +902,19 @@ def _dkdv_program(
     BLOCK_N: tl.constexpr,
     WITH_DK: tl.constexpr,
     WITH_DV: tl.constexpr,
+    MASK_ALL: tl.constexpr,
 ):
     """dK and/or dV (``WITH_DK``, ``WITH_DV``) of the key tile at ``start_n``, summed over the
-    GQA group and stored; the arguments are :func:`_dkdv_kernel`'s and its program's context."""
+    GQA group and stored; the arguments are :func:`_dkdv_kernel`'s and its program's context.
+
+    ``MASK_ALL`` (causal): every query tile from the diagonal on goes through the masked
+    step, in one loop, instead of the masked tiles then the full ones in a second loop.
+    The mask is then evaluated where it keeps every pair -- a compare and two selects per
+    pair, and in the dK program a pass of the Q tile through registers (non-finite entries
+    to 0, as on the diagonal) -- but one pipelined loop holds fewer registers than two:
+    the split programs' causal build compiles without spills only this way (sm_90, 64
+    keys, 3 stages: 248 registers; with two loops 18 bytes spill).
+    """
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -931,6 +941,8 @@ def _dkdv_program(
     m_lo = tl.where(key_tile_live, m_lo, q_len)
     m_full = tl.where(key_tile_live, m_full, q_len)
     m_diag_end = tl.minimum(m_full, q_len)
+    if MASK_ALL:
+        m_diag_end = q_len
     g = 0
     while g < GROUP:
         h = (kvh * GROUP + g).to(tl.int64)
@@ -974,40 +986,41 @@ def _dkdv_program(
                 WITH_DV,
                 BLOCK_M,
             )
-        dk, dv = _dkdv_tiles(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            do_base,
-            m_base,
-            l_base,
-            delta_base,
-            stride_qm,
-            stride_dom,
-            stride_mm,
-            stride_lm,
-            stride_dem,
-            offs_m,
-            offs_d,
-            offs_dv,
-            key_pos,
-            m_full,
-            q_len,
-            q_len,
-            pos0,
-            qk_scale,
-            D,
-            DV,
-            False,
-            EVEN_D,
-            EVEN_DV,
-            PRECISION,
-            WITH_DK,
-            WITH_DV,
-            BLOCK_M,
-        )
+        if not (CAUSAL and MASK_ALL):
+            dk, dv = _dkdv_tiles(
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                do_base,
+                m_base,
+                l_base,
+                delta_base,
+                stride_qm,
+                stride_dom,
+                stride_mm,
+                stride_lm,
+                stride_dem,
+                offs_m,
+                offs_d,
+                offs_dv,
+                key_pos,
+                m_full,
+                q_len,
+                q_len,
+                pos0,
+                qk_scale,
+                D,
+                DV,
+                False,
+                EVEN_D,
+                EVEN_DV,
+                PRECISION,
+                WITH_DK,
+                WITH_DV,
+                BLOCK_M,
+            )
         g += 1
 
     in_bounds = key_pos < k_rows
@@ -1090,7 +1103,7 @@ def _dkdv_kernel(
 ):
     """One key tile of one (batch, kv head): dK and dV, summed over the GQA group.
 
-    With ``SPLIT`` (non-causal head dims of 256, see :func:`dkdv_split`) the grid has two
+    With ``SPLIT`` (head dims of 256, see :func:`dkdv_split`) the grid has two
     programs per key tile, next to each other so that they read the same Q
     and dO tiles from L2 at about the same time: the even one forms dV, the
     odd one dK. Each then holds one ``(BLOCK_N, 256)`` float32 accumulator
@@ -1196,6 +1209,7 @@ def _dkdv_kernel(
                 BLOCK_N,
                 False,
                 True,
+                SPLIT,
             )
         else:
             _dkdv_program(
@@ -1259,6 +1273,7 @@ def _dkdv_kernel(
                 BLOCK_N,
                 True,
                 False,
+                SPLIT,
             )
     else:
         _dkdv_program(
@@ -1322,6 +1337,7 @@ def _dkdv_kernel(
             BLOCK_N,
             True,
             True,
+            False,
         )
 
 
@@ -1655,10 +1671,10 @@ _FORWARD_TILES = TileTable(
 )
 # dK/dV: BLOCK_N keys per program, BLOCK_M query rows per step. BLOCK_N is the M
 # dimension of every product (wgmma from 64). At D=256 a 64-key program holding both
-# accumulators spills (two 64x256 float32 tiles), so non-causal launches of that class
-# split dK and dV over two programs (_DKDV_SPLIT_TILES, see dkdv_split); this table
-# holds the one-program tiles (causal D=256: 32 keys, mma.sync; also flex attention's).
-# Every candidate compiles for sm_90 without spills, causal or not.
+# accumulators spills (two 64x256 float32 tiles), so that class splits dK and dV over
+# two programs (_DKDV_SPLIT_TILES, see dkdv_split); this table holds the one-program
+# tiles (also flex attention's). Every candidate compiles for sm_90 without spills,
+# causal or not.
 _DKDV_TILES = TileTable(
     default={64: Tile(32, 64, 4, 3), 128: Tile(32, 64, 8, 2), 256: Tile(32, 32, 8, 2)},
     wide_default={64: Tile(32, 32, 8, 1), 128: Tile(16, 16, 4, 1), 256: Tile(16, 16, 4, 1)},
@@ -1668,13 +1684,13 @@ _DKDV_TILES = TileTable(
         256: (Tile(32, 32, 8, 2),),
     },
 )
-# dK/dV split over two programs per key tile (non-causal head dims of 256): one
-# float32 accumulator each, so 64 keys fit with 16-row query steps (sm_90: 219
-# registers at 2 stages, 233 at 3, no spills; 32-row steps spill 21 bytes).
+# dK/dV split over two programs per key tile (head dims of 256): one float32
+# accumulator each, so 64 keys fit with 16-row query steps and 3 stages (causal
+# spills at 2; 32-row steps spill).
 _DKDV_SPLIT_TILES = TileTable(
-    default={256: Tile(16, 64, 8, 2)},
+    default={256: Tile(16, 64, 8, 3)},
     wide_default={256: Tile(16, 16, 4, 1)},
-    candidates={256: (Tile(16, 64, 8, 2), Tile(16, 64, 8, 3))},
+    candidates={256: (Tile(16, 64, 8, 3),)},
 )
 # dQ: BLOCK_M query rows per program (the M dimension of every product: wgmma from 64),
 # BLOCK_N keys per step. At D=256, 64 rows fit with 16-key steps (32 spill).
@@ -1696,16 +1712,9 @@ _dq_tuned = autotuned(_dq_kernel, _DQ_TILES, _TUNE_KEY)
 _DELTA_TILE = 8192
 
 
-def dkdv_split(block_d: int, causal: bool) -> bool:
-    """Whether :func:`_dkdv_kernel` runs two programs per key tile (dV, dK): non-causal head dims
-    of 256.
-
-    Causal launches keep one program per key tile (``_DKDV_TILES``, 32 keys, mma.sync): the
-    dK program's diagonal tiles turn non-finite query entries into zeros in registers before
-    they enter ``ds^T q``, and with that the split 64-key program spills on sm_90 (166 bytes
-    at 2 stages, 18 at 3; 32 x 32 holding both accumulators: 0).
-    """
-    return head_class(block_d) == 256 and not causal
+def dkdv_split(block_d: int) -> bool:
+    """Whether :func:`_dkdv_kernel` runs two programs per key tile (dV, dK): head dims of 256."""
+    return head_class(block_d) == 256
 
 
 def dkdv_launch(key_grid, meta):
@@ -1714,7 +1723,7 @@ def dkdv_launch(key_grid, meta):
     ``key_grid(blocks)`` counts key tiles on its axis 0; with :func:`dkdv_split` the grid
     doubles that axis, the tiles come from ``_DKDV_SPLIT_TILES`` and ``meta`` gains ``SPLIT``.
     """
-    if not dkdv_split(meta["BLOCK_D"], meta["CAUSAL"]):
+    if not dkdv_split(meta["BLOCK_D"]):
         return _dkdv_tuned, _DKDV_TILES, key_grid, meta
 
     def grid(blocks):
