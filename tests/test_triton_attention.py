@@ -298,7 +298,8 @@ LIMIT = 227 * 1024
 common = dict(HAS_QLEN=True, HAS_KLEN=True, POS_ARRAY=True, PRECISION="tf32",
               DOT_TYPE=triton.language.bfloat16, BLOCK_D=128, BLOCK_DV=128, CAUSAL=True,
               STORE_STATS=True, EVEN_D=False, EVEN_DV=True, BLOCK_G=16, BLOCK_S=16,
-              PAGED=True, PAGE_SIZE=16, HAS_WINDOW=True, HAS_SOFTCAP=True)
+              PAGED=True, PAGE_SIZE=16, HAS_WINDOW=True, HAS_SOFTCAP=True, SPLIT=False,
+              VARLEN=False)
 kernels = [
     (A._forward_kernel, A._FORWARD_TILES.default[128]),
     (A._dkdv_kernel, A._DKDV_TILES.default[128]),

@@ -1685,8 +1685,9 @@ _DKDV_TILES = TileTable(
     },
 )
 # dK/dV split over two programs per key tile (head dims of 256): one float32
-# accumulator each, so 64 keys fit with 16-row query steps and 3 stages (causal
-# spills at 2; 32-row steps spill).
+# accumulator each, so 64 keys fit with 16-row query steps and 3 stages (Triton 3.6:
+# 233/248 registers non-causal/causal; causal spills at 2 stages, 32-row steps spill;
+# Triton 3.9 spills 17 bytes in the causal build).
 _DKDV_SPLIT_TILES = TileTable(
     default={256: Tile(16, 64, 8, 3)},
     wide_default={256: Tile(16, 16, 4, 1)},
