@@ -22,7 +22,9 @@ Backward, with ``P = exp(s - m) / l`` rebuilt from the checkpoints as
 1. ``_delta_kernel`` computes ``delta`` into the scratch buffer;
 2. ``_dkdv_kernel``: one program per (key tile, batch, kv head) loops over the
    query heads of its GQA group and the query tiles that see it, so dK and dV
-   are summed over the group in registers and stored once (no atomics);
+   are summed over the group in registers and stored once (no atomics); at
+   head dims of 256, two programs per key tile, one for dV and one for dK
+   (see ``_dkdv_kernel``);
 3. ``_dq_kernel``: one program per query tile recomputes ``P`` and ``dS`` and
    writes dQ straight into the shadow in its dtype.
 
@@ -1114,7 +1116,11 @@ def _dkdv_kernel(
     dk) instead of 4, so this kernel does 1.25x the FLOPs and the backward
     (dQ forms 3) 8/7 = 1.14x. Splitting the head dim of both accumulators
     instead would form s and dp in both programs (6 products, 1.5x); 16
-    warps, or 1 stage, spill at 64 keys with both accumulators.
+    warps, or 1 stage, spill at 64 keys with both accumulators. FA3's sm_90
+    hdim-256 backward keeps both in one program (64 queries x 80 keys over two
+    MMA warpgroups, producer warps handing their registers to them) and adds
+    dQ by float32 atomics, so it is not deterministic at that head dim; this
+    backend keeps its deterministic dQ pass instead.
     """
     if VARLEN:
         pid_n = tl.program_id(0)
