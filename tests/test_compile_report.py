@@ -34,12 +34,14 @@ def _report():
 
 
 #: Cases compiled in CI: one of each kernel family at the benchmark shapes
-#: (every attention kernel at D=128 causal, the forward at D=64, decode, the
-#: fused and streaming norm backwards with their dW reduction, a streaming
-#: forward and a fused softmax backward): 18 kernels, about 2 minutes on 2 shared CPU cores.
+#: (every attention kernel at D=128 causal, the backward at D=256 causal -- dK/dV
+#: split over two programs --, the forward at D=64, decode, the fused and
+#: streaming norm backwards with their dW reduction, a streaming forward and a
+#: fused softmax backward): 21 kernels, about 2 minutes on 2 shared CPU cores.
 CI_CASES = [
     "attention.fwd.D128.causal",
     "attention.bwd.D128.causal",
+    "attention.bwd.D256.causal",
     "attention.fwd.D64.full",
     "decode.D128",
     "rms_norm.bwd.32768x4096",
@@ -54,6 +56,9 @@ CI_KERNELS = [
     "attention.bwd.D128.causal/_delta_kernel",
     "attention.bwd.D128.causal/_dkdv_kernel",
     "attention.bwd.D128.causal/_dq_kernel",
+    "attention.bwd.D256.causal/_delta_kernel",
+    "attention.bwd.D256.causal/_dkdv_kernel",
+    "attention.bwd.D256.causal/_dq_kernel",
     "decode.D128/_split_kernel",
     "decode.D128/_combine_kernel",
     "rms_norm.bwd.32768x4096/_backward_fused",

@@ -298,7 +298,8 @@ LIMIT = 227 * 1024
 common = dict(HAS_QLEN=True, HAS_KLEN=True, POS_ARRAY=True, PRECISION="tf32",
               DOT_TYPE=triton.language.bfloat16, BLOCK_D=128, BLOCK_DV=128, CAUSAL=True,
               STORE_STATS=True, EVEN_D=False, EVEN_DV=True, BLOCK_G=16, BLOCK_S=16,
-              PAGED=True, PAGE_SIZE=16, HAS_WINDOW=True, HAS_SOFTCAP=True)
+              PAGED=True, PAGE_SIZE=16, HAS_WINDOW=True, HAS_SOFTCAP=True, SPLIT=False,
+              VARLEN=False)
 kernels = [
     (A._forward_kernel, A._FORWARD_TILES.default[128]),
     (A._dkdv_kernel, A._DKDV_TILES.default[128]),
@@ -518,10 +519,13 @@ def test_nan_past_the_lengths_is_never_seen():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_nan_in_one_query_row_affects_only_that_row(causal):
-    """NaN in q[0, 1, 3]: that row's o, m, l, dq are NaN, dk/dv of the keys it sees; nothing else."""
+@pytest.mark.parametrize("D", [16, 256], ids=["d16", "d256-split"])
+def test_nan_in_one_query_row_affects_only_that_row(causal, D):
+    """NaN in q[0, 1, 3]: that row's o, m, l, dq are NaN, dk/dv of the keys it sees; nothing else.
+
+    At D=256 dK and dV come from separate programs, causal ones masking every query tile."""
     rng = np.random.default_rng(113)
-    raw = _small(rng, 1, 2, 1, 20, 20)
+    raw = _small(rng, 1, 2, 1, 20, 20, D)
     raw[0][0, 1, 3, 2] = np.nan
     nan_rows = np.zeros((1, 2, 20), dtype=bool)
     nan_rows[0, 1, 3] = True
@@ -635,6 +639,8 @@ ODD_HEAD_CASES = [
     ("d96-dv111-full", 1, 1, 1, 17, 19, 96, 111, False, 0, None, [13], False),
     ("d111-dv40-causal", 1, 2, 2, 17, 18, 111, 40, True, 1, None, None, True),
     ("d80-dv96-causal", 1, 1, 1, 19, 17, 80, 96, True, 0, [15], None, False),
+    # head-dim class 256: dK/dV split over a dV and a dK program per key tile
+    ("d200-dv256-full-gqa", 2, 2, 1, 19, 37, 200, 256, False, 0, [19, 6], [37, 21], False),
 ]
 
 
@@ -646,8 +652,8 @@ ODD_HEAD_CASES = [
     ],
 )
 def test_odd_head_dims_use_the_masked_head_dim_variant(case, dtype):
-    """Head dims 40/80/96/111 pad to a power-of-two tile (EVEN_D/EVEN_DV false): the padded
-    columns must stay out of every product and every store of the backward."""
+    """Head dims 40/80/96/111/200 pad to a power-of-two tile (EVEN_D/EVEN_DV false): the
+    padded columns must stay out of every product and every store of the backward."""
     rng = np.random.default_rng(zlib.crc32(case[0].encode()))
     tensors, exact, opts, ref_opts = _attn_inputs(case, dtype, rng)
     ref_out, ref_grad = reference_attention(
@@ -696,12 +702,15 @@ def test_decode_groups_and_head_dims_match_reference(case, dtype):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dim_256_backward_with_the_compiled_default_tiles(monkeypatch, causal):
     """The 2-byte D=256 backward at its sm_90 default tiles (dQ: 64 query rows, 16-key
-    steps), not the interpreter's 16 x 16 ones: query tiles past the rows and, causal,
-    64-row tiles crossing the diagonal in 16-key steps."""
+    steps; dK/dV: 64 keys, split over a dV and a dK program), not the
+    interpreter's 16 x 16 ones: query tiles past the rows and, causal, 64-row tiles
+    crossing the diagonal in 16-key steps."""
     from xpkernels.backends.triton import _attn_common
 
     monkeypatch.setattr(_attn_common, "interpreted", lambda: False)
     assert tri_attention._DQ_TILES.choose(256, 2).block_m == 64
+    assert tri_attention.dkdv_split(256)
+    assert tri_attention._DKDV_SPLIT_TILES.choose(256, 2).block_n == 64
     case = ("d256", 1, 2, 1, 80, 80, 256, 256, causal, 0, None, None, False)
     rng = np.random.default_rng(256 + causal)
     tensors, exact, opts, ref_opts = _attn_inputs(case, torch.float16, rng)

@@ -22,7 +22,9 @@ Backward, with ``P = exp(s - m) / l`` rebuilt from the checkpoints as
 1. ``_delta_kernel`` computes ``delta`` into the scratch buffer;
 2. ``_dkdv_kernel``: one program per (key tile, batch, kv head) loops over the
    query heads of its GQA group and the query tiles that see it, so dK and dV
-   are summed over the group in registers and stored once (no atomics);
+   are summed over the group in registers and stored once (no atomics); at
+   head dims of 256, two programs per key tile, one for dV and one for dK
+   (see ``_dkdv_kernel``);
 3. ``_dq_kernel``: one program per query tile recomputes ``P`` and ``dS`` and
    writes dQ straight into the shadow in its dtype.
 
@@ -77,6 +79,7 @@ from ._attn_common import (
     dim_block,
     dot_precision,
     dot_type,
+    head_class,
     kv_tile,
     launch,
     row_max,
@@ -675,6 +678,8 @@ def _dkdv_step(
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr,
+    WITH_DK: tl.constexpr,
+    WITH_DV: tl.constexpr,
 ):
     """Add the query tile at ``m0`` of one query head to a key tile's ``dk`` (unscaled) and ``dv``.
 
@@ -684,7 +689,9 @@ def _dkdv_step(
     lowers to a warpgroup MMA on Hopper, Q and dO being the shared-memory B
     operands. ``MASKED``
     applies the causal mask (query tiles crossing the diagonal); rows
-    ``>= q_len`` are excluded by the loads (``P = 0`` there).
+    ``>= q_len`` are excluded by the loads (``P = 0`` there). ``WITH_DK`` /
+    ``WITH_DV`` select the gradients formed (the other is returned as given):
+    dV alone needs neither ``dp`` nor ``v``.
     """
     rows = m0 + offs_m
     row_ok = rows < q_len
@@ -709,16 +716,20 @@ def _dkdv_step(
         # carry NaN in ds already.
         visible = key_pos[:, None] <= (pos0 + rows)[None, :]
         p_t = tl.where(visible, p_t, 0.0)
-        dv = tl.dot(p_t.to(k.dtype), do, dv, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = tl.where(visible, p_t * (dp_t - delta[None, :]), 0.0)
-        q_finite = tl.where(tl.abs(q.to(tl.float32)) < float("inf"), q, 0.0).to(k.dtype)
-        dk = tl.dot(ds_t.to(k.dtype), q_finite, dk, input_precision=PRECISION)
+        if WITH_DV:
+            dv = tl.dot(p_t.to(k.dtype), do, dv, input_precision=PRECISION)
+        if WITH_DK:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            ds_t = tl.where(visible, p_t * (dp_t - delta[None, :]), 0.0)
+            q_finite = tl.where(tl.abs(q.to(tl.float32)) < float("inf"), q, 0.0).to(k.dtype)
+            dk = tl.dot(ds_t.to(k.dtype), q_finite, dk, input_precision=PRECISION)
     else:
-        dv = tl.dot(p_t.to(k.dtype), do, dv, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(k.dtype), q, dk, input_precision=PRECISION)
+        if WITH_DV:
+            dv = tl.dot(p_t.to(k.dtype), do, dv, input_precision=PRECISION)
+        if WITH_DK:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = tl.dot(ds_t.to(k.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
@@ -753,6 +764,8 @@ def _dkdv_tiles(
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr,
+    WITH_DK: tl.constexpr,
+    WITH_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     """:func:`_dkdv_step` over the query tiles ``[m_lo, m_hi)`` (see ``RANGE_LOOPS``)."""
@@ -787,6 +800,8 @@ def _dkdv_tiles(
                 EVEN_D,
                 EVEN_DV,
                 PRECISION,
+                WITH_DK,
+                WITH_DV,
             )
     else:
         m0 = m_lo
@@ -820,9 +835,207 @@ def _dkdv_tiles(
                 EVEN_D,
                 EVEN_DV,
                 PRECISION,
+                WITH_DK,
+                WITH_DV,
             )
             m0 += BLOCK_M
     return dk, dv
+
+
+@triton.jit
+def _dkdv_program(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    m_ptr,
+    l_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_deb,
+    stride_deh,
+    stride_dem,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    bq,
+    bk,
+    kvh,
+    q_len,
+    k_len,
+    pos0,
+    k_rows,
+    start_n,
+    GROUP,
+    scale,
+    qk_scale,
+    D,
+    DV,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_TYPE: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WITH_DK: tl.constexpr,
+    WITH_DV: tl.constexpr,
+    MASK_ALL: tl.constexpr,
+):
+    """dK and/or dV (``WITH_DK``, ``WITH_DV``) of the key tile at ``start_n``, summed over the
+    GQA group and stored; the arguments are :func:`_dkdv_kernel`'s and its program's context.
+
+    ``MASK_ALL`` (causal): every query tile from the diagonal on goes through the masked
+    step, in one loop, instead of the masked tiles then the full ones in a second loop.
+    The mask is then evaluated where it keeps every pair -- a compare and two selects per
+    pair, and in the dK program a pass of the Q tile through registers (non-finite entries
+    to 0, as on the diagonal) -- but one pipelined loop holds fewer registers than two:
+    the split programs' causal build compiles without spills only this way (sm_90, 64
+    keys, 3 stages: 248 registers; with two loops 18 bytes spill).
+    """
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    key_pos = start_n + offs_n
+    key_ok = key_pos < k_len
+
+    k_tile = bk * stride_kb + kvh.to(tl.int64) * stride_kh + start_n.to(tl.int64) * stride_kn
+    v_tile = bk * stride_vb + kvh.to(tl.int64) * stride_vh + start_n.to(tl.int64) * stride_vn
+    k = _load_rows(k_ptr + k_tile, 0, stride_kn, offs_n, offs_d, key_ok, D, EVEN_D).to(DOT_TYPE)
+    v = _load_rows(v_ptr + v_tile, 0, stride_vn, offs_n, offs_dv, key_ok, DV, EVEN_DV).to(k.dtype)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
+
+    # Query tiles [m_lo, m_full) cross the causal diagonal; from m_full on every
+    # row sees every valid key of the tile. A tile past k_len visits none.
+    m_lo = 0
+    m_full = 0
+    if CAUSAL:
+        last_key = tl.minimum(start_n + BLOCK_N, k_len) - 1
+        m_lo = (tl.maximum(start_n - pos0, 0) // BLOCK_M) * BLOCK_M
+        m_full = tl.cdiv(tl.maximum(last_key - pos0, 0), BLOCK_M) * BLOCK_M
+    key_tile_live = start_n < k_len
+    m_lo = tl.where(key_tile_live, m_lo, q_len)
+    m_full = tl.where(key_tile_live, m_full, q_len)
+    m_diag_end = tl.minimum(m_full, q_len)
+    if MASK_ALL:
+        m_diag_end = q_len
+    g = 0
+    while g < GROUP:
+        h = (kvh * GROUP + g).to(tl.int64)
+        q_base = q_ptr + bq * stride_qb + h * stride_qh
+        do_base = do_ptr + bq * stride_dob + h * stride_doh
+        m_base = m_ptr + bq * stride_mb + h * stride_mh
+        l_base = l_ptr + bq * stride_lb + h * stride_lh
+        delta_base = delta_ptr + bq * stride_deb + h * stride_deh
+        if CAUSAL:
+            dk, dv = _dkdv_tiles(
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                do_base,
+                m_base,
+                l_base,
+                delta_base,
+                stride_qm,
+                stride_dom,
+                stride_mm,
+                stride_lm,
+                stride_dem,
+                offs_m,
+                offs_d,
+                offs_dv,
+                key_pos,
+                m_lo,
+                m_diag_end,
+                q_len,
+                pos0,
+                qk_scale,
+                D,
+                DV,
+                True,
+                EVEN_D,
+                EVEN_DV,
+                PRECISION,
+                WITH_DK,
+                WITH_DV,
+                BLOCK_M,
+            )
+        if not (CAUSAL and MASK_ALL):
+            dk, dv = _dkdv_tiles(
+                dk,
+                dv,
+                k,
+                v,
+                q_base,
+                do_base,
+                m_base,
+                l_base,
+                delta_base,
+                stride_qm,
+                stride_dom,
+                stride_mm,
+                stride_lm,
+                stride_dem,
+                offs_m,
+                offs_d,
+                offs_dv,
+                key_pos,
+                m_full,
+                q_len,
+                q_len,
+                pos0,
+                qk_scale,
+                D,
+                DV,
+                False,
+                EVEN_D,
+                EVEN_DV,
+                PRECISION,
+                WITH_DK,
+                WITH_DV,
+                BLOCK_M,
+            )
+        g += 1
+
+    in_bounds = key_pos < k_rows
+    kvh64 = kvh.to(tl.int64)
+    key_off = start_n.to(tl.int64)
+    if WITH_DK:
+        dk = tl.where(key_ok[:, None], dk * scale, 0.0)
+        dk_base = dk_ptr + bk * stride_dkb + kvh64 * stride_dkh + key_off * stride_dkn
+        _store_rows(dk_base, stride_dkn, offs_n, offs_d, in_bounds, D, dk, EVEN_D)
+    if WITH_DV:
+        dv = tl.where(key_ok[:, None], dv, 0.0)
+        dv_base = dv_ptr + bk * stride_dvb + kvh64 * stride_dvh + key_off * stride_dvn
+        _store_rows(dv_base, stride_dvn, offs_n, offs_dv, in_bounds, DV, dv, EVEN_DV)
 
 
 @triton.jit(do_not_specialize=["HKV", "GROUP", "Sq", "Sk", "pos_scalar", "D", "DV"])
@@ -887,16 +1100,42 @@ def _dkdv_kernel(
     BLOCK_DV: tl.constexpr,  # padded head dims
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # query tile, key tile
+    SPLIT: tl.constexpr = False,  # two programs per key tile: dV in the even one, dK in the odd
     VARLEN: tl.constexpr = False,  # packed sequences; grid (key tiles of max_seqlen_k, B * Hkv)
 ):
-    """One key tile of one (batch, kv head): dK and dV, summed over the GQA group."""
+    """One key tile of one (batch, kv head): dK and dV, summed over the GQA group.
+
+    With ``SPLIT`` (head dims of 256, see :func:`dkdv_split`) the grid has two
+    programs per key tile, next to each other so that they read the same Q
+    and dO tiles from L2 at about the same time: the even one forms dV, the
+    odd one dK. Each then holds one ``(BLOCK_N, 256)`` float32 accumulator
+    instead of two, which is what lets a 64-key tile -- the M dimension of
+    Hopper's warpgroup MMA -- fit the register file without spilling. The
+    price is ``s^T = k q^T`` formed twice: per key and query tile the pair
+    forms 5 products of ``2 * BLOCK_N * BLOCK_M * D`` FLOPs (s, dv | s, dp,
+    dk) instead of 4, so this kernel does 1.25x the FLOPs and the backward
+    (dQ forms 3) 8/7 = 1.14x. Splitting the head dim of both accumulators
+    instead would form s and dp in both programs (6 products, 1.5x); 16
+    warps, or 1 stage, spill at 64 keys with both accumulators. FA3's sm_90
+    hdim-256 backward keeps both in one program (64 queries x 80 keys over two
+    MMA warpgroups, producer warps handing their registers to them) and adds
+    dQ by float32 atomics, so it is not deterministic at that head dim; this
+    backend keeps its deterministic dQ pass instead.
+    """
     if VARLEN:
         pid_n = tl.program_id(0)
         pid_bkv = tl.program_id(1)
+        if SPLIT:
+            part = pid_n % 2
+            pid_n = pid_n // 2
     else:
         n_tiles = tl.cdiv(Sk, BLOCK_N)
-        pid_n = tl.program_id(0) % n_tiles
-        pid_bkv = tl.program_id(0) // n_tiles
+        pid = tl.program_id(0)
+        if SPLIT:
+            part = pid % 2
+            pid = pid // 2
+        pid_n = pid % n_tiles
+        pid_bkv = pid // n_tiles
     b = pid_bkv // HKV
     kvh = pid_bkv % HKV
     bq, bk, q_len, k_len, pos0, _, k_rows = _sequence_context(
@@ -913,116 +1152,199 @@ def _dkdv_kernel(
         VARLEN,
     )
     start_n = pid_n * BLOCK_N
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    key_pos = start_n + offs_n
-    key_ok = key_pos < k_len
-
-    k_tile = bk * stride_kb + kvh.to(tl.int64) * stride_kh + start_n.to(tl.int64) * stride_kn
-    v_tile = bk * stride_vb + kvh.to(tl.int64) * stride_vh + start_n.to(tl.int64) * stride_vn
-    k = _load_rows(k_ptr + k_tile, 0, stride_kn, offs_n, offs_d, key_ok, D, EVEN_D).to(DOT_TYPE)
-    v = _load_rows(v_ptr + v_tile, 0, stride_vn, offs_n, offs_dv, key_ok, DV, EVEN_DV).to(k.dtype)
-    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
-
-    # Query tiles [m_lo, m_full) cross the causal diagonal; from m_full on every
-    # row sees every valid key of the tile. A tile past k_len visits none.
-    m_lo = 0
-    m_full = 0
-    if CAUSAL:
-        last_key = tl.minimum(start_n + BLOCK_N, k_len) - 1
-        m_lo = (tl.maximum(start_n - pos0, 0) // BLOCK_M) * BLOCK_M
-        m_full = tl.cdiv(tl.maximum(last_key - pos0, 0), BLOCK_M) * BLOCK_M
-    key_tile_live = start_n < k_len
-    m_lo = tl.where(key_tile_live, m_lo, q_len)
-    m_full = tl.where(key_tile_live, m_full, q_len)
-    m_diag_end = tl.minimum(m_full, q_len)
-    g = 0
-    while g < GROUP:
-        h = (kvh * GROUP + g).to(tl.int64)
-        q_base = q_ptr + bq * stride_qb + h * stride_qh
-        do_base = do_ptr + bq * stride_dob + h * stride_doh
-        m_base = m_ptr + bq * stride_mb + h * stride_mh
-        l_base = l_ptr + bq * stride_lb + h * stride_lh
-        delta_base = delta_ptr + bq * stride_deb + h * stride_deh
-        if CAUSAL:
-            dk, dv = _dkdv_tiles(
-                dk,
-                dv,
-                k,
-                v,
-                q_base,
-                do_base,
-                m_base,
-                l_base,
-                delta_base,
+    if SPLIT:
+        if part == 0:
+            _dkdv_program(
+                q_ptr,
+                k_ptr,
+                v_ptr,
+                do_ptr,
+                m_ptr,
+                l_ptr,
+                delta_ptr,
+                dk_ptr,
+                dv_ptr,
+                stride_qb,
+                stride_qh,
                 stride_qm,
+                stride_kb,
+                stride_kh,
+                stride_kn,
+                stride_vb,
+                stride_vh,
+                stride_vn,
+                stride_dob,
+                stride_doh,
                 stride_dom,
+                stride_mb,
+                stride_mh,
                 stride_mm,
+                stride_lb,
+                stride_lh,
                 stride_lm,
+                stride_deb,
+                stride_deh,
                 stride_dem,
-                offs_m,
-                offs_d,
-                offs_dv,
-                key_pos,
-                m_lo,
-                m_diag_end,
+                stride_dkb,
+                stride_dkh,
+                stride_dkn,
+                stride_dvb,
+                stride_dvh,
+                stride_dvn,
+                bq,
+                bk,
+                kvh,
                 q_len,
+                k_len,
                 pos0,
+                k_rows,
+                start_n,
+                GROUP,
+                scale,
                 qk_scale,
                 D,
                 DV,
-                True,
+                CAUSAL,
+                PRECISION,
+                DOT_TYPE,
                 EVEN_D,
                 EVEN_DV,
-                PRECISION,
+                BLOCK_D,
+                BLOCK_DV,
                 BLOCK_M,
+                BLOCK_N,
+                False,
+                True,
+                SPLIT,
             )
-        dk, dv = _dkdv_tiles(
-            dk,
-            dv,
-            k,
-            v,
-            q_base,
-            do_base,
-            m_base,
-            l_base,
-            delta_base,
+        else:
+            _dkdv_program(
+                q_ptr,
+                k_ptr,
+                v_ptr,
+                do_ptr,
+                m_ptr,
+                l_ptr,
+                delta_ptr,
+                dk_ptr,
+                dv_ptr,
+                stride_qb,
+                stride_qh,
+                stride_qm,
+                stride_kb,
+                stride_kh,
+                stride_kn,
+                stride_vb,
+                stride_vh,
+                stride_vn,
+                stride_dob,
+                stride_doh,
+                stride_dom,
+                stride_mb,
+                stride_mh,
+                stride_mm,
+                stride_lb,
+                stride_lh,
+                stride_lm,
+                stride_deb,
+                stride_deh,
+                stride_dem,
+                stride_dkb,
+                stride_dkh,
+                stride_dkn,
+                stride_dvb,
+                stride_dvh,
+                stride_dvn,
+                bq,
+                bk,
+                kvh,
+                q_len,
+                k_len,
+                pos0,
+                k_rows,
+                start_n,
+                GROUP,
+                scale,
+                qk_scale,
+                D,
+                DV,
+                CAUSAL,
+                PRECISION,
+                DOT_TYPE,
+                EVEN_D,
+                EVEN_DV,
+                BLOCK_D,
+                BLOCK_DV,
+                BLOCK_M,
+                BLOCK_N,
+                True,
+                False,
+                SPLIT,
+            )
+    else:
+        _dkdv_program(
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            do_ptr,
+            m_ptr,
+            l_ptr,
+            delta_ptr,
+            dk_ptr,
+            dv_ptr,
+            stride_qb,
+            stride_qh,
             stride_qm,
+            stride_kb,
+            stride_kh,
+            stride_kn,
+            stride_vb,
+            stride_vh,
+            stride_vn,
+            stride_dob,
+            stride_doh,
             stride_dom,
+            stride_mb,
+            stride_mh,
             stride_mm,
+            stride_lb,
+            stride_lh,
             stride_lm,
+            stride_deb,
+            stride_deh,
             stride_dem,
-            offs_m,
-            offs_d,
-            offs_dv,
-            key_pos,
-            m_full,
+            stride_dkb,
+            stride_dkh,
+            stride_dkn,
+            stride_dvb,
+            stride_dvh,
+            stride_dvn,
+            bq,
+            bk,
+            kvh,
             q_len,
-            q_len,
+            k_len,
             pos0,
+            k_rows,
+            start_n,
+            GROUP,
+            scale,
             qk_scale,
             D,
             DV,
-            False,
+            CAUSAL,
+            PRECISION,
+            DOT_TYPE,
             EVEN_D,
             EVEN_DV,
-            PRECISION,
+            BLOCK_D,
+            BLOCK_DV,
             BLOCK_M,
+            BLOCK_N,
+            True,
+            True,
+            False,
         )
-        g += 1
-
-    dk = tl.where(key_ok[:, None], dk * scale, 0.0)
-    dv = tl.where(key_ok[:, None], dv, 0.0)
-    in_bounds = key_pos < k_rows
-    kvh64 = kvh.to(tl.int64)
-    key_off = start_n.to(tl.int64)
-    dk_base = dk_ptr + bk * stride_dkb + kvh64 * stride_dkh + key_off * stride_dkn
-    dv_base = dv_ptr + bk * stride_dvb + kvh64 * stride_dvh + key_off * stride_dvn
-    _store_rows(dk_base, stride_dkn, offs_n, offs_d, in_bounds, D, dk, EVEN_D)
-    _store_rows(dv_base, stride_dvn, offs_n, offs_dv, in_bounds, DV, dv, EVEN_DV)
 
 
 @triton.jit
@@ -1354,9 +1676,11 @@ _FORWARD_TILES = TileTable(
     },
 )
 # dK/dV: BLOCK_N keys per program, BLOCK_M query rows per step. BLOCK_N is the M
-# dimension of every product (wgmma from 64); at D=256 a 64-key tile spills
-# (two 64x256 float32 accumulators), so that class keeps 32 keys and mma.sync.
-# Every candidate compiles for sm_90 without spills, causal or not.
+# dimension of every product (wgmma from 64). At D=256 a 64-key program holding both
+# accumulators spills (two 64x256 float32 tiles), so that class splits dK and dV over
+# two programs (_DKDV_SPLIT_TILES, see dkdv_split); this table holds the one-program
+# tiles (also flex attention's). Every candidate compiles for sm_90 without spills,
+# causal or not.
 _DKDV_TILES = TileTable(
     default={64: Tile(32, 64, 4, 3), 128: Tile(32, 64, 8, 2), 256: Tile(32, 32, 8, 2)},
     wide_default={64: Tile(32, 32, 8, 1), 128: Tile(16, 16, 4, 1), 256: Tile(16, 16, 4, 1)},
@@ -1365,6 +1689,15 @@ _DKDV_TILES = TileTable(
         128: (Tile(32, 64, 8, 2), Tile(16, 128, 8, 2)),
         256: (Tile(32, 32, 8, 2),),
     },
+)
+# dK/dV split over two programs per key tile (head dims of 256): one float32
+# accumulator each, so 64 keys fit with 16-row query steps and 3 stages (Triton 3.6:
+# 233/248 registers non-causal/causal; causal spills at 2 stages, 32-row steps spill;
+# Triton 3.9 spills 17 bytes in the causal build).
+_DKDV_SPLIT_TILES = TileTable(
+    default={256: Tile(16, 64, 8, 3)},
+    wide_default={256: Tile(16, 16, 4, 1)},
+    candidates={256: (Tile(16, 64, 8, 3),)},
 )
 # dQ: BLOCK_M query rows per program (the M dimension of every product: wgmma from 64),
 # BLOCK_N keys per step. At D=256, 64 rows fit with 16-key steps (32 spill).
@@ -1380,9 +1713,31 @@ _DQ_TILES = TileTable(
 _TUNE_KEY = ["Sq", "Sk", "BLOCK_D", "BLOCK_DV", "CAUSAL"]
 _forward_tuned = autotuned(_forward_kernel, _FORWARD_TILES, _TUNE_KEY)
 _dkdv_tuned = autotuned(_dkdv_kernel, _DKDV_TILES, _TUNE_KEY)
+_dkdv_split_tuned = autotuned(_dkdv_kernel, _DKDV_SPLIT_TILES, _TUNE_KEY)
 _dq_tuned = autotuned(_dq_kernel, _DQ_TILES, _TUNE_KEY)
 #: Elements of one ``delta`` tile (rows x padded Dv): 64 per thread of 4 warps.
 _DELTA_TILE = 8192
+
+
+def dkdv_split(block_d: int) -> bool:
+    """Whether :func:`_dkdv_kernel` runs two programs per key tile (dV, dK): head dims of 256."""
+    return head_class(block_d) == 256
+
+
+def dkdv_launch(key_grid, meta):
+    """``(tuned, table, grid, meta)`` that :func:`launch` takes for :func:`_dkdv_kernel`.
+
+    ``key_grid(blocks)`` counts key tiles on its axis 0; with :func:`dkdv_split` the grid
+    doubles that axis, the tiles come from ``_DKDV_SPLIT_TILES`` and ``meta`` gains ``SPLIT``.
+    """
+    if not dkdv_split(meta["BLOCK_D"]):
+        return _dkdv_tuned, _DKDV_TILES, key_grid, meta
+
+    def grid(blocks):
+        tiles, *rest = key_grid(blocks)
+        return (2 * tiles, *rest)
+
+    return _dkdv_split_tuned, _DKDV_SPLIT_TILES, grid, {**meta, "SPLIT": True}
 
 
 def _options(q, k, v, input_pos, q_lengths, k_lengths):
@@ -1566,11 +1921,14 @@ def backward(
             *delta.stride(),
         )
         if Sk > 0:
+            tuned, table, grid, dkdv_meta = dkdv_launch(
+                lambda blocks: (triton.cdiv(Sk, blocks["BLOCK_N"]) * B * Hkv,), even
+            )
             launch(
                 _dkdv_kernel,
-                _dkdv_tuned,
-                _DKDV_TILES,
-                lambda blocks: (triton.cdiv(Sk, blocks["BLOCK_N"]) * B * Hkv,),
+                tuned,
+                table,
+                grid,
                 (
                     q,
                     k,
@@ -1595,7 +1953,7 @@ def backward(
                     D,
                     DV,
                 ),
-                even,
+                dkdv_meta,
                 work,
                 q,
             )

@@ -26,16 +26,15 @@ from ._attn_common import LOG2E, dim_block, dot_precision, dot_type, launch, sca
 from ._common import launch_context, traced
 from .attention import (
     _DELTA_TILE,
-    _DKDV_TILES,
     _DQ_TILES,
     _FORWARD_TILES,
     _delta_kernel,
     _dkdv_kernel,
-    _dkdv_tuned,
     _dq_kernel,
     _dq_tuned,
     _forward_kernel,
     _forward_tuned,
+    dkdv_launch,
 )
 
 __all__ = ["forward", "backward"]
@@ -211,11 +210,14 @@ def backward(
             *_row_strides(delta),
         )
         if max_seqlen_k > 0:
+            tuned, table, grid, dkdv_meta = dkdv_launch(
+                lambda blocks: (triton.cdiv(max_seqlen_k, blocks["BLOCK_N"]), batch * Hkv), meta
+            )
             launch(
                 _dkdv_kernel,
-                _dkdv_tuned,
-                _DKDV_TILES,
-                lambda blocks: (triton.cdiv(max_seqlen_k, blocks["BLOCK_N"]), batch * Hkv),
+                tuned,
+                table,
+                grid,
                 (
                     q,
                     k,
@@ -240,7 +242,7 @@ def backward(
                     D,
                     DV,
                 ),
-                meta,
+                dkdv_meta,
                 work,
                 q,
             )
