@@ -36,7 +36,8 @@ Measures, in order:
    atomics) and to the same call computing no score-mod gradients;
 6. the cupy backend (CUDA C through ``cupy.RawModule``) on CuPy views of the same
    CUDA tensors, float16: the norms and softmax at ``(32768, 4096)``, attention
-   at ``D=128`` causal and not, decode attention, next to the same call on the
+   at ``D=128`` causal and not, FlexAttention with a causal mask mod at the same
+   shape, decode attention, next to the same call on the
    triton backend (target: at most 1.25x slower) and to PyTorch's op. In a dry
    run these calls run the same ``.cu`` on NumPy views through
    ``xpkernels.testing.cudacpu``.
@@ -751,6 +752,7 @@ def cupy_section(bench: Bench) -> None:
     D = 32 if bench.dry else 128
     for causal in (False, True):
         cupy_attention_case(bench, views, B, H, S, D, causal)
+    cupy_attention_case(bench, views, B, H, S, D, True, flex=True)
     bench.free()
     B, H, Hkv, S, D = (2, 8, 2, 96, 32) if bench.dry else (16, 32, 8, 32768, 128)
     cupy_decode_case(bench, views, B, H, Hkv, S, D)
@@ -857,12 +859,20 @@ def cupy_rows_case(bench: Bench, views: CupyViews, rows: int, m: int) -> None:
             )
 
 
-def cupy_attention_case(bench: Bench, views: CupyViews, B, H, S, D, causal: bool) -> None:
-    """Attention forward and backward, float16, ``(B, H, S, D)``."""
+def cupy_attention_case(
+    bench: Bench, views: CupyViews, B, H, S, D, causal: bool, flex: bool = False
+) -> None:
+    """Attention forward and backward, float16, ``(B, H, S, D)``; with ``flex``, FlexAttention
+    with ``CausalMask`` as its mask mod (``causal`` must be True)."""
     import torch.nn.functional as F
 
     import xpkernels as xk
     from xpkernels import Duplicated
+    from xpkernels.mods import CausalMask
+
+    forward, backward = xk.attention_, xk.attention_backward_
+    if flex:
+        forward, backward = xk.flex_attention_, xk.flex_attention_backward_
 
     torch = bench.torch
     q, k, v, do, o, dq, dk, dv = (
@@ -872,21 +882,22 @@ def cupy_attention_case(bench: Bench, views: CupyViews, B, H, S, D, causal: bool
 
     def make(wrap, backend):
         qs, ks, vs, os_ = wrap(q), wrap(k), wrap(v), wrap(o)
-        ck = xk.allocate_checkpoints(xk.attention_, qs, ks, vs)
-        options = {"causal": causal, "checkpoints": ck, "backend": backend}
-        xk.attention_(os_, qs, ks, vs, **options)
+        ck = xk.allocate_checkpoints(forward, qs, ks, vs)
+        mods = {"mask_mod": CausalMask()} if flex else {"causal": causal}
+        options = {**mods, "checkpoints": ck, "backend": backend}
+        forward(os_, qs, ks, vs, **options)
         O = Duplicated(os_, wrap(do))
         Q, K, V = (Duplicated(wrap(t), wrap(g)) for t, g in ((q, dq), (k, dk), (v, dv)))
-        scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V, backend=backend)
+        scratch = xk.allocate_scratchspace(backward, O, Q, K, V, **mods, backend=backend)
         return (
-            lambda: xk.attention_(os_, qs, ks, vs, **options),
-            lambda: xk.attention_backward_(O, Q, K, V, scratch=scratch, **options),
+            lambda: forward(os_, qs, ks, vs, **options),
+            lambda: backward(O, Q, K, V, scratch=scratch, **options),
         )
 
     ours, triton_calls = _both_backends(views, make)
     out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
     flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-    name = "attention-causal" if causal else "attention"
+    name = "flex-causal" if flex else "attention-causal" if causal else "attention"
     passes = (
         ("forward", "4*B*H*S*S*D, halved when causal", flops),
         ("backward", "2.5 x forward FLOPs", 2.5 * flops),

@@ -50,7 +50,7 @@ def test_device_script_dry_run_writes_every_entry(tmp_path):
             assert (op, pass_, "bfloat16") in seen
     assert ("decode_attention", "forward", "bfloat16") in seen
     assert ("decode_attention-paged16", "forward", "bfloat16") in seen
-    for op in ("rms_norm", "layer_norm", "softmax", "attention", "attention-causal"):
+    for op in ("rms_norm", "layer_norm", "softmax", "attention", "attention-causal", "flex-causal"):
         for pass_ in ("forward", "backward"):
             assert (f"cupy {op}", pass_, "float16") in seen
     assert ("cupy decode_attention", "forward", "float16") in seen
