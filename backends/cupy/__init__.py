@@ -137,6 +137,9 @@ BACKEND = Backend(
             scratch=("delta",),
             lacks=("deterministic_score_mod_grad",),
         ),
+        # Forward and backward in CUDA C (G lanes per row, vector accesses where rows allow);
+        # any head dim.
+        "merge_attention_states": Capability(dtypes=_DTYPES),
     },
     device_problem=device_problem,
 )

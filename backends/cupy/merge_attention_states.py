@@ -1,0 +1,189 @@
+r"""Merging two attention states in CUDA C (``merge_attention_states.cu``).
+
+.. math::
+
+    m = \max(m_a, m_b),\quad l = l_a e^{m_a - m} + l_b e^{m_b - m},\quad
+    o = w_a o_a + w_b o_b,\quad w_a = l_a e^{m_a - m} / l
+
+Backward: ``do_a = w_a do``, ``dlse_a = w_a (rowsum(do * (o_a - o)) +
+dlse)``, the same for ``b``. A row ``(b, h, s)`` of the ``(B, H, S)``
+states gets ``G`` lanes of a warp (the fewest powers of two covering ``Dv``
+with ``V``-element accesses, at most 32), so short rows share a warp and
+long ones loop; ``V`` is 16 bytes' worth of the narrowest o-shaped dtype
+when every such array's rows allow it (``Dv``, strides and addresses), else
+1. Offsets are int64 from every array's own strides. Empty rows (``m =
+-inf``) merge without NaN, and NaN propagates as on the array_api backend
+(see the ``.cu``). Any output may be the very same array as the input the
+front allows it to alias.
+
+The same launchers run on a GPU (CuPy arrays, ``cupy.RawModule``) and on the
+CPU harness (NumPy arrays inside ``xpkernels.testing.cudacpu.emulate()``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ._loader import OPTIONS, address, loader_for
+from ._rows import NULL
+
+__all__ = ["backward", "forward", "name_expressions"]
+
+SOURCE = Path(__file__).with_name("merge_attention_states.cu")
+#: Threads per block; a block holds ``THREADS // G`` rows.
+THREADS = 256
+#: Elements per access compiled: scalar, and 16 bytes of float32 or of a 16-bit dtype
+#: (2: 8 bytes of a 16-bit dtype whose rows hold no 16).
+VECTORS = (1, 2, 4, 8)
+_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
+_GRID_MAX = 2**31 - 1
+
+
+def name_expressions() -> list[str]:
+    """Every template instantiation the launchers may compile (for offline compile reports)."""
+    return [
+        f"merge_attention_states_{kind}<{v}>" for v in VECTORS for kind in ("forward", "backward")
+    ]
+
+
+def _kind(name: str, a) -> np.int32:
+    kind = _KINDS.get(str(a.dtype))
+    if kind is None:
+        raise TypeError(
+            f"cupy merge_attention_states: {name} has dtype {a.dtype}; "
+            "supported: float32, float16, bfloat16"
+        )
+    return np.int32(kind)
+
+
+def _statistics(**arrays) -> None:
+    for name, a in arrays.items():
+        if a is not None and str(a.dtype) != "float32":
+            raise TypeError(f"cupy merge_attention_states: {name} must be float32, got {a.dtype}")
+
+
+def _vector(tiles) -> int:
+    """Elements per access: the widest of :data:`VECTORS` within 16 bytes that every row allows."""
+    dv = tiles[0].shape[3]
+    widest = 16 // min(a.itemsize for a in tiles)
+    for v in sorted(VECTORS, reverse=True):
+        ok = v <= widest and dv % v == 0
+        if ok and all(
+            address(a) % (v * a.itemsize) == 0
+            and all(a.shape[i] <= 1 or (a.strides[i] // a.itemsize) % v == 0 for i in range(3))
+            for a in tiles
+        ):
+            return v
+    return 1
+
+
+def _geometry(o_a, v: int):
+    """``(rows, group, grid)``: ``B * H * S``, lanes per row, blocks."""
+    batch, heads, seq, dv = o_a.shape
+    rows = batch * heads * seq
+    chunks = max(1, -(-dv // v))
+    group = min(32, 1 << (chunks - 1).bit_length())
+    grid = -(-rows // (THREADS // group))
+    if grid > _GRID_MAX:
+        raise ValueError(
+            f"cupy merge_attention_states: {rows} rows need {grid} blocks, more than {_GRID_MAX}"
+        )
+    return rows, group, grid
+
+
+def _strides(*arrays) -> list[np.int64]:
+    """The ``(b, h, s)`` element strides of each array (zeros for None), flattened in order."""
+    return [
+        np.int64(0 if a is None else a.strides[i] // a.itemsize) for a in arrays for i in range(3)
+    ]
+
+
+def _launch(kind: str, o_a, tiles, args, strided) -> None:
+    v = _vector(tiles)
+    rows, group, grid = _geometry(o_a, v)
+    if rows == 0:
+        return
+    _, heads, seq, dv = o_a.shape
+    name = f"merge_attention_states_{kind}<{v}>"
+    module = loader_for(o_a).module(SOURCE, name_expressions(), OPTIONS)
+    module.get_function(name)(
+        (grid,),
+        (THREADS,),
+        (
+            *args,
+            np.int64(rows),
+            np.int64(heads),
+            np.int64(seq),
+            np.int32(dv),
+            np.int32(group),
+            *_strides(*strided),
+        ),
+    )
+
+
+def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
+    """``(o, m, l)`` of attention over both key sets; see the module docstring.
+
+    Parameters
+    ----------
+    o, o_a, o_b : array
+        ``(B, H, S, Dv)``, last axis contiguous, any other strides; float32,
+        float16 or bfloat16, ``o_b`` of ``o_a``'s dtype, ``o`` of any of
+        them. ``o`` may be ``o_a`` or ``o_b``.
+    m, l, m_a, l_a, m_b, l_b : array
+        ``(B, H, S)`` float32, any strides. ``m`` may be ``m_a`` or ``m_b``,
+        ``l`` may be ``l_a`` or ``l_b``.
+    """
+    _statistics(m=m, l=l, m_a=m_a, l_a=l_a, m_b=m_b, l_b=l_b)
+    in_kind = _kind("o_a", o_a)
+    if o_b.dtype != o_a.dtype:
+        raise TypeError(f"cupy merge_attention_states: o_b must have o_a's dtype {o_a.dtype}")
+    args = (o, _kind("o", o), m, l, o_a, o_b, in_kind, m_a, l_a, m_b, l_b)
+    _launch("forward", o_a, (o, o_a, o_b), args, (o, m, l, o_a, m_a, l_a, o_b, m_b, l_b))
+
+
+def backward(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b) -> None:
+    """``do_a``, ``dlse_a``, ``do_b``, ``dlse_b``, overwritten in full; see the module docstring.
+
+    Parameters
+    ----------
+    do, o, o_a, o_b, do_a, do_b : array
+        ``(B, H, S, Dv)``, last axis contiguous, any other strides; each
+        float32, float16 or bfloat16 (``o_b`` of ``o_a``'s dtype). ``do_a``
+        or ``do_b`` may be ``do``.
+    dlse, m, l, m_a, l_a, m_b, l_b, dlse_a, dlse_b : array
+        ``(B, H, S)`` float32, any strides; ``dlse`` None means zero.
+        ``dlse_a`` or ``dlse_b`` may be ``dlse``.
+    """
+    _statistics(
+        dlse=dlse, m=m, l=l, m_a=m_a, l_a=l_a, m_b=m_b, l_b=l_b, dlse_a=dlse_a, dlse_b=dlse_b
+    )
+    in_kind = _kind("o_a", o_a)
+    if o_b.dtype != o_a.dtype:
+        raise TypeError(f"cupy merge_attention_states: o_b must have o_a's dtype {o_a.dtype}")
+    args = (
+        do,
+        _kind("do", do),
+        NULL if dlse is None else dlse,
+        o,
+        _kind("o", o),
+        m,
+        l,
+        o_a,
+        o_b,
+        in_kind,
+        m_a,
+        l_a,
+        m_b,
+        l_b,
+        do_a,
+        _kind("do_a", do_a),
+        dlse_a,
+        do_b,
+        _kind("do_b", do_b),
+        dlse_b,
+    )
+    strided = (do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b)
+    _launch("backward", o_a, (do, o, o_a, o_b, do_a, do_b), args, strided)
