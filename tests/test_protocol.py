@@ -390,7 +390,11 @@ def test_cupy_declaration_serves_cupy_arrays_on_cuda(fake_cupy):
     call = Call("cupy", "cuda", ("bfloat16", "float32"))
     assert cupy.supports("rms_norm", call)
     cases = [
-        ("merge_attention_states", call, "has no merge_attention_states kernel"),
+        (
+            "flex_attention",
+            Call("cupy", "cuda", ("float16",), 64, ("deterministic_score_mod_grad",)),
+            "cannot give bit-identical score-mod gradients",
+        ),
         ("attention", Call("cupy", "cuda", ("float16",), 192), "head dims up to 128, not 192"),
         ("rms_norm", Call("cupy", "cuda", ("float64",)), "not float64"),
         ("rms_norm", Call("torch", "cuda", ("float32",)), "serves cupy, numpy arrays, not torch"),

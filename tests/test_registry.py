@@ -193,21 +193,23 @@ def test_cupy_arrays_on_cuda_route_to_cupy(cupy_arrays_on_cuda):
     assert route.hook("partials") is route.impl.partials
 
 
-def test_cupy_ops_without_kernels_fall_back_with_one_warning(cupy_arrays_on_cuda):
-    arrays = _arrays(np)
+def test_cupy_calls_it_cannot_serve_fall_back_with_one_warning(cupy_arrays_on_cuda):
+    # Every op has CUDA C kernels (merge_attention_states too); float64 has none.
+    assert resolve("merge_attention_states", _arrays(np)).backend == "cupy"
+    arrays = {name: a.astype(np.float64) for name, a in _arrays(np).items()}
     with pytest.warns(
         RuntimeWarning,
-        match="because backend 'cupy' cannot serve it: it has no merge_attention_states kernel",
+        match="because backend 'cupy' cannot serve it: its rms_norm supports .*, not float64",
     ):
-        assert resolve("merge_attention_states", arrays).backend == "array_api"
+        assert resolve("rms_norm", arrays).backend == "array_api"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve("merge_attention_states", arrays).backend == "array_api"
+        assert resolve("rms_norm", arrays).backend == "array_api"
     with pytest.raises(
         BackendError,
-        match="'cupy' .* cannot serve cupy arrays on cuda: it has no merge_attention_states kernel",
+        match="'cupy' .* cannot serve cupy arrays on cuda: its rms_norm supports .*, not float64",
     ):
-        resolve("merge_attention_states", arrays, backend="cupy")
+        resolve("rms_norm", arrays, backend="cupy")
 
 
 def test_cupy_without_a_device_falls_back_or_refuses(cupy_arrays_on_cuda):
@@ -232,8 +234,10 @@ def test_explicit_cupy_on_numpy_needs_emulate(monkeypatch):
     with cudacpu.emulate():
         assert resolve("rms_norm", arrays).backend == "array_api"
         assert resolve("rms_norm", arrays, backend="cupy").backend == "cupy"
-        with pytest.raises(BackendError, match="it has no merge_attention_states kernel"):
-            resolve("merge_attention_states", arrays, backend="cupy")
+        assert resolve("merge_attention_states", arrays, backend="cupy").backend == "cupy"
+        float64 = {name: a.astype(np.float64) for name, a in arrays.items()}
+        with pytest.raises(BackendError, match="its rms_norm supports .*, not float64"):
+            resolve("rms_norm", float64, backend="cupy")
 
 
 def test_backends_lists_cupy_with_its_reason(monkeypatch):
@@ -248,6 +252,7 @@ def test_backends_lists_cupy_with_its_reason(monkeypatch):
         "decode_attention",
         "flex_attention",
         "flex_attention_varlen",
+        "merge_attention_states",
     ) and row.namespaces == ("cupy", "numpy")
     if importlib.util.find_spec("cupy") is None:
         assert not row.available
