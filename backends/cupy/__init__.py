@@ -4,15 +4,15 @@ Launchers (``<primitive>.py``) are written against the small module-loader
 interface of :mod:`._loader`, so the same launchers and ``.cu`` files run on
 a GPU through ``cupy.RawModule`` (NVRTC) and on the CPU through
 :mod:`xpkernels.testing.cudacpu` (``with cudacpu.emulate(): ...``). Only CuPy
-is imported on the GPU path: no torch, no triton. So far ``rms_norm``,
-``layer_norm``, ``softmax``, ``decode_attention``, ``attention`` (forward
-and backward; ``attention_varlen`` runs them per sequence) and
-``flex_attention`` (forward and backward, the mods' CUDA C generated per mod
-structure; ``flex_attention_varlen`` runs them per sequence) have CUDA C
-kernels; routing sends the other ops on CuPy arrays
-to the array_api backend (warned once), and so does a flex backward asking
-for deterministic score-mod gradients (the cupy kernels add them with
-atomics: ``Capability.lacks``).
+is imported on the GPU path: no torch, no triton. Every op has CUDA C
+kernels: ``rms_norm``, ``layer_norm``, ``softmax``, ``decode_attention``,
+``attention`` (forward and backward; ``attention_varlen`` runs them per
+sequence), ``flex_attention`` (forward and backward, the mods' CUDA C
+generated per mod structure; ``flex_attention_varlen`` runs them per
+sequence) and ``merge_attention_states`` (forward and backward). Routing
+sends a flex backward asking for deterministic score-mod gradients to the
+array_api backend (warned once; the cupy kernels add them with atomics:
+``Capability.lacks``), as it does calls in dtypes the kernels lack.
 
 Routing reads :data:`BACKEND`, which serves two kinds of calls:
 
