@@ -13,7 +13,10 @@ no spills, 128-bit accesses where rows allow).
 from __future__ import annotations
 
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -409,6 +412,40 @@ def test_planted_race_on_aliased_statistics_is_caught(tmp_path, monkeypatch, sch
             results.append(mine[0])
     np.testing.assert_array_equal(results[0], want[0])
     assert not np.array_equal(results[1], want[0], equal_nan=True)
+
+
+SANITIZED_RUN = """
+import numpy as np, ml_dtypes
+from xpkernels.backends.cupy import merge_attention_states as M
+from xpkernels.testing import cudacpu
+rng = np.random.default_rng(0)
+shape = (1, 2, 3, 40)  # float32: 16 lanes per row; bfloat16: 8
+with cudacpu.emulate():
+    for t in (np.float32, ml_dtypes.bfloat16):
+        o_a, o_b, do = (cudacpu.empty(shape, t) for _ in range(3))
+        o_a[...], o_b[...], do[...] = (rng.standard_normal(shape) for _ in range(3))
+        m_a, l_a, m_b, l_b, dlse = (cudacpu.empty(shape[:3]) for _ in range(5))
+        m_a[...], m_b[...], dlse[...] = (rng.standard_normal(shape[:3]) for _ in range(3))
+        l_a[...], l_b[...] = 2.0, 3.0
+        m_b[0, 0, 0], l_b[0, 0, 0] = -np.inf, 0.0
+        want = o_a.astype(np.float64)[0, 0, 0]
+        M.forward(o_a, m_a, l_a, o_a, m_a, l_a, o_b, m_b, l_b)  # merged into side a's buffers
+        assert np.abs(o_a[0, 0, 0].astype(np.float64) - want).max() == 0, "w_a = 1 on that row"
+        do_b, dlse_b = cudacpu.empty(shape, t), cudacpu.empty(shape[:3])
+        M.backward(do, dlse, o_a, m_a, l_a, o_a, m_a, l_a, o_b, m_b, l_b, do, dlse, do_b, dlse_b)
+        assert np.isfinite(do.astype(np.float64)).all() and np.isfinite(dlse).all()
+print("clean")
+"""
+
+
+@pytest.mark.parametrize("kind", ["address", "thread"])
+def test_in_place_merges_run_clean_under_sanitizers(kind):
+    env = {**os.environ, **cudacpu.sanitizer_env(kind)}
+    proc = subprocess.run(
+        [sys.executable, "-c", SANITIZED_RUN], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr[-4000:]
+    assert "Sanitizer" not in proc.stderr, proc.stderr[-4000:]
 
 
 def _compile_report():
