@@ -7,14 +7,14 @@ r"""Merging two attention states in CUDA C (``merge_attention_states.cu``).
 
 Backward: ``do_a = w_a do``, ``dlse_a = w_a (rowsum(do * (o_a - o)) +
 dlse)``, the same for ``b``. A row ``(b, h, s)`` of the ``(B, H, S)``
-states gets ``G`` lanes of a warp (the fewest powers of two covering ``Dv``
-with ``V``-element accesses, at most 32), so short rows share a warp and
-long ones loop; ``V`` is 16 bytes' worth of the narrowest o-shaped dtype
-when every such array's rows allow it (``Dv``, strides and addresses), else
-1. Offsets are int64 from every array's own strides. Empty rows (``m =
--inf``) merge without NaN, and NaN propagates as on the array_api backend
-(see the ``.cu``). Any output may be the very same array as the input the
-front allows it to alias.
+states gets ``G`` lanes of a warp (the smallest power of two, at most 32,
+with ``G * V >= Dv``), so short rows share a warp and long ones loop; each
+access moves ``V`` elements: 16 bytes of the narrowest o-shaped dtype when
+every o-shaped array's rows allow it (``Dv``, strides and addresses), else
+the widest of :data:`VECTORS` they allow. Offsets are int64 from every
+array's own strides. Empty rows (``m = -inf``) merge without NaN, and NaN
+propagates as on the array_api backend (see the ``.cu``). Any output may be
+the very same array as the input the front allows it to alias.
 
 The same launchers run on a GPU (CuPy arrays, ``cupy.RawModule``) and on the
 CPU harness (NumPy arrays inside ``xpkernels.testing.cudacpu.emulate()``).
@@ -34,8 +34,8 @@ __all__ = ["backward", "forward", "name_expressions"]
 SOURCE = Path(__file__).with_name("merge_attention_states.cu")
 #: Threads per block; a block holds ``THREADS // G`` rows.
 THREADS = 256
-#: Elements per access compiled: scalar, and 16 bytes of float32 or of a 16-bit dtype
-#: (2: 8 bytes of a 16-bit dtype whose rows hold no 16).
+#: Elements per access compiled: 16 bytes of float32 (4) or of a 16-bit dtype (8), and the
+#: narrower ones rows of other lengths or strides allow (2, 1).
 VECTORS = (1, 2, 4, 8)
 _KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 _GRID_MAX = 2**31 - 1
