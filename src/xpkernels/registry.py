@@ -10,9 +10,9 @@ numpy               cpu     ``array_api``  -- (``cupy`` only when asked for, ins
 torch               cuda    ``triton``    ``array_api`` on torch ops, warned once
 torch               cpu     ``array_api``  -- (``triton`` only when asked for)
 cupy                cuda    ``cupy``      ``array_api`` on cupy ops, warned once
-                                          (ops the cupy backend has no CUDA C kernel
-                                          for: see ``xk.backends()``; calls asking a
-                                          per-call feature it lacks)
+                                          (calls its capabilities do not cover,
+                                          e.g. float64 or a per-call feature it
+                                          lacks: see ``xk.backends()``)
 any other           any     ``array_api``  --
 ==================  ======  ============  =========================================
 
