@@ -21,6 +21,13 @@ matrix-vector product; the backward folds ``-delta`` into the ``do @ v^T``
 product, and (without a score mod) ``-lse`` into the score product, by
 appending one column to each operand.
 
+On NumPy arrays, as in attention: the forward's (batch, kv head, row chunk)
+items are shared among the worker threads of :mod:`._blocks` while NumPy's
+OpenBLAS runs one thread per product, and score products go into a
+per-worker buffer (``matmul(out=)``), exponentiated in place when no score
+mod holds them. The backward stays on the caller's thread: the score mod's
+gradient accumulators are shared by every tile.
+
 A query tile is split into row chunks so that one chunk's scores hold at most
 ``TILE_ELEMENTS``: extra memory is bounded by that budget, not by Sq or Sk.
 Rows that keep no key have ``o = 0``, ``m = -inf``, ``l = 0`` and zero
@@ -37,7 +44,7 @@ import numpy as np
 
 from xpkernels.mods import PARTIAL, SKIP, tile_grid
 
-from ._blocks import acc_dtype, row_blocks, to
+from ._blocks import acc_dtype, for_each_item, row_blocks, tile_workers, to
 
 __all__ = ["forward", "backward", "default_tiles"]
 
@@ -67,6 +74,11 @@ def _spans(start: int, stop: int, size: int):
     """``(first, end)`` ranges of at most ``size`` covering ``[start, stop)``."""
     for first in range(start, stop, size):
         yield first, min(stop, first + size)
+
+
+def _matmul(a, b, out):
+    """``a @ b``, written into ``out`` (a NumPy view) unless it is None."""
+    return a @ b if out is None else np.matmul(a, b, out=out)
 
 
 def _with_column(xp, a, column, acc):
@@ -119,6 +131,14 @@ class _Tiles:
         out[...] = s
         out -= lse[:, None]
         return out
+
+    def tile_buffer(self):
+        """A flat buffer for one chunk's score tile on NumPy (reused by every tile a worker
+        runs: no allocation, and no page faults, per tile); None elsewhere."""
+        if not array_api_compat.is_numpy_namespace(self.xp):
+            return None
+        rows = self.group * min(self.rows_per_chunk, self.plan.tile_m, self.n_q)
+        return self.xp.empty((rows * self.plan.tile_n,), dtype=self.acc, device=self.device)
 
     def q_chunks(self, i):
         """Row chunks of query tile ``i``."""
@@ -202,6 +222,7 @@ def forward(
         plan=plan,
         first_batch=first_batch,
     )
+    items = []
     for b in range(t.batch):
         for g in range(t.kv_heads):
             heads = slice(g * t.group, (g + 1) * t.group)
@@ -213,9 +234,16 @@ def forward(
                 visits = [(int(j), int(states[i, j])) for j in np.nonzero(states[i] != SKIP)[0]]
                 for r0, r1 in t.q_chunks(i):
                     if visits:
-                        _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm)
+                        items.append((b, g, heads, r0, r1, visits, k_norm))
                     else:
                         _empty_rows(o, m, l, b, heads, r0, r1)
+    n_workers = tile_workers(xp, len(items))
+    buffers = [t.tile_buffer() for _ in range(n_workers)]
+
+    def work(worker, item):
+        _forward_rows(t, o, q, k, v, m, l, *item, buffers[worker])
+
+    for_each_item(xp, work, items, n_workers)
 
 
 def _empty_rows(o, m, l, b, heads, r0, r1) -> None:
@@ -234,7 +262,7 @@ def _max_row_norm(xp, a, acc) -> float:
     return math.sqrt(largest)
 
 
-def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm) -> None:
+def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm, buffer) -> None:
     """Rows ``[r0, r1)`` of the heads of kv group ``g`` against their visited key tiles.
 
     ``o_acc`` and ``l_run`` hold sums of ``exp(s - shift)``, where ``shift``
@@ -246,6 +274,9 @@ def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm) -> N
     checkpoints or a score mod, ``k_norm`` (the largest key norm of the kv
     head) lets Cauchy-Schwarz bound every score of the chunk, and the row max
     is skipped altogether when that bound is within ``SAFE_EXPONENT``.
+    ``buffer`` (NumPy, else None) receives the score products; without a
+    score mod (whose values may be views of its captured arrays) the scores
+    are then shifted and exponentiated in place.
     """
     xp, acc = t.xp, t.acc
     rows = t.group * (r1 - r0)
@@ -261,7 +292,8 @@ def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm) -> N
     new_shift: Any = None
     for j, state in visits:
         j0, j1 = t.kv_span(j)
-        s = q_scaled @ to(xp, k[b, g, j0:j1, :], acc).mT
+        out = None if buffer is None else xp.reshape(buffer[: rows * (j1 - j0)], (rows, j1 - j0))
+        s = _matmul(q_scaled, to(xp, k[b, g, j0:j1, :], acc).mT, out)
         s, _, _ = t.scores(s, b, g, r0, r1, j0, j1, state)
         if not bounded:
             row_max = xp.max(s, axis=1)
@@ -270,7 +302,7 @@ def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm) -> N
             new_shift = None if float(xp.max(xp.abs(finite))) <= SAFE_EXPONENT else finite
         if new_shift is not None:
             s -= new_shift[:, None]
-        p = xp.exp(s)
+        p = xp.exp(s) if buffer is None or t.score is not None else np.exp(s, out=s)
         pv = p @ to(xp, v[b, g, j0:j1, :], acc)
         row_sum = p @ t.ones[: j1 - j0]
         if o_acc is None:
