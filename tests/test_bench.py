@@ -299,3 +299,20 @@ def test_varlen_rows_compare_packed_with_padded_at_the_same_work():
     assert len(rows) == 8
     for b in benches:
         assert bench.measure(b).error is None, b.row.key
+
+
+def test_a_full_run_times_attention_and_flex_at_both_shapes(monkeypatch):
+    """The issue's targets sit at 1x8x2048x64 and 1x8x4096x128: a full run has rows at each,
+    the larger ones named apart so that every ratio keeps its own baseline."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # no compile; only the rows are listed
+    benches, _ = bench._benches(False, ["attention", "flex_attention"], "numpy", 1)
+    keys = [b.row.key for b in benches]
+    assert len(keys) == len(set(keys))
+    shapes = {b.row.op: b.row.shape for b in benches if b.row.pass_ == "forward"}
+    for op in ("attention", "attention (causal)", "flex causal mask", "flex window 256"):
+        assert shapes[op] == "1x8x2048x64"
+        assert shapes[f"{op} S=4096 D=128"] == "1x8x4096x128"
+    by_key = {b.row.key: b.row for b in benches}
+    for row in by_key.values():
+        if row.baseline is not None:
+            assert by_key[row.baseline].shape == row.shape, row.key
