@@ -46,6 +46,7 @@ __all__ = [
     "column_dot",
     "for_each_block",
     "for_each_item",
+    "numpy_views",
     "ones",
     "reduce_partials",
     "row_blocks",
@@ -259,6 +260,30 @@ def blas_threads(n: int):
             _BLAS_USERS -= 1
             if _BLAS_USERS == 0:
                 put(_BLAS_PREVIOUS)
+
+
+def numpy_views(*arrays):
+    """Zero-copy NumPy views of PyTorch CPU tensors (None entries kept), or None when not all
+    are PyTorch CPU tensors that NumPy holds (float32/float64, integer, bool) and none
+    requires grad.
+
+    Kernels run their NumPy path over the views: PyTorch CPU tensors get the
+    same speed as NumPy arrays, and their results land in the caller's
+    tensors. float16/bfloat16 tensors (bfloat16 has no NumPy dtype) and
+    tensors recording autograd keep the PyTorch path.
+    """
+    present = [a for a in arrays if a is not None and not isinstance(a, (int, float))]
+    if not present or not all(array_api_compat.is_torch_array(a) for a in present):
+        return None
+    import torch
+
+    held = (torch.float32, torch.float64, torch.int32, torch.int64, torch.bool)
+    for a in present:
+        if a.device.type != "cpu" or a.dtype not in held or a.requires_grad:
+            return None
+        if a.is_conj() or a.is_neg():
+            return None
+    return tuple(a if a is None or isinstance(a, (int, float)) else a.numpy() for a in arrays)
 
 
 class WorkerSums:

@@ -31,6 +31,10 @@ busy cores, BLAS's own two threads made one forward take anywhere from 0.4 s
 to 5 s (waiting on each other whenever another process held a core); one BLAS
 thread per worker keeps a preempted worker's delay to its own share.
 
+PyTorch CPU tensors (float32/float64, none recording autograd: the
+:mod:`xpkernels.torch` ops call the kernels below autograd) run the NumPy
+path through zero-copy views (:func:`._blocks.numpy_views`).
+
 Masking never materialises a full mask: key lengths and causal limits shrink
 the range of key tiles, query lengths shrink the range of query tiles, and only
 the keys past a query tile's first position are masked, with a tile-sized
@@ -57,7 +61,7 @@ import math
 
 import array_api_compat
 
-from ._blocks import acc_dtype, for_each_item, row_blocks, tile_workers, to
+from ._blocks import acc_dtype, for_each_item, numpy_views, row_blocks, tile_workers, to
 
 __all__ = ["forward", "backward"]
 
@@ -163,6 +167,9 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
     int or a (B,) integer array; ``q_lengths``/``k_lengths`` None or (B,)
     integer arrays; ``scale`` a float.
     """
+    views = numpy_views(o, q, k, v, m, l, input_pos, q_lengths, k_lengths)
+    if views is not None:
+        o, q, k, v, m, l, input_pos, q_lengths, k_lengths = views
     xp = array_api_compat.array_namespace(o, q, k, v)
     batch, heads, sq, d = q.shape
     kv_heads, sk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -385,6 +392,11 @@ def backward(
     (B, H, Sq, D) the sums ``dq / scale`` over key tiles (both in the
     accumulation dtype). Shapes and options as :func:`forward`.
     """
+    views = numpy_views(
+        do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, input_pos, q_lengths, k_lengths
+    )
+    if views is not None:
+        do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, input_pos, q_lengths, k_lengths = views
     xp = array_api_compat.array_namespace(do, q, k, v, o)
     batch, heads, sq, d = q.shape
     kv_heads, sk, d_v = k.shape[1], k.shape[2], v.shape[3]
