@@ -895,3 +895,23 @@ def test_torch_cpu_tensors_take_the_numpy_path(dtype):
     got = _run_torch(q, k, v, do, **options)
     for w, g, what in zip(want, got, ("o", "m", "l", "dq", "dk", "dv"), strict=True):
         np.testing.assert_array_equal(g, w, err_msg=what)
+
+
+def test_worker_threads_change_nothing_and_blas_threads_are_restored(monkeypatch):
+    """Tiles shared among worker threads give the results of one thread, bit for bit, and
+    NumPy's BLAS thread count is back to the caller's after each call."""
+    from xpkernels.backends.array_api import _blocks
+
+    rng = np.random.default_rng(22)
+    q, k, v, do = _inputs(rng, 2, 4, 2, 300, 700, 16, dtype=np.float32)
+    options = dict(causal=True, input_pos=5, q_lengths=np.array([300, 200]))
+    monkeypatch.setattr(_blocks, "_cores", lambda: 4)
+    blas = _blocks._numpy_openblas()
+    before = None if blas is None else blas[0]()
+    threaded = _run(q, k, v, do, **options)
+    if blas is not None:
+        assert blas[0]() == before
+    monkeypatch.setattr(_blocks, "MAX_WORKERS", 1)
+    single = _run(q, k, v, do, **options)
+    for a, b, what in zip(threaded, single, ("o", "m", "l", "dq", "dk", "dv"), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=what)
