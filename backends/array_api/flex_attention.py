@@ -37,6 +37,7 @@ gradients, with no NaN and no floating-point warning.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import array_api_compat
@@ -115,6 +116,7 @@ class _Tiles:
         )
         self.ones = xp.ones((plan.tile_n,), dtype=self.acc, device=self.device)
         self._shifted = None
+        self.local = threading.local()
 
     def shifted(self, s, lse):
         """``s - lse[:, None]`` in a buffer of this call, leaving ``s`` (the mod's values) intact.
@@ -152,7 +154,8 @@ class _Tiles:
     def scores(self, s, b, g, r0, r1, j0, j1, state):
         """Scores ``s`` (rows, keys) of a chunk after the score mod and (PARTIAL tiles) the mask.
 
-        Returns ``(s, values, grid)``; ``values`` are the score graph's node
+        The forward's worker threads each set ``self.local.cache``, a
+        :class:`_MaskCache` that may hold the mask. Returns ``(s, values, grid)``; ``values`` are the score graph's node
         values (for its reverse mode), None without a score mod.
         """
         needs_mask = self.mask is not None and state == PARTIAL
@@ -179,7 +182,13 @@ class _Tiles:
             values = self.score.run(grid, s3)
             s3 = values[self.score.graph.output]
         if needs_mask:
-            keep = self.mask.run(grid)[self.mask.graph.output]
+            mask = self.mask
+
+            def compute():
+                return mask.run(grid)[mask.graph.output]
+
+            cache = getattr(self.local, "cache", None)
+            keep = compute() if cache is None else cache.get(b, r0, r1, j0, compute)
             s3 = xp.where(keep, s3, -math.inf)
         if tuple(s3.shape) != shape:
             # a result that does not span the tile (it ignores the score): written into the raw
@@ -224,26 +233,69 @@ def forward(
     )
     items = []
     for b in range(t.batch):
+        kv_groups = []
         for g in range(t.kv_heads):
             heads = slice(g * t.group, (g + 1) * t.group)
-            states = plan.group(b, heads.start, heads.stop)
             k_norm = None
             if m is None and t.score is None:
                 k_norm = _max_row_norm(xp, k[b, g, :, :], t.acc)
-            for i in range(states.shape[0]):
-                visits = [(int(j), int(states[i, j])) for j in np.nonzero(states[i] != SKIP)[0]]
-                for r0, r1 in t.q_chunks(i):
+            kv_groups.append((g, heads, plan.group(b, heads.start, heads.stop), k_norm))
+        for i in range(plan.states.shape[2]):
+            for r0, r1 in t.q_chunks(i):
+                for g, heads, states, k_norm in kv_groups:  # kv heads inner: see _MaskCache
+                    row = states[i]
+                    visits = [(int(j), int(row[j])) for j in np.nonzero(row != SKIP)[0]]
                     if visits:
                         items.append((b, g, heads, r0, r1, visits, k_norm))
                     else:
                         _empty_rows(o, m, l, b, heads, r0, r1)
     n_workers = tile_workers(xp, len(items))
     buffers = [t.tile_buffer() for _ in range(n_workers)]
+    caches = [_MaskCache(t) for _ in range(n_workers)]
 
     def work(worker, item):
-        _forward_rows(t, o, q, k, v, m, l, *item, buffers[worker])
+        t.local.cache = caches[worker]
+        try:
+            _forward_rows(t, o, q, k, v, m, l, *item, buffers[worker])
+        finally:
+            t.local.cache = None
 
     for_each_item(xp, work, items, n_workers)
+
+
+class _MaskCache:
+    """One worker's masks of the PARTIAL tiles of its current row chunk, shared by kv heads.
+
+    A mask that reads no head index keeps the same pairs for every kv head of
+    a batch, and the forward's items run the kv heads of a row chunk one
+    after another (each worker taking every ``n_workers``-th), so each worker
+    evaluates the mask graph once per (row chunk, key tile) instead of once
+    per kv head it runs: ``Hkv / n_workers`` times fewer (1x8x2048x64,
+    256-key sliding window, 2 workers: forward ratio to compiled FlexAttention
+    1.53 -> 1.06, medians under load). At most ``TILE_ELEMENTS`` mask
+    elements (bool) are held per worker.
+    """
+
+    def __init__(self, t):
+        self.usable = t.mask is not None and "h" not in t.mask.graph.inputs
+        self.chunk: tuple = ()
+        self.masks: dict = {}
+        self.elements = 0
+
+    def get(self, b, r0, r1, j0, compute):
+        """The mask of key tile ``j0`` of rows ``[r0, r1)`` of batch ``b``; ``compute()`` makes it."""
+        if not self.usable:
+            return compute()
+        if self.chunk != (b, r0, r1):
+            self.chunk, self.masks, self.elements = (b, r0, r1), {}, 0
+        keep = self.masks.get(j0)
+        if keep is None:
+            keep = compute()
+            size = math.prod(keep.shape)
+            if self.elements + size <= TILE_ELEMENTS:
+                self.masks[j0] = keep
+                self.elements += size
+        return keep
 
 
 def _empty_rows(o, m, l, b, heads, r0, r1) -> None:
