@@ -19,17 +19,18 @@ score of a query tile (Cauchy-Schwarz on the largest query and key norms). The b
 score product and ``-delta`` into the ``do @ v^T`` product by appending one
 column to each operand, leaving the exponential and one product as its passes.
 
-On NumPy arrays three measured measures apply (the code stays Array API for
-other namespaces): the work items -- (batch, kv head, query tile) in the
-forward, (batch, kv head) in the backward, whose dq sums then never meet --
-are shared among the worker threads of :mod:`._blocks` while NumPy's OpenBLAS
-runs one thread per product (:func:`._blocks.blas_threads`); score tiles are
-written by ``matmul(out=)`` into per-worker buffers and exponentiated in
-place, so no tile is allocated per step; and the forward holds its scores
-transposed, ``(keys, rows)``, for a row max along the leading axis. On 2
-busy cores, BLAS's own two threads made one forward take anywhere from 0.4 s
-to 5 s (waiting on each other whenever another process held a core); one BLAS
-thread per worker keeps a preempted worker's delay to its own share.
+On NumPy arrays three NumPy-only measures apply, each measured (the code
+stays Array API for other namespaces): the work items -- (batch, kv head,
+query tile) in the forward, (batch, kv head) in the backward, whose dq sums
+then never meet -- are shared among the worker threads of :mod:`._blocks`
+while NumPy's OpenBLAS runs one thread per product
+(:func:`._blocks.blas_threads`); score tiles are written by ``matmul(out=)``
+into per-worker buffers and exponentiated in place, so no tile is allocated
+per step; and the forward holds its scores transposed, ``(keys, rows)``, for
+a row max along the leading axis. On 2 busy cores, BLAS's own two threads
+made one forward take anywhere from 0.4 s to 5 s (waiting on each other
+whenever another process held a core); one BLAS thread per worker keeps a
+preempted worker's delay to its own share.
 
 PyTorch CPU tensors (float32/float64, none recording autograd: the
 :mod:`xpkernels.torch` ops call the kernels below autograd) run the NumPy
