@@ -25,8 +25,9 @@ On NumPy arrays, as in attention: the forward's (batch, kv head, row chunk)
 items are shared among the worker threads of :mod:`._blocks` while NumPy's
 OpenBLAS runs one thread per product, and score products go into a
 per-worker buffer (``matmul(out=)``), exponentiated in place when no score
-mod holds them. The backward stays on the caller's thread: the score mod's
-gradient accumulators are shared by every tile.
+mod holds them. The backward shares its (batch, kv head) items the same way
+without a score mod; with one it stays on the caller's thread (the score
+mod's gradient accumulators are shared by every tile).
 
 A query tile is split into row chunks so that one chunk's scores hold at most
 ``TILE_ELEMENTS``: extra memory is bounded by that budget, not by Sq or Sk.
@@ -425,33 +426,43 @@ def backward(
         plan=plan,
         first_batch=first_batch,
     )
+    items = []
     for b in range(t.batch):
         _row_dots(t, do, o, delta, b)
         dq_accum[b, ...] = 0.0
         for g in range(t.kv_heads):
             heads = slice(g * t.group, (g + 1) * t.group)
-            states = plan.group(b, heads.start, heads.stop)
-            for j in range(states.shape[1]):
-                visits = [(int(i), int(states[i, j])) for i in np.nonzero(states[:, j] != SKIP)[0]]
-                _backward_key_tile(
-                    t,
-                    do,
-                    q,
-                    k,
-                    v,
-                    m,
-                    l,
-                    dk,
-                    dv,
-                    delta,
-                    dq_accum,
-                    b,
-                    g,
-                    heads,
-                    j,
-                    visits,
-                    score_mod_grads,
-                )
+            items.append((b, g, heads, plan.group(b, heads.start, heads.stop)))
+    # A kv head's key tiles add into the dq_accum rows of its own query heads only; the
+    # score mod's gradient accumulators and shifted-score buffer are shared by every tile.
+    n_workers = tile_workers(xp, len(items)) if t.score is None else 1
+
+    def work(worker, item):
+        b, g, heads, states = item
+        for j in range(states.shape[1]):
+            visits = [(int(i), int(states[i, j])) for i in np.nonzero(states[:, j] != SKIP)[0]]
+            _backward_key_tile(
+                t,
+                do,
+                q,
+                k,
+                v,
+                m,
+                l,
+                dk,
+                dv,
+                delta,
+                dq_accum,
+                b,
+                g,
+                heads,
+                j,
+                visits,
+                score_mod_grads,
+            )
+
+    for_each_item(xp, work, items, n_workers)
+    for b in range(t.batch):
         for h in range(t.heads):
             for r0, r1 in row_blocks(t.n_q, t.d):
                 dq[b, h, r0:r1, :] = to(xp, dq_accum[b, h, r0:r1, :] * scale, dq.dtype)
