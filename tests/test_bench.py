@@ -316,3 +316,20 @@ def test_a_full_run_times_attention_and_flex_at_both_shapes(monkeypatch):
     for row in by_key.values():
         if row.baseline is not None:
             assert by_key[row.baseline].shape == row.shape, row.key
+
+
+def test_a_long_error_prints_its_first_line_and_keeps_the_rest_in_json(
+    monkeypatch, capsys, tmp_path, clock
+):
+    """A compiler's failure runs to thousands of lines: the table's note gives the first one."""
+    benches = pair(clock, ([1, 1, 1, 1], 1.0), ([1, 1, 1, 1], 2.0))
+
+    def setup():
+        raise RuntimeError("C++ compile error\n" + "g++ ...\n" * 500)
+
+    benches[1].setup = setup
+    rc, out, err, rows, record = run_planted(monkeypatch, capsys, tmp_path, benches)
+    assert rc == 1
+    assert "op/forward/torch failed: RuntimeError: C++ compile error (500 more lines" in out
+    assert "g++" not in out
+    assert rows[("op", "forward", "torch")]["error"].count("g++") == 500

@@ -1080,7 +1080,9 @@ def _print_table(
             print(f"  {row.op} {row.pass_}: {row.formula}")
     for row in rows:
         if row.error:
-            print(f"\n{row.key} failed: {row.error}")
+            first, *rest = row.error.splitlines() or [""]
+            more = f" ({len(rest)} more lines in the --json record)" if rest else ""
+            print(f"\n{row.key} failed: {first}{more}")
 
 
 def _environment(library: str, quick: bool) -> dict:
