@@ -333,3 +333,10 @@ def test_a_long_error_prints_its_first_line_and_keeps_the_rest_in_json(
     assert "op/forward/torch failed: RuntimeError: C++ compile error (500 more lines" in out
     assert "g++" not in out
     assert rows[("op", "forward", "torch")]["error"].count("g++") == 500
+
+
+def test_torch_document_mask_keeps_the_pairs_of_each_document():
+    torch = pytest.importorskip("torch")
+    docs = bench._document_ids(100, 4)
+    keep = bench._torch_document_mask(docs)(0, 0, torch.arange(100)[:, None], torch.arange(100))
+    np.testing.assert_array_equal(keep.numpy(), docs[:, None] == docs[None, :])

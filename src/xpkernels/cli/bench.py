@@ -709,6 +709,24 @@ def _flex_benches(
     return benches
 
 
+def _torch_document_mask(documents: np.ndarray):
+    """The ``mask_mod`` of contiguous ``documents`` (sorted ids) for ``flex_attention``: a query
+    and a key share a document when no document starts between them.
+
+    Written with the starts as Python ints rather than as a gather from a captured tensor of
+    ids: torch 2.13's CPU inductor fails to compile that gather in flex (a C++ compile error).
+    """
+    starts = [int(i) for i in np.flatnonzero(np.diff(documents)) + 1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = kv_idx >= 0
+        for start in starts:
+            same = same & ((q_idx >= start) == (kv_idx >= start))
+        return same
+
+    return mask_mod
+
+
 def _torch_flex_setup(inputs, mask):
     """``torch.compile(flex_attention)`` forward with the block mask of ``mask`` (as in
     :func:`_kept_pairs`); compiling happens in the setup and the warm-up run, never timed."""
@@ -720,10 +738,7 @@ def _torch_flex_setup(inputs, mask):
         q, k, v = (_torch_tensor(a) for a in inputs[:3])
         s = q.shape[2]
         if isinstance(mask, np.ndarray):
-            docs = torch.from_numpy(mask)
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return docs[q_idx] == docs[kv_idx]
+            mask_mod = _torch_document_mask(mask)
         elif mask == "causal":
 
             def mask_mod(b, h, q_idx, kv_idx):
