@@ -858,3 +858,60 @@ def test_device_lengths_are_value_checked_in_debug_mode_only():
         pytest.raises(ValueError, match=r"decode_attention_: lengths must lie in \[0, 6\]"),
     ):
         xk.decode_attention(q[:, :, 0], k, v, lengths)
+
+
+def _run_torch(q, k, v, do, **options):
+    """:func:`_run` over PyTorch CPU tensors (``options``' arrays converted too); NumPy results."""
+    torch = pytest.importorskip("torch")
+    t = {
+        name: torch.from_numpy(np.ascontiguousarray(a))
+        for name, a in options.items()
+        if isinstance(a, np.ndarray)
+    }
+    tq, tk, tv, tdo = (torch.from_numpy(a.copy()) for a in (q, k, v, do))
+    o = torch.full((*q.shape[:3], v.shape[3]), math.nan, dtype=tq.dtype)
+    ck = xk.allocate_checkpoints(xk.attention_, tq, tk, tv)
+    ck.m[...] = math.nan
+    ck.l[...] = math.nan
+    xk.attention_(o, tq, tk, tv, checkpoints=ck, **{**options, **t})
+    O, Q, K, V = (
+        Duplicated(o, tdo),
+        *(Duplicated(a, torch.full_like(a, math.nan)) for a in (tq, tk, tv)),
+    )
+    xk.attention_backward_(O, Q, K, V, checkpoints=ck, **{**options, **t})
+    return tuple(a.numpy() for a in (o, ck.m, ck.l, Q.shadow, K.shadow, V.shadow))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_torch_cpu_tensors_take_the_numpy_path(dtype):
+    """PyTorch CPU tensors run through zero-copy NumPy views: the very same results, bit for bit,
+    as NumPy arrays (GQA, causal, lengths: every branch of the tiles)."""
+    rng = np.random.default_rng(21)
+    q, k, v, do = _inputs(rng, 2, 4, 2, 300, 700, 16, dtype=dtype)
+    options = dict(
+        causal=True, input_pos=5, q_lengths=np.array([300, 200]), k_lengths=np.array([700, 650])
+    )
+    want = _run(q, k, v, do, **options)
+    got = _run_torch(q, k, v, do, **options)
+    for w, g, what in zip(want, got, ("o", "m", "l", "dq", "dk", "dv"), strict=True):
+        np.testing.assert_array_equal(g, w, err_msg=what)
+
+
+def test_worker_threads_change_nothing_and_blas_threads_are_restored(monkeypatch):
+    """Tiles shared among worker threads give the results of one thread, bit for bit, and
+    NumPy's BLAS thread count is back to the caller's after each call."""
+    from xpkernels.backends.array_api import _blocks
+
+    rng = np.random.default_rng(22)
+    q, k, v, do = _inputs(rng, 2, 4, 2, 300, 700, 16, dtype=np.float32)
+    options = dict(causal=True, input_pos=5, q_lengths=np.array([300, 200]))
+    monkeypatch.setattr(_blocks, "_cores", lambda: 4)
+    blas = _blocks._numpy_openblas()
+    before = None if blas is None else blas[0]()
+    threaded = _run(q, k, v, do, **options)
+    if blas is not None:
+        assert blas[0]() == before
+    monkeypatch.setattr(_blocks, "MAX_WORKERS", 1)
+    single = _run(q, k, v, do, **options)
+    for a, b, what in zip(threaded, single, ("o", "m", "l", "dq", "dk", "dv"), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=what)

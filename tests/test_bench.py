@@ -299,3 +299,44 @@ def test_varlen_rows_compare_packed_with_padded_at_the_same_work():
     assert len(rows) == 8
     for b in benches:
         assert bench.measure(b).error is None, b.row.key
+
+
+def test_a_full_run_times_attention_and_flex_at_both_shapes(monkeypatch):
+    """The issue's targets sit at 1x8x2048x64 and 1x8x4096x128: a full run has rows at each,
+    the larger ones named apart so that every ratio keeps its own baseline."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # no compile; only the rows are listed
+    benches, _ = bench._benches(False, ["attention", "flex_attention"], "numpy", 1)
+    keys = [b.row.key for b in benches]
+    assert len(keys) == len(set(keys))
+    shapes = {b.row.op: b.row.shape for b in benches if b.row.pass_ == "forward"}
+    for op in ("attention", "attention (causal)", "flex causal mask", "flex window 256"):
+        assert shapes[op] == "1x8x2048x64"
+        assert shapes[f"{op} S=4096 D=128"] == "1x8x4096x128"
+    by_key = {b.row.key: b.row for b in benches}
+    for row in by_key.values():
+        if row.baseline is not None:
+            assert by_key[row.baseline].shape == row.shape, row.key
+
+
+def test_a_long_error_prints_its_first_line_and_keeps_the_rest_in_json(
+    monkeypatch, capsys, tmp_path, clock
+):
+    """A compiler's failure runs to thousands of lines: the table's note gives the first one."""
+    benches = pair(clock, ([1, 1, 1, 1], 1.0), ([1, 1, 1, 1], 2.0))
+
+    def setup():
+        raise RuntimeError("C++ compile error\n" + "g++ ...\n" * 500)
+
+    benches[1].setup = setup
+    rc, out, err, rows, record = run_planted(monkeypatch, capsys, tmp_path, benches)
+    assert rc == 1
+    assert "op/forward/torch failed: RuntimeError: C++ compile error (500 more lines" in out
+    assert "g++" not in out
+    assert rows[("op", "forward", "torch")]["error"].count("g++") == 500
+
+
+def test_torch_document_mask_keeps_the_pairs_of_each_document():
+    torch = pytest.importorskip("torch")
+    docs = bench._document_ids(100, 4)
+    keep = bench._torch_document_mask(docs)(0, 0, torch.arange(100)[:, None], torch.arange(100))
+    np.testing.assert_array_equal(keep.numpy(), docs[:, None] == docs[None, :])

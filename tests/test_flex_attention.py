@@ -743,3 +743,30 @@ def test_backward_matches_a_rebuilt_block_mask_and_refuses_another():
     flex_attention_backward(do, q, k, v, o, checkpoints=ck, block_mask=blocks(8), input_pos=16)
     with pytest.raises(ValueError, match="block_mask=BlockMask.* differs from the forward"):
         flex_attention_backward(do, q, k, v, o, checkpoints=ck, block_mask=blocks(16), input_pos=16)
+
+
+def test_forward_evaluates_a_mask_without_heads_once_for_all_kv_heads(monkeypatch):
+    """A mask that reads no head index keeps the same pairs for every kv head: each of the
+    forward's worker threads evaluates it once per (row chunk, PARTIAL key tile), and gets
+    what evaluating it for every kv head gives, bit for bit."""
+    blocks = importlib.import_module("xpkernels.backends.array_api._blocks")
+    monkeypatch.setattr(blocks, "_cores", lambda: 2)
+    q, k, v, _ = qkvo(batch=2, heads=8, kv_heads=4, n_q=256, n_kv=256)
+    mask = xm.SlidingWindowMask(50) & xm.DocumentMask(np.repeat(np.arange(4), 64))
+    monkeypatch.setattr(backend, "default_tiles", lambda n_q, n_kv, group, masked: (32, 32))
+    plan = xm.plan_tiles(
+        mask, None, block_sparse=True, n_q=256, n_kv=256, positions=(0,), tile_m=32, tile_n=32
+    )
+    partial = int(np.sum(plan.group(0, 0, 2) == xm.PARTIAL))
+    counter = TileCounter(monkeypatch, mask)
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    o = flex_attention(q, k, v, checkpoints=ck, mask_mod=mask)
+    assert counter.mask_runs == 2 * 2 * partial  # per batch and worker, not per kv head
+    monkeypatch.setattr(backend._MaskCache, "get", lambda self, b, r0, r1, j0, compute: compute())
+    counter.reset()
+    want_ck = allocate_checkpoints(flex_attention_, q, k, v)
+    want = flex_attention(q, k, v, checkpoints=want_ck, mask_mod=mask)
+    assert counter.mask_runs == 2 * 4 * partial
+    np.testing.assert_array_equal(o, want)
+    np.testing.assert_array_equal(ck.m, want_ck.m)
+    np.testing.assert_array_equal(ck.l, want_ck.l)

@@ -26,6 +26,8 @@ number of rows.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import glob
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -39,13 +41,17 @@ __all__ = [
     "ROW_BLOCK_ELEMENTS",
     "WorkerSums",
     "acc_dtype",
+    "blas_threads",
     "block_rows",
     "column_dot",
     "for_each_block",
+    "for_each_item",
+    "numpy_views",
     "ones",
     "reduce_partials",
     "row_blocks",
     "store",
+    "tile_workers",
     "tiled",
     "to",
     "workers",
@@ -68,6 +74,10 @@ MAX_WORKERS = 8
 MIN_BUFFER_ROW = 256
 
 _POOL: ThreadPoolExecutor | None = None
+_BLAS: tuple | None = None
+_BLAS_LOCK = threading.Lock()
+_BLAS_USERS = 0
+_BLAS_PREVIOUS = 0
 _POOL_PID = -1
 _POOL_LOCK = threading.Lock()
 
@@ -95,6 +105,13 @@ def workers(xp, rows: int, m: int) -> int:
     if not array_api_compat.is_numpy_namespace(xp):
         return 1
     return max(1, min(MAX_WORKERS, _cores(), len(row_blocks(rows, m, ROW_BLOCK_ELEMENTS))))
+
+
+def tile_workers(xp, items: int) -> int:
+    """Threads a tiled kernel with ``items`` independent work items uses: 1 except on NumPy arrays."""
+    if not array_api_compat.is_numpy_namespace(xp):
+        return 1
+    return max(1, min(MAX_WORKERS, _cores(), items))
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -155,6 +172,118 @@ def for_each_block(xp, block, rows: int, m: int, n_workers: int = 1) -> None:
     finally:
         for future in futures:
             future.result()
+
+
+def for_each_item(xp, work, items: list, n_workers: int) -> None:
+    """Call ``work(worker, item)`` for every item, shared among up to ``n_workers`` threads.
+
+    As :func:`for_each_block`: worker ``k`` takes items ``k, k + n_workers,
+    ...`` in order and worker 0 runs on the caller's thread. ``n_workers`` is
+    capped by the items and, except on NumPy, is 1. While several workers
+    run, NumPy's BLAS runs one thread per call (:func:`blas_threads`).
+    """
+    if not array_api_compat.is_numpy_namespace(xp):
+        n_workers = 1
+    n_workers = max(1, min(n_workers, len(items)))
+
+    def run(worker):
+        for item in items[worker::n_workers]:
+            work(worker, item)
+
+    if n_workers == 1:
+        run(0)
+        return
+    with blas_threads(1):
+        futures = [_pool().submit(run, k) for k in range(1, n_workers)]
+        try:
+            run(0)
+        finally:
+            for future in futures:
+                future.result()
+
+
+def _numpy_openblas():
+    """``(get, set)`` thread-count functions of the OpenBLAS NumPy bundles, or None.
+
+    Only NumPy's own copy (in ``numpy.libs``, as its wheels ship it) is
+    touched, never another library's BLAS; a NumPy built on another BLAS
+    keeps its threads.
+    """
+    global _BLAS
+    if _BLAS is None:
+        import numpy
+
+        found: tuple = ()
+        where = os.path.join(os.path.dirname(os.path.dirname(numpy.__file__)), "numpy.libs")
+        for path in sorted(glob.glob(os.path.join(where, "*openblas*"))):
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            for prefix in ("scipy_openblas_", "openblas_"):
+                for suffix in ("64_", ""):
+                    get = getattr(lib, f"{prefix}get_num_threads{suffix}", None)
+                    put = getattr(lib, f"{prefix}set_num_threads{suffix}", None)
+                    if get is not None and put is not None and not found:
+                        get.restype, put.argtypes = ctypes.c_int, [ctypes.c_int]
+                        found = (get, put)
+        _BLAS = found
+    return _BLAS or None
+
+
+@contextlib.contextmanager
+def blas_threads(n: int):
+    """NumPy's OpenBLAS runs ``n`` threads while inside (process-wide; restored on exit).
+
+    Used while our own worker threads share a call's tiles: a BLAS that
+    also spreads each product over every core oversubscribes them, and its
+    threads then wait on each other whenever a core is busy elsewhere
+    (measured on 2 busy cores: the same forward took 0.4 s or 5 s). Nested
+    and concurrent uses share one setting; the last to leave restores the
+    previous count.
+    """
+    global _BLAS_USERS, _BLAS_PREVIOUS
+    blas = _numpy_openblas()
+    if blas is None:
+        yield
+        return
+    get, put = blas
+    with _BLAS_LOCK:
+        if _BLAS_USERS == 0:
+            _BLAS_PREVIOUS = get()
+            put(n)
+        _BLAS_USERS += 1
+    try:
+        yield
+    finally:
+        with _BLAS_LOCK:
+            _BLAS_USERS -= 1
+            if _BLAS_USERS == 0:
+                put(_BLAS_PREVIOUS)
+
+
+def numpy_views(*arrays):
+    """Zero-copy NumPy views of PyTorch CPU tensors (None entries kept), or None when not all
+    are PyTorch CPU tensors that NumPy holds (float32/float64, integer, bool) and none
+    requires grad.
+
+    Kernels run their NumPy path over the views: PyTorch CPU tensors get the
+    same speed as NumPy arrays, and their results land in the caller's
+    tensors. float16/bfloat16 tensors (bfloat16 has no NumPy dtype) and
+    tensors recording autograd keep the PyTorch path.
+    """
+    present = [a for a in arrays if a is not None and not isinstance(a, (int, float))]
+    if not present or not all(array_api_compat.is_torch_array(a) for a in present):
+        return None
+    import torch
+
+    held = (torch.float32, torch.float64, torch.int32, torch.int64, torch.bool)
+    for a in present:
+        if a.device.type != "cpu" or a.dtype not in held or a.requires_grad:
+            return None
+        if a.is_conj() or a.is_neg():
+            return None
+    return tuple(a if a is None or isinstance(a, (int, float)) else a.numpy() for a in arrays)
 
 
 class WorkerSums:

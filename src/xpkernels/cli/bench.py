@@ -27,7 +27,8 @@ terminal.
 Default shapes are those of the performance targets: norms and softmax
 ``(8192, 4096)`` float32, attention and FlexAttention ``B=1, H=8, S=2048,
 D=64`` float32 (flex with a causal, a 256-key sliding-window and a 4-document
-mask), varlen ``H=8, D=64`` over four sequences of 1900, 1100, 700 and 300
+mask), each again at the larger ``S=4096, D=128`` (its rows named
+``... S=4096 D=128``), varlen ``H=8, D=64`` over four sequences of 1900, 1100, 700 and 300
 tokens, decode ``B=8, H=32, Hkv=8, S=4096, D=64`` (also in shuffled 16-key
 pages); ``--quick`` shrinks everything to seconds.
 """
@@ -57,14 +58,16 @@ SPREAD_LIMIT = 0.25
 #: The clock rows are timed with (a module attribute so tests can plant a fake one).
 _now = time.perf_counter
 
-#: Shapes of a full run and of ``--quick``.
-SHAPES = {
+#: Shapes of a full run and of ``--quick``; ``large`` (S, D) repeats the attention and flex
+#: rows at a second shape (full runs only).
+SHAPES: dict[bool, dict[str, Any]] = {
     False: {
         "rows": (8192, 4096),
         "attention": {"B": 1, "H": 8, "S": 2048, "D": 64},
         "decode": {"B": 8, "H": 32, "Hkv": 8, "S": 4096, "D": 64},
         "varlen": {"H": 8, "D": 64, "lengths": (1900, 1100, 700, 300)},
         "flex": {"B": 1, "H": 8, "S": 2048, "D": 64, "window": 256, "documents": 4},
+        "large": {"S": 4096, "D": 128},
     },
     True: {
         "rows": (256, 1024),
@@ -72,6 +75,7 @@ SHAPES = {
         "decode": {"B": 2, "H": 4, "Hkv": 2, "S": 512, "D": 64},
         "varlen": {"H": 2, "D": 32, "lengths": (200, 57, 129)},
         "flex": {"B": 1, "H": 2, "S": 256, "D": 32, "window": 32, "documents": 3},
+        "large": None,
     },
 }
 
@@ -325,7 +329,11 @@ def _attention_formula(pass_, causal, where):
     return f"FLOPs = {text} ({where})"
 
 
-def _attention_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -> list[Bench]:
+def _attention_benches(
+    shape, arrays: _Arrays, repeats: int, with_torch: bool, suffix: str = ""
+) -> list[Bench]:
+    """Attention and causal attention, forward and backward, against SDPA; ``suffix`` ends
+    the rows' primitive names (it tells the rows of a second shape apart)."""
     b, h, s, d = shape["B"], shape["H"], shape["S"], shape["D"]
     rng = np.random.default_rng(2)
     q_np, k_np, v_np, do_np = (
@@ -334,7 +342,7 @@ def _attention_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -
     where = f"B={b}, H={h}, Sq=Sk={s}, D={d}"
     benches = []
     for causal in (False, True):
-        op = "attention (causal)" if causal else "attention"
+        op = ("attention (causal)" if causal else "attention") + suffix
         for pass_ in ("forward", "backward"):
             work = _attention_flops(b, h, s, s, d, causal, pass_)
             formula = _attention_formula(pass_, causal, where)
@@ -636,20 +644,26 @@ def _kept_pairs(s: int, mask) -> int:
 
 
 def _flex_benches(
-    shape, attention_shape, arrays: _Arrays, repeats: int, compiled_torch: bool
+    shape,
+    attention_shape,
+    arrays: _Arrays,
+    repeats: int,
+    compiled_torch: bool,
+    suffix: str = "",
 ) -> list[Bench]:
     """Three masks at ``shape``: block-sparse against ``torch.compile(flex_attention)`` with its
     block mask (``compiled_torch``; else against our dense path), and against our dense path
-    backward (PyTorch has no CPU backward); no-mod flex against attention."""
+    backward (PyTorch has no CPU backward); no-mod flex against attention at
+    ``attention_shape`` (None: no such rows). ``suffix`` ends the rows' primitive names."""
     benches = []
     b, h, s, d, w = (shape[n] for n in ("B", "H", "S", "D", "window"))
     shape_text = f"{b}x{h}x{s}x{d}"
     rng = np.random.default_rng(4)
     inputs = [rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4)]
     masks: tuple[tuple[str, Any], ...] = (
-        ("flex causal mask", "causal"),
-        (f"flex window {w}", w),
-        (f"flex {shape['documents']} documents", _document_ids(s, shape["documents"])),
+        ("flex causal mask" + suffix, "causal"),
+        (f"flex window {w}" + suffix, w),
+        (f"flex {shape['documents']} documents" + suffix, _document_ids(s, shape["documents"])),
     )
     for label, mask in masks:
         pairs = _kept_pairs(s, mask)
@@ -678,6 +692,8 @@ def _flex_benches(
                 benches += compare(
                     label, pass_, shape_text, "TFLOP/s", work, formula, repeats, *sides
                 )
+    if attention_shape is None:
+        return benches
     b, h, s, d = (attention_shape[n] for n in ("B", "H", "S", "D"))
     shape_text = f"{b}x{h}x{s}x{d}"
     rng = np.random.default_rng(2)
@@ -693,6 +709,24 @@ def _flex_benches(
     return benches
 
 
+def _torch_document_mask(documents: np.ndarray):
+    """The ``mask_mod`` of contiguous ``documents`` (sorted ids) for ``flex_attention``: a query
+    and a key share a document when no document starts between them.
+
+    Written with the starts as Python ints rather than as a gather from a captured tensor of
+    ids: torch 2.13's CPU inductor fails to compile that gather in flex (a C++ compile error).
+    """
+    starts = [int(i) for i in np.flatnonzero(np.diff(documents)) + 1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = kv_idx >= 0
+        for start in starts:
+            same = same & ((q_idx >= start) == (kv_idx >= start))
+        return same
+
+    return mask_mod
+
+
 def _torch_flex_setup(inputs, mask):
     """``torch.compile(flex_attention)`` forward with the block mask of ``mask`` (as in
     :func:`_kept_pairs`); compiling happens in the setup and the warm-up run, never timed."""
@@ -704,10 +738,7 @@ def _torch_flex_setup(inputs, mask):
         q, k, v = (_torch_tensor(a) for a in inputs[:3])
         s = q.shape[2]
         if isinstance(mask, np.ndarray):
-            docs = torch.from_numpy(mask)
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return docs[q_idx] == docs[kv_idx]
+            mask_mod = _torch_document_mask(mask)
         elif mask == "causal":
 
             def mask_mod(b, h, q_idx, kv_idx):
@@ -797,6 +828,8 @@ def _benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[
     row_repeats = repeats or (3 if quick else 5)
     attn_repeats = repeats or 3
     chosen = [op for op in OPS if not ops or op in ops]
+    large = shapes["large"]
+    suffix = "" if large is None else f" S={large['S']} D={large['D']}"
     skipped = []
     compared = [_TORCH_OPS[op] for op in chosen if op in _TORCH_OPS]
     if torch_missing and compared:
@@ -808,6 +841,10 @@ def _benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[
             benches += _row_benches(op, shapes["rows"], arrays, row_repeats, with_torch)
         elif op == "attention":
             benches += _attention_benches(shapes["attention"], arrays, attn_repeats, with_torch)
+            if large is not None:
+                benches += _attention_benches(
+                    {**shapes["attention"], **large}, arrays, attn_repeats, with_torch, suffix
+                )
         elif op == "decode_attention":
             benches += _decode_benches(shapes["decode"], arrays, row_repeats, with_torch)
         elif op == "attention_varlen":
@@ -832,6 +869,10 @@ def _benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[
             benches += _flex_benches(
                 shapes["flex"], shapes["attention"], arrays, attn_repeats, compiled_torch
             )
+            if large is not None:
+                benches += _flex_benches(
+                    {**shapes["flex"], **large}, None, arrays, attn_repeats, compiled_torch, suffix
+                )
         else:
             skipped.append(f"{op}: bench has no rows for this primitive")
     if with_torch and library == "torch":  # the autograd path: xpkernels.torch.bench
@@ -1054,7 +1095,9 @@ def _print_table(
             print(f"  {row.op} {row.pass_}: {row.formula}")
     for row in rows:
         if row.error:
-            print(f"\n{row.key} failed: {row.error}")
+            first, *rest = row.error.splitlines() or [""]
+            more = f" ({len(rest)} more lines in the --json record)" if rest else ""
+            print(f"\n{row.key} failed: {first}{more}")
 
 
 def _environment(library: str, quick: bool) -> dict:
