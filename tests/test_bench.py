@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from xpkernels.cli import bench
+from xpkernels.mods.bands import SKIP
 
 
 class Clock:
@@ -340,3 +341,26 @@ def test_torch_document_mask_keeps_the_pairs_of_each_document():
     docs = bench._document_ids(100, 4)
     keep = bench._torch_document_mask(docs)(0, 0, torch.arange(100)[:, None], torch.arange(100))
     np.testing.assert_array_equal(keep.numpy(), docs[:, None] == docs[None, :])
+
+
+def test_block_sparse_document_rows_visit_only_the_tiles_of_each_document(monkeypatch):
+    # torch's side gets create_block_mask; ours must skip the cross-document tiles too, through a
+    # BlockMask built in the setup (a document mask declares no key range of its own).
+    import xpkernels.mods as xm
+
+    built = []
+    build = xm.build_block_mask
+    monkeypatch.setattr(
+        xm, "build_block_mask", lambda *a, **kw: built.append(build(*a, **kw)) or built[-1]
+    )
+    s = 1024
+    ids = bench._document_ids(s, 4)
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((1, 1, s, 8), dtype=np.float32) for _ in range(4)]
+    outputs = []
+    for sparse in (True, False):
+        call = bench._xpk_flex_setup(bench._Arrays("numpy"), inputs, "forward", ids, sparse)()
+        call()
+        outputs.append(len(built))
+    assert outputs == [1, 1]  # the sparse side builds one, the dense side none
+    assert np.any(built[0].states == SKIP)  # cross-document tiles are skipped
