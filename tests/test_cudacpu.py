@@ -10,6 +10,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from _cuda_checks import nvrtc_report
 
 from xpkernels.testing import cudacpu
 
@@ -402,23 +403,8 @@ def test_sanitized_module_needs_its_runtime():
 # ---------------------------------------------------------------- NVRTC (issue 13, item 5a)
 
 
-def _compile_report():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "cuda_compile_report.py"
-    spec = importlib.util.spec_from_file_location("cuda_compile_report", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_every_cupy_source_compiles_with_nvrtc_without_warnings_or_spills():
-    report = _compile_report()
-    try:
-        report._nvrtc()
-    except report.NvrtcUnavailable as exc:
-        pytest.skip(f"NVRTC check needs nvidia-cuda-nvrtc/-runtime/-crt, cuda-bindings: {exc}")
+    report = nvrtc_report()
     assert report.sources(), "backends/cupy has .cu sources"
     for cu in report.sources():
         expected = set(report.name_expressions(cu))

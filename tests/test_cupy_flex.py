@@ -14,17 +14,14 @@ sm_80/sm_90 (no warnings, no spills, tensor cores for 16-bit inputs).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import os
 import re
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _cuda_checks import assert_clean_under_sanitizer, nvrtc_report
 from xpkernels.backends.cupy import flex_attention as F
 
 from xpkernels import mods as xm
@@ -423,32 +420,14 @@ print("clean")
 
 @pytest.mark.parametrize("kind", ["address", "thread"])
 def test_kernels_run_clean_under_sanitizers(kind):
-    env = {**os.environ, **cudacpu.sanitizer_env(kind)}
-    proc = subprocess.run(
-        [sys.executable, "-c", SANITIZED_RUN], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr[-4000:]
-    assert "Sanitizer" not in proc.stderr, proc.stderr[-4000:]
-
-
-def _compile_report():
-    spec = importlib.util.spec_from_file_location(
-        "cuda_compile_report", ROOT / "bench" / "cuda_compile_report.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    assert_clean_under_sanitizer(SANITIZED_RUN, kind)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvrtc_builds_a_generated_unit_on_tensor_cores_without_spills(arch, tmp_path):
     """Pair features with their gradients (float gathers, atomics) under sliding & document
     (integer gathers): every instantiation, no warning, no spill."""
-    report = _compile_report()
-    try:
-        report._nvrtc()
-    except report.NvrtcUnavailable as exc:
-        pytest.skip(f"NVRTC check needs nvidia-cuda-nvrtc/-runtime/-crt, cuda-bindings: {exc}")
+    report = nvrtc_report()
     unit = report.flex_unit(tmp_path)
     entry = report.compile_source(unit, arch)
     assert entry["ok"], entry["log"]

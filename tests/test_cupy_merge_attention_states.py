@@ -13,14 +13,12 @@ no spills, 128-bit accesses where rows allow).
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _cuda_checks import assert_clean_under_sanitizer, nvrtc_report
 from xpkernels.backends.cupy import merge_attention_states as M
 
 import xpkernels as xk
@@ -440,32 +438,12 @@ print("clean")
 
 @pytest.mark.parametrize("kind", ["address", "thread"])
 def test_in_place_merges_run_clean_under_sanitizers(kind):
-    env = {**os.environ, **cudacpu.sanitizer_env(kind)}
-    proc = subprocess.run(
-        [sys.executable, "-c", SANITIZED_RUN], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr[-4000:]
-    assert "Sanitizer" not in proc.stderr, proc.stderr[-4000:]
-
-
-def _compile_report():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "cuda_compile_report", ROOT / "bench" / "cuda_compile_report.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    assert_clean_under_sanitizer(SANITIZED_RUN, kind)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvrtc_builds_every_instantiation_without_warnings_or_spills(arch):
-    report = _compile_report()
-    try:
-        report._nvrtc()
-    except report.NvrtcUnavailable as exc:
-        pytest.skip(f"NVRTC check needs nvidia-cuda-nvrtc/-runtime/-crt, cuda-bindings: {exc}")
+    report = nvrtc_report()
     entry = report.compile_source(M.SOURCE, arch)
     assert entry["ok"], entry["log"]
     assert not entry["warnings"], entry["log"]

@@ -9,12 +9,12 @@ and the sanitizers.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from _cuda_checks import assert_clean_under_sanitizer
 from xpkernels.backends.cupy import _rows
 from xpkernels.backends.cupy import layer_norm as L
 from xpkernels.backends.cupy import softmax as S
@@ -422,9 +422,4 @@ print("clean")
 
 @pytest.mark.parametrize("kind", ["address", "thread"])
 def test_kernels_run_clean_under_sanitizers(kind):
-    env = {**os.environ, **cudacpu.sanitizer_env(kind)}
-    proc = subprocess.run(
-        [sys.executable, "-c", SANITIZED_RUN], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == 0 and "clean" in proc.stdout, proc.stderr[-4000:]
-    assert "Sanitizer" not in proc.stderr, proc.stderr[-4000:]
+    assert_clean_under_sanitizer(SANITIZED_RUN, kind)

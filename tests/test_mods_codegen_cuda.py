@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _cuda_checks import nvrtc_report
 
 from xpkernels import mods as xm
 from xpkernels.mods.codegen_cuda import cuda_source, layout, pack_arguments
@@ -191,11 +192,7 @@ def _float_slots(graph) -> tuple[int, ...]:
 
 
 def test_every_mod_compiles_with_nvrtc_without_warnings(tmp_path):
-    report = _load("cuda_compile_report", ROOT / "bench" / "cuda_compile_report.py")
-    try:
-        report._nvrtc()
-    except report.NvrtcUnavailable as exc:
-        pytest.skip(f"NVRTC check needs nvidia-cuda-nvrtc/-runtime/-crt, cuda-bindings: {exc}")
+    report = nvrtc_report()
     cu = tmp_path / "mod_grid.cu"
     cu.write_text("".join(_kernel_source(name, mod) for name, mod in MODS.items()))
     for arch in report.ARCHES:
