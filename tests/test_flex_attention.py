@@ -323,6 +323,63 @@ def test_score_mod_may_mask_with_minus_infinity():
         assert max_error(a, b) <= floor("flex_attention", "backward", "float32")
 
 
+NON_FINITE_MODS = {
+    "causal mask": {"mask_mod": xm.CausalMask()},
+    "mask function": {"mask_mod": lambda b, h, q_idx, kv_idx: kv_idx <= q_idx},
+    "score mod -inf": {
+        "score_mod": lambda s, b, h, q_idx, kv_idx: xm.where(kv_idx <= q_idx, s, -math.inf)
+    },
+    "dense": {"mask_mod": xm.CausalMask(), "block_sparse": False},
+}
+
+
+def _non_finite_rows(*arrays):
+    """Per array, the positions (axis 2) holding a non-finite value in any batch, head or column."""
+    return [np.flatnonzero(~np.isfinite(a).all(axis=(0, 1, 3))) for a in arrays]
+
+
+def _with_nan(arrays, where, position):
+    arrays = {name: a.copy() for name, a in arrays.items()}
+    arrays[where][0, :, position, 3] = np.nan
+    return arrays
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "do"])
+@pytest.mark.parametrize("mods", sorted(NON_FINITE_MODS))
+def test_non_finite_inputs_reach_the_rows_that_see_them_as_in_attention(where, mods):
+    """A NaN at position 100 of q, k, v or do: o, dq, dk, dv are non-finite exactly where causal
+    attention's are, though the tiles holding it hide some of its pairs (256-wide tiles here)."""
+    q, k, v, do = qkvo(batch=1, heads=2, kv_heads=2, n_q=300, n_kv=300)
+    a = _with_nan({"q": q, "k": k, "v": v, "do": do}, where, 100)
+    ck = allocate_checkpoints(attention_, a["q"], a["k"], a["v"])
+    o = attention(a["q"], a["k"], a["v"], checkpoints=ck, causal=True)
+    grads = attention_backward(a["do"], a["q"], a["k"], a["v"], o, checkpoints=ck, causal=True)
+    want = _non_finite_rows(o, *grads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NaN arithmetic
+        got = forward_and_backward(a["q"], a["k"], a["v"], a["do"], **NON_FINITE_MODS[mods])
+    for name, g, w in zip(("o", "dq", "dk", "dv"), _non_finite_rows(got[0], *got[2]), want):
+        np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_non_finite_key_or_value_under_a_sliding_window(where):
+    """Pairs hidden on both sides of the kept band: a NaN key or value at 100 reaches the rows
+    100-150 that keep it (o, dq) and the keys those rows keep (dk; dv too for a key, whose NaN
+    reaches m and l)."""
+    q, k, v, do = qkvo(batch=1, heads=2, kv_heads=2, n_q=300, n_kv=300)
+    a = _with_nan({"q": q, "k": k, "v": v, "do": do}, where, 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        o, _, grads = forward_and_backward(
+            a["q"], a["k"], a["v"], a["do"], mask_mod=xm.SlidingWindowMask(50)
+        )
+    rows, keys = np.arange(100, 151), np.arange(50, 151)
+    want = [rows, rows, keys, keys if where == "k" else np.arange(0)]
+    for name, g, w in zip(("o", "dq", "dk", "dv"), _non_finite_rows(o, *grads), want):
+        np.testing.assert_array_equal(g, w, err_msg=name)
+
+
 def test_plain_functions_work_as_mods():
     q, k, v, _ = qkvo(n_q=30, n_kv=60)
     table = np.random.default_rng(3).standard_normal((4, 8)).astype(np.float32)

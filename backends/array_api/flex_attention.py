@@ -83,6 +83,23 @@ def _matmul(a, b, out):
     return a @ b if out is None else np.matmul(a, b, out=out)
 
 
+def _seen_product(xp, a, b, seen):
+    """``a @ b`` where ``a`` is zero on the pairs ``seen`` (bool, ``a``'s shape) is False.
+
+    A non-finite entry of ``b`` would reach every result through ``0 * inf`` or
+    ``0 * NaN``: it enters the product as 0 instead, and each result whose row
+    of ``seen`` sees it is NaN. Only called for a ``b`` holding one.
+    """
+    finite = xp.isfinite(b)
+    product = a @ xp.where(finite, b, xp.zeros_like(b))
+    hits = to(xp, seen, b.dtype) @ to(xp, ~finite, b.dtype)
+    return xp.where(hits > 0, math.nan, product)
+
+
+def _all_finite(xp, a) -> bool:
+    return bool(xp.all(xp.isfinite(a)))
+
+
 def _with_column(xp, a, column, acc):
     """``[a | column]`` in ``acc``: ``a`` (rows, n) and one more column ((rows,) array or float)."""
     rows, n = a.shape
@@ -348,6 +365,11 @@ def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm, buff
         out = None if buffer is None else xp.reshape(buffer[: rows * (j1 - j0)], (rows, j1 - j0))
         s = _matmul(q_scaled, to(xp, k[b, g, j0:j1, :], acc).mT, out)
         s, _, _ = t.scores(s, b, g, r0, r1, j0, j1, state)
+        v_tile = to(xp, v[b, g, j0:j1, :], acc)
+        # pairs the row keeps, where a tile hides some and V holds a non-finite value
+        seen = None
+        if (t.score is not None or state == PARTIAL) and not _all_finite(xp, v_tile):
+            seen = s != -math.inf
         if not bounded:
             row_max = xp.max(s, axis=1)
             m_run = row_max if m_run is None else xp.maximum(m_run, row_max)
@@ -356,7 +378,7 @@ def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm, buff
         if new_shift is not None:
             s -= new_shift[:, None]
         p = xp.exp(s) if buffer is None or t.score is not None else np.exp(s, out=s)
-        pv = p @ to(xp, v[b, g, j0:j1, :], acc)
+        pv = p @ v_tile if seen is None else _seen_product(xp, p, v_tile, seen)
         row_sum = p @ t.ones[: j1 - j0]
         if o_acc is None:
             l_run, o_acc = row_sum, pv
@@ -485,7 +507,11 @@ def _backward_key_tile(
     With ``do_aug = [do | -delta]`` and ``v_aug = [v | 1]``, ``do_aug @
     v_aug^T = do v^T - delta``; without a score mod, ``q_aug = [q * scale |
     -lse]`` and ``k_aug = [k | 1]`` give ``q_aug @ k_aug^T = s - lse``. Rows
-    that kept nothing have ``lse = +inf``: their probabilities are 0.
+    that kept nothing (``l = 0``) have ``lse = +inf``: their probabilities are 0; rows whose
+    checkpoints are NaN (they saw NaN) stay NaN. In tiles
+    that hide pairs (PARTIAL, or under a score mod, which may return ``-inf``),
+    non-finite entries of q, k, v, do or delta reach only the pairs that see
+    them (:func:`_seen_product`).
     """
     xp, acc, d = t.xp, t.acc, t.d
     j0, j1 = t.kv_span(j)
@@ -493,14 +519,16 @@ def _backward_key_tile(
     v_aug = _with_column(xp, v[b, g, j0:j1, :], 1.0, acc)
     dk_tile = xp.zeros((j1 - j0, d), dtype=acc, device=t.device)
     dv_tile = xp.zeros((j1 - j0, t.dv), dtype=acc, device=t.device)
+    k_finite, v_finite = _all_finite(xp, k_aug), _all_finite(xp, v_aug)
     for i, state in visits:
+        hides = t.score is not None or state == PARTIAL
         for r0, r1 in t.q_chunks(i):
             n = r1 - r0
             rows = t.group * n
             l_rows = to(xp, xp.reshape(l[b, heads, r0:r1], (rows,)), acc)
-            seen = l_rows > 0
+            empty = l_rows == 0  # kept nothing; a NaN row (it saw NaN) stays NaN
             m_rows = to(xp, xp.reshape(m[b, heads, r0:r1], (rows,)), acc)
-            lse = xp.where(seen, m_rows + xp.log(xp.where(seen, l_rows, 1.0)), math.inf)
+            lse = xp.where(empty, math.inf, m_rows + xp.log(xp.where(empty, 1.0, l_rows)))
             q_rows = xp.reshape(q[b, heads, r0:r1, :], (rows, d))
             do_aug = _with_column(
                 xp,
@@ -508,23 +536,48 @@ def _backward_key_tile(
                 -xp.reshape(to(xp, delta[b, heads, r0:r1], acc), (rows,)),
                 acc,
             )
+            # Where the tile hides pairs and an operand holds a non-finite value, the
+            # pairs each row keeps (read before the score mod's scores are shifted):
+            # ds is 0 elsewhere and the products keep the value to the rows that see it.
+            q_finite = do_finite = True
+            if hides:
+                q_finite, do_finite = _all_finite(xp, q_rows), _all_finite(xp, do_aug)
+            finite = not hides or (k_finite and v_finite and q_finite and do_finite)
             if t.score is None:
                 q_op = _with_column(xp, q_rows, -lse, acc)
                 q_op[:, :d] *= t.scale
                 s, values, grid = t.scores(q_op @ k_aug.mT, b, g, r0, r1, j0, j1, state)
+                kept = None if finite else s != -math.inf
             else:
                 q_op = to(xp, q_rows, acc) * t.scale
                 s, values, grid = t.scores(q_op @ k_aug[:, :d].mT, b, g, r0, r1, j0, j1, state)
+                kept = None if finite else s != -math.inf
                 s = t.shifted(s, lse)
             p = xp.exp(s)
-            dv_tile += p.mT @ do_aug[:, : t.dv]
+            if kept is not None:  # a NaN lse (the row saw NaN) shifts hidden pairs to NaN too
+                p = xp.where(kept, p, 0.0)
+            dv_tile += (
+                p.mT @ do_aug[:, : t.dv]
+                if do_finite
+                else _seen_product(xp, p.mT, do_aug[:, : t.dv], kept.mT)
+            )
             ds = do_aug @ v_aug.mT
             ds *= p
+            if kept is not None:
+                ds = xp.where(kept, ds, 0.0)
             if values is not None:
                 d_in = t.score.backprop(values, grid, xp.reshape(ds, (t.group, n, j1 - j0)), grads)
-                ds = ds * 0.0 if d_in is None else xp.reshape(d_in, (rows, j1 - j0))
-            dq_step = xp.reshape(ds @ k_aug[:, :d], (t.group, n, d))
-            dq_accum[b, heads, r0:r1, :] += to(xp, dq_step, dq_accum.dtype)
-            dk_tile += ds.mT @ q_op[:, :d]
+                ds = xp.zeros_like(ds) if d_in is None else xp.reshape(d_in, (rows, j1 - j0))
+            dq_step = (
+                ds @ k_aug[:, :d]
+                if kept is None or k_finite
+                else _seen_product(xp, ds, k_aug[:, :d], kept)
+            )
+            dq_accum[b, heads, r0:r1, :] += to(
+                xp, xp.reshape(dq_step, (t.group, n, d)), dq_accum.dtype
+            )
+            dk_tile += (
+                ds.mT @ q_op[:, :d] if q_finite else _seen_product(xp, ds.mT, q_op[:, :d], kept.mT)
+            )
     dk[b, g, j0:j1, :] = to(xp, dk_tile, dk.dtype)
     dv[b, g, j0:j1, :] = to(xp, dv_tile, dv.dtype)
