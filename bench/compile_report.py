@@ -204,20 +204,18 @@ def _flex_mods(name, B, H, S):
 
 @contextlib.contextmanager
 def _placeholder_uploads():
-    """The flex launchers' host-to-device copies (tile lists, positions) and zeroed buffers
-    (score-mod gradient partial rows) give placeholders."""
+    """The flex launchers' host-to-device copies (tile lists, positions) give placeholders."""
     from xpkernels.backends.triton import _flex_host
 
-    saved = _flex_host.upload, _flex_host.zeros
+    saved = _flex_host.upload
     _flex_host.upload = lambda a, device: spec.tensor(
         a.shape, {1: torch.int8, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]
     )
-    _flex_host.zeros = lambda shape, like: spec.tensor(shape, F32)
     _flex_host._LISTS.clear()
     try:
         yield
     finally:
-        _flex_host.upload, _flex_host.zeros = saved
+        _flex_host.upload = saved
         _flex_host._LISTS.clear()
 
 
@@ -255,6 +253,12 @@ def _flex(pass_, D, mods, B=4, H=16, S=4096, deterministic=True):
         if score_graph is not None:
             grads = [t(tuple(s.array.shape), F32) for s in score_graph.slots]
         dq, dk, dv, do = (t((B, H, S, D)) for _ in range(4))
+        workspace = None
+        if grads:  # the score-mod gradients' partial rows, in the caller's scratch
+            size = flex_attention.score_mod_workspace(
+                q, k, v, score_graph, plan, grads, deterministic
+            )
+            workspace = t((size,), F32)
         flex_attention.backward(
             do,
             q,
@@ -271,6 +275,7 @@ def _flex(pass_, D, mods, B=4, H=16, S=4096, deterministic=True):
             **options,
             score_mod_grads=grads,
             deterministic=deterministic,
+            score_mod_workspace=workspace,
         )
 
 

@@ -36,8 +36,10 @@ def _report():
 #: Cases compiled in CI: one of each kernel family at the benchmark shapes
 #: (every attention kernel at D=128 causal, the backward at D=256 causal -- dK/dV
 #: split over two programs --, the forward at D=64, decode, the fused and
-#: streaming norm backwards with their dW reduction, a streaming forward and a
-#: fused softmax backward): 21 kernels, about 2 minutes on 2 shared CPU cores.
+#: streaming norm backwards with their dW reduction, a streaming forward, a
+#: fused softmax backward, and flex's kernels with a mask and with a score mod
+#: whose gradients are summed, which is what the flex launchers' placeholder
+#: harness must keep up with): 28 kernels, about 2 minutes on 2 shared CPU cores.
 CI_CASES = [
     "attention.fwd.D128.causal",
     "attention.bwd.D128.causal",
@@ -49,6 +51,9 @@ CI_CASES = [
     "layer_norm.bwd.4096x65536",
     "layer_norm.fwd.4096x65536",
     "softmax.bwd.32768x4096",
+    "flex.fwd.D64.causal",
+    "flex.bwd.D64.causal",
+    "flex.bwd.D64.alibi-causal.atomics",
 ]
 CI_KERNELS = [
     "attention.fwd.D128.causal/_forward_kernel",
@@ -72,6 +77,13 @@ CI_KERNELS = [
     "layer_norm.bwd.4096x65536/_cast_row_kernel",
     "layer_norm.fwd.4096x65536/_forward_streaming",
     "softmax.bwd.32768x4096/_backward_fused",
+    "flex.fwd.D64.causal/_forward_kernel",
+    "flex.bwd.D64.causal/_delta_kernel",
+    "flex.bwd.D64.causal/_dkdv_kernel",
+    "flex.bwd.D64.causal/_dq_kernel",
+    "flex.bwd.D64.alibi-causal.atomics/_delta_kernel",
+    "flex.bwd.D64.alibi-causal.atomics/_dkdv_kernel",
+    "flex.bwd.D64.alibi-causal.atomics/_dq_kernel",
 ]
 
 
