@@ -558,7 +558,7 @@ def _backward_key_tile(
                 p = xp.where(kept, p, 0.0)
             dv_tile += (
                 p.mT @ do_aug[:, : t.dv]
-                if do_finite
+                if kept is None or do_finite
                 else _seen_product(xp, p.mT, do_aug[:, : t.dv], kept.mT)
             )
             ds = do_aug @ v_aug.mT
@@ -577,7 +577,9 @@ def _backward_key_tile(
                 xp, xp.reshape(dq_step, (t.group, n, d)), dq_accum.dtype
             )
             dk_tile += (
-                ds.mT @ q_op[:, :d] if q_finite else _seen_product(xp, ds.mT, q_op[:, :d], kept.mT)
+                ds.mT @ q_op[:, :d]
+                if kept is None or q_finite
+                else _seen_product(xp, ds.mT, q_op[:, :d], kept.mT)
             )
     dk[b, g, j0:j1, :] = to(xp, dk_tile, dk.dtype)
     dv[b, g, j0:j1, :] = to(xp, dv_tile, dv.dtype)
