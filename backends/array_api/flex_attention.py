@@ -33,6 +33,14 @@ A query tile is split into row chunks so that one chunk's scores hold at most
 ``TILE_ELEMENTS``: extra memory is bounded by that budget, not by Sq or Sk.
 Rows that keep no key have ``o = 0``, ``m = -inf``, ``l = 0`` and zero
 gradients, with no NaN and no floating-point warning.
+
+Non-finite inputs reach exactly the rows (and keys) whose kept pairs see
+them, as in attention. A pair is hidden by selecting ``-inf`` (mask) or by a
+score mod returning it; in a tile that hides pairs, an operand of a product
+whose other side is zero on them (``p @ v``, ``p^T @ do``, ``ds @ k``,
+``ds^T @ q``) is checked, and when it holds a non-finite value the product
+takes it as 0 and the results whose kept pairs see it are set to NaN
+(:func:`_seen_product`); ``p`` and ``ds`` are 0 on the hidden pairs.
 """
 
 from __future__ import annotations
