@@ -316,7 +316,7 @@ def test_score_mod_may_mask_with_minus_infinity():
         warnings.simplefilter("error")
         by_score = forward_and_backward(q, k, v, do, score_mod=as_score)
     by_mask = forward_and_backward(q, k, v, do, mask_mod=late)
-    # Equal up to float32 rounding (the mask path may exponentiate base 2): the contract's floors.
+    # Equal up to float32 rounding (the mod and the mask select in different steps): the floors.
     assert max_error(by_score[0], by_mask[0]) <= floor("flex_attention", "forward", "float32")
     np.testing.assert_array_equal(by_score[1].m[:, :, :20], -np.inf)
     for a, b in zip(by_score[2], by_mask[2]):

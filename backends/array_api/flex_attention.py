@@ -105,6 +105,7 @@ def _seen_product(xp, a, b, seen):
 
 
 def _all_finite(xp, a) -> bool:
+    """Whether every entry of ``a`` is finite (read on the host)."""
     return bool(xp.all(xp.isfinite(a)))
 
 
@@ -375,9 +376,9 @@ def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm, buff
         s, _, _ = t.scores(s, b, g, r0, r1, j0, j1, state)
         v_tile = to(xp, v[b, g, j0:j1, :], acc)
         # pairs the row keeps, where a tile hides some and V holds a non-finite value
-        seen = None
+        kept = None
         if (t.score is not None or state == PARTIAL) and not _all_finite(xp, v_tile):
-            seen = s != -math.inf
+            kept = s != -math.inf
         if not bounded:
             row_max = xp.max(s, axis=1)
             m_run = row_max if m_run is None else xp.maximum(m_run, row_max)
@@ -386,7 +387,7 @@ def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm, buff
         if new_shift is not None:
             s -= new_shift[:, None]
         p = xp.exp(s) if buffer is None or t.score is not None else np.exp(s, out=s)
-        pv = p @ v_tile if seen is None else _seen_product(xp, p, v_tile, seen)
+        pv = p @ v_tile if kept is None else _seen_product(xp, p, v_tile, kept)
         row_sum = p @ t.ones[: j1 - j0]
         if o_acc is None:
             l_run, o_acc = row_sum, pv
@@ -555,11 +556,11 @@ def _backward_key_tile(
                 q_op = _with_column(xp, q_rows, -lse, acc)
                 q_op[:, :d] *= t.scale
                 s, values, grid = t.scores(q_op @ k_aug.mT, b, g, r0, r1, j0, j1, state)
-                kept = None if finite else s != -math.inf
             else:
                 q_op = to(xp, q_rows, acc) * t.scale
                 s, values, grid = t.scores(q_op @ k_aug[:, :d].mT, b, g, r0, r1, j0, j1, state)
-                kept = None if finite else s != -math.inf
+            kept = None if finite else s != -math.inf
+            if t.score is not None:
                 s = t.shifted(s, lse)
             p = xp.exp(s)
             if kept is not None:  # a NaN lse (the row saw NaN) shifts hidden pairs to NaN too
