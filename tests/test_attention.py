@@ -23,6 +23,8 @@ import xpkernels as xk
 from xpkernels.attention import AttentionCheckpoints
 from xpkernels.buffers import Duplicated
 from xpkernels.testing import references as ref
+from xpkernels.testing.harness import max_error
+from xpkernels.testing.tolerances import floor
 
 
 def _naive(q, k, v, do, *, causal=False, scale=None, input_pos=0, q_lengths=None, k_lengths=None):
@@ -66,6 +68,7 @@ def _run(q, k, v, do, **options):
 def _small_tiles(monkeypatch, tile_elements, key_tile):
     monkeypatch.setattr(attention_impl, "TILE_ELEMENTS", tile_elements)
     monkeypatch.setattr(attention_impl, "KEY_TILE", key_tile)
+    monkeypatch.setattr(attention_impl, "MASKED_KEY_CHUNK", 3)  # several chunks per diagonal tile
 
 
 TILED_CASES = {
@@ -108,6 +111,46 @@ def test_tiled_kernels_match_full_matrix_reference(name, tile_elements, key_tile
     np.testing.assert_allclose(
         inference, want[0], rtol=2e-6, atol=2e-6, err_msg="o without checkpoints"
     )
+
+
+@pytest.mark.parametrize("name", sorted(TILED_CASES))
+def test_numpy_tiles_run_on_bounded_finite_inputs_and_agree_with_the_generic_tiles(
+    name, monkeypatch
+):
+    """float32 inputs whose scores are bounded take the NumPy tiles (base-2 exponentials,
+    query-major rows, a chunked causal diagonal) in every forward tile and backward item; they
+    agree with the Array API tiles, which large scores take, within float32's floors."""
+    case = dict(TILED_CASES[name])
+    _small_tiles(monkeypatch, 512, 16)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    q, k, v, do = _inputs(rng, *case.pop("shape"), dtype=np.float32)
+    options = {n: np.asarray(x) if isinstance(x, list) else x for n, x in case.items()}
+    taken = {"forward": [], "backward": []}
+    for pass_, function in (
+        ("forward", "_forward_tile_numpy"),
+        ("backward", "_backward_item_numpy"),
+    ):
+        real = getattr(attention_impl, function)
+
+        def spy(*args, _real=real, _log=taken[pass_], **kwargs):
+            _log.append(_real(*args, **kwargs))
+            return _log[-1]
+
+        monkeypatch.setattr(attention_impl, function, spy)
+    fast = _run(q, k, v, do, **options)
+    assert taken["forward"] and all(taken["forward"]), taken["forward"]
+    assert taken["backward"] and all(taken["backward"]), taken["backward"]
+    for function in ("_forward_tile_numpy", "_backward_item_numpy"):
+        monkeypatch.setattr(attention_impl, function, lambda *args, **kwargs: False)
+    generic = _run(q, k, v, do, **options)
+    want = _naive(q, k, v, do, **case)
+    passes = ("forward", "checkpoints", "checkpoints", "backward", "backward", "backward")
+    for what, pass_, a, b, w in zip(
+        ("o", "m", "l", "dq", "dk", "dv"), passes, fast, generic, want, strict=True
+    ):
+        bound = floor("attention", pass_, "float32")
+        assert max_error(a, w) <= bound, f"{what}: NumPy tiles against the reference"
+        assert max_error(b, w) <= bound, f"{what}: Array API tiles against the reference"
 
 
 @pytest.mark.parametrize("early,late", [(1.0, 1.0), (1.0, 30.0), (-30.0, 1.0)])

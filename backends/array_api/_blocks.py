@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,7 @@ __all__ = [
     "column_dot",
     "for_each_block",
     "for_each_item",
+    "max_row_norm",
     "numpy_views",
     "ones",
     "reduce_partials",
@@ -371,6 +373,23 @@ def acc_dtype(xp, dtype):
 def to(xp, a, dtype):
     """``a`` as ``dtype`` without a copy when it already is."""
     return a if a.dtype == dtype else xp.astype(a, dtype)
+
+
+def max_row_norm(xp, a) -> float:
+    """Largest Euclidean norm of the rows of the 2-D array ``a`` (0 for no rows), in row blocks.
+
+    NaN when any entry is NaN, inf when one is infinite (or its square
+    overflows): a bound built on it is then never finite.
+    """
+    acc = acc_dtype(xp, a.dtype)
+    largest = 0.0
+    for r0, r1 in row_blocks(a.shape[0], a.shape[1]):
+        block = to(xp, a[r0:r1, :], acc)
+        value = float(xp.max(xp.vecdot(block, block)))
+        if math.isnan(value):
+            return math.nan
+        largest = max(largest, value)
+    return math.sqrt(largest)
 
 
 def reduce_partials(partial, out) -> None:

@@ -19,26 +19,34 @@ score of a query tile (Cauchy-Schwarz on the largest query and key norms). The b
 score product and ``-delta`` into the ``do @ v^T`` product by appending one
 column to each operand, leaving the exponential and one product as its passes.
 
-On NumPy arrays three NumPy-only measures apply, each measured (the code
-stays Array API for other namespaces): the work items -- (batch, kv head,
-query tile) in the forward, (batch, kv head) in the backward, whose dq sums
-then never meet -- are shared among the worker threads of :mod:`._blocks`
-while NumPy's OpenBLAS runs one thread per product
-(:func:`._blocks.blas_threads`); score tiles are written by ``matmul(out=)``
-into per-worker buffers and exponentiated in place, so no tile is allocated
-per step; and the forward holds its scores transposed, ``(keys, rows)``, for
-a row max along the leading axis. On 2 busy cores, BLAS's own two threads
-made one forward take anywhere from 0.4 s to 5 s (waiting on each other
-whenever another process held a core); one BLAS thread per worker keeps a
-preempted worker's delay to its own share.
+On NumPy arrays, NumPy-only measures apply, each measured (the code stays
+Array API for other namespaces): the work items -- (batch, kv head, query
+tile) in the forward, (batch, kv head) in the backward, whose dq sums then
+never meet -- are shared among the worker threads of :mod:`._blocks` while
+NumPy's OpenBLAS runs one thread per product (:func:`._blocks.blas_threads`);
+score tiles are written by ``matmul(out=)`` into per-worker buffers and
+exponentiated in place, so no tile is allocated per step; and the forward
+holds its scores transposed, ``(keys, rows)``, for a row max along the
+leading axis. On 2 busy cores, BLAS's own two threads made one forward take
+anywhere from 0.4 s to 5 s (waiting on each other whenever another process
+held a core); one BLAS thread per worker keeps a preempted worker's delay to
+its own share.
 
-Exponentials stay ``exp``. ``exp2`` with ``log2(e)`` folded into the query
-scale was measured and rejected: NumPy's AVX-512 float32 ``exp2`` is twice as
-fast on finite scores (57 against 120 us on a 512 x 512 tile, forward 0.90x
-the time at 1x8x2048x64), but it leaves its vector path where a tile holds
-``-inf`` (masked pairs: 282 against 30 us at 256 x 256, half masked) or
-inputs below -126 (denormal results: 2.2 ms against 30 us), which shifted
-scores of a peaked row reach; ``exp`` keeps its speed on all of them.
+Where the inputs allow it -- every value finite (``v`` in the forward, ``v``
+and ``do`` in the backward) and every score bounded through the largest
+query and key norms -- the NumPy tiles (:func:`_forward_tile_numpy`,
+:func:`_backward_item_numpy`) go further, with every temporary in a
+per-worker workspace: exponentials are ``exp2`` of base-2 scores
+(``log2(e)`` folded into the query scale), twice as fast as ``exp`` in
+NumPy's float32 loops (57 against 120 us on a 512 x 512 tile) and, under the
+bound, never in the ranges where ``exp2`` leaves its vector loop (``-inf``:
+282 against 30 us at 256 x 256 half masked; results below 2**-126: 2.2 ms
+against 30 us), which is why the Array API tiles keep ``exp``. Rows are
+stacked query-major there, so the causal diagonal is taken in key chunks
+against only the queries that see them (about 5/8 of the diagonal tile's
+products at four chunks). At 1x8x2048x64 float32 on 2 cores the NumPy tiles
+took 0.85-0.91x the forward time of the Array API ones and 0.74x the
+causal backward (same run, medians of 7).
 
 PyTorch CPU tensors (float32/float64, none recording autograd: the
 :mod:`xpkernels.torch` ops call the kernels below autograd) run the NumPy
@@ -70,7 +78,15 @@ import math
 
 import array_api_compat
 
-from ._blocks import acc_dtype, for_each_item, numpy_views, row_blocks, tile_workers, to
+from ._blocks import (
+    acc_dtype,
+    for_each_item,
+    max_row_norm,
+    numpy_views,
+    row_blocks,
+    tile_workers,
+    to,
+)
 
 __all__ = ["forward", "backward"]
 
@@ -83,8 +99,20 @@ TILE_ELEMENTS = 1 << 18
 #: Keys per tile; a query tile holds ``TILE_ELEMENTS // KEY_TILE`` rows.
 KEY_TILE = 512
 
-#: Most queries of one causal query tile (see :func:`_tile_sizes`).
-CAUSAL_QUERY_TILE = 256
+#: Most queries of one causal query tile (see :func:`_tile_sizes`; with the
+#: NumPy tiles' chunked diagonal 512 was 4-7% faster than 256, measured).
+CAUSAL_QUERY_TILE = 512
+
+#: Keys per chunk of the causal diagonal in the NumPy tiles (128 beat 64 and
+#: 256 at 1x8x2048x64 causal, measured).
+MASKED_KEY_CHUNK = 128
+
+#: Base-2 exponents above which NumPy's ``exp2`` keeps its vector loop (its
+#: results stay normal floats; below -126 they turn subnormal, tenfold slower).
+MIN_EXP2 = -125.0
+
+#: log2(e): base-2 scores (``s * LOG2E``) give ``exp(s)`` as ``exp2``.
+LOG2E = 1.4426950408889634
 
 #: Scores are exponentiated unshifted while every running row max is within
 #: this bound: ``exp(40)`` times any realistic key count stays finite and
@@ -187,7 +215,8 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
     positions = per_batch(input_pos, batch, 0, -sq, sk)
     q_valid = per_batch(q_lengths, batch, sq, 0, sq)
     k_valid = per_batch(k_lengths, batch, sk, 0, sk)
-    items, elements = [], 0
+    fast = array_api_compat.is_numpy_namespace(xp)
+    items, rows_max, key_max = [], 1, 1
     for b in range(batch):
         nk, pos = k_valid[b], positions[b]
         nq = q_valid[b] if nk > 0 else 0
@@ -198,13 +227,16 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
                 m[b, :, rows] = -math.inf
                 l[b, :, rows] = 0.0
         key_tile, query_tile = _tile_sizes(nk, group, d, dv, causal)
-        elements = max(elements, key_tile * group * query_tile)
+        rows_max, key_max = max(rows_max, group * query_tile), max(key_max, key_tile)
         visible = None
         if causal and nq > first:
             # Row r: the query at position p + r; column c: the key at p + 1 + c.
             visible = _causal_visible(xp, 0, query_tile, 1, 1 + min(query_tile - 1, nk), q_device)
         for g in range(kv_heads):
-            k_norm = _max_row_norm(xp, k[b, g, :nk, :]) if m is None and nq > first else None
+            k_norm = (
+                max_row_norm(xp, k[b, g, :nk, :]) if (m is None or fast) and nq > first else None
+            )
+            v_finite = fast and nq > first and math.isfinite(max_row_norm(xp, v[b, g, :nk, :]))
             for i0, i1 in tiles(first, nq, query_tile):
                 k_end = min(nk, pos + i1) if causal else nk
                 tile = {
@@ -214,36 +246,162 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
                     "k_norm": k_norm,
                     "visible": visible,
                 }
-                items.append((b, g, i0, i1, tile))
+                items.append((b, g, i0, i1, tile, v_finite))
     n_workers = tile_workers(xp, len(items))
-    buffers = [_tile_buffer(xp, elements, acc_dtype(xp, q.dtype), q) for _ in range(n_workers)]
+    acc = acc_dtype(xp, q.dtype)
+    spaces = [_Workspace(rows_max, key_max, d, dv, acc) if fast else None for _ in range(n_workers)]
 
     def work(worker, item):
-        b, g, i0, i1, tile = item
+        b, g, i0, i1, tile, v_finite = item
         heads_g = slice(g * group, (g + 1) * group)
+        space = spaces[worker]
+        if v_finite and _forward_tile_numpy(
+            space,
+            o,
+            q,
+            k,
+            v,
+            m,
+            l,
+            b,
+            g,
+            heads_g,
+            i0,
+            i1,
+            k_end=tile["k_end"],
+            mask_start=tile["mask_start"],
+            key_tile=tile["key_tile"],
+            scale=scale,
+            k_norm=tile["k_norm"],
+        ):
+            return
+        buffer = None if space is None else space.scores
         _forward_tile(
-            xp, o, q, k, v, m, l, b, g, heads_g, i0, i1, scale=scale, buffer=buffers[worker], **tile
+            xp, o, q, k, v, m, l, b, g, heads_g, i0, i1, scale=scale, buffer=buffer, **tile
         )
 
     for_each_item(xp, work, items, n_workers)
 
 
-def _tile_buffer(xp, elements: int, dtype, like):
-    """A flat buffer of ``elements`` for one score tile on NumPy (reused by every tile of a
-    call: no allocation, and no page faults, per tile); None elsewhere."""
-    if not array_api_compat.is_numpy_namespace(xp):
-        return None
-    return xp.empty((elements,), dtype=dtype, device=array_api_compat.device(like))
+class _Workspace:
+    """One worker's NumPy buffers for the forward tiles of a call: nothing is allocated per tile.
+
+    ``rows`` (query rows of a tile, the group's heads stacked), ``keys``
+    (keys per tile), ``d``/``dv`` head dims, ``dtype`` the accumulation dtype.
+    Apart from the score tile, every buffer holds a few rows of ``d`` or
+    ``dv`` values per query row.
+    """
+
+    def __init__(self, rows: int, keys: int, d: int, dv: int, dtype):
+        import numpy
+
+        self.scores = numpy.empty((rows * keys,), dtype=dtype)
+        self.q = numpy.empty((2, rows, d), dtype=dtype)  # scaled queries: natural and log2 units
+        # running max, running sum, one block's max, one block's sum
+        self.rows = numpy.empty((4, rows), dtype=dtype)
+        self.o = numpy.empty((2, rows, dv), dtype=dtype)  # running output, one tile's p @ v
+        self.ones = numpy.ones((keys,), dtype=dtype)
+        chunk = numpy.arange(min(MASKED_KEY_CHUNK, keys))
+        self.triangle = chunk[:, None] > chunk[None, :]  # key c of a chunk hidden from row r
 
 
-def _max_row_norm(xp, a) -> float:
-    """Largest Euclidean norm of the rows of the 2-D array ``a``, in row blocks."""
-    acc = acc_dtype(xp, a.dtype)
-    largest = 0.0
-    for r0, r1 in row_blocks(a.shape[0], a.shape[1]):
-        block = to(xp, a[r0:r1, :], acc)
-        largest = max(largest, float(xp.max(xp.vecdot(block, block))))
-    return math.sqrt(largest)
+def _forward_tile_numpy(
+    space,
+    o,
+    q,
+    k,
+    v,
+    m,
+    l,
+    b,
+    g,
+    heads_g,
+    i0,
+    i1,
+    *,
+    k_end,
+    mask_start,
+    key_tile,
+    scale,
+    k_norm,
+) -> bool:
+    """:func:`_forward_tile` on NumPy arrays, for a kv head whose values are all finite and a tile
+    whose scores are bounded; False (nothing written) when they are not.
+
+    Bounded: ``|q_i| |k_j| <= SAFE_EXPONENT`` for every query of the tile and
+    key of the group (Cauchy-Schwarz on the largest norms), so no running max
+    can pass ``SAFE_EXPONENT`` and scores are exponentiated unshifted. Tiles
+    without masked pairs take their scores in base-2 units (``log2(e)``
+    folded into the query scale) through ``exp2``, twice as fast as ``exp``
+    in NumPy's float32 loops; the bound keeps every base-2 score within
+    ``+-SAFE_EXPONENT * log2(e)``, far from the -126 where ``exp2``'s results
+    turn subnormal and its loop slows tenfold. Masked tiles (``-inf``, which
+    ``exp2`` also takes slowly) use natural units and ``exp``; with finite
+    values a masked pair's ``p = 0`` contributes exactly nothing.
+
+    Rows are stacked query-major (``n_q x group``), so the queries from one
+    on are a contiguous block of rows: the causally masked keys (from the
+    tile's first query's own on) are taken in chunks of ``MASKED_KEY_CHUNK``
+    (at most a key tile), each against only the queries that see any of it:
+    5/8 of the masked square's products at four chunks. Every step writes
+    into ``space`` (a :class:`_Workspace`).
+    """
+    import numpy
+
+    acc = space.scores.dtype
+    group, n_q = heads_g.stop - heads_g.start, i1 - i0
+    rows, d, dv = group * n_q, q.shape[3], v.shape[3]
+    q_nat, q_two = space.q[0, :rows], space.q[1, :rows]
+    q_in = q[b, heads_g, i0:i1, :].transpose(1, 0, 2)
+    numpy.multiply(q_in, scale, out=q_nat.reshape(n_q, group, d), dtype=acc)
+    q_norm = math.sqrt(float(numpy.max(numpy.einsum("ij,ij->i", q_nat, q_nat))))
+    if not k_norm * q_norm <= SAFE_EXPONENT:  # also False for a non-finite norm
+        return False
+    numpy.multiply(q_nat, LOG2E, out=q_two)
+    m_run, l_run, tile_max, tile_sum = (a[:rows] for a in space.rows)
+    o_acc, pv = space.o[0, :rows], space.o[1, :rows]
+    checkpoints = m is not None
+    if k_end > mask_start:  # the masked keys start at the first query's own
+        mask_start -= 1
+    blocks = [(j0, j1, 0) for j0, j1 in tiles(0, mask_start, key_tile)]
+    for c0, c1 in tiles(0, k_end - mask_start, min(MASKED_KEY_CHUNK, key_tile)):
+        blocks.append((mask_start + c0, mask_start + c1, c0))  # queries before c0 see none of it
+    for n, (j0, j1, r0) in enumerate(blocks):
+        cols = j1 - j0
+        sub = slice(r0 * group, rows)
+        s = space.scores[: cols * (rows - sub.start)].reshape(cols, rows - sub.start)
+        k_tile, v_tile = to(numpy, k[b, g, j0:j1, :], acc), to(numpy, v[b, g, j0:j1, :], acc)
+        numpy.matmul(k_tile, (q_two if j0 < mask_start else q_nat[sub]).T, out=s)
+        if j0 >= mask_start:  # rows from r0 + cols on see the whole chunk
+            seen = min(n_q - r0, cols)
+            hidden = space.triangle[:cols, :seen, None]
+            numpy.copyto(s[:, : seen * group].reshape(cols, seen, group), -math.inf, where=hidden)
+        if checkpoints:
+            numpy.maximum.reduce(s, axis=0, out=tile_max[sub])
+        if j0 < mask_start:
+            numpy.exp2(s, out=s)
+        else:
+            tile_max[sub] *= LOG2E
+            numpy.exp(s, out=s)
+        if n == 0:  # the first block holds every row (queries see key 0 first)
+            numpy.matmul(s.T, v_tile, out=o_acc)
+            numpy.matmul(space.ones[:cols], s, out=l_run)
+            if checkpoints:
+                m_run[...] = tile_max
+            continue
+        o_acc[sub] += numpy.matmul(s.T, v_tile, out=pv[sub])
+        l_run[sub] += numpy.matmul(space.ones[:cols], s, out=tile_sum[sub])
+        if checkpoints:
+            numpy.maximum(m_run[sub], tile_max[sub], out=m_run[sub])
+    out = o[b, heads_g, i0:i1, :].transpose(1, 0, 2)
+    numpy.divide(o_acc.reshape(n_q, group, dv), l_run.reshape(n_q, group, 1), out=out)
+    if checkpoints:
+        m_run *= 1.0 / LOG2E  # base-2 max to natural units
+        m[b, heads_g, i0:i1] = m_run.reshape(n_q, group).T
+        numpy.exp(-m_run, out=tile_sum)
+        tile_sum *= l_run
+        l[b, heads_g, i0:i1] = tile_sum.reshape(n_q, group).T
+    return True
 
 
 def _forward_tile(
@@ -288,7 +446,9 @@ def _forward_tile(
     rows, dv = group * n_q, v.shape[3]
     q_scaled = xp.reshape(to(xp, q[b, heads_g, i0:i1, :], acc) * scale, (rows, q.shape[3]))
     ones = xp.ones((key_tile,), dtype=acc, device=array_api_compat.device(q_scaled))
-    bounded = k_norm is not None and k_norm * _max_row_norm(xp, q_scaled) <= SAFE_EXPONENT
+    bounded = (
+        m is None and k_norm is not None and k_norm * max_row_norm(xp, q_scaled) <= SAFE_EXPONENT
+    )
     m_run = l_run = o_acc = shift = new_shift = None
     for j0, j1 in (*tiles(0, mask_start, key_tile), *tiles(mask_start, k_end, key_tile)):
         s = _matmul(
@@ -413,7 +573,7 @@ def backward(
     positions = per_batch(input_pos, batch, 0, -sq, sk)
     q_valid = per_batch(q_lengths, batch, sq, 0, sq)
     k_valid = per_batch(k_lengths, batch, sk, 0, sk)
-    items, elements = [], 0
+    items, rows_max, key_max = [], 1, 1
     for b in range(batch):
         nk, pos = k_valid[b], positions[b]
         nq = q_valid[b] if nk > 0 else 0
@@ -423,16 +583,45 @@ def backward(
         _row_dots(xp, do, o, delta, b, nq)
         dq_accum[b, :, :nq, :] = 0.0
         key_tile, query_tile = _tile_sizes(nk, group, d, d_v, False)
-        elements = max(elements, key_tile * group * query_tile)
+        rows_max, key_max = max(rows_max, group * query_tile), max(key_max, key_tile)
         items += [(b, g, nk, nq, pos, key_tile, query_tile) for g in range(kv_heads)]
     # A kv head's key tiles add into the dq_accum rows of its own query heads only,
     # so (batch, kv head) items never write the same element.
     n_workers = tile_workers(xp, len(items))
     acc = acc_dtype(xp, q.dtype)
-    buffers = [[_tile_buffer(xp, elements, acc, q) for _ in range(2)] for _ in range(n_workers)]
+    fast = array_api_compat.is_numpy_namespace(xp)
+    spaces = [
+        _BackwardWorkspace(rows_max, key_max, d, d_v, acc) if fast else None
+        for _ in range(n_workers)
+    ]
 
     def work(worker, item):
         b, g, nk, nq, pos, key_tile, query_tile = item
+        space = spaces[worker]
+        if space is not None and _backward_item_numpy(
+            space,
+            do,
+            q,
+            k,
+            v,
+            m,
+            l,
+            dk,
+            dv,
+            delta,
+            dq_accum,
+            b,
+            g,
+            nk=nk,
+            nq=nq,
+            pos=pos,
+            causal=causal,
+            key_tile=key_tile,
+            query_tile=query_tile,
+            scale=scale,
+        ):
+            return
+        buffers = [None, None] if space is None else [space.scores, space.ds]
         for j0, j1 in tiles(0, nk, key_tile):
             _backward_key_tile(
                 xp,
@@ -456,15 +645,153 @@ def backward(
                 pos=pos,
                 query_tile=query_tile,
                 scale=scale,
-                buffers=buffers[worker],
+                buffers=buffers,
             )
 
     for_each_item(xp, work, items, n_workers)
+    spaces.clear()  # freed before the dq pass's temporaries: a lower peak
     for b in range(batch):
         nq = q_valid[b] if k_valid[b] > 0 else 0
         for h in range(heads):
             for r0, r1 in row_blocks(nq, d):
                 dq[b, h, r0:r1, :] = to(xp, dq_accum[b, h, r0:r1, :] * scale, dq.dtype)
+
+
+class _BackwardWorkspace:
+    """One worker's NumPy buffers for the backward tiles of a call: nothing is allocated per tile.
+
+    Sizes as :class:`_Workspace`. ``scores`` and ``ds`` are the two score-sized
+    tiles; the rest hold a few rows of ``d`` or ``dv`` values per query row or key.
+    """
+
+    def __init__(self, rows: int, keys: int, d: int, dv: int, dtype):
+        import numpy
+
+        self.scores = numpy.empty((rows * keys,), dtype=dtype)
+        self.ds = numpy.empty((rows * keys,), dtype=dtype)
+        self.q = numpy.empty((rows, d + 1), dtype=dtype)  # [q * scale | -lse], base-2 units
+        self.do = numpy.empty((rows, dv + 1), dtype=dtype)  # [do | -delta]
+        self.k = numpy.empty((keys, d + 1), dtype=dtype)  # [k | 1]
+        self.v = numpy.empty((keys, dv + 1), dtype=dtype)  # [v | 1]
+        self.dq = numpy.empty((rows, d), dtype=dtype)  # one block's share of dq
+        self.dk = numpy.empty((2, keys, d), dtype=dtype)  # a key tile's dk, one block's share
+        self.dv = numpy.empty((2, keys, dv), dtype=dtype)
+        chunk = numpy.arange(min(MASKED_KEY_CHUNK, keys))
+        self.triangle = chunk[None, :] > chunk[:, None]  # row r, key c of a chunk: c hidden from r
+
+
+def _backward_item_numpy(
+    space,
+    do,
+    q,
+    k,
+    v,
+    m,
+    l,
+    dk,
+    dv,
+    delta,
+    dq_accum,
+    b,
+    g,
+    *,
+    nk,
+    nq,
+    pos,
+    causal,
+    key_tile,
+    query_tile,
+    scale,
+) -> bool:
+    """The backward of batch ``b``, kv head ``g`` on NumPy arrays (every key tile, as
+    :func:`_backward_key_tile`); False (nothing written) unless ``do`` and ``v`` are finite and
+    every ``s - lse`` is provably above ``MIN_EXP2`` in base-2 units.
+
+    The bound: with ``B = scale |q|max |k|max`` (Cauchy-Schwarz), every score
+    lies in ``[-B, B]`` and every ``lse`` of the forward's checkpoints in
+    ``[-B, B + log(nk)]``, so ``s - lse >= -2B - log(nk)``. Probabilities are
+    then ``exp2`` of base-2 products (``log2(e)`` folded into ``q`` and
+    ``lse``; ``dk`` is rescaled by ``ln 2`` at the end), the base-2 analogue
+    of the forward's. Rows are stacked query-major, as in
+    :func:`_forward_tile_numpy`: a tile on the causal diagonal takes the keys
+    every query sees as one block and the rest in chunks of
+    ``MASKED_KEY_CHUNK``, each against the queries that see any of it, with
+    ``p = 0`` selected on its hidden pairs (all inputs finite: ``ds = 0``
+    there too, and every product is exact).
+    """
+    import numpy
+
+    if nq == 0:  # no query sees the keys
+        dk[b, g, :nk, :] = 0.0
+        dv[b, g, :nk, :] = 0.0
+        return True
+    acc = space.scores.dtype
+    group = q.shape[1] // k.shape[1]
+    heads_g = slice(g * group, (g + 1) * group)
+    d, d_v = q.shape[3], v.shape[3]
+    heads = range(heads_g.start, heads_g.stop)
+    q_norms = [max_row_norm(numpy, q[b, h, :nq, :]) for h in heads]
+    other = [max_row_norm(numpy, a) for a in (k[b, g, :nk, :], v[b, g, :nk, :])]
+    other += [max_row_norm(numpy, do[b, h, :nq, :]) for h in heads]
+    if not all(math.isfinite(norm) for norm in (*q_norms, *other)):
+        return False
+    bound = scale * max(q_norms) * other[0]
+    if not (2.0 * bound + math.log(nk)) * LOG2E <= -MIN_EXP2:
+        return False
+    chunk = min(MASKED_KEY_CHUNK, key_tile)
+    for j0, j1 in tiles(0, nk, key_tile):
+        n = j1 - j0
+        k_aug, v_aug = space.k[:n], space.v[:n]
+        k_aug[:, :d], k_aug[:, d] = k[b, g, j0:j1, :], 1.0
+        v_aug[:, :d_v], v_aug[:, d_v] = v[b, g, j0:j1, :], 1.0
+        dk_acc, dv_acc = space.dk[0, :n], space.dv[0, :n]
+        dk_acc[...] = 0.0
+        dv_acc[...] = 0.0
+        for i0, i1 in tiles(max(0, j0 - pos) if causal else 0, nq, query_tile):
+            n_q = i1 - i0
+            rows = group * n_q
+            q_aug, do_aug = space.q[:rows], space.do[:rows]
+            q3 = q_aug.reshape(n_q, group, d + 1)
+            numpy.multiply(
+                q[b, heads_g, i0:i1, :].transpose(1, 0, 2),
+                scale * LOG2E,
+                out=q3[:, :, :d],
+                dtype=acc,
+            )
+            numpy.log(l[b, heads_g, i0:i1].T, out=q3[:, :, d], dtype=acc)
+            q3[:, :, d] += m[b, heads_g, i0:i1].T
+            q3[:, :, d] *= -LOG2E
+            do3 = do_aug.reshape(n_q, group, d_v + 1)
+            do3[:, :, :d_v] = do[b, heads_g, i0:i1, :].transpose(1, 0, 2)
+            numpy.negative(delta[b, heads_g, i0:i1].T, out=do3[:, :, d_v])
+            # (first key, end key, first query row) of each block, relative to j0 and i0:
+            # the keys every query sees, then the chunks of the rest from each query's own key
+            end, every = n, n
+            if causal:
+                end = min(n, pos + i1 - j0)
+                every = min(end, pos + i0 - j0)
+            blocks = [(0, every, 0)] if every > 0 else []
+            blocks += [(every + c0, every + c1, c0) for c0, c1 in tiles(0, end - every, chunk)]
+            for c0, c1, r0 in blocks:
+                cols, sub = c1 - c0, slice(r0 * group, rows)
+                p = space.scores[: (rows - sub.start) * cols].reshape(rows - sub.start, cols)
+                numpy.matmul(q_aug[sub], k_aug[c0:c1].T, out=p)
+                numpy.exp2(p, out=p)
+                if c0 >= every:  # rows from r0 + cols on see the whole chunk
+                    seen = min(n_q - r0, cols)
+                    hidden = space.triangle[:seen, None, :cols]
+                    numpy.copyto(p[: seen * group].reshape(seen, group, cols), 0.0, where=hidden)
+                dv_acc[c0:c1] += numpy.matmul(p.T, do_aug[sub, :d_v], out=space.dv[1, :cols])
+                ds = space.ds[: p.size].reshape(p.shape)
+                numpy.matmul(do_aug[sub], v_aug[c0:c1].T, out=ds)
+                ds *= p
+                dq_rows = numpy.matmul(ds, k_aug[c0:c1, :d], out=space.dq[sub])
+                dq_rows = dq_rows.reshape(n_q - r0, group, d).transpose(1, 0, 2)
+                dq_accum[b, heads_g, i0 + r0 : i1, :] += dq_rows
+                dk_acc[c0:c1] += numpy.matmul(ds.T, q_aug[sub, :d], out=space.dk[1, :cols])
+        numpy.multiply(dk_acc, 1.0 / LOG2E, out=dk[b, g, j0:j1, :])  # base-2 q back to natural
+        dv[b, g, j0:j1, :] = dv_acc
+    return True
 
 
 def _row_dots(xp, do, o, delta, b, nq) -> None:

@@ -54,7 +54,7 @@ import numpy as np
 
 from xpkernels.mods import PARTIAL, SKIP, tile_grid
 
-from ._blocks import acc_dtype, for_each_item, row_blocks, tile_workers, to
+from ._blocks import acc_dtype, for_each_item, max_row_norm, row_blocks, tile_workers, to
 
 __all__ = ["forward", "backward", "default_tiles"]
 
@@ -265,7 +265,7 @@ def forward(
             heads = slice(g * t.group, (g + 1) * t.group)
             k_norm = None
             if m is None and t.score is None:
-                k_norm = _max_row_norm(xp, k[b, g, :, :], t.acc)
+                k_norm = max_row_norm(xp, k[b, g, :, :])
             kv_groups.append((g, heads, plan.group(b, heads.start, heads.stop), k_norm))
         for i in range(plan.states.shape[2]):
             for r0, r1 in t.q_chunks(i):
@@ -332,15 +332,6 @@ def _empty_rows(o, m, l, b, heads, r0, r1) -> None:
         l[b, heads, r0:r1] = 0.0
 
 
-def _max_row_norm(xp, a, acc) -> float:
-    """Largest Euclidean norm of the rows of the 2-D array ``a`` (0 for no rows), in row blocks."""
-    largest = 0.0
-    for r0, r1 in row_blocks(a.shape[0], a.shape[1]):
-        block = to(xp, a[r0:r1, :], acc)
-        largest = max(largest, float(xp.max(xp.vecdot(block, block))))
-    return math.sqrt(largest)
-
-
 def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm, buffer) -> None:
     """Rows ``[r0, r1)`` of the heads of kv group ``g`` against their visited key tiles.
 
@@ -363,7 +354,7 @@ def _forward_rows(t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm, buff
         t.mask is not None and any(state == PARTIAL for _, state in visits)
     )
     q_scaled = xp.reshape(to(xp, q[b, heads, r0:r1, :], acc) * t.scale, (rows, t.d))
-    bounded = k_norm is not None and k_norm * _max_row_norm(xp, q_scaled, acc) <= SAFE_EXPONENT
+    bounded = k_norm is not None and k_norm * max_row_norm(xp, q_scaled) <= SAFE_EXPONENT
     m_run: Any = None
     l_run: Any = None
     o_acc: Any = None
