@@ -98,9 +98,9 @@ class TileCounter:
         scores = backend._Tiles.scores
         run = xm.BoundGraph.run
 
-        def counting_scores(tiles, s, b, g, r0, r1, j0, j1, state):
+        def counting_scores(tiles, s, b, g, r0, r1, j0, j1, state, **options):
             self.chunks.append((b, g, r0, j0, state))
-            return scores(tiles, s, b, g, r0, r1, j0, j1, state)
+            return scores(tiles, s, b, g, r0, r1, j0, j1, state, **options)
 
         def counting_run(bound, grid, score=None):
             if bound.graph is mask.graph:
