@@ -37,11 +37,13 @@ import array_api_compat
 
 __all__ = [
     "BLOCK_ELEMENTS",
+    "BlockBuffers",
     "MAX_WORKERS",
     "MIN_BUFFER_ROW",
     "ROW_BLOCK_ELEMENTS",
     "WorkerSums",
     "acc_dtype",
+    "apply",
     "blas_threads",
     "block_rows",
     "column_dot",
@@ -286,6 +288,51 @@ def numpy_views(*arrays):
         if a.is_conj() or a.is_neg():
             return None
     return tuple(a if a is None or isinstance(a, (int, float)) else a.numpy() for a in arrays)
+
+
+class BlockBuffers:
+    """Per-worker NumPy buffers of one row block each: a kernel's block temporaries, reused.
+
+    A fresh block-sized temporary (512 KiB in float32) is mapped and faulted
+    in page by page on every allocation: at (32, 4096) float32, ``x - mean``
+    into a new array took 220 us and into a reused one 20 us (measured).
+    ``get(worker)`` returns ``count`` arrays of ``(block rows, M)`` in
+    ``dtype`` on NumPy, and ``count`` Nones elsewhere (those namespaces
+    allocate as before; see :func:`apply`).
+    """
+
+    def __init__(self, xp, n_workers: int, count: int, rows: int, m: int, dtype):
+        self._numpy = array_api_compat.is_numpy_namespace(xp)
+        self._count = count
+        self._shape = (block_rows(rows, m), m)
+        self._dtype = dtype
+        self._buffers: list = [None] * n_workers
+
+    def get(self, worker: int) -> list:
+        """Worker ``worker``'s buffers (made on first use, by that worker)."""
+        if not self._numpy:
+            return [None] * self._count
+        if self._buffers[worker] is None:
+            import numpy
+
+            self._buffers[worker] = [
+                numpy.empty(self._shape, dtype=self._dtype) for _ in range(self._count)
+            ]
+        return self._buffers[worker]
+
+
+def apply(xp, op: str, a, b, out, dtype=None):
+    """``op(a, b)`` (an Array API elementwise function) into the first rows of ``out`` when it is
+    not None (NumPy buffers of :class:`BlockBuffers`), else into a new array; computed in
+    ``dtype`` when given."""
+    if out is None:
+        if dtype is not None:
+            a = to(xp, a, dtype) if hasattr(a, "dtype") else a
+            b = to(xp, b, dtype) if hasattr(b, "dtype") else b
+        return getattr(xp, op)(a, b)
+    import numpy
+
+    return getattr(numpy, op)(a, b, out=out[: a.shape[0]], dtype=dtype)
 
 
 class WorkerSums:

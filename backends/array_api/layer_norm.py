@@ -5,8 +5,10 @@ from __future__ import annotations
 import array_api_compat
 
 from ._blocks import (
+    BlockBuffers,
     WorkerSums,
     acc_dtype,
+    apply,
     block_rows,
     column_dot,
     for_each_block,
@@ -34,11 +36,14 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
     ones_m = ones(xp, m, acc, x)
     w_rows = None if w is None else tiled(xp, to(xp, w, acc), rows, m)
     b_rows = None if b is None else tiled(xp, to(xp, b, acc), rows, m)
+    n_workers = workers(xp, rows, m)
+    buffers = BlockBuffers(xp, n_workers, 1, rows, m, acc)
 
     def block(worker, r0, r1):
+        (buffer,) = buffers.get(worker)
         xb = to(xp, x[r0:r1, :], acc)
         mean_b = (xb @ ones_m) / m_div
-        x_hat = xb - mean_b[:, None]
+        x_hat = apply(xp, "subtract", xb, mean_b[:, None], buffer)
         # One refinement step for the mean, from the centred block already in
         # cache: rows whose mean dwarfs their spread get it to a rounding.
         residual = (x_hat @ ones_m) / m_div
@@ -56,7 +61,7 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
         if rstd is not None:
             rstd[r0:r1] = to(xp, rstd_b, rstd.dtype)
 
-    for_each_block(xp, block, rows, m, workers(xp, rows, m))
+    for_each_block(xp, block, rows, m, n_workers)
 
 
 def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) -> None:
@@ -86,17 +91,18 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
         if partial is not None:
             n_workers = min(n_workers, partial.shape[0])
     dw_sums, db_sums = WorkerSums(n_workers), WorkerSums(n_workers)
+    buffers = BlockBuffers(xp, n_workers, 2, rows, m, acc)
 
     def block(worker, r0, r1):
-        xb = to(xp, x[r0:r1, :], acc)
+        x_buffer, g_buffer = buffers.get(worker)
         dy_b = to(xp, dy[r0:r1, :], acc)
         rstd_b = to(xp, rstd[r0:r1], acc)[:, None]
         if acc == xp.float64:
-            mean_b = (xb @ ones_m) / m_div
+            mean_b = (to(xp, x[r0:r1, :], acc) @ ones_m) / m_div
         else:
             mean_b = to(xp, mean[r0:r1], acc)
-        x_c = xb - mean_b[:, None]
-        g = dy_b * rstd_b
+        x_c = apply(xp, "subtract", x[r0:r1, :], mean_b[:, None], x_buffer, acc)
+        g = apply(xp, "multiply", dy_b, rstd_b, g_buffer)
         if dw_partial is not None:
             dw_sums.add(worker, column_dot(xp, g, x_c, ones_rows))
         if db_partial is not None:
