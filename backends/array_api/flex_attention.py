@@ -25,7 +25,15 @@ On NumPy arrays, as in attention: the forward's (batch, kv head, row chunk)
 items are shared among the worker threads of :mod:`._blocks` while NumPy's
 OpenBLAS runs one thread per product, and score products go into a
 per-worker buffer (``matmul(out=)``), exponentiated in place when no score
-mod holds them. The backward shares its (batch, kv head) items the same way
+mod holds them. Without a score mod a PARTIAL tile's mask is applied in
+place too: added as a 0/``-inf`` bias when the chunk's scores are provably
+finite (Cauchy-Schwarz on the query and key norms; 8 against 34 us for a
+selection at 256 x 256), selected otherwise; and FULL tiles of a chunk whose
+scores are bounded by ``SAFE_EXPONENT`` take base-2 scores through ``exp2``
+(as attention's NumPy tiles; PARTIAL tiles keep ``exp``, which takes
+``-inf`` at full speed). Measured at 1x8x2048x64 float32, 2 cores, same
+process: forward 0.90-0.94x the time before these measures (window 256,
+4 documents, causal). The backward shares its (batch, kv head) items the same way
 without a score mod; with one it stays on the caller's thread (the score
 mod's gradient accumulators are shared by every tile).
 
