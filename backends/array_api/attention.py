@@ -281,7 +281,9 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
             xp, o, q, k, v, m, l, b, g, heads_g, i0, i1, scale=scale, buffer=buffer, **tile
         )
 
-    for_each_item(xp, work, items, n_workers)
+    # a query tile's cost: its queries times the keys it meets (causal tiles differ up to Sk-fold)
+    costs = [(i1 - i0) * tile["k_end"] for _, _, i0, i1, tile, _ in items]
+    for_each_item(xp, work, items, n_workers, costs)
 
 
 class _Workspace:
