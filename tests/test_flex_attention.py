@@ -91,15 +91,18 @@ def test_checkpoints_interchange_with_attention():
 
 
 class TileCounter:
-    """Records every (rows, key span, state) chunk the backend computes, and mask evaluations."""
+    """Records every (rows, key tile, state) chunk the backend computes, and mask evaluations.
 
-    def __init__(self, monkeypatch, mask):
+    A span of several ``tile_n``-key tiles (the forward merges FULL tiles in a row) counts
+    each tile it covers."""
+
+    def __init__(self, monkeypatch, mask, tile_n=32):
         self.chunks, self.mask_runs = [], 0
         scores = backend._Tiles.scores
         run = xm.BoundGraph.run
 
         def counting_scores(tiles, s, b, g, r0, r1, j0, j1, state, **options):
-            self.chunks.append((b, g, r0, j0, state))
+            self.chunks += [(b, g, r0, j, state) for j in range(j0, j1, tile_n)]
             return scores(tiles, s, b, g, r0, r1, j0, j1, state, **options)
 
         def counting_run(bound, grid, score=None):

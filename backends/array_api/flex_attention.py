@@ -154,7 +154,7 @@ class _Tiles:
         self.names = (score_mod.inputs if score_mod else frozenset()) | (
             mask_mod.inputs if mask_mod else frozenset()
         )
-        self.ones = xp.ones((plan.tile_n,), dtype=self.acc, device=self.device)
+        self.ones = xp.ones((max(plan.tile_n, self.n_kv),), dtype=self.acc, device=self.device)
         self.in_place_mask = array_api_compat.is_numpy_namespace(xp)
         self._shifted = None
         self.local = threading.local()
@@ -175,13 +175,19 @@ class _Tiles:
         out -= lse[:, None]
         return out
 
+    def span_keys(self, rows: int) -> int:
+        """Most keys of one forward span of ``rows`` rows: FULL tiles in a row are taken together
+        up to the tile budget (at least one tile)."""
+        return max(self.plan.tile_n, TILE_ELEMENTS // max(rows, 1))
+
     def tile_buffer(self):
-        """A flat buffer for one chunk's score tile on NumPy (reused by every tile a worker
-        runs: no allocation, and no page faults, per tile); None elsewhere."""
+        """A flat buffer for one chunk's scores over a span of key tiles on NumPy (reused by
+        every span a worker runs: no allocation, and no page faults, per tile); None elsewhere."""
         if not array_api_compat.is_numpy_namespace(self.xp):
             return None
         rows = self.group * min(self.rows_per_chunk, self.plan.tile_m, self.n_q)
-        return self.xp.empty((rows * self.plan.tile_n,), dtype=self.acc, device=self.device)
+        keys = min(self.span_keys(rows), max(self.n_kv, self.plan.tile_n))
+        return self.xp.empty((rows * keys,), dtype=self.acc, device=self.device)
 
     def q_chunks(self, i):
         """Row chunks of query tile ``i``."""
@@ -369,6 +375,22 @@ def _empty_rows(o, m, l, b, heads, r0, r1) -> None:
         l[b, heads, r0:r1] = 0.0
 
 
+def _spans_of(t, visits, most: int) -> list[tuple[int, int, int]]:
+    """``(first key, end key, state)`` of the forward's spans over ``visits``: consecutive
+    non-PARTIAL tiles merged, up to ``most`` keys; each PARTIAL tile alone (its mask is per
+    tile). One product and one pass of each kind per span: at 256-key tiles the per-tile
+    overhead of NumPy's calls was a third of a FULL tile's time."""
+    spans: list[tuple[int, int, int]] = []
+    for j, state in visits:
+        j0, j1 = t.kv_span(j)
+        if spans and state != PARTIAL and spans[-1][2] == state and spans[-1][1] == j0:
+            if j1 - spans[-1][0] <= most:
+                spans[-1] = (spans[-1][0], j1, state)
+                continue
+        spans.append((j0, j1, state))
+    return spans
+
+
 def _forward_rows(
     t, o, q, k, v, m, l, b, g, heads, r0, r1, visits, k_norm, v_finite, buffer
 ) -> None:
@@ -406,8 +428,7 @@ def _forward_rows(
     o_acc: Any = None
     shift: Any = None
     new_shift: Any = None
-    for j, state in visits:
-        j0, j1 = t.kv_span(j)
+    for j0, j1, state in _spans_of(t, visits, t.span_keys(rows)):
         out = None if buffer is None else xp.reshape(buffer[: rows * (j1 - j0)], (rows, j1 - j0))
         two = base2 and state != PARTIAL
         s = _matmul(q_two if two else q_scaled, to(xp, k[b, g, j0:j1, :], acc).mT, out)
