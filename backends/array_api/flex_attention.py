@@ -248,7 +248,9 @@ class _Tiles:
 
             def compute():
                 keep = mask.run(grid())[mask.graph.output]
-                return np.where(keep, 0.0, -math.inf).astype(self.acc) if in_place else keep
+                if not in_place:
+                    return keep
+                return np.where(keep, np.zeros((), self.acc), np.full((), -math.inf, self.acc))
 
             cache = getattr(self.local, "cache", None)
             pairs = compute() if cache is None else cache.get(b, r0, r1, j0, compute)
