@@ -91,10 +91,11 @@ def test_checkpoints_interchange_with_attention():
 
 
 class TileCounter:
-    """Records every (rows, key tile, state) chunk the backend computes, and mask evaluations.
+    """Records every (rows, key tile, state) chunk the backend computes, and the key tiles the
+    mask is evaluated on.
 
-    A span of several ``tile_n``-key tiles (the forward merges FULL tiles in a row) counts
-    each tile it covers."""
+    A span of several ``tile_n``-key tiles (the forward merges tiles of one state in a row)
+    counts each tile it covers, in both."""
 
     def __init__(self, monkeypatch, mask, tile_n=32):
         self.chunks, self.mask_runs = [], 0
@@ -107,7 +108,7 @@ class TileCounter:
 
         def counting_run(bound, grid, score=None):
             if bound.graph is mask.graph:
-                self.mask_runs += 1
+                self.mask_runs += grid.ranges["kv_idx"][2] // tile_n
             return run(bound, grid, score)
 
         monkeypatch.setattr(backend._Tiles, "scores", counting_scores)

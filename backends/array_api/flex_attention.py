@@ -378,14 +378,15 @@ def _empty_rows(o, m, l, b, heads, r0, r1) -> None:
 
 
 def _spans_of(t, visits, most: int) -> list[tuple[int, int, int]]:
-    """``(first key, end key, state)`` of the forward's spans over ``visits``: consecutive
-    non-PARTIAL tiles merged, up to ``most`` keys; each PARTIAL tile alone (its mask is per
-    tile). One product and one pass of each kind per span: at 256-key tiles the per-tile
-    overhead of NumPy's calls was a third of a FULL tile's time."""
+    """``(first key, end key, state)`` of the forward's spans over ``visits``: consecutive tiles
+    of the same state merged, up to ``most`` keys (a PARTIAL span's mask is evaluated over the
+    whole span). One product and one pass of each kind per span: at 256-key tiles NumPy's
+    per-call overhead was a third of a tile's time (a sliding window's chunk, two PARTIAL
+    tiles: 32.5 against 38.8 ms at 1x8x2048x64; 4 documents 76 against 84 ms)."""
     spans: list[tuple[int, int, int]] = []
     for j, state in visits:
         j0, j1 = t.kv_span(j)
-        if spans and state != PARTIAL and spans[-1][2] == state and spans[-1][1] == j0:
+        if spans and spans[-1][2] == state and spans[-1][1] == j0:
             if j1 - spans[-1][0] <= most:
                 spans[-1] = (spans[-1][0], j1, state)
                 continue
