@@ -205,9 +205,69 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
     int or a (B,) integer array; ``q_lengths``/``k_lengths`` None or (B,)
     integer arrays; ``scale`` a float.
     """
-    views = numpy_views(o, q, k, v, m, l, input_pos, q_lengths, k_lengths)
-    if views is not None:
-        o, q, k, v, m, l, input_pos, q_lengths, k_lengths = views
+    forward_calls([(o, q, k, v, m, l, input_pos, q_lengths, k_lengths)], scale=scale, causal=causal)
+
+
+def forward_calls(calls, *, scale, causal) -> None:
+    """:func:`forward` of independent calls ``(o, q, k, v, m, l, input_pos, q_lengths,
+    k_lengths)`` at once (one dtype, head count and head sizes): their query tiles share one
+    split over the workers, so a packed batch's sequences balance as one call's batches do."""
+    items: list = []
+    rows_max = key_max = 1
+    for call in calls:
+        views = numpy_views(*call)
+        o, q, k, v, m, l, input_pos, q_lengths, k_lengths = call if views is None else views
+        rows, keys = _forward_items(
+            items, (o, q, k, v, m, l), input_pos, q_lengths, k_lengths, causal=causal
+        )
+        rows_max, key_max = max(rows_max, rows), max(key_max, keys)
+    if not items:
+        return
+    xp = array_api_compat.array_namespace(o, q, k, v)
+    fast = array_api_compat.is_numpy_namespace(xp)
+    group, d, dv = q.shape[1] // k.shape[1], q.shape[3], v.shape[3]
+    n_workers = tile_workers(xp, len(items))
+    acc = acc_dtype(xp, q.dtype)
+    spaces = [_Workspace(rows_max, key_max, d, dv, acc) if fast else None for _ in range(n_workers)]
+
+    def work(worker, item):
+        (o, q, k, v, m, l), b, g, i0, i1, tile, v_finite = item
+        heads_g = slice(g * group, (g + 1) * group)
+        space = spaces[worker]
+        if v_finite and _forward_tile_numpy(
+            space,
+            o,
+            q,
+            k,
+            v,
+            m,
+            l,
+            b,
+            g,
+            heads_g,
+            i0,
+            i1,
+            k_end=tile["k_end"],
+            mask_start=tile["mask_start"],
+            key_tile=tile["key_tile"],
+            scale=scale,
+            k_norm=tile["k_norm"],
+        ):
+            return
+        buffer = None if space is None else space.scores
+        _forward_tile(
+            xp, o, q, k, v, m, l, b, g, heads_g, i0, i1, scale=scale, buffer=buffer, **tile
+        )
+
+    # a query tile's cost: its queries times the keys it meets (causal tiles differ up to Sk-fold)
+    costs = [(i1 - i0) * tile["k_end"] for _, _, _, i0, i1, tile, _ in items]
+    for_each_item(xp, work, items, n_workers, costs)
+
+
+def _forward_items(items, arrays, input_pos, q_lengths, k_lengths, *, causal) -> tuple[int, int]:
+    """Append one call's work items ``(arrays, b, g, i0, i1, tile, v_finite)`` to ``items``,
+    writing its fully masked rows now; returns the largest (rows, keys) of its tiles."""
+    o, q, k, v, m, l = arrays
     xp = array_api_compat.array_namespace(o, q, k, v)
     batch, heads, sq, d = q.shape
     kv_heads, sk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -217,7 +277,7 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
     q_valid = per_batch(q_lengths, batch, sq, 0, sq)
     k_valid = per_batch(k_lengths, batch, sk, 0, sk)
     fast = array_api_compat.is_numpy_namespace(xp)
-    items, rows_max, key_max = [], 1, 1
+    rows_max = key_max = 1
     for b in range(batch):
         nk, pos = k_valid[b], positions[b]
         nq = q_valid[b] if nk > 0 else 0
@@ -247,43 +307,8 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
                     "k_norm": k_norm,
                     "visible": visible,
                 }
-                items.append((b, g, i0, i1, tile, v_finite))
-    n_workers = tile_workers(xp, len(items))
-    acc = acc_dtype(xp, q.dtype)
-    spaces = [_Workspace(rows_max, key_max, d, dv, acc) if fast else None for _ in range(n_workers)]
-
-    def work(worker, item):
-        b, g, i0, i1, tile, v_finite = item
-        heads_g = slice(g * group, (g + 1) * group)
-        space = spaces[worker]
-        if v_finite and _forward_tile_numpy(
-            space,
-            o,
-            q,
-            k,
-            v,
-            m,
-            l,
-            b,
-            g,
-            heads_g,
-            i0,
-            i1,
-            k_end=tile["k_end"],
-            mask_start=tile["mask_start"],
-            key_tile=tile["key_tile"],
-            scale=scale,
-            k_norm=tile["k_norm"],
-        ):
-            return
-        buffer = None if space is None else space.scores
-        _forward_tile(
-            xp, o, q, k, v, m, l, b, g, heads_g, i0, i1, scale=scale, buffer=buffer, **tile
-        )
-
-    # a query tile's cost: its queries times the keys it meets (causal tiles differ up to Sk-fold)
-    costs = [(i1 - i0) * tile["k_end"] for _, _, i0, i1, tile, _ in items]
-    for_each_item(xp, work, items, n_workers, costs)
+                items.append((arrays, b, g, i0, i1, tile, v_finite))
+    return rows_max, key_max
 
 
 class _Workspace:
