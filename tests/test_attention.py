@@ -16,6 +16,7 @@ import zlib
 
 import numpy as np
 import pytest
+from xpkernels.backends.array_api import _attention_numpy as numpy_tiles
 from xpkernels.backends.array_api import attention as attention_impl
 from xpkernels.backends.array_api import decode_attention as decode_impl
 
@@ -68,7 +69,7 @@ def _run(q, k, v, do, **options):
 def _small_tiles(monkeypatch, tile_elements, key_tile):
     monkeypatch.setattr(attention_impl, "TILE_ELEMENTS", tile_elements)
     monkeypatch.setattr(attention_impl, "KEY_TILE", key_tile)
-    monkeypatch.setattr(attention_impl, "MASKED_KEY_CHUNK", 3)  # several chunks per diagonal tile
+    monkeypatch.setattr(numpy_tiles, "MASKED_KEY_CHUNK", 3)  # several chunks per diagonal tile
 
 
 TILED_CASES = {
@@ -127,21 +128,21 @@ def test_numpy_tiles_run_on_bounded_finite_inputs_and_agree_with_the_generic_til
     options = {n: np.asarray(x) if isinstance(x, list) else x for n, x in case.items()}
     taken = {"forward": [], "backward": []}
     for pass_, function in (
-        ("forward", "_forward_tile_numpy"),
-        ("backward", "_backward_item_numpy"),
+        ("forward", "forward_tile"),
+        ("backward", "backward_item"),
     ):
-        real = getattr(attention_impl, function)
+        real = getattr(numpy_tiles, function)
 
         def spy(*args, _real=real, _log=taken[pass_], **kwargs):
             _log.append(_real(*args, **kwargs))
             return _log[-1]
 
-        monkeypatch.setattr(attention_impl, function, spy)
+        monkeypatch.setattr(numpy_tiles, function, spy)
     fast = _run(q, k, v, do, **options)
     assert taken["forward"] and all(taken["forward"]), taken["forward"]
     assert taken["backward"] and all(taken["backward"]), taken["backward"]
-    for function in ("_forward_tile_numpy", "_backward_item_numpy"):
-        monkeypatch.setattr(attention_impl, function, lambda *args, **kwargs: False)
+    for function in ("forward_tile", "backward_item"):
+        monkeypatch.setattr(numpy_tiles, function, lambda *args, **kwargs: False)
     generic = _run(q, k, v, do, **options)
     want = _naive(q, k, v, do, **case)
     passes = ("forward", "checkpoints", "checkpoints", "backward", "backward", "backward")

@@ -38,9 +38,11 @@ import array_api_compat
 __all__ = [
     "BLOCK_ELEMENTS",
     "BlockBuffers",
+    "LOG2E",
     "MAX_WORKERS",
     "MIN_BUFFER_ROW",
     "ROW_BLOCK_ELEMENTS",
+    "SAFE_EXPONENT",
     "WorkerSums",
     "acc_dtype",
     "apply",
@@ -54,6 +56,7 @@ __all__ = [
     "ones",
     "reduce_partials",
     "row_blocks",
+    "spans",
     "store",
     "tile_workers",
     "tiled",
@@ -77,6 +80,15 @@ MAX_WORKERS = 8
 #: are faster through the default buffer.
 MIN_BUFFER_ROW = 256
 
+#: Attention scores are exponentiated unshifted while every running row max
+#: is within this bound: ``exp(40)`` times any realistic key count stays
+#: finite and ``exp(-40)`` is far above the float32 underflow threshold.
+SAFE_EXPONENT = 40.0
+
+#: log2(e): base-2 scores (``s * LOG2E``) give ``exp(s)`` as ``exp2``, twice
+#: as fast as ``exp`` in NumPy's float32 loops.
+LOG2E = 1.4426950408889634
+
 _POOL: ThreadPoolExecutor | None = None
 _BLAS: tuple | None = None
 _BLAS_LOCK = threading.Lock()
@@ -90,6 +102,12 @@ def row_blocks(rows: int, m: int, elements: int = BLOCK_ELEMENTS) -> list[tuple[
     """``(start, stop)`` ranges over ``rows`` rows of length ``m``, ``elements`` at most each."""
     step = max(1, elements // max(m, 1))
     return [(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+
+def spans(start: int, stop: int, size: int):
+    """``(first, end)`` ranges of at most ``size`` covering ``[start, stop)``."""
+    for first in range(start, stop, size):
+        yield first, min(stop, first + size)
 
 
 def block_rows(rows: int, m: int) -> int:

@@ -62,7 +62,17 @@ import numpy as np
 
 from xpkernels.mods import PARTIAL, SKIP, tile_grid
 
-from ._blocks import acc_dtype, for_each_item, max_row_norm, row_blocks, tile_workers, to
+from ._blocks import (
+    LOG2E,
+    SAFE_EXPONENT,
+    acc_dtype,
+    for_each_item,
+    max_row_norm,
+    row_blocks,
+    spans,
+    tile_workers,
+    to,
+)
 
 __all__ = ["forward", "backward", "default_tiles"]
 
@@ -74,15 +84,6 @@ TILE_ELEMENTS = 1 << 18
 #: tiles are skipped); queries per masked tile at most ``MASKED_QUERY_TILE``.
 KEY_TILE, MASKED_KEY_TILE, MASKED_QUERY_TILE = 1024, 256, 256
 
-#: log2(e): FULL tiles of a bounded chunk take base-2 scores (``s * LOG2E``)
-#: through ``exp2``, twice as fast as ``exp`` in NumPy's float32 loops (see
-#: the attention backend's notes on why bounded scores only).
-LOG2E = 1.4426950408889634
-
-#: Scores are exponentiated unshifted while every running row max is within
-#: this bound (no overflow or harmful underflow in float32 is possible there).
-SAFE_EXPONENT = 40.0
-
 
 def default_tiles(n_q: int, n_kv: int, group: int, masked: bool) -> tuple[int, int]:
     """``(tile_m, tile_n)``: queries and keys per tile when no BlockMask fixes them."""
@@ -91,12 +92,6 @@ def default_tiles(n_q: int, n_kv: int, group: int, masked: bool) -> tuple[int, i
     if masked:
         tile_m = min(tile_m, MASKED_QUERY_TILE)
     return max(1, min(tile_m, n_q)), tile_n
-
-
-def _spans(start: int, stop: int, size: int):
-    """``(first, end)`` ranges of at most ``size`` covering ``[start, stop)``."""
-    for first in range(start, stop, size):
-        yield first, min(stop, first + size)
 
 
 def _matmul(a, b, out):
@@ -192,7 +187,7 @@ class _Tiles:
     def q_chunks(self, i):
         """Row chunks of query tile ``i``."""
         first = i * self.plan.tile_m
-        return _spans(first, min(self.n_q, first + self.plan.tile_m), self.rows_per_chunk)
+        return spans(first, min(self.n_q, first + self.plan.tile_m), self.rows_per_chunk)
 
     def kv_span(self, j):
         first = j * self.plan.tile_n
