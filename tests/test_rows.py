@@ -15,6 +15,7 @@ import tracemalloc
 import numpy as np
 import pytest
 from xpkernels.backends.array_api import _blocks
+from xpkernels.backends.array_api import layer_norm as layer_norm_backend
 
 import xpkernels as xk
 from xpkernels.buffers import Duplicated
@@ -27,7 +28,7 @@ from xpkernels.testing.tolerances import floor
 OPS = ("rms_norm", "layer_norm", "softmax")
 
 # Enough rows of width 24 for several row blocks, hence several worker threads on NumPy.
-MANY_ROWS = (3 * _blocks.ROW_BLOCK_ELEMENTS) // 24 + 5
+MANY_ROWS = (3 * max(_blocks.ROW_BLOCK_ELEMENTS, layer_norm_backend.ROW_BLOCK_ELEMENTS)) // 24 + 5
 
 
 def _rng(seed=0):
@@ -313,7 +314,9 @@ def test_extra_memory_bounded_by_block_budget_not_rows(op):
     finally:
         tracemalloc.stop()
     # Each worker keeps at most six block-sized float32 temporaries alive at once.
-    budget = 6 * _blocks.ROW_BLOCK_ELEMENTS * 4 * _blocks.workers(np, rows, m)
+    elements = layer_norm_backend.ROW_BLOCK_ELEMENTS if op == "layer_norm" else None
+    block = elements or _blocks.ROW_BLOCK_ELEMENTS
+    budget = 6 * block * 4 * _blocks.workers(np, rows, m, elements)
     assert budget < x.nbytes / 2, (
         "the bound must be well below one input for this test to mean anything"
     )

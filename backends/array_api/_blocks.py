@@ -1,7 +1,8 @@
 """Row blocks within a fixed budget, NumPy worker threads and ufunc buffer, accumulation dtype.
 
 Every row kernel splits its ``(rows, M)`` views into blocks of at most
-``ROW_BLOCK_ELEMENTS`` elements and runs a block function over them with
+``ROW_BLOCK_ELEMENTS`` elements (or its own budget, passed as ``elements``)
+and runs a block function over them with
 :func:`for_each_block`. The block functions are plain Array API code. A few
 NumPy-only measures, each measured at (8192, 4096) float32 where a plain
 NumPy loop loses to PyTorch's multi-threaded CPU ops, apply to NumPy arrays
@@ -110,9 +111,10 @@ def spans(start: int, stop: int, size: int):
         yield first, min(stop, first + size)
 
 
-def block_rows(rows: int, m: int) -> int:
-    """Rows in the largest block :func:`for_each_block` makes of ``rows`` rows of length ``m``."""
-    return min(rows, max(1, ROW_BLOCK_ELEMENTS // max(m, 1)))
+def block_rows(rows: int, m: int, elements: int | None = None) -> int:
+    """Rows in the largest block :func:`for_each_block` makes of ``rows`` rows of length ``m``
+    (``elements`` per block at most; ``ROW_BLOCK_ELEMENTS`` when None)."""
+    return min(rows, max(1, (elements or ROW_BLOCK_ELEMENTS) // max(m, 1)))
 
 
 def _cores() -> int:
@@ -122,11 +124,13 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def workers(xp, rows: int, m: int) -> int:
-    """Threads a row kernel over ``rows`` rows of length ``m`` uses: 1 except on NumPy arrays."""
+def workers(xp, rows: int, m: int, elements: int | None = None) -> int:
+    """Threads a row kernel over ``rows`` rows of length ``m`` (blocks of ``elements``, as
+    :func:`block_rows`) uses: 1 except on NumPy arrays."""
     if not array_api_compat.is_numpy_namespace(xp):
         return 1
-    return max(1, min(MAX_WORKERS, _cores(), len(row_blocks(rows, m, ROW_BLOCK_ELEMENTS))))
+    blocks = row_blocks(rows, m, elements or ROW_BLOCK_ELEMENTS)
+    return max(1, min(MAX_WORKERS, _cores(), len(blocks)))
 
 
 def tile_workers(xp, items: int) -> int:
@@ -169,15 +173,18 @@ def _ufunc_buffer(xp, m: int):
         numpy.setbufsize(previous)
 
 
-def for_each_block(xp, block, rows: int, m: int, n_workers: int = 1) -> None:
-    """Call ``block(worker, start, stop)`` once per row block of ``rows`` rows of length ``m``.
+def for_each_block(
+    xp, block, rows: int, m: int, n_workers: int = 1, elements: int | None = None
+) -> None:
+    """Call ``block(worker, start, stop)`` once per row block of ``rows`` rows of length ``m``
+    (``elements`` per block at most; ``ROW_BLOCK_ELEMENTS`` when None).
 
     Worker ``k`` of ``n_workers`` takes blocks ``k, k + n_workers, ...`` in
     order (a fixed split: results do not depend on thread timing); worker 0
     runs on the caller's thread. ``worker`` indexes per-worker accumulators
     such as the rows of ``dw_partial``.
     """
-    blocks = row_blocks(rows, m, ROW_BLOCK_ELEMENTS)
+    blocks = row_blocks(rows, m, elements or ROW_BLOCK_ELEMENTS)
     n_workers = max(1, min(n_workers, len(blocks)))
 
     def run(worker):
@@ -325,14 +332,17 @@ class BlockBuffers:
     in page by page on every allocation: at (32, 4096) float32, ``x - mean``
     into a new array took 220 us and into a reused one 20 us (measured).
     ``get(worker)`` returns ``count`` arrays of ``(block rows, M)`` in
-    ``dtype`` on NumPy, and ``count`` Nones elsewhere (those namespaces
-    allocate as before; see :func:`apply`).
+    ``dtype`` on NumPy (blocks of ``elements``, as :func:`block_rows`), and
+    ``count`` Nones elsewhere (those namespaces allocate as before; see
+    :func:`apply`).
     """
 
-    def __init__(self, xp, n_workers: int, count: int, rows: int, m: int, dtype):
+    def __init__(
+        self, xp, n_workers: int, count: int, rows: int, m: int, dtype, elements: int | None = None
+    ):
         self._numpy = array_api_compat.is_numpy_namespace(xp)
         self._count = count
-        self._shape = (block_rows(rows, m), m)
+        self._shape = (block_rows(rows, m, elements), m)
         self._dtype = dtype
         self._buffers: list = [None] * n_workers
 
@@ -388,14 +398,17 @@ class WorkerSums:
                 partial[worker, :] += total
 
 
-def tiled(xp, v, rows: int, m: int):
-    """``v`` (``(M,)``) repeated over the rows of one row block: ``(min(rows, block rows), M)``.
+def tiled(xp, v, rows: int, m: int, elements: int | None = None):
+    """``v`` (``(M,)``) repeated over the rows of one row block: ``(min(rows, block rows), M)``
+    (blocks of ``elements``, as :func:`block_rows`).
 
     Multiplying a block by a same-shaped array is about twice as fast in
     NumPy as broadcasting a ``(M,)`` vector over it; one tile serves every
     block of a call.
     """
-    out = xp.empty((block_rows(rows, m), m), dtype=v.dtype, device=array_api_compat.device(v))
+    out = xp.empty(
+        (block_rows(rows, m, elements), m), dtype=v.dtype, device=array_api_compat.device(v)
+    )
     out[...] = v
     return out
 

@@ -20,7 +20,14 @@ from ._blocks import (
     workers,
 )
 
-__all__ = ["backward", "forward", "partials", "reduce_partials"]
+__all__ = ["ROW_BLOCK_ELEMENTS", "backward", "forward", "partials", "reduce_partials"]
+
+#: Elements per row block (float32: 1 MiB), twice the row kernels' default:
+#: every block temporary here is a reused buffer (:class:`BlockBuffers`), so
+#: larger blocks cost no page faults and halve the operations per element.
+#: At (8192, 4096) float32 on 2 cores, interleaved in one process (medians
+#: of 7): backward 46 against 61 ms, forward 47 against 54 ms.
+ROW_BLOCK_ELEMENTS = 1 << 18
 
 
 def forward(y, x, w, b, mean, rstd, *, eps) -> None:
@@ -34,10 +41,10 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
     rows, m = x.shape
     m_div = max(m, 1)  # rows of length 0: every sum is 0
     ones_m = ones(xp, m, acc, x)
-    w_rows = None if w is None else tiled(xp, to(xp, w, acc), rows, m)
-    b_rows = None if b is None else tiled(xp, to(xp, b, acc), rows, m)
-    n_workers = workers(xp, rows, m)
-    buffers = BlockBuffers(xp, n_workers, 1, rows, m, acc)
+    w_rows = None if w is None else tiled(xp, to(xp, w, acc), rows, m, ROW_BLOCK_ELEMENTS)
+    b_rows = None if b is None else tiled(xp, to(xp, b, acc), rows, m, ROW_BLOCK_ELEMENTS)
+    n_workers = workers(xp, rows, m, ROW_BLOCK_ELEMENTS)
+    buffers = BlockBuffers(xp, n_workers, 1, rows, m, acc, ROW_BLOCK_ELEMENTS)
 
     def block(worker, r0, r1):
         (buffer,) = buffers.get(worker)
@@ -61,7 +68,7 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
         if rstd is not None:
             rstd[r0:r1] = to(xp, rstd_b, rstd.dtype)
 
-    for_each_block(xp, block, rows, m, n_workers)
+    for_each_block(xp, block, rows, m, n_workers, ROW_BLOCK_ELEMENTS)
 
 
 def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) -> None:
@@ -84,14 +91,14 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
     rows, m = x.shape
     m_div = max(m, 1)  # rows of length 0: every sum is 0
     ones_m = ones(xp, m, acc, x)
-    ones_rows = ones(xp, block_rows(rows, m), acc, x)
-    w_rows = None if w is None else tiled(xp, to(xp, w, acc), rows, m)
-    n_workers = workers(xp, rows, m)
+    ones_rows = ones(xp, block_rows(rows, m, ROW_BLOCK_ELEMENTS), acc, x)
+    w_rows = None if w is None else tiled(xp, to(xp, w, acc), rows, m, ROW_BLOCK_ELEMENTS)
+    n_workers = workers(xp, rows, m, ROW_BLOCK_ELEMENTS)
     for partial in (dw_partial, db_partial):
         if partial is not None:
             n_workers = min(n_workers, partial.shape[0])
     dw_sums, db_sums = WorkerSums(n_workers), WorkerSums(n_workers)
-    buffers = BlockBuffers(xp, n_workers, 2, rows, m, acc)
+    buffers = BlockBuffers(xp, n_workers, 2, rows, m, acc, ROW_BLOCK_ELEMENTS)
 
     def block(worker, r0, r1):
         x_buffer, g_buffer = buffers.get(worker)
@@ -114,7 +121,7 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
         g -= x_c
         store(xp, dx, r0, r1, "subtract", g, g_mean[:, None])
 
-    for_each_block(xp, block, rows, m, n_workers)
+    for_each_block(xp, block, rows, m, n_workers, ROW_BLOCK_ELEMENTS)
     for sums, partial in ((dw_sums, dw_partial), (db_sums, db_partial)):
         if partial is not None:
             sums.write(partial, accumulate)
@@ -122,4 +129,4 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
 
 def partials(rows: int, m: int, like) -> int:
     """Rows of ``dw_partial`` / ``db_partial`` this backend uses: one running sum per worker."""
-    return workers(array_api_compat.array_namespace(like), rows, m)
+    return workers(array_api_compat.array_namespace(like), rows, m, ROW_BLOCK_ELEMENTS)
