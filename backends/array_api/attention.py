@@ -79,7 +79,7 @@ from ._blocks import (
     to,
 )
 
-__all__ = ["SAFE_EXPONENT", "backward", "forward", "forward_calls"]
+__all__ = ["SAFE_EXPONENT", "backward", "backward_calls", "forward", "forward_calls"]
 
 #: Score elements of one query tile x key tile pair (float32: 1 MiB). Each
 #: call holds a handful of temporaries this size per worker, whatever Sq and
@@ -439,30 +439,30 @@ def backward(
     (B, H, Sq, D) the sums ``dq / scale`` over key tiles (both in the
     accumulation dtype). Shapes and options as :func:`forward`.
     """
-    views = numpy_views(
-        do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, input_pos, q_lengths, k_lengths
-    )
-    if views is not None:
-        do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, input_pos, q_lengths, k_lengths = views
-    xp = array_api_compat.array_namespace(do, q, k, v, o)
-    batch, heads, sq, d = q.shape
-    kv_heads, sk, d_v = k.shape[1], k.shape[2], v.shape[3]
-    group = heads // kv_heads
-    positions = per_batch(input_pos, batch, 0, -sq, sk)
-    q_valid = per_batch(q_lengths, batch, sq, 0, sq)
-    k_valid = per_batch(k_lengths, batch, sk, 0, sk)
-    items, rows_max, key_max = [], 1, 1
-    for b in range(batch):
-        nk, pos = k_valid[b], positions[b]
-        nq = q_valid[b] if nk > 0 else 0
-        dq[b, :, nq:, :] = 0.0
-        dk[b, :, nk:, :] = 0.0
-        dv[b, :, nk:, :] = 0.0
-        _row_dots(xp, do, o, delta, b, nq)
-        dq_accum[b, :, :nq, :] = 0.0
-        key_tile, query_tile = _tile_sizes(nk, group, d, d_v, False)
-        rows_max, key_max = max(rows_max, group * query_tile), max(key_max, key_tile)
-        items += [(b, g, nk, nq, pos, key_tile, query_tile) for g in range(kv_heads)]
+    call = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, input_pos, q_lengths, k_lengths)
+    backward_calls([call], scale=scale, causal=causal)
+
+
+def backward_calls(calls, *, scale, causal) -> None:
+    """:func:`backward` of independent calls ``(do, q, k, v, o, m, l, dq, dk, dv, delta,
+    dq_accum, input_pos, q_lengths, k_lengths)`` at once (one dtype, head count and head sizes):
+    their (batch, kv head) items share one split over the workers, dealt costliest first by the
+    pairs each sees, so a packed batch's sequences balance as :func:`forward_calls` does."""
+    items: list = []
+    costs: list = []
+    finals = []
+    rows_max = key_max = 1
+    for call in calls:
+        views = numpy_views(*call)
+        arrays = call if views is None else views
+        rows, keys = _backward_items(items, costs, arrays, causal=causal)
+        rows_max, key_max = max(rows_max, rows), max(key_max, keys)
+        finals.append(arrays)
+    if not items:
+        return
+    do, q, k, v = finals[0][:4]
+    xp = array_api_compat.array_namespace(do, q, k, v)
+    d, d_v = q.shape[3], v.shape[3]
     # A kv head's key tiles add into the dq_accum rows of its own query heads only,
     # so (batch, kv head) items never write the same element.
     n_workers = tile_workers(xp, len(items))
@@ -474,7 +474,7 @@ def backward(
     ]
 
     def work(worker, item):
-        b, g, nk, nq, pos, key_tile, query_tile = item
+        (do, q, k, v, m, l, dk, dv, delta, dq_accum), b, g, nk, nq, pos, key_tile, query_tile = item
         space = spaces[worker]
         if space is not None and numpy_tiles.backward_item(
             space,
@@ -526,8 +526,53 @@ def backward(
                 buffers=buffers,
             )
 
-    for_each_item(xp, work, items, n_workers)
+    for_each_item(xp, work, items, n_workers, costs)
     spaces.clear()  # freed before the dq pass's temporaries: a lower peak
+    for arrays in finals:
+        _scaled_dq(arrays, scale)
+
+
+def _backward_items(items, costs, arrays, *, causal) -> tuple[int, int]:
+    """Append one call's ``(arrays, b, g, nk, nq, pos, key_tile, query_tile)`` items (and their
+    costs: the query-key pairs they see) to ``items``, ``costs``, after zeroing the gradient rows
+    no item writes and filling ``delta``; returns the largest (rows, keys) of its tiles."""
+    do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, input_pos, q_lengths, k_lengths = arrays
+    xp = array_api_compat.array_namespace(do, q, k, v, o)
+    batch, heads, sq, d = q.shape
+    kv_heads, sk, d_v = k.shape[1], k.shape[2], v.shape[3]
+    group = heads // kv_heads
+    positions = per_batch(input_pos, batch, 0, -sq, sk)
+    q_valid = per_batch(q_lengths, batch, sq, 0, sq)
+    k_valid = per_batch(k_lengths, batch, sk, 0, sk)
+    tile_arrays = (do, q, k, v, m, l, dk, dv, delta, dq_accum)
+    rows_max = key_max = 1
+    for b in range(batch):
+        nk, pos = k_valid[b], positions[b]
+        nq = q_valid[b] if nk > 0 else 0
+        dq[b, :, nq:, :] = 0.0
+        dk[b, :, nk:, :] = 0.0
+        dv[b, :, nk:, :] = 0.0
+        _row_dots(xp, do, o, delta, b, nq)
+        dq_accum[b, :, :nq, :] = 0.0
+        key_tile, query_tile = _tile_sizes(nk, group, d, d_v, False)
+        rows_max, key_max = max(rows_max, group * query_tile), max(key_max, key_tile)
+        pairs = nq * nk
+        if causal:  # query i sees keys [0, pos + i] of the nk: a trapezoid's area
+            first, last = (min(nk, max(0, pos + i + 1)) for i in (0, nq - 1))
+            pairs = (first + last) * nq // 2
+        for g in range(kv_heads):
+            items.append((tile_arrays, b, g, nk, nq, pos, key_tile, query_tile))
+            costs.append(pairs + nk)  # + nk: an item with no pairs still zeroes its keys
+    return rows_max, key_max
+
+
+def _scaled_dq(arrays, scale) -> None:
+    """``dq = dq_accum * scale`` over the query rows every call's items summed into."""
+    do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, input_pos, q_lengths, k_lengths = arrays
+    xp = array_api_compat.array_namespace(do, q, k, v, o)
+    batch, heads, sq, d = q.shape
+    q_valid = per_batch(q_lengths, batch, sq, 0, sq)
+    k_valid = per_batch(k_lengths, batch, k.shape[2], 0, k.shape[2])
     for b in range(batch):
         nq = q_valid[b] if k_valid[b] > 0 else 0
         for h in range(heads):

@@ -138,13 +138,22 @@ def backward(
     causal,
     input_pos,
 ) -> None:
-    """Overwrite ``dq``, ``dk``, ``dv`` in full, sequence by sequence.
+    """Overwrite ``dq``, ``dk``, ``dv`` in full: every sequence's (kv head) items in one split.
 
     ``delta`` (H, Tq) and ``dq_accum`` (Tq, H, D) are attention's scratch,
     viewed per sequence. Shapes and options as :func:`forward`.
     """
     arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)
-    backward_per_sequence(attention, arrays, cu_seqlens_q, cu_seqlens_k, scale, causal, input_pos)
+    xp = array_api_compat.array_namespace(do, q, k, v, o)
+    q_spans = _spans(cu_seqlens_q, q.shape[0])
+    k_spans = _spans(cu_seqlens_k, k.shape[0])
+    calls = [
+        (*backward_views(xp, arrays, qs, ks), _position(input_pos, b), None, None)
+        for b, (qs, ks) in enumerate(zip(q_spans, k_spans))
+        if qs[1] > qs[0] or ks[1] > ks[0]
+    ]
+    attention.backward_calls(calls, scale=scale, causal=causal)  # all sequences' items at once
+    clear_backward_gaps(dq, dk, dv, q_spans, k_spans)
 
 
 def backward_per_sequence(impl, arrays, cu_seqlens_q, cu_seqlens_k, scale, causal, input_pos):
