@@ -345,3 +345,20 @@ def test_torch_allocating_front_records_through_the_op_and_compiles():
         warnings.simplefilter("ignore", UserWarning)  # torch.compile's own notes on CPU
         compiled = torch.compile(step, fullgraph=True)(q, k, v, lengths, table)
     torch.testing.assert_close(compiled, want)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_torch_cpu_tensors_take_the_numpy_path(paged):
+    """PyTorch CPU tensors run the NumPy path through zero-copy views: the same output, bit for
+    bit, as NumPy arrays (contiguous and paged caches, window, softcap, several splits)."""
+    pytest.importorskip("torch", reason="torch is not installed")
+    rng = np.random.default_rng(31)
+    k_pages, v_pages, table, k, v = _paged(rng, 3, 2, 16, 4)
+    q = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    lengths = np.asarray([64, 0, 37], dtype=np.int64)
+    options = {"window": 20, "softcap": 2.0, "n_splits": 3}
+    caches = (k_pages, v_pages, lengths, table) if paged else (k, v, lengths, None)
+    want = xk.decode_attention(q, *caches[:3], block_table=caches[3], **options)
+    held = _torch(q, *caches[:3]) + ([None] if caches[3] is None else _torch(caches[3]))
+    got = xk.decode_attention(*held[:4], block_table=held[4], **options)
+    np.testing.assert_array_equal(got.numpy(), want)

@@ -373,3 +373,30 @@ def test_rows_of_length_zero_give_empty_results_without_warnings(op):
     assert y.shape == dx.shape == (3, 0)
     if ck is not None:
         assert all(np.isfinite(a).all() for a in ck)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("op", OPS)
+def test_torch_cpu_tensors_take_the_numpy_path(op, dtype, monkeypatch):
+    """PyTorch CPU tensors run the NumPy path through zero-copy views: the same results, bit
+    for bit, as NumPy arrays (forward, checkpoints, backward and parameter gradients, over
+    several row blocks shared by two worker threads)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    monkeypatch.setattr(_blocks, "_cores", lambda: 2)
+    x, dy, params = _case(op, (MANY_ROWS, 24), seed=7, dtype=dtype)
+
+    def run(convert):
+        xs, dys = convert(x), convert(dy)
+        ps = {k: convert(v) for k, v in params.items()}
+        y, dx = convert(np.full_like(x, np.nan)), convert(np.full_like(x, np.nan))
+        grads = {k: convert(np.full_like(v, np.nan)) for k, v in params.items()}
+        ck = _checkpoints(op, xs, ps)
+        _forward(op, y, xs, ps, ck)
+        _backward(op, y, dys, xs, dx, ps, grads, ck)
+        results = [y, dx, *grads.values(), *(() if ck is None else ck)]
+        return [np.asarray(a) if isinstance(a, np.ndarray) else a.numpy() for a in results]
+
+    want = run(np.copy)
+    got = run(lambda a: torch.from_numpy(a.copy()))
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_array_equal(g, w)

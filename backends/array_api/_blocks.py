@@ -17,7 +17,11 @@ only:
   makes it about 2.5x slower than the same operation without broadcasting
   (at M = 4096); with a buffer of one row it runs at full speed;
 - :func:`column_dot` is one ``einsum`` pass, and :func:`store` writes a
-  kernel's last step straight into its output where that was faster.
+  kernel's last step straight into its output where that was faster;
+- PyTorch CPU tensors that NumPy can hold take the same path through
+  zero-copy views (:func:`numpy_views`): on them LayerNorm ran 1.45x / 3.34x
+  torch's time (forward / backward) on the Array API path over torch ops and
+  0.74x / 0.52x through the views (same bench, 8192x4096 float32).
 
 Each worker holds a few block-sized temporaries at a time, so the extra
 memory of a call is bounded by ``workers x`` a few blocks, never by the

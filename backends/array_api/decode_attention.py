@@ -21,7 +21,7 @@ import math
 
 import array_api_compat
 
-from ._blocks import acc_dtype, to
+from ._blocks import acc_dtype, numpy_views, to
 
 __all__ = ["forward", "default_splits"]
 
@@ -67,8 +67,12 @@ def forward(
     accumulation dtype, overwritten for every batch with ``lengths[b] > 0``.
     ``scale`` is a float, ``softcap`` a float or None, ``window`` an int or
     None. ``lengths[b] == 0`` gives ``o[b] = 0``. Block-table entries are
-    clamped to ``[0, num_pages)``.
+    clamped to ``[0, num_pages)``. PyTorch CPU tensors run the NumPy path
+    through zero-copy views (:func:`._blocks.numpy_views`).
     """
+    views = numpy_views(o, q, k, v, lengths, o_partial, m_partial, l_partial, block_table)
+    if views is not None:
+        o, q, k, v, lengths, o_partial, m_partial, l_partial, block_table = views
     xp = array_api_compat.array_namespace(o, q, k, v)
     batch, heads, d = q.shape
     kv_heads, dv = k.shape[1], v.shape[3]

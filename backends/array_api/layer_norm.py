@@ -12,6 +12,7 @@ from ._blocks import (
     block_rows,
     column_dot,
     for_each_block,
+    numpy_views,
     ones,
     reduce_partials,
     store,
@@ -34,8 +35,12 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
     """``y = (x - mean) * rstd * w + b`` over 2-D ``(rows, M)`` views.
 
     ``w`` / ``b`` None mean no scale / no shift; ``mean`` and ``rstd`` are
-    written unless None (inference).
+    written unless None (inference). PyTorch CPU tensors run the NumPy path
+    through zero-copy views (:func:`._blocks.numpy_views`).
     """
+    views = numpy_views(y, x, w, b, mean, rstd)
+    if views is not None:
+        y, x, w, b, mean, rstd = views
     xp = array_api_compat.array_namespace(y, x)
     acc = acc_dtype(xp, x.dtype)
     rows, m = x.shape
@@ -86,6 +91,9 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
     times a large ``rstd`` (near-constant rows) would cost the float64
     gradients most of their precision.
     """
+    views = numpy_views(dy, x, w, mean, rstd, dx, dw_partial, db_partial)
+    if views is not None:
+        dy, x, w, mean, rstd, dx, dw_partial, db_partial = views
     xp = array_api_compat.array_namespace(dy, x, dx)
     acc = acc_dtype(xp, x.dtype)
     rows, m = x.shape
@@ -129,4 +137,6 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
 
 def partials(rows: int, m: int, like) -> int:
     """Rows of ``dw_partial`` / ``db_partial`` this backend uses: one running sum per worker."""
-    return workers(array_api_compat.array_namespace(like), rows, m, ROW_BLOCK_ELEMENTS)
+    views = numpy_views(like)
+    xp = array_api_compat.array_namespace(like if views is None else views[0])
+    return workers(xp, rows, m, ROW_BLOCK_ELEMENTS)

@@ -10,6 +10,7 @@ from ._blocks import (
     block_rows,
     column_dot,
     for_each_block,
+    numpy_views,
     ones,
     reduce_partials,
     tiled,
@@ -22,7 +23,11 @@ __all__ = ["backward", "forward", "partials", "reduce_partials"]
 
 def forward(y, x, w, rstd, *, eps, offset) -> None:
     """``y = x * rstd * (w + offset)`` (``x * rstd`` when ``w`` is None) over 2-D ``(rows, M)``
-    views; writes ``rstd`` unless None."""
+    views; writes ``rstd`` unless None. PyTorch CPU tensors run the NumPy path through
+    zero-copy views (:func:`._blocks.numpy_views`), as every row kernel here."""
+    views = numpy_views(y, x, w, rstd)
+    if views is not None:
+        y, x, w, rstd = views
     xp = array_api_compat.array_namespace(y, x)
     acc = acc_dtype(xp, x.dtype)
     rows, m = x.shape
@@ -52,6 +57,9 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     ``accumulate=False`` overwrites all rows of ``dw_partial``; True adds to
     them (later row groups). ``w`` None: no weight (``g = dy * rstd``).
     """
+    views = numpy_views(dy, x, w, rstd, dx, dw_partial)
+    if views is not None:
+        dy, x, w, rstd, dx, dw_partial = views
     xp = array_api_compat.array_namespace(dy, x)
     acc = acc_dtype(xp, x.dtype)
     rows, m = x.shape
@@ -82,4 +90,5 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
 
 def partials(rows: int, m: int, like) -> int:
     """Rows of ``dw_partial`` this backend uses: one running sum per worker thread."""
-    return workers(array_api_compat.array_namespace(like), rows, m)
+    views = numpy_views(like)
+    return workers(array_api_compat.array_namespace(like if views is None else views[0]), rows, m)
