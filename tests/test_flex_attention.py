@@ -835,3 +835,37 @@ def test_forward_evaluates_a_mask_without_heads_once_for_all_kv_heads(monkeypatc
     np.testing.assert_array_equal(o, want)
     np.testing.assert_array_equal(ck.m, want_ck.m)
     np.testing.assert_array_equal(ck.l, want_ck.l)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_torch_cpu_tensors_take_the_numpy_path(dtype):
+    """PyTorch CPU tensors -- inputs, the mods' captured arrays, input_pos and the score mod's
+    gradient accumulators -- run the NumPy path through zero-copy views: the same results, bit
+    for bit, as NumPy arrays (forward, checkpoints, backward, score-mod gradients)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    q, k, v, do = qkvo(n_q=24, n_kv=40, dtype=dtype)
+    doc = np.repeat(np.arange(4), 10).reshape(1, 40).repeat(2, 0)
+    bucket = np.array([0, 1, 2, 3, 3, 4, 4, 4])
+    table = np.linspace(-1.0, 1.0, 20).reshape(4, 5).astype(dtype)
+
+    def bucketed(score, b, h, q_idx, kv_idx, *, bucket, table):
+        return score + table[h, bucket[xm.minimum(xm.abs(q_idx - kv_idx), 7)]]
+
+    def run(convert):
+        score = xm.ScoreMod(bucketed, bucket=convert(bucket), table=convert(table))
+        mask = xm.CausalMask() & xm.DocumentMask(convert(doc))
+        options = dict(score_mod=score, mask_mod=mask, input_pos=convert(np.array([16, 3])))
+        qs, ks, vs, dos = (convert(a) for a in (q, k, v, do))
+        ck = allocate_checkpoints(flex_attention_, qs, ks, vs)
+        o = flex_attention(qs, ks, vs, checkpoints=ck, **options)
+        g = grad_shadow(score)
+        grads = flex_attention_backward(
+            dos, qs, ks, vs, o, checkpoints=ck, score_mod_grad=g, **options
+        )
+        results = [o, *ck, *grads, *dict(g.items()).values()]
+        return [a if isinstance(a, np.ndarray) else a.numpy() for a in results]
+
+    want = run(np.copy)
+    got = run(lambda a: torch.from_numpy(a.copy()))
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_array_equal(g, w)

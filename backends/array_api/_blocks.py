@@ -307,8 +307,8 @@ def blas_threads(n: int):
 
 def numpy_views(*arrays):
     """Zero-copy NumPy views of PyTorch CPU tensors (None entries kept), or None when not all
-    are PyTorch CPU tensors that NumPy holds (float32/float64, integer, bool) and none
-    requires grad.
+    are plain ``torch.Tensor`` CPU tensors (no subclass) that NumPy holds (float32/float64,
+    integer, bool) and none requires grad.
 
     Kernels run their NumPy path over the views: PyTorch CPU tensors get the
     same speed as NumPy arrays, and their results land in the caller's
@@ -322,6 +322,8 @@ def numpy_views(*arrays):
 
     held = (torch.float32, torch.float64, torch.int32, torch.int64, torch.bool)
     for a in present:
+        if type(a) is not torch.Tensor:  # subclasses (fake, functional, guarded) keep their path
+            return None
         if a.device.type != "cpu" or a.dtype not in held or a.requires_grad:
             return None
         if a.is_conj() or a.is_neg():

@@ -68,6 +68,7 @@ from ._blocks import (
     acc_dtype,
     for_each_item,
     max_row_norm,
+    numpy_views,
     row_blocks,
     spans,
     tile_workers,
@@ -126,10 +127,31 @@ def _with_column(xp, a, column, acc):
     return out
 
 
+def _views(arrays, input_pos, score_mod, mask_mod, grads=()):
+    """A call on PyTorch CPU tensors as zero-copy NumPy views (:func:`._blocks.numpy_views`):
+    ``(arrays, input_pos, (score mod arrays, mask mod arrays), grads)``, or None unless every
+    one of them -- the mods' captured arrays and the score mod's gradient accumulators too --
+    is a tensor NumPy holds (None entries kept)."""
+    position = () if isinstance(input_pos, tuple) else (input_pos,)
+    slots = [[] if g is None else [slot.array for slot in g.slots] for g in (score_mod, mask_mod)]
+    views = numpy_views(*arrays, *position, *slots[0], *slots[1], *grads)
+    if views is None:
+        return None
+    rest = iter(views)
+    arrays = tuple(next(rest) for _ in arrays)
+    input_pos = next(rest) if position else input_pos
+    slot_views = tuple([next(rest) for _ in group] for group in slots)
+    return arrays, input_pos, slot_views, [next(rest) for _ in grads]
+
+
 class _Tiles:
     """What every tile of one call shares: namespace, dtypes, sizes, bound graphs."""
 
-    def __init__(self, xp, q, k, v, *, scale, input_pos, score_mod, mask_mod, plan, first_batch):
+    def __init__(
+        self, xp, q, k, v, *, scale, input_pos, score_mod, mask_mod, plan, first_batch, slots=None
+    ):
+        """``slots``: ``(score mod arrays, mask mod arrays)`` replacing the graphs' captured
+        arrays (their NumPy views), or None."""
         self.xp = xp
         self.first_batch = first_batch
         self.acc = acc_dtype(xp, q.dtype)
@@ -144,8 +166,13 @@ class _Tiles:
             self.positions = xp.astype(input_pos, xp.int64)
         self.plan = plan
         self.rows_per_chunk = max(1, TILE_ELEMENTS // (self.group * plan.tile_n))
-        self.score = None if score_mod is None else score_mod.bind(xp, self.acc, self.device)
-        self.mask = None if mask_mod is None else mask_mod.bind(xp, self.acc, self.device)
+        score_arrays, mask_arrays = (None, None) if slots is None else slots
+        self.score = (
+            None if score_mod is None else score_mod.bind(xp, self.acc, self.device, score_arrays)
+        )
+        self.mask = (
+            None if mask_mod is None else mask_mod.bind(xp, self.acc, self.device, mask_arrays)
+        )
         self.names = (score_mod.inputs if score_mod else frozenset()) | (
             mask_mod.inputs if mask_mod else frozenset()
         )
@@ -284,6 +311,10 @@ def forward(
         The index the mods see as ``b`` for batch 0 (packed calls run one
         sequence at a time, each at its own index).
     """
+    slots = None
+    views = _views((o, q, k, v, m, l), input_pos, score_mod, mask_mod)
+    if views is not None:  # PyTorch CPU tensors: the NumPy path
+        (o, q, k, v, m, l), input_pos, slots, _ = views
     xp = array_api_compat.array_namespace(o, q, k, v)
     t = _Tiles(
         xp,
@@ -296,6 +327,7 @@ def forward(
         mask_mod=mask_mod,
         plan=plan,
         first_batch=first_batch,
+        slots=slots,
     )
     items = []
     for b in range(t.batch):
@@ -508,6 +540,12 @@ def backward(
     always run in a fixed order. ``score_mod_workspace`` is always None (the
     protocol's default hook sizes it 0). Other arguments as :func:`forward`.
     """
+    slots = None
+    arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)
+    views = _views(arrays, input_pos, score_mod, mask_mod, score_mod_grads)
+    if views is not None:  # PyTorch CPU tensors: the NumPy path
+        arrays, input_pos, slots, score_mod_grads = views
+        do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum = arrays
     xp = array_api_compat.array_namespace(do, q, k, v, o)
     t = _Tiles(
         xp,
@@ -520,6 +558,7 @@ def backward(
         mask_mod=mask_mod,
         plan=plan,
         first_batch=first_batch,
+        slots=slots,
     )
     items = []
     for b in range(t.batch):
