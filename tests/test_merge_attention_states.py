@@ -467,3 +467,25 @@ def test_compile_fullgraph_matches_eager():
     _loss(*xk.merge_attention_states(*eager)).backward()
     for got, want in zip(leaves, eager):
         torch.testing.assert_close(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_torch_cpu_tensors_take_the_numpy_path(dtype):
+    """PyTorch CPU tensors run on NumPy through zero-copy views: the same merged state and
+    gradients, bit for bit, as NumPy arrays (empty rows on either side, with and without dlse)."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    states = [a.astype(dtype) for a in _states(seed=6, empty_a=((0, 0, 1),), empty_b=((1, 2, 3),))]
+    rng = np.random.default_rng(7)
+    do = rng.standard_normal(states[0].shape).astype(dtype)
+    dlse = rng.standard_normal(states[1].shape).astype(dtype)
+
+    def run(convert):
+        held = [convert(a) for a in states]
+        merged = xk.merge_attention_states(*held)
+        grads = xk.merge_attention_states_backward(convert(do), *merged, *held, dlse=convert(dlse))
+        return [a if isinstance(a, np.ndarray) else a.numpy() for a in (*merged, *grads)]
+
+    want = run(np.copy)
+    got = run(lambda a: torch.from_numpy(a.copy()))
+    for w, g in zip(want, got, strict=True):
+        np.testing.assert_array_equal(g, w)
