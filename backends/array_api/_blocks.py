@@ -59,6 +59,7 @@ __all__ = [
     "max_row_norm",
     "numpy_views",
     "ones",
+    "path_namespace",
     "reduce_partials",
     "row_blocks",
     "spans",
@@ -329,6 +330,13 @@ def numpy_views(*arrays):
         if a.is_conj() or a.is_neg():
             return None
     return tuple(a if a is None or isinstance(a, (int, float)) else a.numpy() for a in arrays)
+
+
+def path_namespace(like):
+    """The namespace a kernel runs on for ``like``: NumPy's for a PyTorch CPU tensor that
+    :func:`numpy_views` takes, else ``like``'s own."""
+    views = numpy_views(like)
+    return array_api_compat.array_namespace(like if views is None else views[0])
 
 
 class BlockBuffers:

@@ -450,17 +450,16 @@ def backward_calls(calls, *, scale, causal) -> None:
     pairs each sees, so a packed batch's sequences balance as :func:`forward_calls` does."""
     items: list = []
     costs: list = []
-    finals = []
+    dq_rows: list = []
     rows_max = key_max = 1
     for call in calls:
         views = numpy_views(*call)
         arrays = call if views is None else views
-        rows, keys = _backward_items(items, costs, arrays, causal=causal)
+        rows, keys = _backward_items(items, costs, dq_rows, arrays, causal=causal)
         rows_max, key_max = max(rows_max, rows), max(key_max, keys)
-        finals.append(arrays)
     if not items:
         return
-    do, q, k, v = finals[0][:4]
+    do, q, k, v = arrays[:4]
     xp = array_api_compat.array_namespace(do, q, k, v)
     d, d_v = q.shape[3], v.shape[3]
     # A kv head's key tiles add into the dq_accum rows of its own query heads only,
@@ -528,14 +527,17 @@ def backward_calls(calls, *, scale, causal) -> None:
 
     for_each_item(xp, work, items, n_workers, costs)
     spaces.clear()  # freed before the dq pass's temporaries: a lower peak
-    for arrays in finals:
-        _scaled_dq(arrays, scale)
+    for dq, dq_accum, b, nq in dq_rows:  # dq = dq_accum * scale over the rows the items summed
+        for h in range(dq.shape[1]):
+            for r0, r1 in row_blocks(nq, dq.shape[3]):
+                dq[b, h, r0:r1, :] = to(xp, dq_accum[b, h, r0:r1, :] * scale, dq.dtype)
 
 
-def _backward_items(items, costs, arrays, *, causal) -> tuple[int, int]:
+def _backward_items(items, costs, dq_rows, arrays, *, causal) -> tuple[int, int]:
     """Append one call's ``(arrays, b, g, nk, nq, pos, key_tile, query_tile)`` items (and their
-    costs: the query-key pairs they see) to ``items``, ``costs``, after zeroing the gradient rows
-    no item writes and filling ``delta``; returns the largest (rows, keys) of its tiles."""
+    costs: the query-key pairs they see) to ``items``, ``costs``, and its ``(dq, dq_accum, b,
+    nq)`` to ``dq_rows``, after zeroing the gradient rows no item writes and filling ``delta``;
+    returns the largest (rows, keys) of its tiles."""
     do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, input_pos, q_lengths, k_lengths = arrays
     xp = array_api_compat.array_namespace(do, q, k, v, o)
     batch, heads, sq, d = q.shape
@@ -554,6 +556,7 @@ def _backward_items(items, costs, arrays, *, causal) -> tuple[int, int]:
         dv[b, :, nk:, :] = 0.0
         _row_dots(xp, do, o, delta, b, nq)
         dq_accum[b, :, :nq, :] = 0.0
+        dq_rows.append((dq, dq_accum, b, nq))
         key_tile, query_tile = _tile_sizes(nk, group, d, d_v, False)
         rows_max, key_max = max(rows_max, group * query_tile), max(key_max, key_tile)
         pairs = nq * nk
@@ -564,20 +567,6 @@ def _backward_items(items, costs, arrays, *, causal) -> tuple[int, int]:
             items.append((tile_arrays, b, g, nk, nq, pos, key_tile, query_tile))
             costs.append(pairs + nk)  # + nk: an item with no pairs still zeroes its keys
     return rows_max, key_max
-
-
-def _scaled_dq(arrays, scale) -> None:
-    """``dq = dq_accum * scale`` over the query rows every call's items summed into."""
-    do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, input_pos, q_lengths, k_lengths = arrays
-    xp = array_api_compat.array_namespace(do, q, k, v, o)
-    batch, heads, sq, d = q.shape
-    q_valid = per_batch(q_lengths, batch, sq, 0, sq)
-    k_valid = per_batch(k_lengths, batch, k.shape[2], 0, k.shape[2])
-    for b in range(batch):
-        nq = q_valid[b] if k_valid[b] > 0 else 0
-        for h in range(heads):
-            for r0, r1 in row_blocks(nq, d):
-                dq[b, h, r0:r1, :] = to(xp, dq_accum[b, h, r0:r1, :] * scale, dq.dtype)
 
 
 def _row_dots(xp, do, o, delta, b, nq) -> None:

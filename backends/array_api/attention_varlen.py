@@ -1,4 +1,4 @@
-"""Packed variable-length attention on the Array API: attention's tiles, one sequence at a time.
+"""Packed variable-length attention on the Array API: attention's tiles over sequence views.
 
 Each sequence is a slice of the packed arrays; permuted to ``(1, H, S, D)``
 it is a view (no copy), and :mod:`.attention`'s forward and backward run on
@@ -6,7 +6,9 @@ those views, writing the output, checkpoints and shadows in place: the
 forward takes every sequence's query tiles in one split over the workers
 (:func:`.attention.forward_calls`; a packed batch's forward was 7-16% slower
 than the padded one's, which splits its batches that way, and is now as
-fast), the backward one sequence after another. The
+fast), the backward every sequence's (kv head) items likewise
+(:func:`.attention.backward_calls`; 1.12x / 1.20x the padded backward, plain
+/ causal, one sequence after another, about 1.0x pooled). The
 prefix sums are read on the host (as attention's lengths are), clamped so
 that the sequences are ordered, disjoint and within the packed lengths --
 whatever their values, nothing is read or written out of bounds -- and any

@@ -14,6 +14,7 @@ from ._blocks import (
     for_each_block,
     numpy_views,
     ones,
+    path_namespace,
     reduce_partials,
     store,
     tiled,
@@ -137,6 +138,4 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
 
 def partials(rows: int, m: int, like) -> int:
     """Rows of ``dw_partial`` / ``db_partial`` this backend uses: one running sum per worker."""
-    views = numpy_views(like)
-    xp = array_api_compat.array_namespace(like if views is None else views[0])
-    return workers(xp, rows, m, ROW_BLOCK_ELEMENTS)
+    return workers(path_namespace(like), rows, m, ROW_BLOCK_ELEMENTS)

@@ -12,6 +12,7 @@ from ._blocks import (
     for_each_block,
     numpy_views,
     ones,
+    path_namespace,
     reduce_partials,
     tiled,
     to,
@@ -90,5 +91,4 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
 
 def partials(rows: int, m: int, like) -> int:
     """Rows of ``dw_partial`` this backend uses: one running sum per worker thread."""
-    views = numpy_views(like)
-    return workers(array_api_compat.array_namespace(like if views is None else views[0]), rows, m)
+    return workers(path_namespace(like), rows, m)
