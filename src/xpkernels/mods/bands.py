@@ -1,9 +1,10 @@
 """Tile skipping from the bands masks declare: tile states and tile plans.
 
-The states SKIP / PARTIAL / FULL, :func:`band_states`, :class:`TilePlan`,
-:func:`plan_tiles`, and the kernels' view of a plan shared by the GPU backends:
-:func:`kernel_states` (a plan's states at a kernel's tiles) and
-:func:`tile_lists_of` (per row of tiles, the tiles it visits).
+The states SKIP / PARTIAL / FULL, :func:`band_states`, :func:`exact_band`,
+:class:`TilePlan`, :func:`plan_tiles`, and the kernels' view of a plan
+shared by the GPU backends: :func:`kernel_states` (a plan's states at a
+kernel's tiles) and :func:`tile_lists_of` (per row of tiles, the tiles it
+visits).
 """
 
 from __future__ import annotations
@@ -49,12 +50,17 @@ class TilePlan:
 
     ``states`` is ``(Bp, Hp, NQ, NK)`` int8 with ``Bp`` in {1, B} and ``Hp``
     in {1, H}: SKIP (0), PARTIAL (1, evaluate the mask), FULL (2, every pair
-    kept).
+    kept). ``bands``, when not None, says that the mask keeps exactly one
+    interval of keys per query row, the same for every head: per entry of
+    ``states``' first axis, ``(lo, hi)`` int64 ``(NQ rows,)`` arrays, every
+    row keeping keys ``lo <= kv <= hi`` and no other (:func:`exact_band`). A
+    kernel may use them instead of evaluating the mask; tiles stay the plan.
     """
 
     tile_m: int
     tile_n: int
     states: np.ndarray
+    bands: tuple | None = None
 
     def group(self, b: int, h0: int, h1: int) -> np.ndarray:
         """``(NQ, NK)`` states for query heads ``[h0, h1)`` of batch ``b``.
@@ -94,7 +100,23 @@ def plan_tiles(mask, block_mask, *, block_sparse, n_q, n_kv, positions, tile_m, 
         return TilePlan(tile_m, tile_n, block_mask.states)
     distinct = {p: band_states(mask, p, n_q, n_kv, tile_m, tile_n) for p in set(positions)}
     states = np.stack([distinct[p] for p in positions])[:, None]
-    return TilePlan(tile_m, tile_n, states)
+    exact = {p: exact_band(mask, p, n_q, n_kv) for p in set(positions)}
+    bands = None if None in exact.values() else tuple(exact[p] for p in positions)
+    return TilePlan(tile_m, tile_n, states, bands)
+
+
+def exact_band(mask: MaskMod, position: int, n_q: int, n_kv: int):
+    """``(lo, hi)``: int64 ``(n_q,)`` arrays such that query row ``r`` (at ``position + r``)
+    keeps exactly the keys ``lo[r] <= kv <= hi[r]``, or None unless ``mask``'s band says so
+    (its possible and its sure keys agree within ``[0, n_kv)``) with at least one key for
+    every row."""
+    if n_q == 0 or n_kv == 0:
+        return None
+    rows = np.arange(n_q, dtype=np.int64) + position
+    lo, hi, full_lo, full_hi = (np.asarray(x, dtype=np.int64) for x in mask._band(rows, n_kv))
+    lo, hi = np.maximum(lo, 0), np.minimum(hi, n_kv - 1)
+    exact = (np.maximum(full_lo, 0) == lo) & (np.minimum(full_hi, n_kv - 1) == hi) & (lo <= hi)
+    return (lo, hi) if bool(np.all(exact)) else None
 
 
 def kernel_states(states, tile_m, tile_n, block_m, block_n, n_q, n_kv):
