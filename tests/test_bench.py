@@ -344,23 +344,34 @@ def test_torch_document_mask_keeps_the_pairs_of_each_document():
 
 
 def test_block_sparse_document_rows_visit_only_the_tiles_of_each_document(monkeypatch):
-    # torch's side gets create_block_mask; ours must skip the cross-document tiles too, through a
-    # BlockMask built in the setup (a document mask declares no key range of its own).
+    """torch's side gets create_block_mask; ours skips the cross-document tiles too: through
+    the document mask's own key ranges over NumPy ids, through a BlockMask built in the setup
+    over torch ids (which declare none). The dense side skips nothing."""
+    torch = pytest.importorskip("torch")
     import xpkernels.mods as xm
 
-    built = []
-    build = xm.build_block_mask
+    built, plans = [], []
+    build, plan = xm.build_block_mask, xm.plan_tiles
     monkeypatch.setattr(
         xm, "build_block_mask", lambda *a, **kw: built.append(build(*a, **kw)) or built[-1]
+    )
+    monkeypatch.setattr(
+        xm, "plan_tiles", lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1]
     )
     s = 1024
     ids = bench._document_ids(s, 4)
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal((1, 1, s, 8), dtype=np.float32) for _ in range(4)]
     outputs = []
-    for sparse in (True, False):
-        call = bench._xpk_flex_setup(bench._Arrays("numpy"), inputs, "forward", ids, sparse)()
+    for library, sparse in (("numpy", True), ("numpy", False), ("torch", True)):
+        call = bench._xpk_flex_setup(bench._Arrays(library), inputs, "forward", ids, sparse)()
+        plans.clear()
         call()
-        outputs.append(len(built))
-    assert outputs == [1, 1]  # the sparse side builds one, the dense side none
-    assert np.any(built[0].states == SKIP)  # cross-document tiles are skipped
+        skips = any(bool(np.any(p.states == SKIP)) for p in plans)
+        outputs.append((library, sparse, len(built), skips))
+    assert torch.is_tensor(bench._Arrays("torch").convert(ids))
+    assert outputs == [
+        ("numpy", True, 0, True),
+        ("numpy", False, 0, False),
+        ("torch", True, 1, True),
+    ]

@@ -38,6 +38,8 @@ def kept_pairs(mask, n_q, n_kv, position):
         xm.FullMask(),
         xm.prefix_lm(3),
         xm.CausalMask() & xm.SlidingWindowMask(4),
+        xm.DocumentMask(np.repeat(np.arange(5), [7, 1, 20, 2, 20])),
+        xm.DocumentMask(np.repeat(np.arange(5), [7, 1, 20, 2, 20])) & xm.CausalMask(),
     ],
     ids=lambda m: m.label,
 )
@@ -52,7 +54,8 @@ def test_exact_bands_are_the_pairs_the_mask_keeps(mask, position):
 @pytest.mark.parametrize(
     "mask, position",
     [
-        (xm.DocumentMask(np.repeat(np.arange(4), 5)), 0),  # a declared band, not an exact one
+        (xm.DocumentMask(np.array([0, 1] * 10)), 0),  # documents that are no interval
+        (xm.DocumentMask(np.repeat(np.arange(4), 5).reshape(1, 20)), 0),  # ids per batch
         (xm.MaskMod(lambda b, h, q_idx, kv_idx: (q_idx + kv_idx) % 2 == 0), 0),  # none declared
         (xm.SlidingWindowMask(2) | xm.PrefixMask(3), 0),  # a union that is no interval
         (xm.CausalMask(), -5),  # the first rows keep no key
@@ -61,6 +64,19 @@ def test_exact_bands_are_the_pairs_the_mask_keeps(mask, position):
 )
 def test_masks_without_an_exact_nonempty_band_have_none(mask, position):
     assert exact_band(mask, position, 20, 20) is None
+
+
+def test_document_bands_hold_the_kept_keys_when_documents_recur():
+    """Ids that recur apart: every kept key lies within the id's first and last position, and
+    the query's own run of equal ids is surely kept (so tiles skip soundly)."""
+    ids = np.array([0, 0, 1, 1, 1, 0, 2, 2, 1, 3])
+    positions = np.arange(10)
+    lo, hi, full_lo, full_hi = xm.DocumentMask(ids)._band(positions, 10)
+    kept = kept_pairs(xm.DocumentMask(ids), 10, 10, 0)
+    columns = np.arange(10)[None, :]
+    assert not np.any(kept & ((columns < lo[:, None]) | (columns > hi[:, None])))
+    assert np.all(kept[(columns >= full_lo[:, None]) & (columns <= full_hi[:, None])])
+    np.testing.assert_array_equal(full_lo, [0, 0, 2, 2, 2, 5, 6, 6, 8, 9])
 
 
 def test_plans_carry_bands_only_where_tiles_come_from_them():
@@ -85,6 +101,7 @@ def test_plans_carry_bands_only_where_tiles_come_from_them():
         (xm.SlidingWindowMask(40), 333, 400, 60),
         (xm.PrefixMask(50), 500, 500, 0),
         (xm.CausalMask() & xm.SlidingWindowMask(7), 130, 130, 0),
+        (xm.DocumentMask(np.repeat(np.arange(4), [47, 1325, 276, 400])), 2048, 2048, 0),
     ],
 )
 @pytest.mark.parametrize("group", [1, 3])
@@ -167,6 +184,35 @@ def test_banded_forward_against_float64(monkeypatch, dtype, checkpoints):
     if checkpoints:
         for got, want in ((ck.m, want_m), (ck.l, want_l)):
             assert max_error(got, want) <= floor("flex_attention", "checkpoints", dtype)
+
+
+@pytest.mark.parametrize("checkpoints", [True, False])
+def test_banded_documents_against_float64(monkeypatch, checkpoints):
+    """Documents shorter and longer than a chunk, GQA: the chunks inside a document keep their
+    whole span (no bias: base-2 scores), those across a boundary are masked."""
+    counter = BatchCounter(monkeypatch)
+    unmasked = []
+    batch_bias = band.BandWorkspace.batch_bias
+
+    def recording(self, lo, hi, batch):
+        bias = batch_bias(self, lo, hi, batch)
+        unmasked.append(bias is None)
+        return bias
+
+    monkeypatch.setattr(band.BandWorkspace, "batch_bias", recording)
+    rng = np.random.default_rng(4)
+    n, d = 600, 16
+    q = rng.standard_normal((1, 4, n, d)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, n, d)).astype(np.float32) for _ in range(2))
+    mask = xm.DocumentMask(np.repeat(np.arange(5), [20, 5, 300, 75, 200]))
+    ck = allocate_checkpoints(flex_attention_, q, k, v) if checkpoints else None
+    o = flex_attention(q, k, v, mask_mod=mask, checkpoints=ck)
+    assert counter.heads and any(unmasked) and not all(unmasked)
+    want_o, want_m, want_l = _reference(q, k, v, mask, [0])
+    assert max_error(o, want_o) <= floor("flex_attention", "forward", "float32")
+    if checkpoints:
+        for got, want in ((ck.m, want_m), (ck.l, want_l)):
+            assert max_error(got, want) <= floor("flex_attention", "checkpoints", "float32")
 
 
 def test_a_head_with_a_non_finite_value_or_key_runs_on_tiles(monkeypatch):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy
 from numpy.lib.stride_tricks import as_strided
 
-from ._blocks import to
+from ._blocks import LOG2E, to
 
 __all__ = [
     "BAND_ELEMENTS",
@@ -51,6 +51,10 @@ __all__ = [
 
 #: Query rows per chunk: its span is ``BAND_ROWS`` keys wider than a row's band.
 BAND_ROWS = 32
+
+#: Scores a run of chunks may compute beyond those of the chunks' own spans (about what a
+#: batch's NumPy calls cost: a 256-key window's first 8 chunks make one batch).
+BAND_WASTE = 1 << 15
 
 #: Score elements of one batch of chunks (float32: 1 MiB), as the tiles' ``TILE_ELEMENTS``.
 BAND_ELEMENTS = 1 << 18
@@ -75,32 +79,43 @@ def band_batches(lo, hi, n_kv: int, group: int, tile_elements: int) -> list[Batc
     ``lo``, ``hi``: the band (``(n_q,)`` int64, every row keeping keys
     ``lo <= kv <= hi``); ``group`` query heads share each kv head;
     ``tile_elements``: the score elements the plan's tiles would compute.
-    Every chunk takes the widest chunk's span length, so the band pays only
-    when that computes fewer scores than the tiles; a span too wide for
-    ``BAND_ELEMENTS`` does not pay either.
+    A chunk's own span runs from its rows' first kept key to their last; a
+    run of consecutive chunks whose spans start a constant step apart takes
+    its longest span for every chunk while that computes at most
+    ``BAND_WASTE`` more scores than their own spans (a window's first
+    chunks, each a little longer than the one before, make one batch, not
+    one each). The band pays when its batches compute fewer scores than the
+    tiles, and no chunk's span is too wide for ``BAND_ELEMENTS``.
     """
     n_q = lo.shape[0]
     starts = numpy.arange(0, n_q, BAND_ROWS)
-    first = numpy.minimum.reduceat(lo, starts)
-    keys = int(numpy.max(numpy.maximum.reduceat(hi, starts) - first + 1))
-    per_batch = BAND_ELEMENTS // (group * BAND_ROWS * keys)
-    if per_batch < 1 or group * n_q * keys >= tile_elements:
-        return None
-    key0 = numpy.minimum(first, n_kv - keys).tolist()
+    lowest = numpy.minimum.reduceat(lo, starts)
+    lengths = (numpy.maximum.reduceat(hi, starts) + 1 - lowest).tolist()
+    first = lowest.tolist()
     sizes = (numpy.minimum(starts + BAND_ROWS, n_q) - starts).tolist()
-    batches, c = [], 0
-    while c < len(key0):  # runs of chunks a constant step apart, in batches of even size
-        count, step = 1, 0
-        while c + count < len(key0) and sizes[c + count] == sizes[c]:
-            gap = key0[c + count] - key0[c + count - 1]
-            if gap < 0 or (count > 1 and gap != step):
+    if group * BAND_ROWS * max(lengths) > BAND_ELEMENTS:
+        return None
+    runs, c = [], 0
+    while c < len(first):  # (first chunk, chunks, step, keys)
+        count, step, keys, own = 1, 0, lengths[c], lengths[c]
+        while c + count < len(first) and sizes[c + count] == sizes[c]:
+            d = c + count
+            gap, wider = first[d] - first[d - 1], max(keys, lengths[d])
+            if gap < 0 or (count > 1 and gap != step) or first[d] + wider > n_kv:
                 break
-            step, count = gap, count + 1
-        pieces = -(-count // per_batch)
+            if sizes[c] * ((count + 1) * wider - own - lengths[d]) > BAND_WASTE:
+                break
+            count, step, keys, own = count + 1, gap, wider, own + lengths[d]
+        runs.append((c, count, step, keys))
+        c += count
+    if group * sum(count * sizes[c] * keys for c, count, _, keys in runs) >= tile_elements:
+        return None
+    batches = []
+    for c, count, step, keys in runs:  # each run in batches of even size
+        pieces = -(-count // (BAND_ELEMENTS // (group * sizes[c] * keys)))
         for piece in range(pieces):
             a, z = c + count * piece // pieces, c + count * (piece + 1) // pieces
-            batches.append(Batch(int(starts[a]), z - a, sizes[a], key0[a], step, keys))
-        c += count
+            batches.append(Batch(int(starts[a]), z - a, sizes[a], first[a], step, keys))
     return batches
 
 
@@ -137,7 +152,10 @@ class BandWorkspace:
 
     def batch_bias(self, lo, hi, batch: Batch):
         """The bias of every chunk of ``batch``, broadcastable to ``(count, group, rows, keys)``;
-        ``lo``, ``hi``: the band's rows of the batch, ``(count, rows)`` span-relative."""
+        ``lo``, ``hi``: the band's rows of the batch, ``(count, rows)`` span-relative. None when
+        every row keeps its chunk's whole span (a document's inner chunks)."""
+        if int(numpy.max(lo)) <= 0 and int(numpy.min(hi)) >= batch.keys - 1:
+            return None
         if bool(numpy.all(lo == lo[0])) and bool(numpy.all(hi == hi[0])):
             return self.bias(lo[0], hi[0], batch.keys)
         return numpy.stack([self.bias(a, b, batch.keys) for a, b in zip(lo, hi)])[:, None]
@@ -164,21 +182,31 @@ def forward_batch(t, o, q, k, v, m, l, b, g, heads, batch: Batch, band, workspac
     acc, group, d = t.acc, t.group, t.d
     count, rows, keys = batch.count, batch.rows, batch.keys
     r0, r1 = batch.r0, batch.r0 + count * rows
+    first = batch.key0 + batch.step * numpy.arange(count)[:, None]
+    lo, hi = (x[r0:r1].reshape(count, rows) - first for x in band)
+    bias = workspace.batch_bias(lo, hi, batch)
+    # every pair kept: base-2 scores through exp2, twice as fast as exp and, bounded, never
+    # outside its vector loop (-inf, results below 2**-126: see _attention_numpy)
+    scale = t.scale if bias is not None else t.scale * LOG2E
     queries = numpy.empty((count, group, rows, d), dtype=acc)
     mine = q[b, heads, r0:r1, :].reshape(group, count, rows, d).swapaxes(0, 1)
-    numpy.multiply(mine, t.scale, out=queries, dtype=acc)
+    numpy.multiply(mine, scale, out=queries, dtype=acc)
     end = batch.key0 + (count - 1) * batch.step + keys
-    keys_t = numpy.empty((d, end - batch.key0), dtype=acc)  # a row per dimension: see KEYS_T
+    keys_t = numpy.empty((d, end - batch.key0), dtype=acc)  # rows of dimensions: module notes
     numpy.copyto(keys_t, k[b, g, batch.key0 : end, :].T)
     v_span = _strided(to(numpy, v[b, g, batch.key0 : end, :], acc), batch, 0)
     s = workspace.scores[: count * group * rows * keys].reshape(count, group * rows, keys)
     numpy.matmul(queries.reshape(count, group * rows, d), _strided(keys_t, batch, 1), out=s)
-    first = batch.key0 + batch.step * numpy.arange(count)[:, None]
-    lo, hi = (x[r0:r1].reshape(count, rows) - first for x in band)
-    scores = s.reshape(count, group, rows, keys)
-    numpy.add(scores, workspace.batch_bias(lo, hi, batch), out=scores)
+    if bias is not None:
+        scores = s.reshape(count, group, rows, keys)
+        numpy.add(scores, bias, out=scores)
     row_max = None if m is None else numpy.max(s, axis=2)
-    numpy.exp(s, out=s)
+    if bias is None:
+        numpy.exp2(s, out=s)
+        if row_max is not None:
+            row_max *= 1.0 / LOG2E
+    else:
+        numpy.exp(s, out=s)
     sums = numpy.matmul(s, t.ones[:keys])
     out = numpy.matmul(s, v_span)
     out /= sums[:, :, None]

@@ -27,8 +27,9 @@ terminal.
 Default shapes are those of the performance targets: norms and softmax
 ``(8192, 4096)`` float32, attention and FlexAttention ``B=1, H=8, S=2048,
 D=64`` float32 (flex with a causal, a 256-key sliding-window and a 4-document
-mask; the document mask, which declares no key range, comes as a BlockMask
-built outside the timing on our side as on torch's), each again at the larger ``S=4096, D=128`` (its rows named
+mask; the document mask over NumPy ids declares each query's key range, over
+PyTorch ids it comes as a BlockMask built outside the timing, as torch's is),
+each again at the larger ``S=4096, D=128`` (its rows named
 ``... S=4096 D=128``), varlen ``H=8, D=64`` over four sequences of 1900, 1100, 700 and 300
 tokens, decode ``B=8, H=32, Hkv=8, S=4096, D=64`` (also in shuffled 16-key
 pages); ``--quick`` shrinks everything to seconds.
@@ -765,22 +766,24 @@ def _xpk_flex_setup(arrays: _Arrays, inputs, pass_, mask=None, block_sparse=True
     """Flex over ``inputs`` (q, k, v, do) with ``mask``: None, "causal", a window length or
     document ids.
 
-    Block-sparse document masks get a :class:`~xpkernels.mods.BlockMask` built in the setup
-    (untimed, as ``create_block_mask`` is on the torch side) at the array_api backend's default
-    tiles: a document mask declares no key range, so without one every tile is visited. Causal
-    and window masks skip tiles by their declared ranges.
+    Causal and window masks skip tiles by their declared key ranges, and so does a document
+    mask over NumPy ids (contiguous documents: one range per query). Over other ids (PyTorch
+    tensors) it declares none, so block-sparse document masks then get a
+    :class:`~xpkernels.mods.BlockMask` built in the setup (untimed, as ``create_block_mask`` is
+    on the torch side) at the array_api backend's default tiles.
     """
 
     def setup():
         from xpkernels.backends.array_api.flex_attention import default_tiles
         from xpkernels.flex_attention import flex_attention_, flex_attention_backward_
         from xpkernels.mods import CausalMask, DocumentMask, SlidingWindowMask, build_block_mask
+        from xpkernels.mods.bands import exact_band
 
         q, k, v, do = (arrays.convert(a) for a in inputs)
         opts: dict[str, Any] = {"block_sparse": block_sparse}
         if isinstance(mask, np.ndarray):
             opts["mask_mod"] = DocumentMask(arrays.convert(mask))
-            if block_sparse:
+            if block_sparse and exact_band(opts["mask_mod"], 0, mask.size, mask.size) is None:
                 n = q.shape[2]
                 tile_m, tile_n = default_tiles(n, n, q.shape[1] // k.shape[1], True)
                 opts["block_mask"] = build_block_mask(

@@ -16,7 +16,7 @@ import array_api_compat
 import numpy as np
 
 from .._memory import same_memory
-from .ir import BOOL, FLOAT, INPUTS, INT, Graph, _host_bounds
+from .ir import BOOL, FLOAT, INPUTS, INT, Graph, _host_bounds, _to_host, is_host_array
 from .trace import CapturedArray, _scalar, _Tracer, logical_and, logical_or, tanh
 
 
@@ -371,7 +371,9 @@ class DocumentMask(MaskMod):
     doc_kv : integer array, ``(Sk,)`` or ``(B, Sk)``, optional
         Document id of every key.
 
-    ``(B, S)`` ids differ per batch; ``(S,)`` ids are shared.
+    ``(B, S)`` ids differ per batch; ``(S,)`` ids are shared. Over ``(S,)`` NumPy
+    ids without ``doc_kv`` the mask declares each query's key range (its
+    document's positions), so tiles skip by it without a BlockMask.
     """
 
     def __init__(self, doc_q, doc_kv=None):
@@ -391,6 +393,29 @@ class DocumentMask(MaskMod):
         if doc_kv is None:
             return read(doc_q, q_idx) == read(doc_q, kv_idx)
         return read(doc_q, q_row) == read(doc_kv, kv_idx)
+
+    def _band(self, positions, n_kv):
+        """With one host id per position (``doc_kv`` None, ``(S,)`` NumPy ids): every key from
+        the first to the last position of the query's id, surely those of the query's own run
+        of equal ids -- exact where each document's positions are contiguous. Otherwise (device
+        or per-batch ids, ``doc_kv``, a position outside the ids) no band."""
+        ids = self.arrays["doc_q"]
+        unknown = super()._band(positions, n_kv)
+        if "doc_kv" in self.arrays or ids.ndim != 1 or not is_host_array(ids) or n_kv == 0:
+            return unknown
+        ids = np.asarray(_to_host(ids))
+        n = ids.shape[0]
+        starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
+        run = np.cumsum(np.isin(np.arange(n), starts)) - 1  # run of equal ids of each position
+        ends = np.concatenate((starts[1:], [n])) - 1
+        _, which = np.unique(ids, return_inverse=True)
+        first, last = np.full(n, n), np.full(n, -1)
+        np.minimum.at(first, which, np.arange(n))
+        np.maximum.at(last, which, np.arange(n))
+        inside = (positions >= 0) & (positions < n)
+        at = np.clip(positions, 0, n - 1)
+        band = (first[which[at]], last[which[at]], starts[run[at]], ends[run[at]])
+        return tuple(np.where(inside, x, u) for x, u in zip(band, unknown))
 
     def _check(self, fn, call):
         own = self.arrays.get("doc_kv") is None
