@@ -189,17 +189,17 @@ def test_banded_forward_against_float64(monkeypatch, dtype, checkpoints):
 @pytest.mark.parametrize("checkpoints", [True, False])
 def test_banded_documents_against_float64(monkeypatch, checkpoints):
     """Documents shorter and longer than a chunk, GQA: the chunks inside a document keep their
-    whole span (no bias: base-2 scores), those across a boundary are masked."""
+    whole span (not masked), those across a boundary are masked."""
     counter = BatchCounter(monkeypatch)
     unmasked = []
-    batch_bias = band.BandWorkspace.batch_bias
+    batch_mask = band.BandWorkspace.batch_mask
 
     def recording(self, lo, hi, batch):
-        bias = batch_bias(self, lo, hi, batch)
-        unmasked.append(bias is None)
-        return bias
+        mask = batch_mask(self, lo, hi, batch)
+        unmasked.append(mask is None)
+        return mask
 
-    monkeypatch.setattr(band.BandWorkspace, "batch_bias", recording)
+    monkeypatch.setattr(band.BandWorkspace, "batch_mask", recording)
     rng = np.random.default_rng(4)
     n, d = 600, 16
     q = rng.standard_normal((1, 4, n, d)).astype(np.float32)

@@ -41,11 +41,12 @@ On NumPy without a score mod, a mask that keeps exactly one interval of keys
 per row (the plan's ``bands``: sliding windows, prefix masks, contiguous
 documents over NumPy ids) runs the forward of :mod:`._flex_band` instead
 where that computes fewer scores than the tiles: row chunks of 32 against
-their own span of keys, consecutive chunks in one batched product. At 1x8x2048x64 float32 with a 256-key window,
-2 cores, interleaved (medians of 15): 17.0 against 29.9 ms with checkpoints,
-16.1 against 28.1 without; at 1x8x4096x128 (medians of 9), 51.9 against 77.2 ms;
-4 documents of 47-1325 rows at 1x8x2048x64, 55.6 against 73.0 ms on the
-BlockMask's tiles (medians of 11).
+their own span of keys, consecutive chunks in one batched product. At
+1x8x2048x64 float32 with a 256-key window, 2 cores, interleaved (medians of
+15): 17.0 against 29.9 ms with checkpoints, 16.1 against 28.1 without; at
+1x8x4096x128 (medians of 9), 51.9 against 77.2 ms; 4 documents of 47-1325
+rows at 1x8x2048x64, 55.6 against 73.0 ms on the BlockMask's tiles (medians
+of 11).
 
 A query tile is split into row chunks so that one chunk's scores hold at most
 ``TILE_ELEMENTS``: extra memory is bounded by that budget, not by Sq or Sk.
@@ -371,7 +372,7 @@ def forward(
     caches = [_MaskCache(t) for _ in range(n_workers)]
 
     def work(worker, item):
-        if item[0] is _BAND:
+        if item[0] == _BAND:
             forward_batch(t, o, q, k, v, m, l, *item[1:], workspaces[worker])
             return
         t.local.cache = caches[worker]
