@@ -126,16 +126,8 @@ def test_the_band_does_not_run_where_tiles_compute_fewer_scores():
     """A causal mask's rows end at the diagonal: one span length for every chunk would be the
     whole key range, where the plan's tiles skip the upper triangle."""
     lo, hi = exact_band(xm.CausalMask(), 0, 2048, 2048)
-    plan = xm.plan_tiles(
-        xm.CausalMask(),
-        None,
-        block_sparse=True,
-        n_q=2048,
-        n_kv=2048,
-        positions=(0,),
-        tile_m=256,
-        tile_n=256,
-    )
+    sizes = dict(n_q=2048, n_kv=2048, positions=(0,), tile_m=256, tile_n=256)
+    plan = xm.plan_tiles(xm.CausalMask(), None, block_sparse=True, **sizes)
     tiles = band.tile_elements(plan.group(0, 0, 1), 256, 256, 2048, 2048, 1)
     assert tiles == 2048 * 2048 // 2 + 8 * 256 * 256 // 2
     assert band.band_batches(lo, hi, 2048, 1, tiles) is None
