@@ -122,15 +122,19 @@ def test_batches_cover_every_row_once_with_spans_holding_its_keys(mask, n_q, n_k
     assert row == n_q
 
 
-def test_the_band_does_not_run_where_tiles_compute_fewer_scores():
-    """A causal mask's rows end at the diagonal: one span length for every chunk would be the
-    whole key range, where the plan's tiles skip the upper triangle."""
-    lo, hi = exact_band(xm.CausalMask(), 0, 2048, 2048)
-    sizes = dict(n_q=2048, n_kv=2048, positions=(0,), tile_m=256, tile_n=256)
+@pytest.mark.parametrize("n", [2048, 1900])
+def test_the_band_does_not_run_where_it_saves_too_few_scores(n):
+    """A causal mask's chunks grow one after the other: batched, they compute about the scores
+    of the plan's tiles below the diagonal (fewer at 1900 rows, not multiple of the tiles),
+    where the two ran level; the band runs only at BAND_GAIN of the tiles' scores or less."""
+    lo, hi = exact_band(xm.CausalMask(), 0, n, n)
+    sizes = dict(n_q=n, n_kv=n, positions=(0,), tile_m=256, tile_n=256)
     plan = xm.plan_tiles(xm.CausalMask(), None, block_sparse=True, **sizes)
-    tiles = band.tile_elements(plan.group(0, 0, 1), 256, 256, 2048, 2048, 1)
-    assert tiles == 2048 * 2048 // 2 + 8 * 256 * 256 // 2
-    assert band.band_batches(lo, hi, 2048, 1, tiles) is None
+    tiles = band.tile_elements(plan.group(0, 0, 1), 256, 256, n, n, 1)
+    if n == 2048:
+        assert tiles == 2048 * 2048 // 2 + 8 * 256 * 256 // 2
+    assert band.band_batches(lo, hi, n, 1, tiles) is None
+    assert band.band_batches(lo, hi, n, 1, int(1.2 * tiles)) is not None
 
 
 class BatchCounter:
