@@ -235,15 +235,19 @@ def test_a_head_with_a_non_finite_value_or_key_runs_on_tiles(monkeypatch):
     assert max_error(o[:, :1], want[:, :1]) <= floor("flex_attention", "forward", "float32")
 
 
-def test_torch_cpu_tensors_take_the_band_with_numpy_results(monkeypatch):
+@pytest.mark.parametrize("masking", ["window", "documents"])
+def test_torch_cpu_tensors_take_the_band_with_numpy_results(monkeypatch, masking):
+    """PyTorch CPU tensors -- and document ids held in one -- take the band, with the NumPy
+    arrays' results bit for bit."""
     torch = pytest.importorskip("torch", reason="torch is not installed")
     counter = BatchCounter(monkeypatch)
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal((1, 2, 500, 16)).astype(np.float32) for _ in range(3))
-    mask = xm.SlidingWindowMask(30)
+    ids = np.repeat(np.arange(3), [100, 250, 150])
 
     def run(convert):
         qs, ks, vs = (convert(a) for a in (q, k, v))
+        mask = xm.SlidingWindowMask(30) if masking == "window" else xm.DocumentMask(convert(ids))
         ck = allocate_checkpoints(flex_attention_, qs, ks, vs)
         o = flex_attention(qs, ks, vs, mask_mod=mask, checkpoints=ck)
         return [np.asarray(a) for a in (o, *ck)]
@@ -252,6 +256,22 @@ def test_torch_cpu_tensors_take_the_band_with_numpy_results(monkeypatch):
     assert counter.heads
     for g, w in zip(got, run(np.copy), strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+def test_document_ids_in_tensors_that_must_not_be_read_are_not():
+    """Ids recording autograd, or in a tensor subclass (fake or guarded under tracing), are not
+    read on the host (no band: every key possible); plain CPU tensors are, without a copy."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from xpkernels.mods.library import _host_ids
+
+    class Guarded(torch.Tensor):
+        pass
+
+    ids = torch.arange(20) // 5
+    assert np.shares_memory(_host_ids(ids), ids.numpy())
+    assert _host_ids(ids.as_subclass(Guarded)) is None
+    assert _host_ids((ids * 1.0).requires_grad_()) is None
+    assert exact_band(xm.DocumentMask(ids.as_subclass(Guarded)), 0, 20, 20) is None
 
 
 def test_memory_is_bounded_by_the_band_budget_at_8192(monkeypatch):

@@ -1,7 +1,7 @@
 """FlexAttention's forward on NumPy for masks that keep one interval of keys per query row.
 
 When the tile plan carries exact bands (:attr:`xpkernels.mods.TilePlan.bands`:
-sliding-window, causal and prefix masks, document masks over contiguous NumPy
+sliding-window, causal and prefix masks, document masks over contiguous host
 ids, and their ``&`` / ``|`` where the band stays exact) and no score mod
 runs, every row's kept keys are known without evaluating the mask. Queries
 then go in chunks of ``BAND_ROWS`` rows, each against the one span of keys

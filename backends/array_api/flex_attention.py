@@ -39,8 +39,8 @@ mod's gradient accumulators are shared by every tile).
 
 On NumPy without a score mod, a mask that keeps exactly one interval of keys
 per row (the plan's ``bands``: sliding windows, prefix masks, contiguous
-documents over NumPy ids) runs the forward of :mod:`._flex_band` instead
-where that computes fewer scores than the tiles: row chunks of 32 against
+documents over host ids) runs the forward of :mod:`._flex_band` instead
+where that computes at most 0.9 of the tiles' scores: row chunks of 32 against
 their own span of keys, consecutive chunks in one batched product. At
 1x8x2048x64 float32 with a 256-key window, 2 cores, interleaved (medians of
 15): 17.0 against 29.9 ms with checkpoints, 16.1 against 28.1 without; at

@@ -27,8 +27,8 @@ terminal.
 Default shapes are those of the performance targets: norms and softmax
 ``(8192, 4096)`` float32, attention and FlexAttention ``B=1, H=8, S=2048,
 D=64`` float32 (flex with a causal, a 256-key sliding-window and a 4-document
-mask; the document mask over NumPy ids declares each query's key range, over
-PyTorch ids it comes as a BlockMask built outside the timing, as torch's is),
+mask; the document mask over host ids, NumPy or PyTorch CPU, declares each
+query's key range, so it needs no BlockMask),
 each again at the larger ``S=4096, D=128`` (its rows named
 ``... S=4096 D=128``), varlen ``H=8, D=64`` over four sequences of 1900, 1100, 700 and 300
 tokens, decode ``B=8, H=32, Hkv=8, S=4096, D=64`` (also in shuffled 16-key
@@ -767,10 +767,10 @@ def _xpk_flex_setup(arrays: _Arrays, inputs, pass_, mask=None, block_sparse=True
     document ids.
 
     Causal and window masks skip tiles by their declared key ranges, and so does a document
-    mask over NumPy ids (contiguous documents: one range per query). Over other ids (PyTorch
-    tensors) it declares none, so block-sparse document masks then get a
-    :class:`~xpkernels.mods.BlockMask` built in the setup (untimed, as ``create_block_mask`` is
-    on the torch side) at the array_api backend's default tiles.
+    mask over host ids (contiguous documents: one range per query). Over ids that declare
+    none, block-sparse document masks get a :class:`~xpkernels.mods.BlockMask` built in the
+    setup (untimed, as ``create_block_mask`` is on the torch side) at the array_api backend's
+    default tiles.
     """
 
     def setup():

@@ -358,6 +358,20 @@ def prefix_lm(n: int) -> MaskMod:
     return CausalMask() | PrefixMask(n)
 
 
+def _host_ids(a):
+    """``a`` as a NumPy array when its values are on the host: a host array (NumPy,
+    array_api_strict) or a plain PyTorch CPU tensor recording no autograd (a zero-copy view;
+    subclasses -- fake or guarded tensors under tracing -- are not read); else None."""
+    if is_host_array(a):
+        return np.asarray(_to_host(a))
+    if array_api_compat.is_torch_array(a):
+        import torch
+
+        if type(a) is torch.Tensor and a.device.type == "cpu" and not a.requires_grad:
+            return a.numpy()
+    return None
+
+
 class DocumentMask(MaskMod):
     """Queries attend only to keys of the same document: ``doc_q[q] == doc_kv[kv]``.
 
@@ -371,9 +385,10 @@ class DocumentMask(MaskMod):
     doc_kv : integer array, ``(Sk,)`` or ``(B, Sk)``, optional
         Document id of every key.
 
-    ``(B, S)`` ids differ per batch; ``(S,)`` ids are shared. Over ``(S,)`` NumPy
-    ids without ``doc_kv`` the mask declares each query's key range (its
-    document's positions), so tiles skip by it without a BlockMask.
+    ``(B, S)`` ids differ per batch; ``(S,)`` ids are shared. Over ``(S,)`` ids on
+    the host (NumPy, or a PyTorch CPU tensor) without ``doc_kv`` the mask
+    declares each query's key range (its document's positions), so tiles skip
+    by it without a BlockMask.
     """
 
     def __init__(self, doc_q, doc_kv=None):
@@ -395,15 +410,15 @@ class DocumentMask(MaskMod):
         return read(doc_q, q_row) == read(doc_kv, kv_idx)
 
     def _band(self, positions, n_kv):
-        """With one host id per position (``doc_kv`` None, ``(S,)`` NumPy ids): every key from
+        """With one host id per position (``doc_kv`` None, ``(S,)`` ids that :func:`_host_ids`
+        reads): every key from
         the first to the last position of the query's id, surely those of the query's own run
         of equal ids -- exact where each document's positions are contiguous. Otherwise (device
         or per-batch ids, ``doc_kv``, a position outside the ids) no band."""
-        ids = self.arrays["doc_q"]
+        ids = _host_ids(self.arrays["doc_q"])
         unknown = super()._band(positions, n_kv)
-        if "doc_kv" in self.arrays or ids.ndim != 1 or not is_host_array(ids) or n_kv == 0:
+        if "doc_kv" in self.arrays or ids is None or ids.ndim != 1 or n_kv == 0:
             return unknown
-        ids = np.asarray(_to_host(ids))
         n = ids.shape[0]
         starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
         run = np.cumsum(np.isin(np.arange(n), starts)) - 1  # run of equal ids of each position
