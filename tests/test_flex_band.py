@@ -215,10 +215,11 @@ def test_a_head_with_a_non_finite_value_or_key_runs_on_tiles(monkeypatch):
     """Only the kv heads whose values are finite and whose scores are bounded take the band;
     the others give exactly what the tiles give."""
     rng = np.random.default_rng(1)
-    q = rng.standard_normal((1, 3, 300, 16)).astype(np.float32)
-    k, v = (rng.standard_normal((1, 3, 300, 16)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((1, 4, 300, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 4, 300, 16)).astype(np.float32) for _ in range(2))
     v[0, 1, 100, 3] = np.nan
     k[0, 2, 7, 0] = 1e30  # finite, but scores past SAFE_EXPONENT
+    q[0, 3, 50, 1] = np.inf
     mask = xm.SlidingWindowMask(40)
     counter = BatchCounter(monkeypatch)
     ck = allocate_checkpoints(flex_attention_, q, k, v)

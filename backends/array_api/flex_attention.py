@@ -405,8 +405,11 @@ def _band_batches(t, plan, b):
 def _bounded(t, q, b, heads, k_norm) -> bool:
     """Whether every score of the query heads ``heads`` of batch ``b`` lies within
     ``SAFE_EXPONENT`` (Cauchy-Schwarz; False when any query or key is not finite)."""
-    q_norm = max_row_norm(t.xp, t.xp.reshape(q[b, heads, :, :], (-1, t.d)))
-    return k_norm * q_norm * abs(t.scale) <= SAFE_EXPONENT
+    bound = k_norm * abs(t.scale)  # head by head: each q[b, h] is a view, read in row blocks
+    return all(
+        bound * max_row_norm(t.xp, q[b, h, :, :]) <= SAFE_EXPONENT
+        for h in range(heads.start, heads.stop)
+    )
 
 
 class _MaskCache:
