@@ -347,7 +347,7 @@ def test_block_sparse_document_rows_visit_only_the_tiles_of_each_document(monkey
     """torch's side gets create_block_mask; ours skips the cross-document tiles too: through
     the document mask's own key ranges over host ids (NumPy, PyTorch CPU tensors), through a
     BlockMask built in the setup over ids that declare none. The dense side skips nothing."""
-    pytest.importorskip("torch")
+    pytest.importorskip("torch", reason="torch is not installed")
     import xpkernels.mods as xm
     import xpkernels.mods.bands as bands
 

@@ -40,6 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import array_api_compat
 
+from xpkernels._memory import torch_numpy_view
+
 __all__ = [
     "BLOCK_ELEMENTS",
     "BlockBuffers",
@@ -316,20 +318,17 @@ def numpy_views(*arrays):
     tensors. float16/bfloat16 tensors (bfloat16 has no NumPy dtype) and
     tensors recording autograd keep the PyTorch path.
     """
-    present = [a for a in arrays if a is not None and not isinstance(a, (int, float))]
-    if not present or not all(array_api_compat.is_torch_array(a) for a in present):
-        return None
-    import torch
-
-    held = (torch.float32, torch.float64, torch.int32, torch.int64, torch.bool)
-    for a in present:
-        if type(a) is not torch.Tensor:  # subclasses (fake, functional, guarded) keep their path
+    views, found = [], False
+    for a in arrays:
+        if a is None or isinstance(a, (int, float)):
+            views.append(a)
+            continue
+        view = torch_numpy_view(a)  # subclasses (fake, functional, guarded) keep their path
+        if view is None:
             return None
-        if a.device.type != "cpu" or a.dtype not in held or a.requires_grad:
-            return None
-        if a.is_conj() or a.is_neg():
-            return None
-    return tuple(a if a is None or isinstance(a, (int, float)) else a.numpy() for a in arrays)
+        views.append(view)
+        found = True
+    return tuple(views) if found else None
 
 
 def path_namespace(like):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import array_api_compat
 import numpy as np
 
-__all__ = ["identical", "layout", "same_memory"]
+__all__ = ["identical", "layout", "same_memory", "torch_numpy_view"]
 
 
 # A stand-in for the whole address space: NumPy views of it reproduce any array's byte layout
@@ -47,6 +47,22 @@ def layout(a):
     return np.lib.stride_tricks.as_strided(
         _ADDRESS_SPACE[address:], shape=(*a.shape, itemsize), strides=(*byte_strides, 1)
     )
+
+
+def torch_numpy_view(a):
+    """A zero-copy NumPy view of ``a`` when it is a plain ``torch.Tensor`` on the CPU that
+    NumPy holds (float32/float64, int32/int64, bool) with no autograd record and no conj/neg
+    bit; else None. Subclasses (fake, functional, guarded tensors) are never read."""
+    if not array_api_compat.is_torch_array(a):
+        return None
+    import torch
+
+    held = (torch.float32, torch.float64, torch.int32, torch.int64, torch.bool)
+    if type(a) is not torch.Tensor or a.device.type != "cpu" or a.dtype not in held:
+        return None
+    if a.requires_grad or a.is_conj() or a.is_neg():
+        return None
+    return a.numpy()
 
 
 def identical(u, v) -> bool:

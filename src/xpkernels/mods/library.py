@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import array_api_compat
 import numpy as np
 
-from .._memory import same_memory
+from .._memory import same_memory, torch_numpy_view
 from .ir import BOOL, FLOAT, INPUTS, INT, Graph, _host_bounds, _to_host, is_host_array
 from .trace import CapturedArray, _scalar, _Tracer, logical_and, logical_or, tanh
 
@@ -360,16 +360,9 @@ def prefix_lm(n: int) -> MaskMod:
 
 def _host_ids(a):
     """``a`` as a NumPy array when its values are on the host: a host array (NumPy,
-    array_api_strict) or a plain PyTorch CPU tensor recording no autograd (a zero-copy view;
+    array_api_strict) or a plain PyTorch CPU tensor (:func:`~xpkernels._memory.torch_numpy_view`:
     subclasses -- fake or guarded tensors under tracing -- are not read); else None."""
-    if is_host_array(a):
-        return np.asarray(_to_host(a))
-    if array_api_compat.is_torch_array(a):
-        import torch
-
-        if type(a) is torch.Tensor and a.device.type == "cpu" and not a.requires_grad:
-            return a.numpy()
-    return None
+    return np.asarray(_to_host(a)) if is_host_array(a) else torch_numpy_view(a)
 
 
 class DocumentMask(MaskMod):
@@ -411,17 +404,17 @@ class DocumentMask(MaskMod):
 
     def _band(self, positions, n_kv):
         """With one host id per position (``doc_kv`` None, ``(S,)`` ids that :func:`_host_ids`
-        reads): every key from
-        the first to the last position of the query's id, surely those of the query's own run
-        of equal ids -- exact where each document's positions are contiguous. Otherwise (device
-        or per-batch ids, ``doc_kv``, a position outside the ids) no band."""
+        reads): every key from the first to the last position of the query's id, surely those
+        of the query's own run of equal ids -- exact where each document's positions are
+        contiguous. Otherwise (device or per-batch ids, ``doc_kv``, a position outside the
+        ids) no band."""
         ids = _host_ids(self.arrays["doc_q"])
         unknown = super()._band(positions, n_kv)
         if "doc_kv" in self.arrays or ids is None or ids.ndim != 1 or n_kv == 0:
             return unknown
         n = ids.shape[0]
-        starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
-        run = np.cumsum(np.isin(np.arange(n), starts)) - 1  # run of equal ids of each position
+        new_run = np.concatenate(([True], ids[1:] != ids[:-1]))
+        starts, run = np.flatnonzero(new_run), np.cumsum(new_run) - 1  # run of each position
         ends = np.concatenate((starts[1:], [n])) - 1
         _, which = np.unique(ids, return_inverse=True)
         first, last = np.full(n, n), np.full(n, -1)
