@@ -812,8 +812,9 @@ def test_backward_matches_a_rebuilt_block_mask_and_refuses_another():
 
 def test_forward_evaluates_a_mask_without_heads_once_for_all_kv_heads(monkeypatch):
     """A mask that reads no head index keeps the same pairs for every kv head: each of the
-    forward's worker threads evaluates it once per (row chunk, PARTIAL key tile), and gets
-    what evaluating it for every kv head gives, bit for bit."""
+    forward's worker threads evaluates it at most once per (row chunk, PARTIAL key tile) --
+    which worker takes which item depends on timing -- and gets what evaluating it for every
+    kv head gives, bit for bit."""
     blocks = importlib.import_module("xpkernels.backends.array_api._blocks")
     monkeypatch.setattr(blocks, "_cores", lambda: 2)
     q, k, v, _ = qkvo(batch=2, heads=8, kv_heads=4, n_q=256, n_kv=256)
@@ -826,7 +827,8 @@ def test_forward_evaluates_a_mask_without_heads_once_for_all_kv_heads(monkeypatc
     counter = TileCounter(monkeypatch, mask)
     ck = allocate_checkpoints(flex_attention_, q, k, v)
     o = flex_attention(q, k, v, checkpoints=ck, mask_mod=mask)
-    assert counter.mask_runs == 2 * 2 * partial  # per batch and worker, not per kv head
+    # per batch and worker at most, not per kv head
+    assert 2 * partial <= counter.mask_runs <= 2 * 2 * partial
     monkeypatch.setattr(backend._MaskCache, "get", lambda self, b, r0, r1, j0, compute: compute())
     counter.reset()
     want_ck = allocate_checkpoints(flex_attention_, q, k, v)

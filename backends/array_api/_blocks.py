@@ -213,28 +213,31 @@ def for_each_block(
 def for_each_item(xp, work, items: list, n_workers: int, costs: list | None = None) -> None:
     """Call ``work(worker, item)`` for every item, shared among up to ``n_workers`` threads.
 
-    As :func:`for_each_block`: worker ``k`` takes items ``k, k + n_workers,
-    ...`` in order and worker 0 runs on the caller's thread. With ``costs``
-    (one estimate per item) the items are dealt costliest first, each to the
-    worker with the least cost so far instead: still a fixed split, balanced
-    for items of uneven cost (causal query tiles). ``n_workers`` is capped by
-    the items and, except on NumPy, is 1. While several workers run, NumPy's
+    Workers take items one at a time from a shared queue -- in order, or
+    costliest first with ``costs`` (one estimate per item: causal query
+    tiles differ up to Sk-fold) -- and worker 0 runs on the caller's thread.
+    A worker whose core another process holds takes fewer items instead of
+    a fixed share the others wait for. ``worker`` indexes per-worker scratch
+    only: an item's result must not depend on which worker runs it, so
+    results do not depend on thread timing. ``n_workers`` is capped by the
+    items and, except on NumPy, is 1. While several workers run, NumPy's
     BLAS runs one thread per call (:func:`blas_threads`).
     """
     if not array_api_compat.is_numpy_namespace(xp):
         n_workers = 1
     n_workers = max(1, min(n_workers, len(items)))
-    shares: list[list] = [items[k::n_workers] for k in range(n_workers)]
-    if costs is not None and n_workers > 1:
-        shares, loads = [[] for _ in range(n_workers)], [0.0] * n_workers
-        for index in sorted(range(len(items)), key=lambda i: -costs[i]):
-            worker = loads.index(min(loads))
-            shares[worker].append(items[index])
-            loads[worker] += costs[index]
+    order = list(range(len(items)))
+    if costs is not None:
+        order.sort(key=lambda i: -costs[i])
+    queue, lock = iter(order), threading.Lock()
 
     def run(worker):
-        for item in shares[worker]:
-            work(worker, item)
+        while True:
+            with lock:
+                index = next(queue, None)
+            if index is None:
+                return
+            work(worker, items[index])
 
     if n_workers == 1:
         run(0)
