@@ -67,9 +67,12 @@ def _run(q, k, v, do, **options):
 
 
 def _small_tiles(monkeypatch, tile_elements, key_tile):
-    monkeypatch.setattr(attention_impl, "TILE_ELEMENTS", tile_elements)
-    monkeypatch.setattr(attention_impl, "KEY_TILE", key_tile)
-    monkeypatch.setattr(numpy_tiles, "MASKED_KEY_CHUNK", 3)  # several chunks per diagonal tile
+    """Tiles of ``tile_elements`` scores and ``key_tile`` keys, the NumPy forward's too."""
+    for prefix in ("", "NUMPY_"):
+        monkeypatch.setattr(attention_impl, prefix + "TILE_ELEMENTS", tile_elements)
+        monkeypatch.setattr(attention_impl, prefix + "KEY_TILE", key_tile)
+    for chunk in ("MASKED_KEY_CHUNK", "FORWARD_KEY_CHUNK"):  # several chunks per diagonal tile
+        monkeypatch.setattr(numpy_tiles, chunk, 3)
 
 
 TILED_CASES = {
@@ -250,7 +253,7 @@ def test_memory_is_bounded_by_the_tile_budget_at_8192():
     ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
     O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
     scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
-    budget = 8 * attention_impl.TILE_ELEMENTS * 4
+    budget = 8 * attention_impl.NUMPY_TILE_ELEMENTS * 4  # the larger of the two budgets
     tracemalloc.start()
     try:
         xk.attention_(o, q, k, v, causal=True, checkpoints=ck)

@@ -10,13 +10,22 @@ into the query scale), twice as fast as ``exp`` in NumPy's float32 loops
 (57 against 120 us on a 512 x 512 tile) and, under the bound, never in the
 ranges where ``exp2`` leaves its vector loop (``-inf``: 282 against 30 us at
 256 x 256 half masked; results below 2**-126: 2.2 ms against 30 us), which
-is why the Array API tiles keep ``exp``. Rows are stacked query-major, so
-the causal diagonal is taken in key chunks against only the queries that
-see them (5/8 of the diagonal tile's products at four chunks). At
+is why the Array API tiles keep ``exp``: hidden pairs are zeroed after
+``exp2`` instead (the forward's causal diagonal took 0.90x the time of
+``-inf`` and ``exp`` there, 44.0 against 48.7 ms at 1x8x2048x64 on 2 cores,
+medians of 15 interleaved). Rows are stacked query-major, so the causal
+diagonal is taken in key chunks against only the queries that see them
+(3/4 of the diagonal tile's products at two chunks, 5/8 at four). At
 1x8x2048x64 float32 on 2 cores, against the Array API tiles (with the
 256-query causal tiles they had before), interleaved in one process
 (medians of 7-11): forward 0.80x the time causal and 0.90x without a mask;
 backward 0.74x causal and the same without a mask.
+
+What is left is NumPy's floor: the forward is its two products per tile
+plus three passes over each score tile (``exp2``, the checkpoints' column
+max, the row sums' product) that PyTorch's SDPA fuses into its own loops.
+One core, 1x8x2048x64: the products alone took 97.8 ms, products and
+passes 113.0, SDPA 108-116 (medians of 7).
 """
 
 from __future__ import annotations
@@ -29,9 +38,20 @@ from ._blocks import LOG2E, SAFE_EXPONENT, max_row_norm, spans, to
 
 __all__ = ["BackwardWorkspace", "Workspace", "backward_item", "forward_tile"]
 
-#: Keys per chunk of the causal diagonal in the NumPy tiles (128 beat 64 and
+#: Keys per chunk of the causal diagonal in the backward tiles (128 beat 64 and
 #: 256 at 1x8x2048x64 causal, measured).
 MASKED_KEY_CHUNK = 128
+
+#: Keys per chunk of the causal diagonal in the forward tiles: with hidden
+#: pairs zeroed after ``exp2`` and 1024-key tiles, 256 took 37.2 ms against
+#: 42.5 for 128 and 41.7 for the whole 512-key diagonal at 1x8x2048x64 causal
+#: on 2 cores (medians of 15, interleaved).
+FORWARD_KEY_CHUNK = 256
+
+#: Key rows folded into one before a score tile's column max (:func:`_column_max`):
+#: NumPy reduces a ``(keys, rows)`` tile over its keys one short row at a time;
+#: folded 8 to a row it took 24 us against 38 on a 512 x 512 tile (measured).
+MAX_FOLD = 8
 
 #: Base-2 exponents above which NumPy's ``exp2`` keeps its vector loop (its
 #: results stay normal floats; below -126 they turn subnormal, tenfold slower).
@@ -49,13 +69,15 @@ class Workspace:
 
     def __init__(self, rows: int, keys: int, d: int, dv: int, dtype):
         self.scores = numpy.empty((rows * keys,), dtype=dtype)
-        self.q = numpy.empty((2, rows, d), dtype=dtype)  # scaled queries: natural and log2 units
-        # running max, running sum, one block's max, one block's sum
+        self.q = numpy.empty((rows, d), dtype=dtype)  # scaled queries, log2 units
+        # largest p so far, running sum, one block's largest p, one block's sum
         self.rows = numpy.empty((4, rows), dtype=dtype)
         self.o = numpy.empty((2, rows, dv), dtype=dtype)  # running output, one tile's p @ v
         self.ones = numpy.ones((keys,), dtype=dtype)
-        chunk = numpy.arange(min(MASKED_KEY_CHUNK, keys))
-        self.triangle = chunk[:, None] > chunk[None, :]  # key c of a chunk hidden from row r
+        self.maxes = numpy.empty((MAX_FOLD * rows,), dtype=dtype)  # see _column_max
+        chunk = numpy.arange(min(FORWARD_KEY_CHUNK, keys))
+        # 1 where key c of a chunk is seen by its row r (c <= r), 0 where it is hidden
+        self.seen = (chunk[:, None] <= chunk[None, :]).astype(dtype)
 
 
 def forward_tile(
@@ -82,77 +104,85 @@ def forward_tile(
     finite and a tile whose scores are bounded; False (nothing written) when they are not.
 
     Bounded: ``|q_i| |k_j| <= SAFE_EXPONENT`` for every query of the tile and
-    key of the group (Cauchy-Schwarz on the largest norms), so no running max
-    can pass ``SAFE_EXPONENT`` and scores are exponentiated unshifted. Tiles
-    without masked pairs take their scores in base-2 units (``log2(e)``
-    folded into the query scale) through ``exp2``, twice as fast as ``exp``
-    in NumPy's float32 loops; the bound keeps every base-2 score within
-    ``+-SAFE_EXPONENT * log2(e)``, far from the -126 where ``exp2``'s results
-    turn subnormal and its loop slows tenfold. Masked tiles (``-inf``, which
-    ``exp2`` also takes slowly) use natural units and ``exp``; with finite
-    values a masked pair's ``p = 0`` contributes exactly nothing.
+    key of the group (Cauchy-Schwarz on the largest norms), so scores are
+    exponentiated unshifted, in base-2 units (``log2(e)`` folded into the
+    query scale) through ``exp2``, twice as fast as ``exp`` in NumPy's float32
+    loops; the bound keeps every base-2 score within ``+-SAFE_EXPONENT *
+    log2(e)``, far from the -126 where ``exp2``'s results turn subnormal and
+    its loop slows tenfold. Hidden pairs are never ``-inf`` (which ``exp2``
+    also takes slowly): their ``p`` is multiplied by 0 after ``exp2``, and with
+    finite values they contribute exactly nothing. Checkpoints take the
+    largest ``p`` of each row (a column max, :func:`_column_max`) and give
+    ``m = log(p_max)``, ``l = sum(p) / p_max``.
 
     Rows are stacked query-major (``n_q x group``), so the queries from one
     on are a contiguous block of rows: the causally masked keys (from the
-    tile's first query's own on) are taken in chunks of ``MASKED_KEY_CHUNK``
+    tile's first query's own on) are taken in chunks of ``FORWARD_KEY_CHUNK``
     (at most a key tile), each against only the queries that see any of it:
-    5/8 of the masked square's products at four chunks. Every step writes
+    3/4 of the masked square's products at two chunks. Every step writes
     into ``space`` (a :class:`Workspace`).
     """
     acc = space.scores.dtype
     group, n_q = heads_g.stop - heads_g.start, i1 - i0
     rows, d, dv = group * n_q, q.shape[3], v.shape[3]
-    q_nat, q_two = space.q[0, :rows], space.q[1, :rows]
+    q_two = space.q[:rows]
     q_in = q[b, heads_g, i0:i1, :].transpose(1, 0, 2)
-    numpy.multiply(q_in, scale, out=q_nat.reshape(n_q, group, d), dtype=acc)
-    q_norm = math.sqrt(float(numpy.max(numpy.einsum("ij,ij->i", q_nat, q_nat))))
+    numpy.multiply(q_in, scale, out=q_two.reshape(n_q, group, d), dtype=acc)
+    q_norm = math.sqrt(float(numpy.max(numpy.einsum("ij,ij->i", q_two, q_two))))
     if not k_norm * q_norm <= SAFE_EXPONENT:  # also False for a non-finite norm
         return False
-    numpy.multiply(q_nat, LOG2E, out=q_two)
-    m_run, l_run, tile_max, tile_sum = (a[:rows] for a in space.rows)
+    q_two *= LOG2E
+    p_max, l_run, tile_max, tile_sum = (a[:rows] for a in space.rows)
     o_acc, pv = space.o[0, :rows], space.o[1, :rows]
     checkpoints = m is not None
     if k_end > mask_start:  # the masked keys start at the first query's own
         mask_start -= 1
     blocks = [(j0, j1, 0) for j0, j1 in spans(0, mask_start, key_tile)]
-    for c0, c1 in spans(0, k_end - mask_start, min(MASKED_KEY_CHUNK, key_tile)):
+    for c0, c1 in spans(0, k_end - mask_start, min(FORWARD_KEY_CHUNK, key_tile)):
         blocks.append((mask_start + c0, mask_start + c1, c0))  # queries before c0 see none of it
     for n, (j0, j1, r0) in enumerate(blocks):
         cols = j1 - j0
         sub = slice(r0 * group, rows)
-        s = space.scores[: cols * (rows - sub.start)].reshape(cols, rows - sub.start)
+        p = space.scores[: cols * (rows - sub.start)].reshape(cols, rows - sub.start)
         k_tile, v_tile = to(numpy, k[b, g, j0:j1, :], acc), to(numpy, v[b, g, j0:j1, :], acc)
-        numpy.matmul(k_tile, (q_two if j0 < mask_start else q_nat[sub]).T, out=s)
+        numpy.matmul(k_tile, q_two[sub].T, out=p)
+        numpy.exp2(p, out=p)
         if j0 >= mask_start:  # rows from r0 + cols on see the whole chunk
             seen = min(n_q - r0, cols)
-            hidden = space.triangle[:cols, :seen, None]
-            numpy.copyto(s[:, : seen * group].reshape(cols, seen, group), -math.inf, where=hidden)
+            corner = p[:, : seen * group].reshape(cols, seen, group)
+            numpy.multiply(corner, space.seen[:cols, :seen, None], out=corner)
         if checkpoints:
-            numpy.maximum.reduce(s, axis=0, out=tile_max[sub])
-        if j0 < mask_start:
-            numpy.exp2(s, out=s)
-        else:
-            tile_max[sub] *= LOG2E
-            numpy.exp(s, out=s)
+            _column_max(space, p, tile_max[sub])
         if n == 0:  # the first block holds every row (queries see key 0 first)
-            numpy.matmul(s.T, v_tile, out=o_acc)
-            numpy.matmul(space.ones[:cols], s, out=l_run)
+            numpy.matmul(p.T, v_tile, out=o_acc)
+            numpy.matmul(space.ones[:cols], p, out=l_run)
             if checkpoints:
-                m_run[...] = tile_max
+                p_max[...] = tile_max
             continue
-        o_acc[sub] += numpy.matmul(s.T, v_tile, out=pv[sub])
-        l_run[sub] += numpy.matmul(space.ones[:cols], s, out=tile_sum[sub])
+        o_acc[sub] += numpy.matmul(p.T, v_tile, out=pv[sub])
+        l_run[sub] += numpy.matmul(space.ones[:cols], p, out=tile_sum[sub])
         if checkpoints:
-            numpy.maximum(m_run[sub], tile_max[sub], out=m_run[sub])
+            numpy.maximum(p_max[sub], tile_max[sub], out=p_max[sub])
     out = o[b, heads_g, i0:i1, :].transpose(1, 0, 2)
     numpy.divide(o_acc.reshape(n_q, group, dv), l_run.reshape(n_q, group, 1), out=out)
-    if checkpoints:
-        m_run *= 1.0 / LOG2E  # base-2 max to natural units
-        m[b, heads_g, i0:i1] = m_run.reshape(n_q, group).T
-        numpy.exp(-m_run, out=tile_sum)
-        tile_sum *= l_run
+    if checkpoints:  # m = log of the largest p (positive: every row sees a key)
+        numpy.divide(l_run, p_max, out=tile_sum)
         l[b, heads_g, i0:i1] = tile_sum.reshape(n_q, group).T
+        numpy.log(p_max, out=p_max)
+        m[b, heads_g, i0:i1] = p_max.reshape(n_q, group).T
     return True
+
+
+def _column_max(space, p, out) -> None:
+    """``out = p.max(axis=0)`` for a C-contiguous ``(keys, rows)`` tile, its key rows
+    folded ``MAX_FOLD`` to a row first (see ``MAX_FOLD``)."""
+    keys, rows = p.shape
+    if keys % MAX_FOLD:
+        numpy.maximum.reduce(p, axis=0, out=out)
+        return
+    folded = space.maxes[: MAX_FOLD * rows]
+    numpy.maximum.reduce(p.reshape(keys // MAX_FOLD, MAX_FOLD * rows), axis=0, out=folded)
+    numpy.maximum.reduce(folded.reshape(MAX_FOLD, rows), axis=0, out=out)
 
 
 class BackwardWorkspace:

@@ -81,14 +81,24 @@ from ._blocks import (
 
 __all__ = ["SAFE_EXPONENT", "backward", "backward_calls", "forward", "forward_calls"]
 
-#: Score elements of one query tile x key tile pair (float32: 1 MiB). Each
-#: call holds a handful of temporaries this size per worker, whatever Sq and
-#: Sk are; the tile and its operands stay in a core's L2 cache (2 MiB here:
-#: 2**18 was faster than 2**17 and 2**19 at 1x8x2048x64 float32, measured).
+#: Score elements of one query tile x key tile pair (float32: 1 MiB), but for
+#: the forward on NumPy arrays (``NUMPY_TILE_ELEMENTS``). Each call holds a
+#: handful of temporaries this size per worker, whatever Sq and Sk are
+#: (2**18 was faster than 2**17 and 2**19 at 1x8x2048x64 float32, measured).
 TILE_ELEMENTS = 1 << 18
 
 #: Keys per tile; a query tile holds ``TILE_ELEMENTS // KEY_TILE`` rows.
 KEY_TILE = 512
+
+#: The forward's tile budget and keys per tile on NumPy arrays (float32: 2 MiB
+#: per worker). Its tiles (:mod:`._attention_numpy`) cost a few NumPy calls
+#: per key tile, each a point where two workers meet at the GIL: at
+#: 1x8x2048x64 float32 on 2 cores, 1024 keys x 512 rows took 0.88x the time
+#: of 512 x 512 (58.6 against 66.4 ms, causal 42.7 against 48.2, medians of 17
+#: interleaved; 1x8x4096x128 0.97x), where 512 keys x 1024 rows and 1024 x
+#: 256 gained nothing.
+NUMPY_TILE_ELEMENTS = 1 << 19
+NUMPY_KEY_TILE = 1024
 
 #: Most queries of one causal query tile (see :func:`_tile_sizes`; with the
 #: NumPy tiles' chunked diagonal 512 was 4-7% faster than 256, measured).
@@ -104,15 +114,21 @@ def per_batch(value, batch: int, default: int, low: int, high: int) -> list[int]
     return [min(high, max(low, int(value[b]))) for b in range(batch)]
 
 
-def _tile_sizes(keys: int, group: int, d: int, dv: int, causal: bool) -> tuple[int, int]:
-    """(key tile, query tile) sizes keeping every temporary within the tile budget.
+def _tile_sizes(
+    keys: int, group: int, d: int, dv: int, causal: bool, numpy: bool = False
+) -> tuple[int, int]:
+    """(key tile, query tile) sizes keeping every temporary within the tile budget
+    (``NUMPY_TILE_ELEMENTS`` and ``NUMPY_KEY_TILE`` for the forward on NumPy arrays).
 
     Causal query tiles hold at most ``CAUSAL_QUERY_TILE`` queries: the keys
     a tile's first query cannot see are computed and masked, about half a
     query tile squared per tile.
     """
-    key_tile = max(1, min(KEY_TILE, keys))
-    rows = max(1, TILE_ELEMENTS // max(key_tile, d + 1, dv + 1) // group)
+    elements, most_keys = (
+        (NUMPY_TILE_ELEMENTS, NUMPY_KEY_TILE) if numpy else (TILE_ELEMENTS, KEY_TILE)
+    )
+    key_tile = max(1, min(most_keys, keys))
+    rows = max(1, elements // max(key_tile, d + 1, dv + 1) // group)
     return key_tile, min(rows, CAUSAL_QUERY_TILE) if causal else rows
 
 
@@ -258,7 +274,7 @@ def _forward_items(items, arrays, input_pos, q_lengths, k_lengths, *, causal) ->
             if m is not None:
                 m[b, :, rows] = -math.inf
                 l[b, :, rows] = 0.0
-        key_tile, query_tile = _tile_sizes(nk, group, d, dv, causal)
+        key_tile, query_tile = _tile_sizes(nk, group, d, dv, causal, numpy=fast)
         rows_max, key_max = max(rows_max, group * query_tile), max(key_max, key_tile)
         visible = None
         if causal and nq > first:
