@@ -128,7 +128,7 @@ def forward_tile(
     q_two = space.q[:rows]
     q_in = q[b, heads_g, i0:i1, :].transpose(1, 0, 2)
     numpy.multiply(q_in, scale, out=q_two.reshape(n_q, group, d), dtype=acc)
-    q_norm = math.sqrt(float(numpy.max(numpy.einsum("ij,ij->i", q_two, q_two))))
+    q_norm = math.sqrt(float(numpy.max(numpy.vecdot(q_two, q_two))))
     if not k_norm * q_norm <= SAFE_EXPONENT:  # also False for a non-finite norm
         return False
     q_two *= LOG2E
