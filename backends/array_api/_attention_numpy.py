@@ -119,7 +119,9 @@ def forward_tile(
     on are a contiguous block of rows: the causally masked keys (from the
     tile's first query's own on) are taken in chunks of ``FORWARD_KEY_CHUNK``
     (at most a key tile), each against only the queries that see any of it:
-    3/4 of the masked square's products at two chunks. Every step writes
+    3/4 of the masked square's products at two chunks. The first chunk, which
+    every query of the tile meets, joins the key tiles before it (the last of
+    them takes it where it has room: one block fewer). Every step writes
     into ``space`` (a :class:`Workspace`).
     """
     acc = space.scores.dtype
@@ -137,8 +139,12 @@ def forward_tile(
     checkpoints = m is not None
     if k_end > mask_start:  # the masked keys start at the first query's own
         mask_start -= 1
-    blocks = [(j0, j1, 0) for j0, j1 in spans(0, mask_start, key_tile)]
-    for c0, c1 in spans(0, k_end - mask_start, min(FORWARD_KEY_CHUNK, key_tile)):
+    # (first key, end key, first query row) of each block: the keys before the first chunk
+    # of masked keys in key tiles, the last of them holding that chunk, then the other chunks
+    chunk = min(FORWARD_KEY_CHUNK, key_tile)
+    first = min(chunk, k_end - mask_start)
+    blocks = [(j0, j1, 0) for j0, j1 in spans(0, mask_start + first, key_tile)]
+    for c0, c1 in spans(first, k_end - mask_start, chunk):
         blocks.append((mask_start + c0, mask_start + c1, c0))  # queries before c0 see none of it
     for n, (j0, j1, r0) in enumerate(blocks):
         cols = j1 - j0
@@ -147,10 +153,12 @@ def forward_tile(
         k_tile, v_tile = to(numpy, k[b, g, j0:j1, :], acc), to(numpy, v[b, g, j0:j1, :], acc)
         numpy.matmul(k_tile, q_two[sub].T, out=p)
         numpy.exp2(p, out=p)
-        if j0 >= mask_start:  # rows from r0 + cols on see the whole chunk
-            seen = min(n_q - r0, cols)
-            corner = p[:, : seen * group].reshape(cols, seen, group)
-            numpy.multiply(corner, space.seen[:cols, :seen, None], out=corner)
+        if j1 > mask_start:  # keys kc.. are h0..h1 of a chunk from row r0's own key on
+            kc = max(j0, mask_start + r0)
+            h0, h1 = kc - mask_start - r0, j1 - mask_start - r0
+            seen = min(n_q - r0, h1)  # rows from r0 + h1 on see them all
+            corner = p[kc - j0 :, : seen * group].reshape(h1 - h0, seen, group)
+            numpy.multiply(corner, space.seen[h0:h1, :seen, None], out=corner)
         if checkpoints:
             _column_max(space, p, tile_max[sub])
         if n == 0:  # the first block holds every row (queries see key 0 first)
