@@ -70,6 +70,66 @@ def test_flex_equals_attention(attention_options, flex_options):
         np.testing.assert_allclose(f, a, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize(
+    "attention_options, flex_options",
+    [
+        ({}, {}),
+        ({}, {"mask_mod": xm.FullMask()}),
+        ({"causal": True}, {"mask_mod": xm.CausalMask()}),
+        ({"causal": True, "input_pos": 30}, {"mask_mod": xm.CausalMask(), "input_pos": 30}),
+        (
+            {"causal": True, "input_pos": np.array([5, 640])},
+            {"mask_mod": xm.CausalMask(), "input_pos": np.array([5, 640])},
+        ),
+    ],
+)
+def test_plain_flex_runs_the_attention_tiles_on_numpy(attention_options, flex_options, monkeypatch):
+    """Without a score mod, no mask or a causal one (by its exact band) runs attention's own
+    tiles on NumPy: output, checkpoints and gradients bit for bit attention's."""
+    calls = []
+
+    def spy(name):
+        real = getattr(backend._attention, name)
+
+        def run(*args, **kwargs):
+            calls.append(name)
+            real(*args, **kwargs)
+
+        return run
+
+    for name in ("forward", "backward"):
+        monkeypatch.setattr(backend._attention, name, spy(name))
+    q, k, v, do = qkvo(n_q=70, n_kv=700, d=24)
+    ck_a = allocate_checkpoints(attention_, q, k, v)
+    o_a = attention(q, k, v, checkpoints=ck_a, **attention_options)
+    grads_a = attention_backward(do, q, k, v, o_a, checkpoints=ck_a, **attention_options)
+    calls.clear()
+    o_f, ck_f, grads_f = forward_and_backward(q, k, v, do, **flex_options)
+    assert calls == ["forward", "backward"]
+    for got, want in zip((o_f, *ck_f, *grads_f), (o_a, *ck_a, *grads_a), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mask_mod": xm.SlidingWindowMask(64)},
+        {"mask_mod": xm.CausalMask(), "block_sparse": False},
+        {"mask_mod": xm.CausalMask(), "score_mod": xm.SoftCapScore(20.0)},
+        {"mask_mod": xm.CausalMask(), "input_pos": -5},  # rows before key 0 keep no key
+        {"mask_mod": xm.CausalMask() & xm.PrefixMask(300), "input_pos": 250},
+    ],
+)
+def test_other_flex_calls_keep_the_flex_tiles(options, monkeypatch):
+    """A window, a causal mask without band skipping, a score mod, empty rows or a clipped
+    causal band are not plain attention: flex's own tiles run them."""
+    monkeypatch.setattr(backend._attention, "forward", None)  # any call would fail
+    monkeypatch.setattr(backend._attention, "backward", None)
+    q, k, v, do = qkvo(n_q=70, n_kv=700, d=24)
+    o, ck, _ = forward_and_backward(q, k, v, do, **options)
+    assert np.isfinite(o).all()
+
+
 def test_checkpoints_interchange_with_attention():
     """Flex's (m, l) equal attention's (one contract); attention's backward takes only checkpoints
     its own forward recorded (it cannot compare flex's mods with its options)."""
@@ -143,6 +203,8 @@ def test_skipped_tiles_are_not_computed_forward_or_backward(monkeypatch, how):
     )
     if how == "band":
         monkeypatch.setattr(backend, "default_tiles", lambda n_q, n_kv, group, masked: (32, 32))
+        # the tiles as other namespaces run a causal mask (NumPy hands it to the attention tiles)
+        monkeypatch.setattr(backend, "_plain_attention", lambda *args: None)
     states = plan.group(0, 0, 2)
     visited, partial = int(np.sum(states != xm.SKIP)), int(np.sum(states == xm.PARTIAL))
     assert states.size == 64 and visited < 40 and partial < visited

@@ -48,6 +48,14 @@ their own span of keys, consecutive chunks in one batched product. At
 rows at 1x8x2048x64, 55.6 against 73.0 ms on the BlockMask's tiles (medians
 of 11).
 
+Plain attention -- no score mod, and no mask or one whose exact band is
+causal or keeps every key (:func:`_plain_attention`) -- runs the forward and
+backward of :mod:`.attention` on NumPy instead: the same scores and masks,
+without a mask graph, its causal diagonal in chunks. At 1x8x2048x64 float32,
+2 cores, interleaved (medians of 7): causal forward 47.1 against 56.4 ms,
+backward 105.9 against 151.2; no mask 71.6 against 81.3 and 173.9 against
+226.7.
+
 A query tile is split into row chunks so that one chunk's scores hold at most
 ``TILE_ELEMENTS``: extra memory is bounded by that budget, not by Sq or Sk.
 Rows that keep no key have ``o = 0``, ``m = -inf``, ``l = 0`` and zero
@@ -73,6 +81,7 @@ import numpy as np
 
 from xpkernels.mods import PARTIAL, SKIP, tile_grid
 
+from . import attention as _attention
 from ._blocks import (
     LOG2E,
     SAFE_EXPONENT,
@@ -328,6 +337,23 @@ def forward(
     if views is not None:  # PyTorch CPU tensors: the NumPy path
         (o, q, k, v, m, l), input_pos, slots, _ = views
     xp = array_api_compat.array_namespace(o, q, k, v)
+    plain = _plain_attention(xp, q, k, input_pos, score_mod, mask_mod, plan)
+    if plain is not None:
+        causal, positions = plain
+        _attention.forward(
+            o,
+            q,
+            k,
+            v,
+            m,
+            l,
+            scale=scale,
+            causal=causal,
+            input_pos=positions,
+            q_lengths=None,
+            k_lengths=None,
+        )
+        return
     t = _Tiles(
         xp,
         q,
@@ -388,6 +414,38 @@ def forward(
 
 
 _BAND, _TILES = "band", "tiles"
+
+
+def _plain_attention(xp, q, k, input_pos, score_mod, mask_mod, plan):
+    """``(causal, input_pos)`` for :mod:`.attention` when the call is plain attention on
+    NumPy arrays, else None.
+
+    Plain: no score mod, and either no mask or one whose exact band (the
+    plan's, from host positions) keeps every key of every row, or keys
+    ``0 .. position + r`` of row ``r`` (causal: the last key clipped to
+    ``Sk - 1``). The attention tiles then compute the same scores, masks and
+    checkpoints with fewer passes (no mask graph, the diagonal in chunks).
+    """
+    if score_mod is not None or not array_api_compat.is_numpy_namespace(xp):
+        return None
+    if mask_mod is None:
+        return False, 0
+    if plan.bands is None or not isinstance(input_pos, tuple):
+        return None
+    if len(plan.bands) != len(input_pos):
+        return None
+    n_q, n_kv = q.shape[2], k.shape[2]
+    rows = np.arange(n_q, dtype=np.int64)
+    causal = full = True
+    for position, (lo, hi) in zip(input_pos, plan.bands, strict=True):
+        if np.any(lo != 0):
+            return None
+        causal = causal and np.array_equal(hi, np.minimum(position + rows, n_kv - 1))
+        full = full and bool(np.all(hi == n_kv - 1))
+    if not (causal or full):
+        return None
+    positions = input_pos[0] if len(input_pos) == 1 else np.asarray(input_pos, dtype=np.int64)
+    return causal, positions
 
 
 def _band_batches(t, plan, b):
@@ -597,6 +655,29 @@ def backward(
         arrays, input_pos, slots, score_mod_grads = views
         do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum = arrays
     xp = array_api_compat.array_namespace(do, q, k, v, o)
+    plain = _plain_attention(xp, q, k, input_pos, score_mod, mask_mod, plan)
+    if plain is not None:
+        causal, positions = plain
+        _attention.backward(
+            do,
+            q,
+            k,
+            v,
+            o,
+            m,
+            l,
+            dq,
+            dk,
+            dv,
+            delta,
+            dq_accum,
+            scale=scale,
+            causal=causal,
+            input_pos=positions,
+            q_lengths=None,
+            k_lengths=None,
+        )
+        return
     t = _Tiles(
         xp,
         q,
