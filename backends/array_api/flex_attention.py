@@ -339,20 +339,7 @@ def forward(
     xp = array_api_compat.array_namespace(o, q, k, v)
     plain = _plain_attention(xp, q, k, input_pos, score_mod, mask_mod, plan)
     if plain is not None:
-        causal, positions = plain
-        _attention.forward(
-            o,
-            q,
-            k,
-            v,
-            m,
-            l,
-            scale=scale,
-            causal=causal,
-            input_pos=positions,
-            q_lengths=None,
-            k_lengths=None,
-        )
+        _attention.forward(o, q, k, v, m, l, scale=scale, **plain)
         return
     t = _Tiles(
         xp,
@@ -417,8 +404,8 @@ _BAND, _TILES = "band", "tiles"
 
 
 def _plain_attention(xp, q, k, input_pos, score_mod, mask_mod, plan):
-    """``(causal, input_pos)`` for :mod:`.attention` when the call is plain attention on
-    NumPy arrays, else None.
+    """The options of :mod:`.attention` (``causal``, ``input_pos``, no lengths) when the call
+    is plain attention on NumPy arrays, else None.
 
     Plain: no score mod, and either no mask or one whose exact band (the
     plan's, from host positions) keeps every key of every row, or keys
@@ -429,7 +416,7 @@ def _plain_attention(xp, q, k, input_pos, score_mod, mask_mod, plan):
     if score_mod is not None or not array_api_compat.is_numpy_namespace(xp):
         return None
     if mask_mod is None:
-        return False, 0
+        return {"causal": False, "input_pos": 0, "q_lengths": None, "k_lengths": None}
     if plan.bands is None or not isinstance(input_pos, tuple):
         return None
     if len(plan.bands) != len(input_pos):
@@ -445,7 +432,7 @@ def _plain_attention(xp, q, k, input_pos, score_mod, mask_mod, plan):
     if not (causal or full):
         return None
     positions = input_pos[0] if len(input_pos) == 1 else np.asarray(input_pos, dtype=np.int64)
-    return causal, positions
+    return {"causal": causal, "input_pos": positions, "q_lengths": None, "k_lengths": None}
 
 
 def _band_batches(t, plan, b):
@@ -657,26 +644,7 @@ def backward(
     xp = array_api_compat.array_namespace(do, q, k, v, o)
     plain = _plain_attention(xp, q, k, input_pos, score_mod, mask_mod, plan)
     if plain is not None:
-        causal, positions = plain
-        _attention.backward(
-            do,
-            q,
-            k,
-            v,
-            o,
-            m,
-            l,
-            dq,
-            dk,
-            dv,
-            delta,
-            dq_accum,
-            scale=scale,
-            causal=causal,
-            input_pos=positions,
-            q_lengths=None,
-            k_lengths=None,
-        )
+        _attention.backward(*arrays, scale=scale, **plain)
         return
     t = _Tiles(
         xp,
