@@ -231,9 +231,8 @@ def forward_batch(t, o, q, k, v, m, l, b, g, heads, batch: Batch, band, workspac
     out /= sums[:, :, None]
     shape = (count, group, rows)
     o[b, heads, r0:r1, :] = to(numpy, _rows_of(out.reshape(shape + (t.dv,)), group, batch), o.dtype)
-    if top is not None:  # the largest kept 2**s: the row max is its log
+    if top is not None:  # the largest kept 2**s = e**s: the row max is its natural log
         sums /= top
-        numpy.log2(top, out=top)
-        top *= 1.0 / LOG2E
+        numpy.log(top, out=top)
         m[b, heads, r0:r1] = to(numpy, _rows_of(top.reshape(shape), group, batch), m.dtype)
         l[b, heads, r0:r1] = to(numpy, _rows_of(sums.reshape(shape), group, batch), l.dtype)

@@ -417,9 +417,7 @@ def _plain_attention(xp, q, k, input_pos, score_mod, mask_mod, plan):
         return None
     if mask_mod is None:
         return {"causal": False, "input_pos": 0, "q_lengths": None, "k_lengths": None}
-    if plan.bands is None or not isinstance(input_pos, tuple):
-        return None
-    if len(plan.bands) != len(input_pos):
+    if plan.bands is None or not isinstance(input_pos, tuple) or len(plan.bands) != len(input_pos):
         return None
     n_q, n_kv = q.shape[2], k.shape[2]
     rows = np.arange(n_q, dtype=np.int64)
