@@ -379,3 +379,48 @@ def test_block_sparse_document_rows_visit_only_the_tiles_of_each_document(monkey
         ("torch", True, 0, True),
         ("numpy", True, 1, True),
     ]
+
+
+def _floor_script():
+    """``bench/cpu_attention_floor.py`` as a module (``bench/`` is not a package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "cpu_attention_floor.py"
+    spec = importlib.util.spec_from_file_location("cpu_attention_floor", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("heads, seq, dim", [(2, 300, 32), (1, 1100, 16)])
+def test_floor_loop_with_passes_computes_attention(heads, seq, dim):
+    """The floor's bare NumPy loop is a real attention forward (one key tile whose length
+    does not fold by 8; two key tiles and three query tiles), so it is no strawman."""
+    from xpkernels.testing import references as ref
+    from xpkernels.testing.harness import max_error
+    from xpkernels.testing.tolerances import floor
+
+    (q, k, v, o), _, passes = _floor_script().tiles(heads, seq, dim)
+    passes()
+    keep = ref.attention_keep(1, seq, seq)
+    expected, *_ = ref.attention(
+        *(a[None].astype(np.float64) for a in (q, k, v)), scale=dim**-0.5, keep=keep
+    )
+    assert max_error(o[None], expected) <= floor("attention", "forward", "float32")
+
+
+def test_floor_script_prints_and_records_every_row(tmp_path):
+    path = tmp_path / "floor.json"
+    args = ["--heads", "1", "--seq", "64", "--dim", "16", "--repeats", "2", "--json", str(path)]
+    script = _floor_script().__file__
+    done = subprocess.run(
+        [sys.executable, script, *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(path.read_text())["rows"]
+    assert list(rows) == ["products only", "products + passes", "xpkernels", "sdpa"]
+    assert rows["sdpa"]["ratio_to_sdpa"] == 1.0
+    for name, figures in rows.items():
+        assert figures["min_ms"] <= figures["median_ms"] <= figures["max_ms"]
+        assert name in done.stdout
