@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from xpkernels.cli import bench
+from xpkernels.cli import bench, bench_cases
 from xpkernels.mods.bands import SKIP
 
 
@@ -52,7 +52,7 @@ def clock(monkeypatch):
 
 def pair(clock, ours, theirs, repeats=3):
     """One comparison: ``ours`` and ``theirs`` are (durations, then) of the planted calls."""
-    return bench.compare(
+    return bench_cases.compare(
         "op",
         "forward",
         "4x4",
@@ -132,8 +132,10 @@ def test_row_still_noisy_after_retiming_stays_flagged(monkeypatch, capsys, tmp_p
 def test_noisy_baseline_is_retimed_with_every_row_compared_to_it(clock):
     # "theirs" is the baseline of "ours" and of a third row: one group, each timed once.
     benches = pair(clock, ([], 1.0), ([1, 1, 1, 3], 2.0))
-    other = bench.Bench(
-        bench.Row("other", "forward", "xpkernels", "4x4", "GB/s", 1e9, "f", "op/forward/torch"),
+    other = bench_cases.Bench(
+        bench_cases.Row(
+            "other", "forward", "xpkernels", "4x4", "GB/s", 1e9, "f", "op/forward/torch"
+        ),
         clock.planted("other", []),
         3,
     )
@@ -151,7 +153,7 @@ def test_noisy_baseline_is_retimed_with_every_row_compared_to_it(clock):
 
 def test_missing_torch_is_named_and_its_rows_skipped(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # ``import torch`` now fails
-    benches, skipped = bench._benches(True, ["rms_norm", "attention"], "numpy", 1)
+    benches, skipped = bench_cases.benches(True, ["rms_norm", "attention"], "numpy", 1)
     assert benches and all(b.row.impl == "xpkernels" and b.row.baseline is None for b in benches)
     assert skipped == [
         "torch is not installed: the comparison rows against F.rms_norm, "
@@ -160,7 +162,7 @@ def test_missing_torch_is_named_and_its_rows_skipped(monkeypatch):
 
 
 def test_a_primitive_without_rows_is_named():
-    benches, skipped = bench._benches(True, ["merge_attention_states"], "numpy", 1)
+    benches, skipped = bench_cases.benches(True, ["merge_attention_states"], "numpy", 1)
     assert benches == []
     assert skipped == ["merge_attention_states: bench has no rows for this primitive"]
 
@@ -195,7 +197,7 @@ def test_missing_torch_is_named_in_the_output(tmp_path):
 
 def test_no_skipped_line_when_torch_imports(monkeypatch):
     pytest.importorskip("torch", reason="needs torch to be importable")
-    benches, skipped = bench._benches(True, ["softmax"], "numpy", 1)
+    benches, skipped = bench_cases.benches(True, ["softmax"], "numpy", 1)
     assert skipped == [] and {b.row.impl for b in benches} == {"xpkernels", "torch"}
 
 
@@ -245,17 +247,17 @@ def test_a_retiming_that_fails_is_reported_as_the_rows_error(monkeypatch, capsys
 
 
 def test_kept_pairs_of_each_flex_mask():
-    assert bench._kept_pairs(4, "causal") == 10
-    assert bench._kept_pairs(5, 1) == 1 + 2 + 2 + 2 + 2  # each query and the key before it
-    docs = bench._document_ids(100, 4)
+    assert bench_cases._kept_pairs(4, "causal") == 10
+    assert bench_cases._kept_pairs(5, 1) == 1 + 2 + 2 + 2 + 2  # each query and the key before it
+    docs = bench_cases._document_ids(100, 4)
     assert docs.shape == (100,) and list(np.unique(docs)) == [0, 1, 2, 3]
     assert (np.diff(docs) >= 0).all()
-    assert bench._kept_pairs(100, docs) == sum(int(n) ** 2 for n in np.bincount(docs))
+    assert bench_cases._kept_pairs(100, docs) == sum(int(n) ** 2 for n in np.bincount(docs))
 
 
 def test_varlen_pairs_count_each_sequence_alone():
-    assert bench._varlen_pairs((3, 0, 2), causal=False) == 9 + 0 + 4
-    assert bench._varlen_pairs((3, 0, 2), causal=True) == 6 + 0 + 3
+    assert bench_cases._varlen_pairs((3, 0, 2), causal=False) == 9 + 0 + 4
+    assert bench_cases._varlen_pairs((3, 0, 2), causal=True) == 6 + 0 + 3
 
 
 def test_padded_batch_holds_the_packed_sequences_and_attends_alike():
@@ -264,7 +266,7 @@ def test_padded_batch_holds_the_packed_sequences_and_attends_alike():
     lengths = (5, 0, 9, 1)
     rng = np.random.default_rng(0)
     packed = [rng.standard_normal((sum(lengths), 2, 8)) for _ in range(4)]
-    padded = bench._padded(packed[0], lengths)
+    padded = bench_cases._padded(packed[0], lengths)
     assert padded.shape == (4, 9, 2, 8)
     starts = np.concatenate([[0], np.cumsum(lengths)])
     for b, n in enumerate(lengths):
@@ -272,7 +274,9 @@ def test_padded_batch_holds_the_packed_sequences_and_attends_alike():
         assert not padded[b, n:].any()
     cu = starts.astype(np.int32)
     for causal in (False, True):
-        (q, k, v, _), opts = bench._padded_inputs(bench._Arrays("numpy"), packed, lengths, causal)
+        (q, k, v, _), opts = bench_cases._padded_inputs(
+            bench_cases._Arrays("numpy"), packed, lengths, causal
+        )
         assert q.shape == (4, 2, 9, 8)
         want = xk.attention_varlen(*packed[:3], cu, cu, causal=causal)
         got = xk.attention(q, k, v, **opts)
@@ -284,10 +288,10 @@ def test_padded_batch_holds_the_packed_sequences_and_attends_alike():
 
 
 def test_varlen_rows_compare_packed_with_padded_at_the_same_work():
-    benches, _ = bench._benches(True, ["attention_varlen"], "numpy", 1)
+    benches, _ = bench_cases.benches(True, ["attention_varlen"], "numpy", 1)
     rows = {b.row.key: b.row for b in benches}
-    lengths = bench.SHAPES[True]["varlen"]["lengths"]
-    h, d = bench.SHAPES[True]["varlen"]["H"], bench.SHAPES[True]["varlen"]["D"]
+    lengths = bench_cases.SHAPES[True]["varlen"]["lengths"]
+    h, d = bench_cases.SHAPES[True]["varlen"]["H"], bench_cases.SHAPES[True]["varlen"]["D"]
     for op, causal in (("attention_varlen", False), ("attention_varlen (causal)", True)):
         for pass_, factor in (("forward", 1.0), ("backward", 2.5)):
             ours, padded = rows[f"{op}/{pass_}/xpkernels"], rows[f"{op}/{pass_}/xpkernels padded"]
@@ -295,7 +299,7 @@ def test_varlen_rows_compare_packed_with_padded_at_the_same_work():
             assert (
                 ours.work
                 == padded.work
-                == factor * 4 * h * d * bench._varlen_pairs(lengths, causal)
+                == factor * 4 * h * d * bench_cases._varlen_pairs(lengths, causal)
             )
     assert len(rows) == 8
     for b in benches:
@@ -306,7 +310,7 @@ def test_a_full_run_times_attention_and_flex_at_both_shapes(monkeypatch):
     """The issue's targets sit at 1x8x2048x64 and 1x8x4096x128: a full run has rows at each,
     the larger ones named apart so that every ratio keeps its own baseline."""
     monkeypatch.setitem(sys.modules, "torch", None)  # no compile; only the rows are listed
-    benches, _ = bench._benches(False, ["attention", "flex_attention"], "numpy", 1)
+    benches, _ = bench_cases.benches(False, ["attention", "flex_attention"], "numpy", 1)
     keys = [b.row.key for b in benches]
     assert len(keys) == len(set(keys))
     shapes = {b.row.op: b.row.shape for b in benches if b.row.pass_ == "forward"}
@@ -338,8 +342,10 @@ def test_a_long_error_prints_its_first_line_and_keeps_the_rest_in_json(
 
 def test_torch_document_mask_keeps_the_pairs_of_each_document():
     torch = pytest.importorskip("torch")
-    docs = bench._document_ids(100, 4)
-    keep = bench._torch_document_mask(docs)(0, 0, torch.arange(100)[:, None], torch.arange(100))
+    docs = bench_cases._document_ids(100, 4)
+    keep = bench_cases._torch_document_mask(docs)(
+        0, 0, torch.arange(100)[:, None], torch.arange(100)
+    )
     np.testing.assert_array_equal(keep.numpy(), docs[:, None] == docs[None, :])
 
 
@@ -360,12 +366,14 @@ def test_block_sparse_document_rows_visit_only_the_tiles_of_each_document(monkey
         xm, "plan_tiles", lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1]
     )
     s = 1024
-    ids = bench._document_ids(s, 4)
+    ids = bench_cases._document_ids(s, 4)
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal((1, 1, s, 8), dtype=np.float32) for _ in range(4)]
 
     def run(library, sparse):
-        call = bench._xpk_flex_setup(bench._Arrays(library), inputs, "forward", ids, sparse)()
+        call = bench_cases._xpk_flex_setup(
+            bench_cases._Arrays(library), inputs, "forward", ids, sparse
+        )()
         plans.clear()
         call()
         return library, sparse, len(built), any(bool(np.any(p.states == SKIP)) for p in plans)
@@ -424,3 +432,15 @@ def test_floor_script_prints_and_records_every_row(tmp_path):
     for name, figures in rows.items():
         assert figures["min_ms"] <= figures["median_ms"] <= figures["max_ms"]
         assert name in done.stdout
+
+
+def test_torch_arrays_add_the_autograd_rows_and_each_measures(monkeypatch):
+    """``--array torch`` times xpkernels on PyTorch CPU tensors and adds the autograd rows
+    (``loss.backward()`` through xpkernels' ops against the in-place calls and torch's op)."""
+    pytest.importorskip("torch", reason="needs torch to be importable")
+    benches, skipped = bench_cases.benches(True, ["rms_norm"], "torch", 1)
+    autograd = [b for b in benches if b.row.op == "rms_norm [torch autograd]"]
+    assert skipped == []
+    assert {b.row.impl for b in autograd} == {"autograd", "in-place", "torch"}
+    for b in benches:
+        assert bench.measure(b).error is None, b.row.key

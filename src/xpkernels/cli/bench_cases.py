@@ -1,0 +1,861 @@
+"""The rows ``python -m xpkernels bench`` times: shapes, inputs and the setup of each side.
+
+A :class:`Bench` pairs a :class:`Row` (what is timed, its work and formula,
+the row its ratio compares with) with a ``setup()`` that allocates every
+input, output, checkpoint and scratch buffer and returns the call to time;
+:func:`compare` builds the two sides of one ratio. :func:`benches` chooses
+the rows of a run (primitives, ``--quick`` shapes, the array library) and
+names the comparisons skipped for a missing library; :mod:`.bench` times
+them and prints the table.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..buffers import Duplicated, allocate_checkpoints, allocate_scratchspace
+from ..registry import OPS
+
+#: Shapes of a full run and of ``--quick``; ``large`` (S, D) repeats the attention and flex
+#: rows at a second shape (full runs only).
+SHAPES: dict[bool, dict[str, Any]] = {
+    False: {
+        "rows": (8192, 4096),
+        "attention": {"B": 1, "H": 8, "S": 2048, "D": 64},
+        "decode": {"B": 8, "H": 32, "Hkv": 8, "S": 4096, "D": 64},
+        "varlen": {"H": 8, "D": 64, "lengths": (1900, 1100, 700, 300)},
+        "flex": {"B": 1, "H": 8, "S": 2048, "D": 64, "window": 256, "documents": 4},
+        "large": {"S": 4096, "D": 128},
+    },
+    True: {
+        "rows": (256, 1024),
+        "attention": {"B": 1, "H": 2, "S": 256, "D": 64},
+        "decode": {"B": 2, "H": 4, "Hkv": 2, "S": 512, "D": 64},
+        "varlen": {"H": 2, "D": 32, "lengths": (200, 57, 129)},
+        "flex": {"B": 1, "H": 2, "S": 256, "D": 32, "window": 32, "documents": 3},
+        "large": None,
+    },
+}
+
+
+@dataclass
+class Row:
+    """One timed (primitive, pass, implementation) and what it implies.
+
+    ``work`` is the bytes moved (``unit`` GB/s) or the FLOPs done
+    (``unit`` TFLOP/s) by one run, per ``formula``; ``baseline`` names the
+    row ``ratio = median_s / baseline's median_s`` compares with.
+    ``times_s`` are the timed runs the statistics come from (those of the
+    re-timing when ``retimed``); ``spread = (max_s - min_s) / median_s``;
+    ``flagged`` says the final timing's spread exceeds :data:`.bench.SPREAD_LIMIT`;
+    ``first_spread`` is the spread of the first timing of a re-timed row.
+    """
+
+    op: str
+    pass_: str
+    impl: str
+    shape: str
+    unit: str
+    work: float
+    formula: str
+    baseline: str | None = None
+    dtype: str = "float32"
+    times_s: list = field(default_factory=list)
+    repeats: int = 0
+    min_s: float | None = None
+    median_s: float | None = None
+    max_s: float | None = None
+    spread: float | None = None
+    flagged: bool = False
+    retimed: bool = False
+    first_spread: float | None = None
+    rate: float | None = None
+    ratio: float | None = None
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}/{self.pass_}/{self.impl}"
+
+    def measured(self) -> tuple[float, float, float, float]:
+        """``(min_s, median_s, max_s, spread)`` of a row that was timed (not an error row)."""
+        if self.min_s is None or self.median_s is None or self.max_s is None or self.spread is None:
+            raise ValueError(f"bench: {self.key} has no timings ({self.error or 'not run'})")
+        return self.min_s, self.median_s, self.max_s, self.spread
+
+
+@dataclass
+class Bench:
+    """A row to measure: ``setup()`` allocates everything and returns the callable to time."""
+
+    row: Row
+    setup: Callable[[], Callable[[], object]]
+    repeats: int
+
+
+Setup = Callable[[], Callable[[], object]]
+
+
+def compare(
+    op: str,
+    pass_: str,
+    shape: str,
+    unit: str,
+    work: float,
+    formula: str,
+    repeats: int,
+    ours: tuple[str, Setup],
+    theirs: tuple[str, Setup] | None = None,
+) -> list[Bench]:
+    """The benches of one comparison: ``ours`` timed against ``theirs`` in the same run.
+
+    Parameters
+    ----------
+    op, pass_, shape, unit, work, formula
+        What both rows measure (see :class:`Row`).
+    repeats : int
+        Timed runs of each side.
+    ours, theirs : tuple of (str, callable)
+        ``(impl, setup)`` of each side; ``setup()`` allocates everything and
+        returns the callable to time. ``theirs=None`` (its library is missing):
+        ``ours`` alone, without a ratio.
+
+    Returns
+    -------
+    list of Bench
+        ``ours`` (its ratio is its median over that of ``theirs``), then ``theirs``.
+    """
+    baseline = None if theirs is None else f"{op}/{pass_}/{theirs[0]}"
+    benches = [
+        Bench(Row(op, pass_, ours[0], shape, unit, work, formula, baseline), ours[1], repeats)
+    ]
+    if theirs is not None:
+        benches.append(
+            Bench(Row(op, pass_, theirs[0], shape, unit, work, formula), theirs[1], repeats)
+        )
+    return benches
+
+
+# --------------------------------------------------------------------------- arrays
+
+
+class _Arrays:
+    """Moves NumPy inputs onto the array library xpkernels runs on (NumPy or torch CPU)."""
+
+    def __init__(self, library: str):
+        self.library = library
+
+    def convert(self, a: np.ndarray):
+        if self.library == "torch":
+            import torch
+
+            return torch.from_numpy(np.ascontiguousarray(a))
+        return np.ascontiguousarray(a)
+
+    def empty_like(self, a):
+        import array_api_compat
+
+        return array_api_compat.array_namespace(a).empty_like(a)
+
+    def integers(self, values):
+        return self.convert(np.asarray(values, dtype=np.int64))
+
+
+def _torch_tensor(a: np.ndarray, grad: bool = False):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(a)).requires_grad_(grad)
+
+
+# --------------------------------------------------------------------------- norms and softmax
+
+
+def _row_benches(op: str, shape, arrays: _Arrays, repeats: int, with_torch: bool) -> list[Bench]:
+    rows, m = shape
+    s = 4
+    n_stats = {"rms_norm": 1, "layer_norm": 2, "softmax": 0}[op]
+    n_params = {"rms_norm": 1, "layer_norm": 2, "softmax": 0}[op]
+    fwd_bytes = (2 * rows * m + n_params * m) * s + 4 * n_stats * rows
+    bwd_bytes = (3 * rows * m + 2 * n_params * m) * s + 4 * n_stats * rows
+    terms = {
+        "rms_norm": ("(2*R*M + M)*s + 4*R", "(3*R*M + 2*M)*s + 4*R"),
+        "layer_norm": ("(2*R*M + 2*M)*s + 8*R", "(3*R*M + 3*M)*s + 8*R"),
+        "softmax": ("2*R*M*s", "3*R*M*s"),
+    }[op]
+    where = f"R={rows}, M={m}, s={s}"
+    what = {
+        "rms_norm": ("read x, w; write y, rstd", "read x, dy, w, rstd; write dx, dw"),
+        "layer_norm": (
+            "read x, w, b; write y, mean, rstd",
+            "read x, dy, w, mean, rstd; write dx, dw, db",
+        ),
+        "softmax": ("read x; write y", "read y, dy; write dx"),
+    }[op]
+    rng = np.random.default_rng(1)
+    x_np = rng.standard_normal(shape, dtype=np.float32)
+    dy_np = rng.standard_normal(shape, dtype=np.float32)
+    w_np = rng.standard_normal((m,), dtype=np.float32)
+    b_np = rng.standard_normal((m,), dtype=np.float32)
+    shape_text = f"{rows}x{m}"
+    benches = []
+    for pass_, work, formula, text in (
+        ("forward", fwd_bytes, terms[0], what[0]),
+        ("backward", bwd_bytes, terms[1], what[1]),
+    ):
+        formula = f"bytes = {formula} ({text}; {where})"
+        ours = ("xpkernels", _xpk_row_setup(op, pass_, arrays, x_np, dy_np, w_np, b_np))
+        theirs = ("torch", _torch_row_setup(op, pass_, x_np, dy_np, w_np, b_np))
+        benches += compare(
+            op,
+            pass_,
+            shape_text,
+            "GB/s",
+            work,
+            formula,
+            repeats,
+            ours,
+            theirs if with_torch else None,
+        )
+    return benches
+
+
+def _xpk_row_setup(op, pass_, arrays: _Arrays, x_np, dy_np, w_np, b_np):
+    def setup():
+        module = importlib.import_module(f"xpkernels.{op}")
+        forward_, backward_ = getattr(module, f"{op}_"), getattr(module, f"{op}_backward_")
+        x, dy, w, b = (arrays.convert(a) for a in (x_np, dy_np, w_np, b_np))
+        params = {"rms_norm": (w,), "layer_norm": (w, b), "softmax": ()}[op]
+        y = arrays.empty_like(x)
+        saved = (
+            {} if op == "softmax" else {"checkpoints": allocate_checkpoints(forward_, x, *params)}
+        )
+        forward_(y, x, *params, **saved)
+        if pass_ == "forward":
+            return lambda: forward_(y, x, *params, **saved)
+        Y, X = Duplicated(y, dy), Duplicated(x)
+        P = tuple(Duplicated(p) for p in params)
+        if op != "softmax":
+            saved["scratch"] = allocate_scratchspace(backward_, Y, X, *P)
+        return lambda: backward_(Y, X, *P, **saved)
+
+    return setup
+
+
+def _torch_row_setup(op, pass_, x_np, dy_np, w_np, b_np):
+    def setup():
+        import torch
+        import torch.nn.functional as F
+
+        m = x_np.shape[-1]
+        grad = pass_ == "backward"
+        x, w, b = (_torch_tensor(a, grad) for a in (x_np, w_np, b_np))
+        inputs = {"rms_norm": (x, w), "layer_norm": (x, w, b), "softmax": (x,)}[op]
+
+        def call():
+            if op == "rms_norm":
+                return F.rms_norm(x, (m,), w, eps=1e-6)
+            if op == "layer_norm":
+                return F.layer_norm(x, (m,), w, b, eps=1e-5)
+            return torch.softmax(x, dim=-1)
+
+        if not grad:
+
+            def forward():
+                with torch.no_grad():
+                    return call()
+
+            return forward
+        y = call()
+        dy = _torch_tensor(dy_np)
+        return lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True)
+
+    return setup
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _attention_flops(b, h, sq, sk, d, causal, pass_):
+    return (
+        4 * b * h * sq * sk * d * (0.5 if causal else 1.0) * (2.5 if pass_ == "backward" else 1.0)
+    )
+
+
+def _attention_formula(pass_, causal, where):
+    fwd = "4*B*H*Sq*Sk*D" + (" / 2 (causal)" if causal else "")
+    text = fwd if pass_ == "forward" else f"2.5 * {fwd}"
+    return f"FLOPs = {text} ({where})"
+
+
+def _attention_benches(
+    shape, arrays: _Arrays, repeats: int, with_torch: bool, suffix: str = ""
+) -> list[Bench]:
+    """Attention and causal attention, forward and backward, against SDPA; ``suffix`` ends
+    the rows' primitive names (it tells the rows of a second shape apart)."""
+    b, h, s, d = shape["B"], shape["H"], shape["S"], shape["D"]
+    rng = np.random.default_rng(2)
+    q_np, k_np, v_np, do_np = (
+        rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4)
+    )
+    where = f"B={b}, H={h}, Sq=Sk={s}, D={d}"
+    benches = []
+    for causal in (False, True):
+        op = ("attention (causal)" if causal else "attention") + suffix
+        for pass_ in ("forward", "backward"):
+            work = _attention_flops(b, h, s, s, d, causal, pass_)
+            formula = _attention_formula(pass_, causal, where)
+            ours = (
+                "xpkernels",
+                _xpk_attention_setup(arrays, q_np, k_np, v_np, do_np, causal, pass_),
+            )
+            theirs = ("torch", _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_))
+            benches += compare(
+                op,
+                pass_,
+                f"{b}x{h}x{s}x{d}",
+                "TFLOP/s",
+                work,
+                formula,
+                repeats,
+                ours,
+                theirs if with_torch else None,
+            )
+    return benches
+
+
+def _xpk_attention_setup(arrays: _Arrays, q_np, k_np, v_np, do_np, causal, pass_):
+    def setup():
+        import xpkernels as xk
+
+        q, k, v, do = (arrays.convert(a) for a in (q_np, k_np, v_np, do_np))
+        o = arrays.empty_like(q)
+        ck = allocate_checkpoints(xk.attention_, q, k, v)
+        xk.attention_(o, q, k, v, causal=causal, checkpoints=ck)
+        if pass_ == "forward":
+            return lambda: xk.attention_(o, q, k, v, causal=causal, checkpoints=ck)
+        O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
+        scratch = allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
+        return lambda: xk.attention_backward_(
+            O, Q, K, V, checkpoints=ck, scratch=scratch, causal=causal
+        )
+
+    return setup
+
+
+def _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_):
+    def setup():
+        import torch
+        import torch.nn.functional as F
+
+        grad = pass_ == "backward"
+        q, k, v = (_torch_tensor(a, grad) for a in (q_np, k_np, v_np))
+        if not grad:
+
+            def forward():
+                with torch.no_grad():
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            return forward
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        do = _torch_tensor(do_np)
+        return lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+
+    return setup
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def _decode_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -> list[Bench]:
+    b, h, hkv, s, d = (shape[n] for n in ("B", "H", "Hkv", "S", "D"))
+    rng = np.random.default_rng(3)
+    q_np = rng.standard_normal((b, h, d), dtype=np.float32)
+    k_np, v_np = (rng.standard_normal((b, hkv, s, d), dtype=np.float32) for _ in range(2))
+    work = (2 * b * hkv * s * d + 2 * b * h * d) * 4
+    formula = (
+        "bytes = (2*B*Hkv*L*D + 2*B*H*D)*s (read the valid K and V cache, read q, write o; "
+        f"B={b}, H={h}, Hkv={hkv}, L={s} valid of Smax={s}, D={d}, s=4)"
+    )
+    shape_text = f"{b}x{h}/{hkv}x{s}x{d}"
+
+    def xpk_setup():
+        import xpkernels as xk
+
+        q, k, v = (arrays.convert(a) for a in (q_np, k_np, v_np))
+        lengths = arrays.integers([s] * b)
+        o = arrays.empty_like(q)
+        scratch = allocate_scratchspace(xk.decode_attention_, o, q, k, v, lengths)
+        return lambda: xk.decode_attention_(o, q, k, v, lengths, scratch=scratch)
+
+    def torch_setup():
+        import torch
+        import torch.nn.functional as F
+
+        q = _torch_tensor(q_np[:, :, None, :])
+        k, v = _torch_tensor(k_np), _torch_tensor(v_np)
+
+        def forward():
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        return forward
+
+    def paged_setup(page_size=16):  # the same cache in shuffled pages, read through a block table
+        import xpkernels as xk
+
+        table = rng.permutation(b * s // page_size).reshape(b, -1).astype(np.int32)
+        pages = [np.empty((table.size, hkv, page_size, d), np.float32) for _ in range(2)]
+        for p, c in zip(pages, (k_np, v_np)):
+            p[table] = np.moveaxis(c.reshape(b, hkv, -1, page_size, d), 2, 1)
+        q, k, v, bt = (arrays.convert(a) for a in (q_np, *pages, table))
+        lengths, o = arrays.integers([s] * b), arrays.empty_like(q)
+        scratch = allocate_scratchspace(xk.decode_attention_, o, q, k, v, lengths, block_table=bt)
+        return lambda: xk.decode_attention_(o, q, k, v, lengths, block_table=bt, scratch=scratch)
+
+    theirs = ("torch", torch_setup) if with_torch else None
+    paged = Row(
+        "decode_attention",
+        "forward",
+        "xpkernels paged16",
+        shape_text,
+        "GB/s",
+        work,
+        formula + "; paged16: the cache in 16-key pages, block table shuffled",
+        "decode_attention/forward/xpkernels",
+    )
+    return compare(
+        "decode_attention",
+        "forward",
+        shape_text,
+        "GB/s",
+        work,
+        formula,
+        repeats,
+        ("xpkernels", xpk_setup),
+        theirs,
+    ) + [Bench(paged, paged_setup, repeats)]
+
+
+# --------------------------------------------------------------------------- varlen
+
+
+def _varlen_pairs(lengths, causal: bool) -> int:
+    """(query, key) pairs attention over each sequence alone computes: ``L^2`` per sequence, or
+    ``L (L + 1) / 2`` causal."""
+    return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+
+
+def _varlen_benches(shape, arrays: _Arrays, repeats: int) -> list[Bench]:
+    """Packed sequences of mixed lengths against the same sequences padded to the longest and
+    given to attention with ``q_lengths = k_lengths`` (the padding is masked, not computed):
+    the same pairs, so the ratio is the cost of packing against padding. Both hold the tokens
+    of a sequence with the heads inside (packed ``(T, H, D)``, padded ``(B, Smax, H, D)``
+    viewed as ``(B, H, Smax, D)``), so the layout is the same too."""
+    h, d, lengths = shape["H"], shape["D"], tuple(shape["lengths"])
+    rng = np.random.default_rng(6)
+    packed = [rng.standard_normal((sum(lengths), h, d), dtype=np.float32) for _ in range(4)]
+    shape_text = f"{h}x({'+'.join(map(str, lengths))})x{d}"
+    benches = []
+    for causal in (False, True):
+        op = "attention_varlen (causal)" if causal else "attention_varlen"
+        pairs = _varlen_pairs(lengths, causal)
+        for pass_ in ("forward", "backward"):
+            work = 4 * h * d * pairs * (2.5 if pass_ == "backward" else 1.0)
+            formula = (
+                f"FLOPs = {'2.5 * ' if pass_ == 'backward' else ''}4*H*D*pairs, pairs = "
+                f"sum over sequences of {'L*(L+1)/2' if causal else 'L^2'} = {pairs:,} (H={h}, "
+                f"D={d}, L = {', '.join(map(str, lengths))}; padded: B={len(lengths)}, "
+                f"Smax={max(lengths)}, q_lengths = k_lengths = L, the same pairs)"
+            )
+            benches += compare(
+                op,
+                pass_,
+                shape_text,
+                "TFLOP/s",
+                work,
+                formula,
+                repeats,
+                ("xpkernels", _xpk_varlen_setup(arrays, packed, lengths, causal, pass_)),
+                ("xpkernels padded", _xpk_padded_setup(arrays, packed, lengths, causal, pass_)),
+            )
+    return benches
+
+
+def _flex_varlen_benches(shape, arrays: _Arrays, repeats: int) -> list[Bench]:
+    """``flex_attention_varlen`` with ``CausalMask()`` against ``attention_varlen(causal=True)``
+    over the same packed sequences: the cost of running the mask graph (and skipping tiles from
+    its band) instead of attention's built-in causal masking."""
+    h, d, lengths = shape["H"], shape["D"], tuple(shape["lengths"])
+    rng = np.random.default_rng(7)
+    packed = [rng.standard_normal((sum(lengths), h, d), dtype=np.float32) for _ in range(4)]
+    shape_text = f"{h}x({'+'.join(map(str, lengths))})x{d}"
+    pairs = _varlen_pairs(lengths, True)
+    benches = []
+    for pass_ in ("forward", "backward"):
+        work = 4 * h * d * pairs * (2.5 if pass_ == "backward" else 1.0)
+        formula = (
+            f"FLOPs = {'2.5 * ' if pass_ == 'backward' else ''}4*H*D*pairs, pairs = sum over "
+            f"sequences of L*(L+1)/2 = {pairs:,} (H={h}, D={d}, L = "
+            f"{', '.join(map(str, lengths))}); baseline: attention_varlen(causal=True)"
+        )
+        benches += compare(
+            "flex_attention_varlen (causal)",
+            pass_,
+            shape_text,
+            "TFLOP/s",
+            work,
+            formula,
+            repeats,
+            ("xpkernels", _xpk_varlen_setup(arrays, packed, lengths, True, pass_, flex=True)),
+            ("xpkernels attention_varlen", _xpk_varlen_setup(arrays, packed, lengths, True, pass_)),
+        )
+    return benches
+
+
+def _xpk_varlen_setup(arrays: _Arrays, packed, lengths, causal, pass_, flex=False):
+    """``attention_varlen_`` (or its backward) over the packed ``(T, H, D)`` q, k, v (and do);
+    ``flex``: ``flex_attention_varlen_`` with ``CausalMask()`` (``causal`` must be True)."""
+
+    def setup():
+        import xpkernels as xk
+        from xpkernels.mods import CausalMask
+
+        q, k, v, do = (arrays.convert(a) for a in packed)
+        cu = arrays.convert(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        o = arrays.empty_like(q)
+        if flex:
+            forward, backward = xk.flex_attention_varlen_, xk.flex_attention_varlen_backward_
+            options = {"mask_mod": CausalMask()}
+        else:
+            forward, backward = xk.attention_varlen_, xk.attention_varlen_backward_
+            options = {"causal": causal}
+        ck = allocate_checkpoints(forward, q, k, v)
+        forward(o, q, k, v, cu, cu, checkpoints=ck, **options)
+        if pass_ == "forward":
+            return lambda: forward(o, q, k, v, cu, cu, checkpoints=ck, **options)
+        O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
+        scratch = allocate_scratchspace(backward, O, Q, K, V)
+        return lambda: backward(O, Q, K, V, cu, cu, checkpoints=ck, scratch=scratch, **options)
+
+    return setup
+
+
+def _padded(packed: np.ndarray, lengths) -> np.ndarray:
+    """Packed ``(T, H, D)`` tokens as ``(B, H, Smax, D)``: a view of ``(B, Smax, H, D)`` zeros
+    holding sequence ``b`` in its first ``lengths[b]`` positions."""
+    out = np.zeros((len(lengths), max(lengths), *packed.shape[1:]), dtype=packed.dtype)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    for b, n in enumerate(lengths):
+        out[b, :n] = packed[starts[b] : starts[b] + n]
+    return out
+
+
+def _padded_inputs(arrays: _Arrays, packed, lengths, causal):
+    """``(q, k, v, do)`` of the padded batch, ``(B, H, Smax, D)`` views, and attention's options
+    for it (the padding masked by ``q_lengths = k_lengths = lengths``)."""
+    import array_api_compat
+
+    held = [arrays.convert(_padded(a, lengths)) for a in packed]
+    xp = array_api_compat.array_namespace(held[0])
+    n = arrays.integers(list(lengths))
+    views = tuple(xp.permute_dims(a, (0, 2, 1, 3)) for a in held)
+    return views, {"causal": causal, "q_lengths": n, "k_lengths": n}
+
+
+def _xpk_padded_setup(arrays: _Arrays, packed, lengths, causal, pass_):
+    """``attention_`` (or its backward) over the padded batch of :func:`_padded_inputs`."""
+
+    def setup():
+        import xpkernels as xk
+
+        (q, k, v, do), opts = _padded_inputs(arrays, packed, lengths, causal)
+        o = arrays.empty_like(q)
+        ck = allocate_checkpoints(xk.attention_, q, k, v)
+        xk.attention_(o, q, k, v, checkpoints=ck, **opts)
+        if pass_ == "forward":
+            return lambda: xk.attention_(o, q, k, v, checkpoints=ck, **opts)
+        O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
+        scratch = allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
+        return lambda: xk.attention_backward_(O, Q, K, V, checkpoints=ck, scratch=scratch, **opts)
+
+    return setup
+
+
+# --------------------------------------------------------------------------- flex attention
+
+
+def _document_ids(s: int, documents: int) -> np.ndarray:
+    """Document id of each of ``s`` positions: ``documents`` documents of uneven lengths."""
+    cuts = np.sort(np.random.default_rng(5).choice(np.arange(1, s), documents - 1, replace=False))
+    return np.searchsorted(cuts, np.arange(s), side="right").astype(np.int64)
+
+
+def _kept_pairs(s: int, mask) -> int:
+    """(query, key) pairs ``mask`` keeps at Sq = Sk = s: "causal", a window length, or the
+    document ids of a document mask."""
+    if isinstance(mask, np.ndarray):
+        return int(np.sum(np.bincount(mask) ** 2))
+    if mask == "causal":
+        return s * (s + 1) // 2
+    full = min(s, mask + 1)
+    return full * (full + 1) // 2 + (s - full) * (mask + 1)
+
+
+def _flex_benches(
+    shape,
+    attention_shape,
+    arrays: _Arrays,
+    repeats: int,
+    compiled_torch: bool,
+    suffix: str = "",
+) -> list[Bench]:
+    """Three masks at ``shape``: block-sparse against ``torch.compile(flex_attention)`` with its
+    block mask (``compiled_torch``; else against our dense path), and against our dense path
+    backward (PyTorch has no CPU backward); no-mod flex against attention at
+    ``attention_shape`` (None: no such rows). ``suffix`` ends the rows' primitive names."""
+    benches = []
+    b, h, s, d, w = (shape[n] for n in ("B", "H", "S", "D", "window"))
+    shape_text = f"{b}x{h}x{s}x{d}"
+    rng = np.random.default_rng(4)
+    inputs = [rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4)]
+    masks: tuple[tuple[str, Any], ...] = (
+        ("flex causal mask" + suffix, "causal"),
+        (f"flex window {w}" + suffix, w),
+        (f"flex {shape['documents']} documents" + suffix, _document_ids(s, shape["documents"])),
+    )
+    for label, mask in masks:
+        pairs = _kept_pairs(s, mask)
+        for pass_ in ("forward", "backward"):
+            work = 4 * b * h * d * pairs * (2.5 if pass_ == "backward" else 1.0)
+            formula = (
+                f"FLOPs = {'2.5 * ' if pass_ == 'backward' else ''}4*B*H*D*pairs, pairs = the "
+                f"(query, key) pairs the mask keeps = {pairs:,} (B={b}, H={h}, Sq=Sk={s}, D={d}; "
+                "the same for every path)"
+            )
+            sides = [
+                (impl, _xpk_flex_setup(arrays, inputs, pass_, mask=mask, block_sparse=sparse))
+                for impl, sparse in (("xpkernels", True), ("xpkernels dense", False))
+            ]
+            if pass_ == "forward" and compiled_torch:
+                theirs = ("torch.compile", _torch_flex_setup(inputs, mask))
+                for side in sides:
+                    benches += compare(
+                        label, pass_, shape_text, "TFLOP/s", work, formula, repeats, side
+                    )
+                    benches[-1].row.baseline = f"{label}/{pass_}/{theirs[0]}"
+                benches += compare(
+                    label, pass_, shape_text, "TFLOP/s", work, formula, repeats, theirs
+                )
+            else:
+                benches += compare(
+                    label, pass_, shape_text, "TFLOP/s", work, formula, repeats, *sides
+                )
+    if attention_shape is None:
+        return benches
+    b, h, s, d = (attention_shape[n] for n in ("B", "H", "S", "D"))
+    shape_text = f"{b}x{h}x{s}x{d}"
+    rng = np.random.default_rng(2)
+    inputs = [rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4)]
+    for pass_ in ("forward", "backward"):
+        work = _attention_flops(b, h, s, s, d, False, pass_)
+        formula = _attention_formula(pass_, False, f"B={b}, H={h}, Sq=Sk={s}, D={d}")
+        baseline = f"attention/{pass_}/xpkernels"
+        row = Row(
+            "flex no mods", pass_, "xpkernels", shape_text, "TFLOP/s", work, formula, baseline
+        )
+        benches.append(Bench(row, _xpk_flex_setup(arrays, inputs, pass_), repeats))
+    return benches
+
+
+def _torch_document_mask(documents: np.ndarray):
+    """The ``mask_mod`` of contiguous ``documents`` (sorted ids) for ``flex_attention``: a query
+    and a key share a document when no document starts between them.
+
+    Written with the starts as Python ints rather than as a gather from a captured tensor of
+    ids: torch 2.13's CPU inductor fails to compile that gather in flex (a C++ compile error).
+    """
+    starts = [int(i) for i in np.flatnonzero(np.diff(documents)) + 1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = kv_idx >= 0
+        for start in starts:
+            same = same & ((q_idx >= start) == (kv_idx >= start))
+        return same
+
+    return mask_mod
+
+
+def _torch_flex_setup(inputs, mask):
+    """``torch.compile(flex_attention)`` forward with the block mask of ``mask`` (as in
+    :func:`_kept_pairs`); compiling happens in the setup and the warm-up run, never timed."""
+
+    def setup():
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        q, k, v = (_torch_tensor(a) for a in inputs[:3])
+        s = q.shape[2]
+        if isinstance(mask, np.ndarray):
+            mask_mod = _torch_document_mask(mask)
+        elif mask == "causal":
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return kv_idx <= q_idx
+        else:
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (kv_idx <= q_idx) & (q_idx - kv_idx <= mask)
+
+        block_mask = create_block_mask(mask_mod, None, None, s, s, device="cpu")
+        compiled = torch.compile(flex_attention)
+
+        def forward():
+            with torch.no_grad():
+                return compiled(q, k, v, block_mask=block_mask)
+
+        return forward
+
+    return setup
+
+
+def _xpk_flex_setup(arrays: _Arrays, inputs, pass_, mask=None, block_sparse=True):
+    """Flex over ``inputs`` (q, k, v, do) with ``mask``: None, "causal", a window length or
+    document ids.
+
+    Causal and window masks skip tiles by their declared key ranges, and so does a document
+    mask over host ids (contiguous documents: one range per query). Over ids that declare
+    none, block-sparse document masks get a :class:`~xpkernels.mods.BlockMask` built in the
+    setup (untimed, as ``create_block_mask`` is on the torch side) at the array_api backend's
+    default tiles.
+    """
+
+    def setup():
+        from xpkernels.backends.array_api.flex_attention import default_tiles
+        from xpkernels.flex_attention import flex_attention_, flex_attention_backward_
+        from xpkernels.mods import CausalMask, DocumentMask, SlidingWindowMask, build_block_mask
+        from xpkernels.mods.bands import exact_band
+
+        q, k, v, do = (arrays.convert(a) for a in inputs)
+        opts: dict[str, Any] = {"block_sparse": block_sparse}
+        if isinstance(mask, np.ndarray):
+            opts["mask_mod"] = DocumentMask(arrays.convert(mask))
+            if block_sparse and exact_band(opts["mask_mod"], 0, mask.size, mask.size) is None:
+                n = q.shape[2]
+                tile_m, tile_n = default_tiles(n, n, q.shape[1] // k.shape[1], True)
+                opts["block_mask"] = build_block_mask(
+                    opts.pop("mask_mod"), n, n, tile_m=tile_m, tile_n=tile_n
+                )
+        else:
+            opts["mask_mod"] = (
+                None
+                if mask is None
+                else CausalMask()
+                if mask == "causal"
+                else SlidingWindowMask(mask)
+            )
+        o = arrays.empty_like(q)
+        ck = allocate_checkpoints(flex_attention_, q, k, v)
+        flex_attention_(o, q, k, v, checkpoints=ck, **opts)
+        if pass_ == "forward":
+            return lambda: flex_attention_(o, q, k, v, checkpoints=ck, **opts)
+        O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
+        scratch = allocate_scratchspace(flex_attention_backward_, O, Q, K, V)
+        return lambda: flex_attention_backward_(O, Q, K, V, checkpoints=ck, scratch=scratch, **opts)
+
+    return setup
+
+
+# --------------------------------------------------------------------------- a run's rows
+
+
+#: The PyTorch op each primitive's comparison rows time.
+_TORCH_OPS = {
+    "rms_norm": "F.rms_norm",
+    "layer_norm": "F.layer_norm",
+    "softmax": "torch.softmax",
+    "attention": "F.scaled_dot_product_attention",
+    "decode_attention": "F.scaled_dot_product_attention (enable_gqa)",
+    "flex_attention": "torch.compile(flex_attention)",
+}
+
+
+def torch_missing() -> str | None:
+    """Why torch cannot be used here (``"torch is not installed"``, ...), or None when it can."""
+    try:
+        import torch  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name == "torch":
+            return "torch is not installed"
+        return f"torch cannot be imported ({type(exc).__name__}: {exc})"
+    except ImportError as exc:
+        return f"torch cannot be imported ({type(exc).__name__}: {exc})"
+    return None
+
+
+def benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[Bench], list[str]]:
+    """The benches to run and one line per comparison skipped for a missing library."""
+    shapes = SHAPES[quick]
+    missing = torch_missing()
+    with_torch = missing is None
+    arrays = _Arrays(library)
+    row_repeats = repeats or (3 if quick else 5)
+    attn_repeats = repeats or 3
+    chosen = [op for op in OPS if not ops or op in ops]
+    large = shapes["large"]
+    suffix = "" if large is None else f" S={large['S']} D={large['D']}"
+    skipped = []
+    compared = [_TORCH_OPS[op] for op in chosen if op in _TORCH_OPS]
+    if missing and compared:
+        names = ", ".join(dict.fromkeys(compared))
+        skipped.append(f"{missing}: the comparison rows against {names} are skipped")
+    benches = []
+    for op in chosen:
+        if op in ("rms_norm", "layer_norm", "softmax"):
+            benches += _row_benches(op, shapes["rows"], arrays, row_repeats, with_torch)
+        elif op == "attention":
+            benches += _attention_benches(shapes["attention"], arrays, attn_repeats, with_torch)
+            if large is not None:
+                benches += _attention_benches(
+                    {**shapes["attention"], **large}, arrays, attn_repeats, with_torch, suffix
+                )
+        elif op == "decode_attention":
+            benches += _decode_benches(shapes["decode"], arrays, row_repeats, with_torch)
+        elif op == "attention_varlen":
+            benches += _varlen_benches(shapes["varlen"], arrays, attn_repeats)
+        elif op == "flex_attention_varlen":
+            benches += _flex_varlen_benches(shapes["varlen"], arrays, attn_repeats)
+        elif op == "flex_attention":
+            if "attention" not in chosen:  # the baseline of the no-mod rows
+                benches += [
+                    bench
+                    for bench in _attention_benches(
+                        shapes["attention"], arrays, attn_repeats, False
+                    )
+                    if bench.row.op == "attention"
+                ]
+            compiled_torch = with_torch and not quick
+            if with_torch and quick:
+                skipped.append(
+                    "--quick: the torch.compile(flex_attention) rows are skipped (compiling "
+                    "takes about a minute per mask); flex forward rows compare with our dense path"
+                )
+            benches += _flex_benches(
+                shapes["flex"], shapes["attention"], arrays, attn_repeats, compiled_torch
+            )
+            if large is not None:
+                benches += _flex_benches(
+                    {**shapes["flex"], **large}, None, arrays, attn_repeats, compiled_torch, suffix
+                )
+        else:
+            skipped.append(f"{op}: bench has no rows for this primitive")
+    if with_torch and library == "torch":  # the autograd path: xpkernels.torch.bench
+        from ..torch.bench import autograd_benches
+
+        benches += autograd_benches(shapes, chosen, attn_repeats, Row, Bench)
+    return benches, skipped
