@@ -11,18 +11,17 @@ script times, on one core, interleaved in one process (float32, no mask,
 - ``products only``: the two products of every tile, nothing else -- what
   any NumPy implementation with these tiles pays;
 - ``products + passes``: the same tiles with the fewest NumPy passes the
-  forward needs (``exp2`` in place, the column max with ``MAX_FOLD`` key
-  rows folded into one, the row sums as a matrix-vector product, the
-  running sums, the final divide) and no Python bookkeeping;
+  forward needs (``exp2`` in place, the forward's own column max, the row
+  sums as a matrix-vector product, the running sums, the final divide) and
+  no Python bookkeeping;
 - ``xpkernels``: ``attention_`` with checkpoints (as ``python -m xpkernels
   bench`` times it);
 - ``sdpa``: ``F.scaled_dot_product_attention`` under ``torch.no_grad``.
 
 Every row prints min / median / max over the repeats and the median of its
 per-repeat ratios to SDPA (each repeat times all four back to back, so a
-ratio compares calls made under the same load). The tiles are the
-forward's own (``NUMPY_KEY_TILE`` keys by ``NUMPY_TILE_ELEMENTS // keys``
-query rows). One core: the process is pinned to its first allowed CPU, and
+ratio compares calls made under the same load). The tiles and buffers are
+the forward's own (``_tile_sizes`` on NumPy, a ``Workspace``). One core: the process is pinned to its first allowed CPU, and
 NumPy's BLAS and torch run one thread each, so the figures do not depend
 on how the two libraries share cores.
 
@@ -43,12 +42,9 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
-from xpkernels.backends.array_api._attention_numpy import MAX_FOLD as FOLD
-from xpkernels.backends.array_api._blocks import blas_threads
-from xpkernels.backends.array_api.attention import (
-    NUMPY_KEY_TILE,
-    NUMPY_TILE_ELEMENTS,
-)
+from xpkernels.backends.array_api._attention_numpy import Workspace, _column_max
+from xpkernels.backends.array_api._blocks import blas_threads, spans
+from xpkernels.backends.array_api.attention import _tile_sizes
 
 import xpkernels as xk
 from xpkernels.buffers import allocate_checkpoints
@@ -61,42 +57,35 @@ def tiles(heads: int, seq: int, dim: int):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((heads, seq, dim), dtype=np.float32) for _ in range(3))
     o = np.empty_like(q)
-    keys = min(NUMPY_KEY_TILE, seq)
-    rows = min(seq, NUMPY_TILE_ELEMENTS // keys)
+    keys, rows = _tile_sizes(seq, 1, dim, dim, False, numpy=True)
+    rows = min(rows, seq)
     scale = float(np.log2(np.e) / np.sqrt(dim))
-    p = np.empty((keys, rows), np.float32)
-    ones = np.ones(keys, np.float32)
-    folded, row_max = np.empty(FOLD * rows, np.float32), np.empty(rows, np.float32)
-    sums, tile_sums = np.empty(rows, np.float32), np.empty(rows, np.float32)
-    q_tile, acc, pv = (np.empty((rows, dim), np.float32) for _ in range(3))
+    space = Workspace(rows, keys, dim, dim, np.float32)  # the forward's own buffers
+    ones, q_tile = space.ones, space.q
 
-    def spans(n, step):
-        return [(i, min(i + step, n)) for i in range(0, n, step)]
+    def tile(j0, j1, n):  # a contiguous (keys, rows) score tile, as the forward takes it
+        return space.scores[: (j1 - j0) * n].reshape(j1 - j0, n)
+
+    sums, tile_sums, row_max = space.rows[0], space.rows[1], space.rows[2]
+    acc, pv = space.o[0], space.o[1]
 
     def products():
         for h in range(heads):
-            for i0, i1 in spans(seq, rows):
+            for i0, i1 in spans(0, seq, rows):
                 qt = np.multiply(q[h, i0:i1], scale, out=q_tile[: i1 - i0])
-                for j0, j1 in spans(seq, keys):
-                    s = np.matmul(k[h, j0:j1], qt.T, out=p[: j1 - j0, : i1 - i0])
+                for j0, j1 in spans(0, seq, keys):
+                    s = np.matmul(k[h, j0:j1], qt.T, out=tile(j0, j1, i1 - i0))
                     np.matmul(s.T, v[h, j0:j1], out=pv[: i1 - i0])
 
     def passes():
         for h in range(heads):
-            for i0, i1 in spans(seq, rows):
+            for i0, i1 in spans(0, seq, rows):
                 n = i1 - i0
                 qt = np.multiply(q[h, i0:i1], scale, out=q_tile[:n])
-                for t, (j0, j1) in enumerate(spans(seq, keys)):
-                    s = np.matmul(k[h, j0:j1], qt.T, out=p[: j1 - j0, :n])
+                for t, (j0, j1) in enumerate(spans(0, seq, keys)):
+                    s = np.matmul(k[h, j0:j1], qt.T, out=tile(j0, j1, n))
                     np.exp2(s, out=s)
-                    if (j1 - j0) % FOLD == 0:
-                        wide = s.reshape((j1 - j0) // FOLD, FOLD * n)
-                        np.maximum.reduce(wide, axis=0, out=folded[: FOLD * n])
-                        np.maximum.reduce(
-                            folded[: FOLD * n].reshape(FOLD, n), axis=0, out=row_max[:n]
-                        )
-                    else:
-                        np.maximum.reduce(s, axis=0, out=row_max[:n])
+                    _column_max(space, s, row_max[:n])
                     if t == 0:
                         np.matmul(ones[: j1 - j0], s, out=sums[:n])
                         np.matmul(s.T, v[h, j0:j1], out=acc[:n])
