@@ -400,3 +400,51 @@ def test_torch_cpu_tensors_take_the_numpy_path(op, dtype, monkeypatch):
     got = run(lambda a: torch.from_numpy(a.copy()))
     for w, g in zip(want, got, strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+def _halving_columns(xp, rows: int, m: int):
+    """``(x, dy)`` whose weight and bias gradients are the column sums of ``dy``, exactly.
+
+    ``x`` alternates ``+1024, -1024`` along each row: mean 0, ``rstd = 2**-10``
+    exactly in float32 (eps is far below the variance's last bit), so every
+    normalised entry is exactly ``+-1`` and ``dw`` is a signed column sum of
+    ``dy``. ``dy`` holds 1.0 in the first row and ``2**-24`` (half the spacing
+    of float32 at 1.0) in every other: a running sum rounds each addition back
+    to 1.0 and loses all ``(rows - 1) * 2**-24`` of them, while sums that add
+    the small values among themselves first lose at most one chunk's.
+    """
+    x = np.tile(np.array([1024.0, -1024.0], dtype=np.float32), (rows, m // 2))
+    dy = np.full((rows, m), 2.0**-24, dtype=np.float32)
+    dy[0] = 1.0
+    return xp.asarray(x), xp.asarray(dy)
+
+
+@pytest.mark.parametrize("namespace", ["numpy", "array_api_strict"])
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_weight_gradients_sum_rows_without_a_running_total(op, namespace):
+    """dW (and LayerNorm's dB) over 4096 rows in float32: within the error of a pairwise sum.
+
+    The bound is the dtype's: ``eps32 * log2(rows)`` relative to the sum of the
+    magnitudes (about 1.0 here), a pairwise sum's worst case. A running total
+    (NumPy's ``sum(axis=0)``, einsum, ``ones @ a``) is off by ``4095 * 2**-24``,
+    about 2.4e-4, 170x that bound.
+    """
+    xp = pytest.importorskip(namespace, reason=f"{namespace} is not installed")
+    rows, m = 4096, 128
+    x, dy = _halving_columns(xp, rows, m)
+    params = {
+        name: xp.asarray(np.ones(m, dtype=np.float32) if name == "w" else np.zeros(m, np.float32))
+        for name in _weights(op, m, _rng())
+    }
+    ck = _checkpoints(op, x, params)
+    y = xp.empty(x.shape, dtype=xp.float32)
+    _forward(op, y, x, params, ck)
+    backward = {"rms_norm": xk.rms_norm_backward, "layer_norm": xk.layer_norm_backward}[op]
+    _, *grads = backward(dy, x, *params.values(), checkpoints=ck)
+    exact = 1.0 + (rows - 1) * 2.0**-24
+    sign = np.tile(np.array([1.0, -1.0]), m // 2)
+    expected = {"dw": exact * sign, "db": np.full(m, exact)}
+    bound = np.finfo(np.float32).eps * np.log2(rows) * exact
+    for name, grad in zip(("dw", "db"), grads):
+        error = np.max(np.abs(np.asarray(grad, dtype=np.float64) - expected[name]))
+        assert error <= bound, f"{op} {name}: error {error:.3g} > {bound:.3g}"

@@ -6,11 +6,10 @@ import array_api_compat
 
 from ._blocks import (
     BlockBuffers,
-    WorkerSums,
+    ColumnSums,
     acc_dtype,
     apply,
     block_rows,
-    column_dot,
     for_each_block,
     numpy_views,
     ones,
@@ -84,8 +83,9 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
     once, so one product serves ``dx`` and ``dw``; ``w = 1`` when None), per
     row: ``dx = g - mean(g) - x_c * rstd**2 * mean(g * x_c)``, the usual
     ``rstd * (dy w - mean(dy w) - x_hat mean(dy w x_hat))``. Worker ``k``
-    adds its blocks' ``sum(dy * rstd * x_c, axis=0)`` into ``dw_partial[k]``
-    and ``sum(dy, axis=0)`` into ``db_partial[k]``. ``accumulate=False``
+    sums its blocks' ``sum(dy * rstd * x_c, axis=0)`` into ``dw_partial[k]``
+    and ``sum(dy, axis=0)`` into ``db_partial[k]``, in chunks and pairwise
+    (:class:`._blocks.ColumnSums`). ``accumulate=False``
     overwrites all rows of the partials; True adds to them (later row
     groups). Float64 inputs recompute the row means in float64 rather than
     read the float32 checkpoint: ``x - mean`` cancels, and a rounded mean
@@ -100,13 +100,14 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
     rows, m = x.shape
     m_div = max(m, 1)  # rows of length 0: every sum is 0
     ones_m = ones(xp, m, acc, x)
-    ones_rows = ones(xp, block_rows(rows, m, ROW_BLOCK_ELEMENTS), acc, x)
     w_rows = None if w is None else tiled(xp, to(xp, w, acc), rows, m, ROW_BLOCK_ELEMENTS)
     n_workers = workers(xp, rows, m, ROW_BLOCK_ELEMENTS)
     for partial in (dw_partial, db_partial):
         if partial is not None:
             n_workers = min(n_workers, partial.shape[0])
-    dw_sums, db_sums = WorkerSums(n_workers), WorkerSums(n_workers)
+    rows_per_block = block_rows(rows, m, ROW_BLOCK_ELEMENTS)
+    dw_sums = ColumnSums(xp, n_workers, acc, x, rows_per_block)
+    db_sums = ColumnSums(xp, n_workers, acc, x, rows_per_block)
     buffers = BlockBuffers(xp, n_workers, 2, rows, m, acc, ROW_BLOCK_ELEMENTS)
 
     def block(worker, r0, r1):
@@ -120,9 +121,9 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
         x_c = apply(xp, "subtract", x[r0:r1, :], mean_b[:, None], x_buffer, acc)
         g = apply(xp, "multiply", dy_b, rstd_b, g_buffer)
         if dw_partial is not None:
-            dw_sums.add(worker, column_dot(xp, g, x_c, ones_rows))
+            dw_sums.add_dot(worker, g, x_c)
         if db_partial is not None:
-            db_sums.add(worker, ones_rows[: r1 - r0] @ dy_b)
+            db_sums.add_sum(worker, dy_b)
         if w_rows is not None:
             g *= w_rows[: r1 - r0, :]
         g_mean = (g @ ones_m) / m_div

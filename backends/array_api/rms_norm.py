@@ -5,13 +5,11 @@ from __future__ import annotations
 import array_api_compat
 
 from ._blocks import (
-    WorkerSums,
+    ColumnSums,
     acc_dtype,
     block_rows,
-    column_dot,
     for_each_block,
     numpy_views,
-    ones,
     path_namespace,
     reduce_partials,
     tiled,
@@ -53,8 +51,9 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
 
     With ``g = dy * rstd * (w + offset)`` (``rstd`` folded in once, so one
     row-broadcast product serves both ``dx`` and ``dw``), per row:
-    ``dx = g - x * rstd**2 * sum(g * x) / M``. Worker ``k`` adds its blocks'
-    ``sum(dy * rstd * x, axis=0)`` into ``dw_partial[k]``.
+    ``dx = g - x * rstd**2 * sum(g * x) / M``. Worker ``k`` sums its blocks'
+    ``sum(dy * rstd * x, axis=0)`` into ``dw_partial[k]``, in chunks and
+    pairwise (:class:`._blocks.ColumnSums`).
     ``accumulate=False`` overwrites all rows of ``dw_partial``; True adds to
     them (later row groups). ``w`` None: no weight (``g = dy * rstd``).
     """
@@ -66,18 +65,17 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     rows, m = x.shape
     m_div = max(m, 1)  # rows of length 0: every sum is 0
     w_rows = None if w is None else tiled(xp, to(xp, w, acc) + offset, rows, m)
-    ones_rows = ones(xp, block_rows(rows, m), acc, x)
     n_workers = workers(xp, rows, m)
     if dw_partial is not None:
         n_workers = min(n_workers, dw_partial.shape[0])
-    dw_sums = WorkerSums(n_workers)
+    dw_sums = ColumnSums(xp, n_workers, acc, x, block_rows(rows, m))
 
     def block(worker, r0, r1):
         rstd_b = to(xp, rstd[r0:r1], acc)[:, None]
         xb = to(xp, x[r0:r1, :], acc)
         g = to(xp, dy[r0:r1, :], acc) * rstd_b
         if dw_partial is not None:
-            dw_sums.add(worker, column_dot(xp, g, xb, ones_rows))
+            dw_sums.add_dot(worker, g, xb)
         if w_rows is not None:
             g *= w_rows[: r1 - r0, :]
         coef = (rstd_b * rstd_b) * (xp.vecdot(g, xb) / m_div)[:, None]
