@@ -32,6 +32,7 @@ on how the two libraries share cores.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -146,6 +147,7 @@ def _environment() -> dict:
     except (OSError, StopIteration):
         pass
     return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "numpy": np.__version__,
         "torch": torch.__version__,

@@ -8,7 +8,9 @@ with ``ptxas -v``; any warning in the log is a failure (NVRTC has no
 loads, static shared memory, stack frame -- are parsed from the log, the
 widest global load and store (bits) from the PTX.
 
-Run as a script to write ``bench/results/cuda_compile_report.json``::
+Run as a script to write ``bench/results/cuda_compile_report.json`` (a raw output, ignored
+by git; ``bench/summarize_results.py sm90 --cuda`` condenses it into
+``bench/results/sm90-compile.md``, see ``bench/results/README.md``)::
 
     python bench/cuda_compile_report.py [--out PATH]
 

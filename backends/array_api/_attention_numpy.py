@@ -26,8 +26,7 @@ plus three passes over each score tile (``exp2``, the checkpoints' column
 max, the row sums' product) that PyTorch's SDPA fuses into its own loops.
 ``bench/cpu_attention_floor.py`` times that floor on one core against SDPA
 (medians of per-repeat ratios; three runs at 1x8x2048x64, two at
-1x8x4096x128, ``bench/results/cpu-attention-floor-2026-12-03.txt`` the
-last): at
+1x8x4096x128, the last summarised in ``bench/results/cpu.md``): at
 1x8x2048x64 the products alone took 0.83-0.92x SDPA's time, the products
 with those passes (a complete forward without bookkeeping) 1.00-1.08x,
 these tiles 1.03-1.08x; at 1x8x4096x128 0.87-0.91x, 0.96-0.97x and

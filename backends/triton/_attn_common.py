@@ -14,14 +14,13 @@ result is the same): launch each shape once before capturing a CUDA graph.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 import triton
 import triton.language as tl
 
-from ._common import traced
+from ._common import _sm_count, traced
 
 #: log2(e): scores are scaled by ``scale * LOG2E`` so the kernels use ``exp2``.
 LOG2E = 1.4426950408889634
@@ -137,13 +136,6 @@ def dot_precision(dtype) -> str:
     import torch
 
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sm_count(like) -> int:

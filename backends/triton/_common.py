@@ -148,6 +148,11 @@ def row_config(m: int, itemsize: int, pass_: str) -> RowConfig:
 
 @functools.cache
 def _sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (cached: one query per device).
+
+    The one definition: the row kernels' partial sums and the attention
+    kernels' :func:`~._attn_common.sm_count` both read it.
+    """
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
