@@ -27,8 +27,8 @@ Measures, in order:
 5. FlexAttention ``B=4, H=16, S=4096``, ``D`` 64 and 128, bfloat16, forward
    and backward, with no mods, causal (as a mask mod), sliding window 256, a
    document mask, ALiBi (causal) and a learned relative-position table
-   ``(H, 257)`` (causal): TFLOP/s counted as attention's (halved for causal,
-   ALiBi and the table, the kept fraction for window and documents), next to
+   ``(H, 257)`` (causal): TFLOP/s of the (query, key) pairs each mask keeps
+   (``4 B H D pairs``; every pair without a mask), next to
    PyTorch's ``flex_attention`` compiled with its ``create_block_mask`` (while
    the compile budget lasts) and to xpkernels' attention kernel; the
    backwards with score-mod gradients (ALiBi, the table: deterministic, the
@@ -42,6 +42,13 @@ Measures, in order:
    run these calls run the same ``.cu`` on NumPy views through
    ``xpkernels.testing.cudacpu``.
 
+The cases -- shapes (``GPU_SHAPES``: the ones above, and the dry run's), the
+primitives and flex mods, the byte and FLOP counts, the inputs and the xpkernels
+calls -- are declared in :mod:`xpkernels.cli.bench_cases`, which ``python -m
+xpkernels bench`` times on CPU; this script keeps what only a GPU run has: the
+timing (``triton.testing.do_bench``), the ceilings, PyTorch's CUDA baselines,
+the targets and the summary.
+
 Every xpkernels call is made through the public in-place functions with
 ``backend="triton"`` (``"cupy"`` in section 6) and preallocated buffers (checkpoints, scratch), so a
 timing is the kernels alone. Writes ``gpu.json`` into ``--out`` and prints a
@@ -52,6 +59,7 @@ on; the exit status is 1 if any entry failed or was skipped for time.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -59,6 +67,10 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from xpkernels.cli import bench_cases as cases
 
 
 @dataclass
@@ -107,6 +119,10 @@ class Bench:
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def random(self, dtype):
+        """The cases' ``Random``: standard normal tensors of ``dtype`` on the run's device."""
+        return lambda shape: self.torch.randn(*shape, dtype=dtype, device=self.device)
 
     def rate(self, entry: Entry, ms: float) -> float:
         scale = 1e9 if entry.unit == "GB/s" else 1e12
@@ -213,126 +229,88 @@ class CompileBudget:
         return compiled
 
 
+class DeviceArrays(cases._Arrays):
+    """The cases' inputs (torch tensors on the run's device) as one backend's arrays: the
+    tensors themselves for ``triton``; for ``cupy``, ``wrap``'s zero-copy views of them
+    (:class:`CupyViews`). Every xpkernels call gets ``backend=``."""
+
+    def __init__(self, bench: Bench, backend: str, wrap=None):
+        super().__init__("torch")
+        self.torch, self.device, self.wrap = bench.torch, bench.device, wrap
+        self.options = {"backend": backend}
+
+    def convert(self, t):
+        return t if self.wrap is None else self.wrap(t)
+
+    def host(self, a):
+        return self.convert(self.torch.from_numpy(np.ascontiguousarray(a)).to(self.device))
+
+    def integers(self, values):
+        return self.host(np.asarray(values, dtype=np.int32))
+
+
+def _grad(torch, out, inputs, dy):
+    """The autograd backward of ``out`` (a baseline), or None without ``out``."""
+    if out is None:
+        return None
+    return lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True)
+
+
+#: The name of each row primitive's PyTorch baseline.
+TORCH_ROW_OPS = {"rms_norm": "F.rms_norm", "layer_norm": "F.layer_norm", "softmax": "torch.softmax"}
+
+
 def norm_sections(bench: Bench, compiler: CompileBudget) -> None:
-    shapes = [(64, 256), (8, 2048)] if bench.dry else [(32768, 4096), (4096, 65536)]
-    for rows, m in shapes:
-        for dtype_name in ("bfloat16", "float32"):
+    shapes = cases.GPU_SHAPES[bench.dry]
+    for rows, m in shapes["rows"]:
+        for dtype_name in shapes["row_dtypes"]:
             rows_case(bench, compiler, rows, m, dtype_name)
             bench.free()
 
 
 def rows_case(bench: Bench, compiler: CompileBudget, rows: int, m: int, dtype_name: str) -> None:
     """RMSNorm, LayerNorm and softmax, forward and backward, on ``(rows, m)`` inputs."""
-    import torch.nn.functional as F
+    dtype = getattr(bench.torch, dtype_name)
+    inputs = cases.row_inputs(rows, m, bench.random(dtype))
+    for op in cases.ROW_OPS:
+        row_op_case(bench, compiler, op, inputs, dtype_name)
 
-    import xpkernels as xk
-    from xpkernels import Duplicated
 
+def row_op_case(bench: Bench, compiler: CompileBudget, op: str, inputs, dtype_name: str) -> None:
+    """Row primitive ``op`` forward and backward on ``inputs`` (:func:`~xpkernels.cli.
+    bench_cases.row_inputs`), against PyTorch's op and (norms) ``torch.compile`` of it."""
     torch = bench.torch
-    eps = 1e-6
-    dtype = getattr(torch, dtype_name)
-    s = torch.finfo(dtype).bits // 8
-    x = torch.randn(rows, m, dtype=dtype, device=bench.device)
-    w = torch.randn(m, dtype=dtype, device=bench.device)
-    bias = torch.randn(m, dtype=dtype, device=bench.device)
-    dy = torch.randn_like(x)
-    y = torch.empty_like(x)
-    X, W, B = (Duplicated(t, torch.empty_like(t)) for t in (x, w, bias))
-    Y = Duplicated(y, dy)
-    xr, wr, br = (t.detach().requires_grad_() for t in (x, w, bias))
-    rmm = rows * m * s
-
-    def entry(op, pass_, formula, amount):
-        return Entry("rows", op, pass_, dtype_name, (rows, m), "GB/s", formula, amount, "copy")
-
-    def grad(out, inputs):
-        if out is None:
-            return None
-        return lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True)
-
-    def call(fn, *args):
-        return None if fn is None else (lambda: fn(*args))
-
-    def torch_rms(a, b):
-        return F.rms_norm(a, (m,), b, eps=eps)
-
-    ck = xk.allocate_checkpoints(xk.rms_norm_, x, w)
-    compiled = compiler.compiled(torch_rms, xr, wr)
-    bench.run(
-        entry(
-            "rms_norm",
-            "forward",
-            "2*R*M*s (x read, y written) + M*s (w) + 4*R (rstd)",
-            2 * rmm + m * s + 4 * rows,
-        ),
-        lambda: xk.rms_norm_(y, x, w, eps=eps, checkpoints=ck, backend="triton"),
-        {"F.rms_norm": call(torch_rms, x, w), "torch.compile": call(compiled, x, w)},
-    )
-    scratch = xk.allocate_scratchspace(xk.rms_norm_backward_, Y, X, W, backend="triton")
-    bench.run(
-        entry(
-            "rms_norm",
-            "backward",
-            "3*R*M*s (x, dy read, dx written) + 2*M*s (w read, dw written) + 4*R (rstd)",
-            3 * rmm + 2 * m * s + 4 * rows,
-        ),
-        lambda: xk.rms_norm_backward_(Y, X, W, checkpoints=ck, scratch=scratch, backend="triton"),
-        {
-            "F.rms_norm": grad(torch_rms(xr, wr), (xr, wr)),
-            "torch.compile": grad(None if compiled is None else compiled(xr, wr), (xr, wr)),
+    x, dy, w, b = (inputs[n] for n in ("x", "dy", "w", "b"))
+    rows, m = x.shape
+    s = torch.finfo(x.dtype).bits // 8
+    xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
+    wanted = (xr, *(t for n, t in (("w", wr), ("b", br)) if n in cases.ROW_PARAMS[op]))
+    calls = cases.row_calls(op, DeviceArrays(bench, "triton"), inputs)
+    torch_op = cases.torch_row_op(op, m)
+    compiled = None if op == "softmax" else compiler.compiled(torch_op, xr, wr, br)
+    baselines = {
+        "forward": {
+            TORCH_ROW_OPS[op]: lambda: torch_op(x, w, b),
+            "torch.compile": None if compiled is None else lambda: compiled(x, w, b),
         },
-    )
-
-    def torch_ln(a, b, c):
-        return F.layer_norm(a, (m,), b, c, eps=eps)
-
-    ck = xk.allocate_checkpoints(xk.layer_norm_, x, w, bias)
-    compiled = compiler.compiled(torch_ln, xr, wr, br)
-    bench.run(
-        entry(
-            "layer_norm",
-            "forward",
-            "2*R*M*s (x read, y written) + 2*M*s (w, b) + 8*R (mean, rstd)",
-            2 * rmm + 2 * m * s + 8 * rows,
-        ),
-        lambda: xk.layer_norm_(y, x, w, bias, eps=eps, checkpoints=ck, backend="triton"),
-        {"F.layer_norm": call(torch_ln, x, w, bias), "torch.compile": call(compiled, x, w, bias)},
-    )
-    scratch = xk.allocate_scratchspace(xk.layer_norm_backward_, Y, X, W, B, backend="triton")
-    bench.run(
-        entry(
-            "layer_norm",
-            "backward",
-            "3*R*M*s (x, dy read, dx written) + 3*M*s (w read, dw, db written) + 8*R (mean, rstd)",
-            3 * rmm + 3 * m * s + 8 * rows,
-        ),
-        lambda: xk.layer_norm_backward_(
-            Y, X, W, B, checkpoints=ck, scratch=scratch, backend="triton"
-        ),
-        {
-            "F.layer_norm": grad(torch_ln(xr, wr, br), (xr, wr, br)),
-            "torch.compile": grad(None if compiled is None else compiled(xr, wr, br), (xr, wr, br)),
+        "backward": {
+            TORCH_ROW_OPS[op]: _grad(torch, torch_op(xr, wr, br), wanted, dy),
+            "torch.compile": _grad(
+                torch, None if compiled is None else compiled(xr, wr, br), wanted, dy
+            ),
         },
-    )
-
-    bench.run(
-        entry("softmax", "forward", "2*R*M*s (x read, y written)", 2 * rmm),
-        lambda: xk.softmax_(y, x, backend="triton"),
-        {"torch.softmax": call(torch.softmax, x, -1)},
-    )
-    xk.softmax_(y, x, backend="triton")
-    bench.run(
-        entry("softmax", "backward", "3*R*M*s (y, dy read, dx written)", 3 * rmm),
-        lambda: xk.softmax_backward_(Y, X, backend="triton"),
-        {"torch.softmax": grad(torch.softmax(xr, -1), (xr,))},
-    )
+    }
+    for pass_, kernel in (("forward", calls.forward), ("backward", calls.backward)):
+        amount, formula = cases.row_work(op, pass_, rows, m, s)
+        entry = Entry("rows", op, pass_, dtype_name, (rows, m), "GB/s", formula, amount, "copy")
+        bench.run(entry, kernel, baselines[pass_])
 
 
 def attention_section(bench: Bench) -> None:
-    B, H, S = (1, 2, 48) if bench.dry else (4, 32, 4096)
-    for D in (16, 32) if bench.dry else (64, 128):
+    shape = cases.GPU_SHAPES[bench.dry]["attention"]
+    for D in shape["D"]:
         for causal in (False, True):
-            attention_case(bench, B, H, S, D, causal)
+            attention_case(bench, shape["B"], shape["H"], shape["S"], D, causal)
         bench.free()
 
 
@@ -340,207 +318,77 @@ def attention_case(bench: Bench, B: int, H: int, S: int, D: int, causal: bool) -
     """Attention forward and backward, bfloat16, ``(B, H, S, D)``."""
     import torch.nn.functional as F
 
-    import xpkernels as xk
-    from xpkernels import Duplicated
-
     torch = bench.torch
-    q, k, v, do = (
-        torch.randn(B, H, S, D, dtype=torch.bfloat16, device=bench.device) for _ in range(4)
-    )
-    o = torch.empty_like(q)
+    inputs = cases.attention_inputs(B, H, S, D, bench.random(torch.bfloat16))
+    q, k, v, do = inputs
+    calls = cases.attention_calls(DeviceArrays(bench, "triton"), inputs, causal)
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-    flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
-    name = "attention-causal" if causal else "attention"
-    ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
-    bench.run(
-        Entry(
-            "attention",
-            name,
-            "forward",
-            "bfloat16",
-            (B, H, S, D),
-            "TFLOP/s",
-            "4*B*H*S*S*D (q k^T and p v), halved when causal",
-            flops,
-            "matmul",
-        ),
-        lambda: xk.attention_(o, q, k, v, causal=causal, checkpoints=ck, backend="triton"),
-        {"F.sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)},
-    )
-    xk.attention_(o, q, k, v, causal=causal, checkpoints=ck, backend="triton")
-    O = Duplicated(o, do)
-    Q, K, V = (Duplicated(t, torch.empty_like(t)) for t in (q, k, v))
-    scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
     out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
-    bench.run(
-        Entry(
-            "attention",
-            name,
-            "backward",
-            "bfloat16",
-            (B, H, S, D),
-            "TFLOP/s",
-            "2.5 x forward FLOPs (5 matmuls against the forward's 2)",
-            2.5 * flops,
-            "matmul",
+    name = "attention-causal" if causal else "attention"
+    for pass_, kernel, baseline in (
+        (
+            "forward",
+            calls.forward,
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
         ),
-        lambda: xk.attention_backward_(
-            O, Q, K, V, checkpoints=ck, scratch=scratch, causal=causal, backend="triton"
-        ),
-        {"F.sdpa": lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True)},
-    )
+        ("backward", calls.backward, _grad(torch, out, (qr, kr, vr), do)),
+    ):
+        flops, formula = cases.attention_work(B, H, S, D, causal, pass_)
+        entry = Entry(
+            "attention", name, pass_, "bfloat16", (B, H, S, D), "TFLOP/s", formula, flops, "matmul"
+        )
+        bench.run(entry, kernel, {"F.sdpa": baseline})
 
 
 def flex_section(bench: Bench, compiler: CompileBudget) -> None:
-    B, H, S = (1, 2, 48) if bench.dry else (4, 16, 4096)
-    for D in (16,) if bench.dry else (64, 128):
-        for mods in FLEX_MODS:
-            flex_case(bench, compiler, B, H, S, D, mods)
+    shape = cases.GPU_SHAPES[bench.dry]["flex"]
+    for D in shape["D"]:
+        for mods in cases.FLEX_MODS:
+            flex_case(bench, compiler, shape["B"], shape["H"], shape["S"], D, mods)
         bench.free()
 
 
-#: The flex rows' mods (built by :func:`_flex_mods`).
-FLEX_MODS = ("nomod", "causal", "sliding256", "document", "alibi", "relpos")
-
-
-def _flex_mods(name, torch, H, S, device):
-    """``(xk score, xk mask, torch score, torch mask, kept fraction, attention causal or None)``."""
-    from xpkernels import mods as xm
-
-    window = min(256, S)
-    docs = torch.arange(S, device=device) * 4 // S  # four documents of S/4 tokens
-    slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device=device) / H)
-    if name == "nomod":
-        return None, None, None, None, 1.0, False
-    if name == "causal":
-        return None, xm.CausalMask(), None, (lambda b, h, q, k: k <= q), 0.5, True
-    if name == "sliding256":
-        kept = min(1.0, (window + 1) / S)
-        return (
-            None,
-            xm.SlidingWindowMask(window),
-            None,
-            (lambda b, h, q, k: (k <= q) & (q - k <= window)),
-            kept,
-            None,
-        )
-    if name == "document":
-        return (
-            None,
-            xm.DocumentMask(docs),
-            None,
-            (lambda b, h, q, k: docs[q] == docs[k]),
-            0.25,
-            None,
-        )
-    if name == "relpos":  # a learned relative-position table: indices repeat inside every tile
-        table = torch.linspace(-1.0, 1.0, H * 257, device=device).reshape(H, 257)
-
-        def relative(score, b, h, q_idx, kv_idx, *, table):
-            return score + table[h, xm.minimum(xm.maximum(q_idx - kv_idx, -128), 128) + 128]
-
-        return (
-            xm.ScoreMod(relative, table=table),
-            xm.CausalMask(),
-            (lambda s, b, h, q, k: s + table[h, (q - k).clamp(-128, 128) + 128]),
-            (lambda b, h, q, k: k <= q),
-            0.5,
-            None,
-        )
-    return (
-        xm.AliBiScore(slopes),
-        xm.CausalMask(),
-        (lambda s, b, h, q, k: s + slopes[h] * (k - q)),
-        (lambda b, h, q, k: k <= q),
-        0.5,
-        None,
-    )
-
-
-def flex_case(bench: Bench, compiler: CompileBudget, B, H, S, D, mods) -> None:
-    """FlexAttention forward and backward with ``mods``, bfloat16, ``(B, H, S, D)``."""
-    import xpkernels as xk
-    from xpkernels import Duplicated
-
+def flex_case(bench: Bench, compiler: CompileBudget, B, H, S, D, name) -> None:
+    """FlexAttention forward and backward with the mods ``name`` declares
+    (:func:`xpkernels.cli.bench_cases.flex_mods`), bfloat16, ``(B, H, S, D)``."""
     torch = bench.torch
-    score, mask, t_score, t_mask, kept, causal = _flex_mods(mods, torch, H, S, bench.device)
-    q, k, v, do = (
-        torch.randn(B, H, S, D, dtype=torch.bfloat16, device=bench.device) for _ in range(4)
-    )
-    o = torch.empty_like(q)
-    ck = xk.allocate_checkpoints(xk.flex_attention_, q, k, v)
-    options = {"score_mod": score, "mask_mod": mask, "backend": "triton"}
-    flops = 4 * B * H * S * S * D * kept
-    baseline = _torch_flex(bench, compiler, q, k, v, do, t_score, t_mask)
-    ours = {}
-    if causal is not None:
-        ours = _our_attention(xk, q, k, v, do, causal)
-    name = f"flex-{mods}"
-    entry = Entry(
-        "flex",
-        name,
-        "forward",
-        "bfloat16",
-        (B, H, S, D),
-        "TFLOP/s",
-        "4*B*H*S*S*D x the kept fraction of the score matrix",
-        flops,
-        "matmul",
-    )
-    bench.run(
-        entry,
-        lambda: xk.flex_attention_(o, q, k, v, checkpoints=ck, **options),
-        {"torch flex (compiled)": baseline.get("forward"), "xk attention": ours.get("forward")},
-    )
-    xk.flex_attention_(o, q, k, v, checkpoints=ck, **options)
-    O = Duplicated(o, do)
-    Q, K, V = (Duplicated(t, torch.empty_like(t)) for t in (q, k, v))
-    grads = xk.grad_shadow(score) if score is not None else None
-    # sized for the deterministic score-mod gradients (their partial rows), which need the most
-    scratch = xk.allocate_scratchspace(
-        xk.flex_attention_backward_, O, Q, K, V, score_mod_grad=grads, **options
-    )
+    documents = cases.GPU_SHAPES[bench.dry]["flex"]["documents"]
+    mods = cases.flex_mods(name, S, documents)
+    arrays = DeviceArrays(bench, "triton")
+    inputs = cases.attention_inputs(B, H, S, D, bench.random(torch.bfloat16))
+    calls = cases.flex_calls(arrays, inputs, cases.xpk_mods(mods, arrays, H))
+    baseline = _torch_flex(bench, compiler, *inputs, *cases.torch_mods(mods, H, bench.device))
+    ours = None if mods.attention is None else cases.attention_calls(arrays, inputs, mods.attention)
     # score-mod gradients: the default (deterministic partial rows), against float32 atomics
     # and against the same backward computing no score-mod gradients
     others = {}
-    if grads is not None:
+    if mods.score is not None and calls.backward_with is not None:
         others = {
-            "xk atomics": lambda: xk.flex_attention_backward_(
-                O,
-                Q,
-                K,
-                V,
-                checkpoints=ck,
-                scratch=scratch,
-                score_mod_grad=grads,
-                deterministic=False,
-                **options,
-            ),
-            "xk no score grads": lambda: xk.flex_attention_backward_(
-                O, Q, K, V, checkpoints=ck, scratch=scratch, **options
-            ),
+            "xk atomics": calls.backward_with(deterministic=False),
+            "xk no score grads": calls.backward_with(score_mod_grad=None),
         }
-    bench.run(
-        Entry(
+    for pass_, kernel, extra in (
+        ("forward", calls.forward, {}),
+        ("backward", calls.backward, others),
+    ):
+        flops, formula = cases.flex_work(B, H, S, D, mods.mask, pass_)
+        entry = Entry(
             "flex",
-            name,
-            "backward",
+            f"flex-{name}",
+            pass_,
             "bfloat16",
             (B, H, S, D),
             "TFLOP/s",
-            "2.5 x forward FLOPs",
-            2.5 * flops,
+            formula,
+            flops,
             "matmul",
-        ),
-        lambda: xk.flex_attention_backward_(
-            O, Q, K, V, checkpoints=ck, scratch=scratch, score_mod_grad=grads, **options
-        ),
-        {
-            "torch flex (compiled)": baseline.get("backward"),
-            "xk attention": ours.get("backward"),
-            **others,
-        },
-    )
+        )
+        theirs = {
+            "torch flex (compiled)": baseline.get(pass_),
+            "xk attention": None if ours is None else getattr(ours, pass_),
+            **extra,
+        }
+        bench.run(entry, kernel, theirs)
 
 
 def _torch_flex(bench, compiler, q, k, v, do, score, mask) -> dict:
@@ -567,45 +415,16 @@ def _torch_flex(bench, compiler, q, k, v, do, score, mask) -> dict:
     }
 
 
-def _our_attention(xk, q, k, v, do, causal) -> dict:
-    """xpkernels' attention kernel on the same inputs (flex without mods, or causal, against it)."""
-    import torch
-
-    from xpkernels import Duplicated
-
-    o = torch.empty_like(q)
-    ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
-    xk.attention_(o, q, k, v, causal=causal, checkpoints=ck, backend="triton")
-    O = Duplicated(o, do)
-    Q, K, V = (Duplicated(t, torch.empty_like(t)) for t in (q, k, v))
-    scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
-    return {
-        "forward": lambda: xk.attention_(
-            o, q, k, v, causal=causal, checkpoints=ck, backend="triton"
-        ),
-        "backward": lambda: xk.attention_backward_(
-            O, Q, K, V, checkpoints=ck, scratch=scratch, causal=causal, backend="triton"
-        ),
-    }
-
-
 def decode_section(bench: Bench) -> None:
-    """Decode attention, bfloat16, every cache full."""
+    """Decode attention, bfloat16, every cache full; then the same cache in pages."""
     import torch.nn.functional as F
 
-    import xpkernels as xk
-
     torch = bench.torch
-    B, H, Hkv, S, D = (2, 8, 2, 96, 32) if bench.dry else (16, 32, 8, 32768, 128)
-    k_cache = torch.randn(B, Hkv, S, D, dtype=torch.bfloat16, device=bench.device)
-    v_cache = torch.randn_like(k_cache)
-    q = torch.randn(B, H, D, dtype=torch.bfloat16, device=bench.device)
-    o = torch.empty_like(q)
-    lengths = torch.full((B,), S, dtype=torch.int32, device=bench.device)
-    scratch = xk.allocate_scratchspace(
-        xk.decode_attention_, o, q, k_cache, v_cache, lengths, backend="triton"
-    )
-    amount = 2 * B * Hkv * S * D * 2 + 2 * B * H * D * 2
+    shape = cases.GPU_SHAPES[bench.dry]["decode"]
+    B, H, Hkv, S, D = (shape[n] for n in ("B", "H", "Hkv", "S", "D"))
+    q, k_cache, v_cache = cases.decode_inputs(B, H, Hkv, S, D, bench.random(torch.bfloat16))
+    calls = cases.decode_call(DeviceArrays(bench, "triton"), q, k_cache, v_cache, S)
+    amount, formula = cases.decode_work(B, H, Hkv, S, D, 2)
     bench.run(
         Entry(
             "decode",
@@ -614,51 +433,34 @@ def decode_section(bench: Bench) -> None:
             "bfloat16",
             (B, H, Hkv, S, D),
             "GB/s",
-            "2*B*Hkv*S*D*2 (K and V caches read, bf16) + 2*B*H*D*2 (q read, o written)",
+            formula,
             amount,
             "copy",
         ),
-        lambda: xk.decode_attention_(
-            o, q, k_cache, v_cache, lengths, scratch=scratch, backend="triton"
-        ),
+        calls.forward,
         {
             "F.sdpa(enable_gqa)": lambda: F.scaled_dot_product_attention(
                 q[:, :, None, :], k_cache, v_cache, enable_gqa=True
             )
         },
     )
-    print(f"  decode n_splits = {scratch.o_partial.shape[2]}", flush=True)
-    paged_decode_case(bench, q, k_cache, v_cache, lengths, scratch)
+    print(f"  decode n_splits = {calls.scratch.o_partial.shape[2]}", flush=True)
+    paged_decode_case(bench, q, k_cache, v_cache, calls)
 
 
-#: Keys per page of the paged-decode entry (DESIGN section 8: >= 80% of copy at 16).
-PAGE_SIZE = 16
-
-
-def paged_decode_case(bench: Bench, q, k_cache, v_cache, lengths, contiguous_scratch) -> None:
+def paged_decode_case(bench: Bench, q, k_cache, v_cache, contiguous: cases.Calls) -> None:
     """The decode cache in shuffled ``PAGE_SIZE``-key pages, read through a block table."""
     import torch.nn.functional as F
 
-    import xpkernels as xk
-
     torch = bench.torch
+    page = cases.PAGE_SIZE
     B, Hkv, S, D = k_cache.shape
-    pages_per_seq = S // PAGE_SIZE
-    table = torch.randperm(B * pages_per_seq, device=bench.device)
-    table = table.to(torch.int32).reshape(B, pages_per_seq)
-    k_pages, v_pages = (
-        torch.empty(B * pages_per_seq, Hkv, PAGE_SIZE, D, dtype=c.dtype, device=bench.device)
-        for c in (k_cache, v_cache)
+    order = torch.randperm(B * S // page, device=bench.device)
+    table, k_pages, v_pages = cases.paged_cache(k_cache, v_cache, order, page)
+    calls = cases.decode_call(
+        DeviceArrays(bench, "triton"), q, k_pages, v_pages, S, block_table=table
     )
-    for pages, cache in ((k_pages, k_cache), (v_pages, v_cache)):
-        # page table[b, j] holds keys j * PAGE_SIZE ... of batch b
-        pages[table.long()] = cache.reshape(B, Hkv, pages_per_seq, PAGE_SIZE, D).transpose(1, 2)
-    o = torch.empty_like(q)
-    scratch = xk.allocate_scratchspace(
-        xk.decode_attention_, o, q, k_pages, v_pages, lengths, block_table=table, backend="triton"
-    )
-    H = q.shape[1]
-    amount = 2 * B * Hkv * S * D * 2 + 2 * B * H * D * 2 + B * pages_per_seq * 4
+    amount, formula = cases.decode_work(B, q.shape[1], Hkv, S, D, 2, page)
 
     def gathered_sdpa():
         k, v = (
@@ -667,38 +469,22 @@ def paged_decode_case(bench: Bench, q, k_cache, v_cache, lengths, contiguous_scr
         )
         return F.scaled_dot_product_attention(q[:, :, None, :], k, v, enable_gqa=True)
 
-    o_contiguous = torch.empty_like(q)
     bench.run(
         Entry(
             "paged",
-            "decode_attention-paged16",
+            f"decode_attention-paged{page}",
             "forward",
             "bfloat16",
-            (B, H, Hkv, S, D),
+            (B, q.shape[1], Hkv, S, D),
             "GB/s",
-            "2*B*Hkv*S*D*2 (K and V pages read, bf16) + 2*B*H*D*2 (q read, o written) "
-            f"+ B*(S/{PAGE_SIZE})*4 (int32 block table); pages of {PAGE_SIZE} keys, "
-            "table shuffled",
+            formula,
             amount,
             "copy",
         ),
-        lambda: xk.decode_attention_(
-            o, q, k_pages, v_pages, lengths, block_table=table, scratch=scratch, backend="triton"
-        ),
-        {
-            "gather+F.sdpa": gathered_sdpa,
-            "xpkernels contiguous": lambda: xk.decode_attention_(
-                o_contiguous,
-                q,
-                k_cache,
-                v_cache,
-                lengths,
-                scratch=contiguous_scratch,
-                backend="triton",
-            ),
-        },
+        calls.forward,
+        {"gather+F.sdpa": gathered_sdpa, "xpkernels contiguous": contiguous.forward},
     )
-    print(f"  paged decode n_splits = {scratch.o_partial.shape[2]}", flush=True)
+    print(f"  paged decode n_splits = {calls.scratch.o_partial.shape[2]}", flush=True)
 
 
 class CupyViews:
@@ -738,24 +524,27 @@ class CupyViews:
 
 def cupy_section(bench: Bench) -> None:
     """Every primitive on the cupy backend, float16 (the dtype CuPy arrays hold natively), next
-    to the same call on the triton backend and PyTorch's op: the shapes of the sections above."""
+    to the same call on the triton backend and PyTorch's op (``GPU_SHAPES``' ``cupy`` shapes
+    and the decode shape)."""
     try:
         views = CupyViews(bench)
     except ImportError as exc:
         bench.sections_skipped["cupy"] = f"{type(exc).__name__}: {exc}"
         print(f"  skipped: {exc}", flush=True)
         return
-    rows, m = (64, 256) if bench.dry else (32768, 4096)
-    cupy_rows_case(bench, views, rows, m)
+    shapes = cases.GPU_SHAPES[bench.dry]
+    rows, m = shapes["cupy"]["rows"]
+    inputs = cases.row_inputs(rows, m, bench.random(bench.torch.float16))
+    for op in cases.ROW_OPS:
+        cupy_row_op_case(bench, views, op, inputs)
     bench.free()
-    B, H, S = (1, 2, 48) if bench.dry else (4, 32, 4096)
-    D = 32 if bench.dry else 128
+    a = shapes["cupy"]["attention"]
     for causal in (False, True):
-        cupy_attention_case(bench, views, B, H, S, D, causal)
-    cupy_attention_case(bench, views, B, H, S, D, True, flex=True)
+        cupy_attention_case(bench, views, a["B"], a["H"], a["S"], a["D"], causal)
+    cupy_attention_case(bench, views, a["B"], a["H"], a["S"], a["D"], True, flex=True)
     bench.free()
-    B, H, Hkv, S, D = (2, 8, 2, 96, 32) if bench.dry else (16, 32, 8, 32768, 128)
-    cupy_decode_case(bench, views, B, H, Hkv, S, D)
+    d = shapes["decode"]
+    cupy_decode_case(bench, views, *(d[n] for n in ("B", "H", "Hkv", "S", "D")))
     bench.free()
 
 
@@ -763,100 +552,39 @@ def _cupy_entry(op, pass_, shape, unit, formula, amount, ceiling) -> Entry:
     return Entry("cupy", f"cupy {op}", pass_, "float16", shape, unit, formula, amount, ceiling)
 
 
-def _both_backends(views: CupyViews, make):
-    """``make(wrap, backend)`` -- the calls (one, or a tuple per pass) on the arrays ``wrap(t)``
-    -- set up for cupy (run in its context) and for triton (on the torch tensors)."""
+def _both_backends(bench: Bench, views: CupyViews, build):
+    """``build(arrays)`` -- the :class:`~xpkernels.cli.bench_cases.Calls` of one case -- on the
+    cupy backend's views (set up in its context, each call run in it) and on the triton
+    backend's tensors."""
     with views.context():
-        ours = make(views, "cupy")
-    theirs = make(lambda t: t, "triton")
-    if isinstance(ours, tuple):
-        return tuple(views.call(f) for f in ours), theirs
-    return views.call(ours), theirs
+        ours = build(DeviceArrays(bench, "cupy", views))
+    theirs = build(DeviceArrays(bench, "triton"))
+    passes = {"forward": (views.call(ours.forward), theirs.forward)}
+    if ours.backward is not None:
+        passes["backward"] = (views.call(ours.backward), theirs.backward)
+    return passes
 
 
-def cupy_rows_case(bench: Bench, views: CupyViews, rows: int, m: int) -> None:
-    """RMSNorm, LayerNorm and softmax on ``(rows, m)`` float16, forward and backward."""
-    import torch.nn.functional as F
-
-    import xpkernels as xk
-    from xpkernels import Duplicated
-
+def cupy_row_op_case(bench: Bench, views: CupyViews, op: str, inputs) -> None:
+    """Row primitive ``op`` on ``(rows, m)`` float16 ``inputs``, forward and backward."""
     torch = bench.torch
-    eps = 1e-6
-    x, dy, y, dx = (
-        torch.randn(rows, m, dtype=torch.float16, device=bench.device) for _ in range(4)
-    )
-    w, b, dw, db = (torch.randn(m, dtype=torch.float16, device=bench.device) for _ in range(4))
+    x, dy, w, b = (inputs[n] for n in ("x", "dy", "w", "b"))
+    rows, m = x.shape
     xr, wr, br = (t.detach().requires_grad_() for t in (x, w, b))
-    rmm = rows * m * 2
-
-    def norm(op, weights):
-        forward, backward = getattr(xk, f"{op}_"), getattr(xk, f"{op}_backward_")
-
-        def make(wrap, backend):
-            xs, ys, ws = wrap(x), wrap(y), [wrap(t) for t in weights]
-            ck = xk.allocate_checkpoints(forward, xs, *ws)
-            forward(ys, xs, *ws, eps=eps, checkpoints=ck, backend=backend)
-            Y, X = Duplicated(ys, wrap(dy)), Duplicated(xs, wrap(dx))
-            W = [Duplicated(t, wrap(g)) for t, g in zip(ws, (dw, db))]
-            scratch = xk.allocate_scratchspace(backward, Y, X, *W, backend=backend)
-            return (
-                lambda: forward(ys, xs, *ws, eps=eps, checkpoints=ck, backend=backend),
-                lambda: backward(Y, X, *W, checkpoints=ck, scratch=scratch, backend=backend),
-            )
-
-        return make
-
-    def make_softmax(wrap, backend):
-        xs, ys = wrap(x), wrap(y)
-        xk.softmax_(ys, xs, backend=backend)
-        Y, X = Duplicated(ys, wrap(dy)), Duplicated(xs, wrap(dx))
-        return (
-            lambda: xk.softmax_(ys, xs, backend=backend),
-            lambda: xk.softmax_backward_(Y, X, backend=backend),
+    wanted = (xr, *(t for n, t in (("w", wr), ("b", br)) if n in cases.ROW_PARAMS[op]))
+    torch_op = cases.torch_row_op(op, m)
+    torch_calls = {
+        "forward": lambda: torch_op(x, w, b),
+        "backward": _grad(torch, torch_op(xr, wr, br), wanted, dy),
+    }
+    passes = _both_backends(bench, views, lambda arrays: cases.row_calls(op, arrays, inputs))
+    for pass_, (ours, triton_call) in passes.items():
+        amount, formula = cases.row_work(op, pass_, rows, m, 2)
+        bench.run(
+            _cupy_entry(op, pass_, (rows, m), "GB/s", formula, amount, "copy"),
+            ours,
+            {"xk triton": triton_call, f"torch {op}": torch_calls[pass_]},
         )
-
-    def grad(out, inputs):
-        return lambda: torch.autograd.grad(out, inputs, dy, retain_graph=True)
-
-    rms = F.rms_norm(xr, (m,), wr, eps=eps)
-    ln = F.layer_norm(xr, (m,), wr, br, eps=eps)
-    cases = [
-        (
-            "rms_norm",
-            norm("rms_norm", (w,)),
-            ("2*R*M*s (x read, y written) + M*s (w) + 4*R (rstd)", 2 * rmm + m * 2 + 4 * rows),
-            ("3*R*M*s + 2*M*s (w read, dw written) + 4*R", 3 * rmm + 2 * m * 2 + 4 * rows),
-            lambda: F.rms_norm(x, (m,), w, eps=eps),
-            grad(rms, (xr, wr)),
-        ),
-        (
-            "layer_norm",
-            norm("layer_norm", (w, b)),
-            ("2*R*M*s + 2*M*s (w, b) + 8*R (mean, rstd)", 2 * rmm + 2 * m * 2 + 8 * rows),
-            ("3*R*M*s + 3*M*s (w read, dw, db written) + 8*R", 3 * rmm + 3 * m * 2 + 8 * rows),
-            lambda: F.layer_norm(x, (m,), w, b, eps=eps),
-            grad(ln, (xr, wr, br)),
-        ),
-        (
-            "softmax",
-            make_softmax,
-            ("2*R*M*s (x read, y written)", 2 * rmm),
-            ("3*R*M*s (y, dy read, dx written)", 3 * rmm),
-            lambda: torch.softmax(x, -1),
-            grad(torch.softmax(xr, -1), (xr,)),
-        ),
-    ]
-    for op, make, fwd_bytes, bwd_bytes, torch_fwd, torch_bwd in cases:
-        ours, triton_calls = _both_backends(views, make)
-        for i, (pass_, (formula, amount), torch_call) in enumerate(
-            (("forward", fwd_bytes, torch_fwd), ("backward", bwd_bytes, torch_bwd))
-        ):
-            bench.run(
-                _cupy_entry(op, pass_, (rows, m), "GB/s", f"s = 2; {formula}", amount, "copy"),
-                ours[i],
-                {"xk triton": triton_calls[i], f"torch {op}": torch_call},
-            )
 
 
 def cupy_attention_case(
@@ -866,51 +594,30 @@ def cupy_attention_case(
     with ``CausalMask`` as its mask mod (``causal`` must be True)."""
     import torch.nn.functional as F
 
-    import xpkernels as xk
-    from xpkernels import Duplicated
-    from xpkernels.mods import CausalMask
-
-    forward, backward = xk.attention_, xk.attention_backward_
-    if flex:
-        forward, backward = xk.flex_attention_, xk.flex_attention_backward_
-
     torch = bench.torch
-    q, k, v, do, o, dq, dk, dv = (
-        torch.randn(B, H, S, D, dtype=torch.float16, device=bench.device) for _ in range(8)
-    )
+    inputs = cases.attention_inputs(B, H, S, D, bench.random(torch.float16))
+    q, k, v, do = inputs
+
+    def build(arrays):
+        if flex:
+            mods = cases.xpk_mods(cases.flex_mods("causal", S), arrays, H)
+            return cases.flex_calls(arrays, inputs, mods)
+        return cases.attention_calls(arrays, inputs, causal)
+
+    passes = _both_backends(bench, views, build)
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-
-    def make(wrap, backend):
-        qs, ks, vs, os_ = wrap(q), wrap(k), wrap(v), wrap(o)
-        ck = xk.allocate_checkpoints(forward, qs, ks, vs)
-        mods = {"mask_mod": CausalMask()} if flex else {"causal": causal}
-        options = {**mods, "checkpoints": ck, "backend": backend}
-        forward(os_, qs, ks, vs, **options)
-        O = Duplicated(os_, wrap(do))
-        Q, K, V = (Duplicated(wrap(t), wrap(g)) for t, g in ((q, dq), (k, dk), (v, dv)))
-        scratch = xk.allocate_scratchspace(backward, O, Q, K, V, **mods, backend=backend)
-        return (
-            lambda: forward(os_, qs, ks, vs, **options),
-            lambda: backward(O, Q, K, V, scratch=scratch, **options),
-        )
-
-    ours, triton_calls = _both_backends(views, make)
     out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal)
-    flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
     name = "flex-causal" if flex else "attention-causal" if causal else "attention"
-    passes = (
-        ("forward", "4*B*H*S*S*D, halved when causal", flops),
-        ("backward", "2.5 x forward FLOPs", 2.5 * flops),
-    )
-    torch_calls = (
-        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-        lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True),
-    )
-    for i, (pass_, formula, amount) in enumerate(passes):
+    torch_calls = {
+        "forward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+        "backward": _grad(torch, out, (qr, kr, vr), do),
+    }
+    for pass_, (ours, triton_call) in passes.items():
+        flops, formula = cases.attention_work(B, H, S, D, causal, pass_)
         bench.run(
-            _cupy_entry(name, pass_, (B, H, S, D), "TFLOP/s", formula, amount, "matmul"),
-            ours[i],
-            {"xk triton": triton_calls[i], "F.sdpa": torch_calls[i]},
+            _cupy_entry(name, pass_, (B, H, S, D), "TFLOP/s", formula, flops, "matmul"),
+            ours,
+            {"xk triton": triton_call, "F.sdpa": torch_calls[pass_]},
         )
 
 
@@ -918,30 +625,16 @@ def cupy_decode_case(bench: Bench, views: CupyViews, B, H, Hkv, S, D) -> None:
     """Decode attention, float16, every cache full."""
     import torch.nn.functional as F
 
-    import xpkernels as xk
-
     torch = bench.torch
-    k_cache, v_cache = (
-        torch.randn(B, Hkv, S, D, dtype=torch.float16, device=bench.device) for _ in range(2)
+    q, k_cache, v_cache = cases.decode_inputs(B, H, Hkv, S, D, bench.random(torch.float16))
+    passes = _both_backends(
+        bench, views, lambda arrays: cases.decode_call(arrays, q, k_cache, v_cache, S)
     )
-    q, o = (torch.randn(B, H, D, dtype=torch.float16, device=bench.device) for _ in range(2))
-    lengths = torch.full((B,), S, dtype=torch.int32, device=bench.device)
-
-    def make(wrap, backend):
-        arrays = [wrap(t) for t in (o, q, k_cache, v_cache, lengths)]
-        scratch = xk.allocate_scratchspace(xk.decode_attention_, *arrays, backend=backend)
-        return lambda: xk.decode_attention_(*arrays, scratch=scratch, backend=backend)
-
-    ours, triton_call = _both_backends(views, make)
+    ours, triton_call = passes["forward"]
+    amount, formula = cases.decode_work(B, H, Hkv, S, D, 2)
     bench.run(
         _cupy_entry(
-            "decode_attention",
-            "forward",
-            (B, H, Hkv, S, D),
-            "GB/s",
-            "2*B*Hkv*S*D*2 (K and V caches read) + 2*B*H*D*2 (q read, o written)",
-            2 * B * Hkv * S * D * 2 + 2 * B * H * D * 2,
-            "copy",
+            "decode_attention", "forward", (B, H, Hkv, S, D), "GB/s", formula, amount, "copy"
         ),
         ours,
         {
@@ -1079,6 +772,7 @@ def environment(bench: Bench) -> dict:
     import triton
 
     env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,

@@ -444,3 +444,138 @@ def test_torch_arrays_add_the_autograd_rows_and_each_measures(monkeypatch):
     assert {b.row.impl for b in autograd} == {"autograd", "in-place", "torch"}
     for b in benches:
         assert bench.measure(b).error is None, b.row.key
+
+
+def _summarize_script():
+    """``bench/summarize_results.py`` as a module (``bench/`` is not a package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "summarize_results.py"
+    spec = importlib.util.spec_from_file_location("summarize_results", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_summary_keeps_each_rows_latest_run_with_its_baseline(
+    monkeypatch, capsys, tmp_path, clock
+):
+    """Two ``bench --json`` runs: the newer one's rows replace the older one's, the rows it
+    lacks stay from the older run, and a ratio's two sides come from one run."""
+    runs = []
+    for name, ours in (("cpu-2026-12-01", 1.0), ("cpu-2026-12-02", 0.5)):
+        benches = pair(clock, ([], ours), ([], 2.0))
+        if name == "cpu-2026-12-01":  # a second comparison only the older run has
+            other = pair(clock, ([], 3.0), ([], 1.5))
+            for b in other:
+                b.row.op = "other"
+                b.row.baseline = b.row.baseline and "other/forward/torch"
+            benches += other
+        monkeypatch.setattr(bench, "_benches", lambda *a, benches=benches: (benches, []))
+        path = tmp_path / f"{name}.json"
+        assert bench.run(json_path=str(path)) == 0
+        runs.append(str(path))
+    capsys.readouterr()
+    out = tmp_path / "cpu.md"
+    summarize = _summarize_script()
+    assert summarize.main(["cpu", *runs, "--note", "cpu-2026-12-02=quiet", "--out", str(out)]) == 0
+    text = out.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("| op") or "| other" in line]
+    assert len(lines) == 2  # one line per comparison: the baselines are its "vs" columns
+    op, other = (line.split(" | ") for line in lines)
+    assert op[4].startswith("500.00 (500.00-500.00)") and op[8] == "0.25"
+    assert op[7].startswith("2000.00") and op[9].startswith("cpu-2026-12-02")
+    assert other[8] == "2.00" and other[9].startswith("cpu-2026-12-01")
+    sources = text.split("## Sources")[1]
+    assert "| cpu-2026-12-02 | " in sources and "quiet |" in sources  # dated by the run itself
+
+
+def test_sm90_summary_keeps_each_kernels_latest_compile():
+    summarize = _summarize_script()
+
+    def row(row_id, regs, error=None):
+        facts = None
+        if error is None:
+            load = {"kind": "load", "in_loop": True, "ptx": {"cp.async.16B": 8}}
+            store = {"kind": "store", "in_loop": False, "ptx": {"st.global.128": 4}}
+            facts = {
+                "dots": {"wgmma": 2},
+                "regs": regs,
+                "shared": 2048,
+                "num_warps": 8,
+                "num_stages": 2,
+                "ctas_per_sm": 1,
+                "tile_ops": [load, store],
+            }
+        targets = {"wgmma": "PASS", "no_spills": "PASS", "tile_loads_16B": "PASS"}
+        return {"id": row_id, "facts": facts, "targets": targets, "spill_bytes": 0, "error": error}
+
+    env = {"date": "2026-12-01T00:00:00+00:00", "triton": "3.6.0"}
+    old = {"environment": env, "kernels": [row("a/k", 100), row("b/k", 90, "boom\nPassManager")]}
+    new = {"environment": env, "kernels": [row("a/k", 80), row("a/k", 81)]}  # two launches
+    summarize._SOURCES[:] = [("old", old, "old.json"), ("new", new, "new.json")]
+    assert list(summarize.sm90_rows([("old", old), ("new", new)])) == ["new", "old"]
+    text = summarize.sm90_markdown([("old", old), ("new", new)], None, {}, "cmd")
+    assert text.index("## new") < text.index("## old")
+    assert "| a/k | wgmmax2 | 80 | 0 | 2.0 | 8/2 | 1 | loop[cp16Bx8] - | st128x4 |" in text
+    assert "| a/k | wgmmax2 | 81 |" in text and "| a/k | wgmmax2 | 100 |" not in text
+    assert "| b/k | ERROR |" in text and "`b/k` does not compile: PassManager" in text
+
+
+def test_row_work_is_what_its_formula_says():
+    """The bytes of each row pass evaluate from its printed formula (LayerNorm's backward
+    moves w, dw and db: 3 vectors of M)."""
+    for op in bench_cases.ROW_OPS:
+        for pass_ in ("forward", "backward"):
+            work, formula = bench_cases.row_work(op, pass_, 96, 40, 2)
+            expression = formula.removeprefix("bytes = ").split(" (")[0]
+            assert eval(expression, {"R": 96, "M": 40, "s": 2}) == work, (op, pass_, formula)
+    assert bench_cases.row_work("layer_norm", "backward", 1, 1, 1)[0] == 3 + 3 + 8
+
+
+def test_paged_cache_puts_each_page_where_its_table_says():
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((2, 3, 8, 4), dtype=np.float32) for _ in range(2))
+    order = rng.permutation(2 * 8 // 2)
+    libraries = [lambda a: a]
+    if bench_cases.torch_missing() is None:
+        import torch
+
+        libraries.append(torch.from_numpy)
+    for convert in libraries:
+        table, k_pages, v_pages = bench_cases.paged_cache(convert(k), convert(v), convert(order), 2)
+        table, k_pages, v_pages = (np.asarray(a) for a in (table, k_pages, v_pages))
+        assert table.dtype == np.int32 and table.shape == (2, 4)
+        for b in range(2):
+            for j in range(4):
+                for cache, pages in ((k, k_pages), (v, v_pages)):
+                    np.testing.assert_array_equal(
+                        pages[table[b, j]], cache[b, :, 2 * j : 2 * j + 2]
+                    )
+
+
+def test_flex_mods_declare_the_same_attention_for_xpkernels_and_torch():
+    """Each flex case of bench/gpu.py (and the CPU rows' masks) means the same scores on both
+    sides: xpkernels' mods against PyTorch's own (eager) ``flex_attention`` with its mods."""
+    torch = pytest.importorskip("torch")
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    import warnings
+
+    import xpkernels as xk
+
+    b, h, s, d = 1, 2, 48, 16
+    inputs = bench_cases.attention_inputs(b, h, s, d, bench_cases.numpy_random(0))
+    q, k, v = (torch.from_numpy(a) for a in inputs[:3])
+    for name in bench_cases.FLEX_MODS:
+        mods = bench_cases.flex_mods(name, s, 4)
+        ours = xk.flex_attention(
+            *inputs[:3], **bench_cases.xpk_mods(mods, bench_cases._Arrays("numpy"), h)
+        )
+        score, mask = bench_cases.torch_mods(mods, h)
+        block = None if mask is None else flex.create_block_mask(mask, None, None, s, s, "cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager flex_attention warns that it is not compiled
+            theirs = flex.flex_attention(q, k, v, score_mod=score, block_mask=block)
+        np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=1e-5, err_msg=name)
+        assert bench_cases.flex_work(b, h, s, d, mods.mask, "forward")[0] > 0

@@ -41,6 +41,7 @@ prints the table.
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import importlib.util
 import json
@@ -286,6 +287,7 @@ def _environment(library: str, quick: bool) -> dict:
     from .. import __version__
 
     env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "xpkernels": __version__,
         "python": platform.python_version(),
         "numpy": np.__version__,

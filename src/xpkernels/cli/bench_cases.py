@@ -1,4 +1,16 @@
-"""The rows ``python -m xpkernels bench`` times: shapes, inputs and the setup of each side.
+"""The cases xpkernels' benchmarks time: shapes, work, inputs and the calls of each side.
+
+Both benchmarks declare their cases here: ``python -m xpkernels bench`` (CPU,
+:mod:`.bench` times the rows) and ``bench/gpu.py`` (a CUDA device, run by
+``bench/device.sh``), which takes its shapes (:data:`GPU_SHAPES`), its
+primitives (:data:`GPU_OPS`, :data:`FLEX_MODS`), the bytes and FLOPs of each
+entry (:func:`row_work`, :func:`attention_work`, :func:`decode_work`,
+:func:`flex_work`), its inputs (:func:`row_inputs`, :func:`attention_inputs`,
+:func:`decode_inputs`, :func:`paged_cache`, :func:`flex_mods`) and the
+xpkernels calls it times (:func:`row_calls`, :func:`attention_calls`,
+:func:`decode_call`, :func:`flex_calls`, on an :class:`_Arrays` that says
+where the arrays live and which backend runs) from here, and keeps its own
+timing, ceilings and targets.
 
 A :class:`Bench` pairs a :class:`Row` (what is timed, its work and formula,
 the row its ratio compares with) with a ``setup()`` that allocates every
@@ -40,6 +52,33 @@ SHAPES: dict[bool, dict[str, Any]] = {
         "varlen": {"H": 2, "D": 32, "lengths": (200, 57, 129)},
         "flex": {"B": 1, "H": 2, "S": 256, "D": 32, "window": 32, "documents": 3},
         "large": None,
+    },
+}
+
+#: The primitives whose inputs are ``(rows, M)`` arrays (:func:`row_inputs`).
+ROW_OPS = ("rms_norm", "layer_norm", "softmax")
+#: The primitives ``bench/gpu.py`` times on the triton backend, in its order (then each again
+#: on the cupy backend).
+GPU_OPS = (*ROW_OPS, "attention", "decode_attention", "flex_attention")
+#: Shapes of ``bench/gpu.py``: on a CUDA device (False) and in its dry run (True: CPU tensors,
+#: the Triton interpreter, tiny shapes). ``D`` lists the head dims each shape runs at; the
+#: cupy backend's entries run at ``cupy``'s rows and attention shape and at ``decode``.
+GPU_SHAPES: dict[bool, dict[str, Any]] = {
+    False: {
+        "rows": ((32768, 4096), (4096, 65536)),
+        "row_dtypes": ("bfloat16", "float32"),
+        "attention": {"B": 4, "H": 32, "S": 4096, "D": (64, 128)},
+        "decode": {"B": 16, "H": 32, "Hkv": 8, "S": 32768, "D": 128},
+        "flex": {"B": 4, "H": 16, "S": 4096, "D": (64, 128), "documents": 4},
+        "cupy": {"rows": (32768, 4096), "attention": {"B": 4, "H": 32, "S": 4096, "D": 128}},
+    },
+    True: {
+        "rows": ((64, 256), (8, 2048)),
+        "row_dtypes": ("bfloat16", "float32"),
+        "attention": {"B": 1, "H": 2, "S": 48, "D": (16, 32)},
+        "decode": {"B": 2, "H": 8, "Hkv": 2, "S": 96, "D": 32},
+        "flex": {"B": 1, "H": 2, "S": 48, "D": (16,), "documents": 4},
+        "cupy": {"rows": (64, 256), "attention": {"B": 1, "H": 2, "S": 48, "D": 32}},
     },
 }
 
@@ -146,17 +185,29 @@ def compare(
 
 
 class _Arrays:
-    """Moves NumPy inputs onto the array library xpkernels runs on (NumPy or torch CPU)."""
+    """Where a case's inputs go: the array library xpkernels is called on, and how.
+
+    ``convert`` takes one of a case's inputs (NumPy arrays here) to that library; ``host``
+    takes a small NumPy array (document ids, score-mod tables, a block table) there;
+    ``options`` are the keyword arguments of every xpkernels call (none here: the default
+    backend). ``bench/gpu.py`` subclasses it for CUDA tensors (``backend="triton"``) and
+    CuPy views of them (``backend="cupy"``).
+    """
+
+    options: dict[str, Any] = {}
 
     def __init__(self, library: str):
         self.library = library
 
-    def convert(self, a: np.ndarray):
+    def convert(self, a):
         if self.library == "torch":
             import torch
 
             return torch.from_numpy(np.ascontiguousarray(a))
         return np.ascontiguousarray(a)
+
+    def host(self, a: np.ndarray):
+        return self.convert(a)
 
     def empty_like(self, a):
         import array_api_compat
@@ -164,7 +215,7 @@ class _Arrays:
         return array_api_compat.array_namespace(a).empty_like(a)
 
     def integers(self, values):
-        return self.convert(np.asarray(values, dtype=np.int64))
+        return self.host(np.asarray(values, dtype=np.int64))
 
 
 def _torch_tensor(a: np.ndarray, grad: bool = False):
@@ -173,112 +224,43 @@ def _torch_tensor(a: np.ndarray, grad: bool = False):
     return torch.from_numpy(np.ascontiguousarray(a)).requires_grad_(grad)
 
 
-# --------------------------------------------------------------------------- norms and softmax
+#: Draws a random input of a shape: ``random(shape) -> array`` (NumPy float32 here, CUDA
+#: tensors of the entry's dtype in ``bench/gpu.py``).
+Random = Callable[[tuple[int, ...]], Any]
 
 
-def _row_benches(op: str, shape, arrays: _Arrays, repeats: int, with_torch: bool) -> list[Bench]:
-    rows, m = shape
-    s = 4
-    n_stats = {"rms_norm": 1, "layer_norm": 2, "softmax": 0}[op]
-    n_params = {"rms_norm": 1, "layer_norm": 2, "softmax": 0}[op]
-    fwd_bytes = (2 * rows * m + n_params * m) * s + 4 * n_stats * rows
-    bwd_bytes = (3 * rows * m + 2 * n_params * m) * s + 4 * n_stats * rows
-    terms = {
-        "rms_norm": ("(2*R*M + M)*s + 4*R", "(3*R*M + 2*M)*s + 4*R"),
-        "layer_norm": ("(2*R*M + 2*M)*s + 8*R", "(3*R*M + 3*M)*s + 8*R"),
-        "softmax": ("2*R*M*s", "3*R*M*s"),
-    }[op]
-    where = f"R={rows}, M={m}, s={s}"
-    what = {
-        "rms_norm": ("read x, w; write y, rstd", "read x, dy, w, rstd; write dx, dw"),
-        "layer_norm": (
-            "read x, w, b; write y, mean, rstd",
-            "read x, dy, w, mean, rstd; write dx, dw, db",
-        ),
-        "softmax": ("read x; write y", "read y, dy; write dx"),
-    }[op]
-    rng = np.random.default_rng(1)
-    x_np = rng.standard_normal(shape, dtype=np.float32)
-    dy_np = rng.standard_normal(shape, dtype=np.float32)
-    w_np = rng.standard_normal((m,), dtype=np.float32)
-    b_np = rng.standard_normal((m,), dtype=np.float32)
-    shape_text = f"{rows}x{m}"
-    benches = []
-    for pass_, work, formula, text in (
-        ("forward", fwd_bytes, terms[0], what[0]),
-        ("backward", bwd_bytes, terms[1], what[1]),
-    ):
-        formula = f"bytes = {formula} ({text}; {where})"
-        ours = ("xpkernels", _xpk_row_setup(op, pass_, arrays, x_np, dy_np, w_np, b_np))
-        theirs = ("torch", _torch_row_setup(op, pass_, x_np, dy_np, w_np, b_np))
-        benches += compare(
-            op,
-            pass_,
-            shape_text,
-            "GB/s",
-            work,
-            formula,
-            repeats,
-            ours,
-            theirs if with_torch else None,
-        )
-    return benches
+def numpy_random(seed: int) -> Random:
+    """Standard normal float32 NumPy arrays from one seeded generator."""
+    rng = np.random.default_rng(seed)
+    return lambda shape: rng.standard_normal(shape, dtype=np.float32)
 
 
-def _xpk_row_setup(op, pass_, arrays: _Arrays, x_np, dy_np, w_np, b_np):
-    def setup():
-        module = importlib.import_module(f"xpkernels.{op}")
-        forward_, backward_ = getattr(module, f"{op}_"), getattr(module, f"{op}_backward_")
-        x, dy, w, b = (arrays.convert(a) for a in (x_np, dy_np, w_np, b_np))
-        params = {"rms_norm": (w,), "layer_norm": (w, b), "softmax": ()}[op]
-        y = arrays.empty_like(x)
-        saved = (
-            {} if op == "softmax" else {"checkpoints": allocate_checkpoints(forward_, x, *params)}
-        )
-        forward_(y, x, *params, **saved)
-        if pass_ == "forward":
-            return lambda: forward_(y, x, *params, **saved)
-        Y, X = Duplicated(y, dy), Duplicated(x)
-        P = tuple(Duplicated(p) for p in params)
-        if op != "softmax":
-            saved["scratch"] = allocate_scratchspace(backward_, Y, X, *P)
-        return lambda: backward_(Y, X, *P, **saved)
+# --------------------------------------------------------------------------- work
 
-    return setup
+#: What one pass of a row primitive must move: (arrays of R x M elements, arrays of M
+#: elements, float32 statistics per row) and which they are.
+_ROW_TRAFFIC = {
+    ("rms_norm", "forward"): (2, 1, 1, "read x, w; write y, rstd"),
+    ("rms_norm", "backward"): (3, 2, 1, "read x, dy, w, rstd; write dx, dw"),
+    ("layer_norm", "forward"): (2, 2, 2, "read x, w, b; write y, mean, rstd"),
+    ("layer_norm", "backward"): (3, 3, 2, "read x, dy, w, mean, rstd; write dx, dw, db"),
+    ("softmax", "forward"): (2, 0, 0, "read x; write y"),
+    ("softmax", "backward"): (3, 0, 0, "read y, dy; write dx"),
+}
 
 
-def _torch_row_setup(op, pass_, x_np, dy_np, w_np, b_np):
-    def setup():
-        import torch
-        import torch.nn.functional as F
-
-        m = x_np.shape[-1]
-        grad = pass_ == "backward"
-        x, w, b = (_torch_tensor(a, grad) for a in (x_np, w_np, b_np))
-        inputs = {"rms_norm": (x, w), "layer_norm": (x, w, b), "softmax": (x,)}[op]
-
-        def call():
-            if op == "rms_norm":
-                return F.rms_norm(x, (m,), w, eps=1e-6)
-            if op == "layer_norm":
-                return F.layer_norm(x, (m,), w, b, eps=1e-5)
-            return torch.softmax(x, dim=-1)
-
-        if not grad:
-
-            def forward():
-                with torch.no_grad():
-                    return call()
-
-            return forward
-        y = call()
-        dy = _torch_tensor(dy_np)
-        return lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True)
-
-    return setup
-
-
-# --------------------------------------------------------------------------- attention
+def row_work(op: str, pass_: str, rows: int, m: int, itemsize: int) -> tuple[int, str]:
+    """Bytes one ``pass_`` of row primitive ``op`` must move at ``(rows, m)`` with
+    ``itemsize``-byte elements (the least any implementation moves), and its formula."""
+    full, vectors, stats, what = _ROW_TRAFFIC[(op, pass_)]
+    work = (full * rows * m + vectors * m) * itemsize + 4 * stats * rows
+    if vectors:
+        formula = f"({full}*R*M + {'' if vectors == 1 else f'{vectors}*'}M)*s"
+    else:
+        formula = f"{full}*R*M*s"
+    if stats:
+        formula += f" + {4 * stats}*R"
+    return work, f"bytes = {formula} ({what}; R={rows}, M={m}, s={itemsize})"
 
 
 def _attention_flops(b, h, sq, sk, d, causal, pass_):
@@ -293,28 +275,388 @@ def _attention_formula(pass_, causal, where):
     return f"FLOPs = {text} ({where})"
 
 
+def attention_work(b: int, h: int, s: int, d: int, causal: bool, pass_: str) -> tuple[float, str]:
+    """FLOPs of one ``pass_`` of attention at Sq = Sk = ``s`` (the two products forward, five
+    backward: 2.5 times the forward -- the FlashAttention papers' convention), and the formula."""
+    where = f"B={b}, H={h}, Sq=Sk={s}, D={d}"
+    return _attention_flops(b, h, s, s, d, causal, pass_), _attention_formula(pass_, causal, where)
+
+
+def decode_work(
+    b: int, h: int, hkv: int, s: int, d: int, itemsize: int, page_size: int | None = None
+) -> tuple[int, str]:
+    """Bytes of one decode step over full caches of ``s`` keys (K and V read once, q read,
+    o written; paged: the int32 block table too), and the formula."""
+    work = (2 * b * hkv * s * d + 2 * b * h * d) * itemsize
+    where = f"B={b}, H={h}, Hkv={hkv}, L={s} valid of Smax={s}, D={d}, s={itemsize}"
+    if page_size is None:
+        text = f"(2*B*Hkv*L*D + 2*B*H*D)*s (read the valid K and V cache, read q, write o; {where})"
+        return work, f"bytes = {text}"
+    work += b * (s // page_size) * 4
+    text = (
+        "(2*B*Hkv*L*D + 2*B*H*D)*s + 4*B*L/P (read the valid K and V pages, read q, write o, "
+        f"read the int32 block table; {where}, pages of P={page_size} keys, table shuffled)"
+    )
+    return work, f"bytes = {text}"
+
+
+def flex_work(b: int, h: int, s: int, d: int, mask, pass_: str) -> tuple[float, str]:
+    """FLOPs of one ``pass_`` of FlexAttention with ``mask`` (as in :func:`_kept_pairs`; None:
+    every pair, attention's count): the pairs the mask keeps, whatever tiles a path visits."""
+    if mask is None:
+        return attention_work(b, h, s, d, False, pass_)
+    pairs = _kept_pairs(s, mask)
+    work = 4 * b * h * d * pairs * (2.5 if pass_ == "backward" else 1.0)
+    formula = (
+        f"FLOPs = {'2.5 * ' if pass_ == 'backward' else ''}4*B*H*D*pairs, pairs = the "
+        f"(query, key) pairs the mask keeps = {pairs:,} (B={b}, H={h}, Sq=Sk={s}, D={d}; "
+        "the same for every path)"
+    )
+    return work, formula
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def row_inputs(rows: int, m: int, random: Random) -> dict[str, Any]:
+    """``x`` and ``dy`` of ``(rows, m)``, the weight ``w`` and bias ``b`` of ``(m,)``."""
+    x, dy = random((rows, m)), random((rows, m))
+    return {"x": x, "dy": dy, "w": random((m,)), "b": random((m,))}
+
+
+def attention_inputs(b: int, h: int, s: int, d: int, random: Random) -> tuple:
+    """``q, k, v, do`` of ``(b, h, s, d)``."""
+    return tuple(random((b, h, s, d)) for _ in range(4))
+
+
+def decode_inputs(b: int, h: int, hkv: int, s: int, d: int, random: Random) -> tuple:
+    """``q`` of ``(b, h, d)`` and full K and V caches of ``(b, hkv, s, d)``."""
+    q = random((b, h, d))
+    return q, random((b, hkv, s, d)), random((b, hkv, s, d))
+
+
+def paged_cache(k, v, order, page_size: int) -> tuple:
+    """The caches ``k``, ``v`` ``(B, Hkv, S, D)`` in ``page_size``-key pages: ``(table, k_pages,
+    v_pages)``, page ``table[b, j]`` holding keys ``j * page_size ...`` of batch ``b``, the
+    pages placed in the shuffled ``order`` (a permutation of ``B * S / page_size``, in the
+    caches' library, as the table: int32)."""
+    import array_api_compat
+
+    xp = array_api_compat.array_namespace(k)
+    b, hkv, s, d = k.shape
+    table = xp.astype(xp.reshape(order, (b, s // page_size)), xp.int32)
+    where = xp.astype(table, xp.int64)
+    pages = []
+    for cache in (k, v):
+        shape = (b * s // page_size, hkv, page_size, d)
+        into = xp.empty(shape, dtype=cache.dtype, device=array_api_compat.device(cache))
+        into[where] = xp.permute_dims(
+            xp.reshape(cache, (b, hkv, s // page_size, page_size, d)), (0, 2, 1, 3, 4)
+        )
+        pages.append(into)
+    return table, *pages
+
+
+#: The FlexAttention mods of ``bench/gpu.py``'s entries (see :func:`flex_mods`).
+FLEX_MODS = ("nomod", "causal", "sliding256", "document", "alibi", "relpos")
+
+
+@dataclass(frozen=True)
+class FlexMods:
+    """One FlexAttention case's mods, declared once for xpkernels and for PyTorch.
+
+    ``mask``: None, "causal", a window length or sorted document ids (as in
+    :func:`_kept_pairs`); ``score``: None, "alibi" (its slopes) or "relpos" (a learned
+    relative-position table ``(H, 257)``), both causal; ``attention``: whether xpkernels'
+    attention is a baseline of the case, and causal (None: it is not).
+    """
+
+    name: str
+    mask: Any = None
+    score: str | None = None
+    attention: bool | None = None
+
+
+def flex_mods(name: str, s: int, documents: int = 4) -> FlexMods:
+    """The mods :data:`FLEX_MODS` names, at ``s`` keys: ``sliding<W>`` a window of ``W`` keys,
+    ``document`` ``documents`` documents of uneven lengths (:func:`_document_ids`)."""
+    if name.startswith("sliding"):
+        return FlexMods(name, int(name[len("sliding") :]))
+    return {
+        "nomod": FlexMods(name, None, None, False),
+        "causal": FlexMods(name, "causal", None, True),
+        "document": FlexMods(name, _document_ids(s, documents)),
+        "alibi": FlexMods(name, "causal", "alibi"),
+        "relpos": FlexMods(name, "causal", "relpos"),
+    }[name]
+
+
+def score_tables(h: int) -> dict[str, np.ndarray]:
+    """The score mods' arrays: ALiBi's slopes ``2^(-8 i / H)`` and a relative-position table
+    ``(H, 257)`` (float32)."""
+    return {
+        "alibi": np.exp2(-8.0 * np.arange(1, h + 1) / h).astype(np.float32),
+        "relpos": np.linspace(-1.0, 1.0, h * 257, dtype=np.float32).reshape(h, 257),
+    }
+
+
+def xpk_mods(mods: FlexMods, arrays: _Arrays, h: int) -> dict[str, Any]:
+    """``score_mod`` and ``mask_mod`` of ``mods`` for xpkernels, their arrays on ``arrays``."""
+    from xpkernels import mods as xm
+
+    mask = mods.mask
+    mask_mod = (
+        None
+        if mask is None
+        else xm.DocumentMask(arrays.host(mask))
+        if isinstance(mask, np.ndarray)
+        else xm.CausalMask()
+        if mask == "causal"
+        else xm.SlidingWindowMask(mask)
+    )
+    score_mod: Any = None
+    if mods.score == "alibi":
+        score_mod = xm.AliBiScore(arrays.host(score_tables(h)["alibi"]))
+    elif mods.score == "relpos":  # indices repeat inside every tile
+
+        def relative(score, b, h, q_idx, kv_idx, *, table):
+            return score + table[h, xm.minimum(xm.maximum(q_idx - kv_idx, -128), 128) + 128]
+
+        score_mod = xm.ScoreMod(relative, table=arrays.host(score_tables(h)["relpos"]))
+    return {"score_mod": score_mod, "mask_mod": mask_mod}
+
+
+def torch_mods(mods: FlexMods, h: int, device="cpu") -> tuple:
+    """``(score_mod, mask_mod)`` of ``mods`` for PyTorch's ``flex_attention`` on ``device``."""
+    import torch
+
+    mask = mods.mask
+    mask_mod = None
+    if isinstance(mask, np.ndarray):
+        mask_mod = _torch_document_mask(mask)
+    elif mask == "causal":
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx
+    elif mask is not None:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx <= mask)
+
+    score_mod = None
+    tables = score_tables(h)
+    if mods.score == "alibi":
+        slopes = torch.from_numpy(tables["alibi"]).to(device)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx)
+    elif mods.score == "relpos":
+        table = torch.from_numpy(tables["relpos"]).to(device)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + table[h, (q_idx - kv_idx).clamp(-128, 128) + 128]
+
+    return score_mod, mask_mod
+
+
+# --------------------------------------------------------------------------- xpkernels' calls
+
+
+@dataclass
+class Calls:
+    """The timed calls of one case, every buffer allocated once beforehand: ``forward``, the
+    ``backward`` (None for a forward-only primitive; the forward has run once, so it has its
+    checkpoints), the ``scratch`` they use, and ``backward_with(**options)``: the backward
+    with options changed (flex: atomics, no score-mod gradients)."""
+
+    forward: Callable[[], object]
+    backward: Callable[[], object] | None = None
+    scratch: Any = None
+    backward_with: Callable[..., Callable[[], object]] | None = None
+
+
+#: The parameters each row primitive takes after ``x`` (keys of :func:`row_inputs`).
+ROW_PARAMS = {"rms_norm": ("w",), "layer_norm": ("w", "b"), "softmax": ()}
+#: ``eps`` of each norm, on every side (xpkernels' defaults).
+ROW_EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5}
+
+
+def row_calls(op: str, arrays: _Arrays, inputs: dict[str, Any]) -> Calls:
+    """``op_`` and ``op_backward_`` over ``arrays``' copies of ``inputs`` (:func:`row_inputs`)."""
+    module = importlib.import_module(f"xpkernels.{op}")
+    forward_, backward_ = getattr(module, f"{op}_"), getattr(module, f"{op}_backward_")
+    x, dy = arrays.convert(inputs["x"]), arrays.convert(inputs["dy"])
+    params = tuple(arrays.convert(inputs[name]) for name in ROW_PARAMS[op])
+    options = arrays.options
+    eps = {"eps": ROW_EPS[op]} if op in ROW_EPS else {}
+    y = arrays.empty_like(x)
+    saved = {} if op == "softmax" else {"checkpoints": allocate_checkpoints(forward_, x, *params)}
+    forward_(y, x, *params, **saved, **eps, **options)
+    Y, X = Duplicated(y, dy), Duplicated(x)
+    P = tuple(Duplicated(p) for p in params)
+    scratch = None if op == "softmax" else allocate_scratchspace(backward_, Y, X, *P, **options)
+    held = {**saved, **({} if scratch is None else {"scratch": scratch})}
+    return Calls(
+        lambda: forward_(y, x, *params, **saved, **eps, **options),
+        lambda: backward_(Y, X, *P, **held, **options),
+        scratch,
+    )
+
+
+def attention_calls(arrays: _Arrays, inputs, causal: bool) -> Calls:
+    """``attention_`` and ``attention_backward_`` over ``arrays``' copies of ``q, k, v, do``."""
+    import xpkernels as xk
+
+    q, k, v, do = (arrays.convert(a) for a in inputs)
+    o = arrays.empty_like(q)
+    options = {"causal": causal, **arrays.options}
+    ck = allocate_checkpoints(xk.attention_, q, k, v)
+    xk.attention_(o, q, k, v, checkpoints=ck, **options)
+    O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
+    scratch = allocate_scratchspace(xk.attention_backward_, O, Q, K, V, **options)
+    return Calls(
+        lambda: xk.attention_(o, q, k, v, checkpoints=ck, **options),
+        lambda: xk.attention_backward_(O, Q, K, V, checkpoints=ck, scratch=scratch, **options),
+        scratch,
+    )
+
+
+def decode_call(arrays: _Arrays, q, k, v, length: int, block_table=None) -> Calls:
+    """``decode_attention_`` of ``q`` over the caches ``k``, ``v`` (or their pages, read
+    through ``block_table``), every sequence ``length`` keys long."""
+    import xpkernels as xk
+
+    q, k, v = (arrays.convert(a) for a in (q, k, v))
+    paged = {} if block_table is None else {"block_table": arrays.convert(block_table)}
+    lengths = arrays.integers([length] * q.shape[0])
+    o = arrays.empty_like(q)
+    options = {**paged, **arrays.options}
+    scratch = allocate_scratchspace(xk.decode_attention_, o, q, k, v, lengths, **options)
+    return Calls(
+        lambda: xk.decode_attention_(o, q, k, v, lengths, scratch=scratch, **options),
+        scratch=scratch,
+    )
+
+
+def flex_calls(arrays: _Arrays, inputs, mods: dict[str, Any], **options) -> Calls:
+    """``flex_attention_`` and its backward over ``arrays``' copies of ``q, k, v, do`` with
+    ``mods`` (:func:`xpk_mods`: ``score_mod``, ``mask_mod``, or a ``block_mask``) and
+    ``options`` (``block_sparse``); with a score mod the backward computes its gradients
+    (deterministic, the default), the scratch sized for them."""
+    import xpkernels as xk
+    from xpkernels.flex_attention import flex_attention_, flex_attention_backward_
+
+    q, k, v, do = (arrays.convert(a) for a in inputs)
+    o = arrays.empty_like(q)
+    options = {**mods, **options, **arrays.options}
+    ck = allocate_checkpoints(flex_attention_, q, k, v)
+    flex_attention_(o, q, k, v, checkpoints=ck, **options)
+    O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
+    score = options.get("score_mod")
+    grads = {} if score is None else {"score_mod_grad": xk.grad_shadow(score)}
+    scratch = allocate_scratchspace(flex_attention_backward_, O, Q, K, V, **grads, **options)
+
+    def backward_with(**changed):
+        final = {**options, **grads, **changed}
+        return lambda: flex_attention_backward_(
+            O, Q, K, V, checkpoints=ck, scratch=scratch, **final
+        )
+
+    return Calls(
+        lambda: flex_attention_(o, q, k, v, checkpoints=ck, **options),
+        backward_with(),
+        scratch,
+        backward_with,
+    )
+
+
+def torch_row_op(op: str, m: int) -> Callable:
+    """PyTorch's own ``op`` over rows of ``m``, as ``f(x, w, b)`` (parameters it lacks ignored)."""
+    import torch
+    import torch.nn.functional as F
+
+    if op == "rms_norm":
+        return lambda x, w, b: F.rms_norm(x, (m,), w, eps=ROW_EPS[op])
+    if op == "layer_norm":
+        return lambda x, w, b: F.layer_norm(x, (m,), w, b, eps=ROW_EPS[op])
+    return lambda x, w, b: torch.softmax(x, dim=-1)
+
+
+# --------------------------------------------------------------------------- norms and softmax
+
+
+def _row_benches(op: str, shape, arrays: _Arrays, repeats: int, with_torch: bool) -> list[Bench]:
+    rows, m = shape
+    inputs = row_inputs(rows, m, numpy_random(1))
+    shape_text = f"{rows}x{m}"
+    benches = []
+    for pass_ in ("forward", "backward"):
+        work, formula = row_work(op, pass_, rows, m, 4)
+        ours = ("xpkernels", _xpk_row_setup(op, pass_, arrays, inputs))
+        theirs = ("torch", _torch_row_setup(op, pass_, inputs))
+        benches += compare(
+            op,
+            pass_,
+            shape_text,
+            "GB/s",
+            work,
+            formula,
+            repeats,
+            ours,
+            theirs if with_torch else None,
+        )
+    return benches
+
+
+def _xpk_row_setup(op, pass_, arrays: _Arrays, inputs):
+    def setup():
+        calls = row_calls(op, arrays, inputs)
+        return calls.forward if pass_ == "forward" else calls.backward
+
+    return setup
+
+
+def _torch_row_setup(op, pass_, inputs):
+    def setup():
+        import torch
+
+        m = inputs["x"].shape[-1]
+        grad = pass_ == "backward"
+        x, w, b = (_torch_tensor(inputs[n], grad) for n in ("x", "w", "b"))
+        wanted = (x, *(t for n, t in (("w", w), ("b", b)) if n in ROW_PARAMS[op]))
+        call = torch_row_op(op, m)
+        if not grad:
+
+            def forward():
+                with torch.no_grad():
+                    return call(x, w, b)
+
+            return forward
+        y = call(x, w, b)
+        dy = _torch_tensor(inputs["dy"])
+        return lambda: torch.autograd.grad(y, wanted, dy, retain_graph=True)
+
+    return setup
+
+
+# --------------------------------------------------------------------------- attention
+
+
 def _attention_benches(
     shape, arrays: _Arrays, repeats: int, with_torch: bool, suffix: str = ""
 ) -> list[Bench]:
     """Attention and causal attention, forward and backward, against SDPA; ``suffix`` ends
     the rows' primitive names (it tells the rows of a second shape apart)."""
     b, h, s, d = shape["B"], shape["H"], shape["S"], shape["D"]
-    rng = np.random.default_rng(2)
-    q_np, k_np, v_np, do_np = (
-        rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4)
-    )
-    where = f"B={b}, H={h}, Sq=Sk={s}, D={d}"
+    inputs = attention_inputs(b, h, s, d, numpy_random(2))
+    q, k, v, do = inputs
     benches = []
     for causal in (False, True):
         op = ("attention (causal)" if causal else "attention") + suffix
         for pass_ in ("forward", "backward"):
-            work = _attention_flops(b, h, s, s, d, causal, pass_)
-            formula = _attention_formula(pass_, causal, where)
-            ours = (
-                "xpkernels",
-                _xpk_attention_setup(arrays, q_np, k_np, v_np, do_np, causal, pass_),
-            )
-            theirs = ("torch", _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_))
+            work, formula = attention_work(b, h, s, d, causal, pass_)
+            ours = ("xpkernels", _xpk_attention_setup(arrays, inputs, causal, pass_))
+            theirs = ("torch", _torch_attention_setup(q, k, v, do, causal, pass_))
             benches += compare(
                 op,
                 pass_,
@@ -329,21 +671,10 @@ def _attention_benches(
     return benches
 
 
-def _xpk_attention_setup(arrays: _Arrays, q_np, k_np, v_np, do_np, causal, pass_):
+def _xpk_attention_setup(arrays: _Arrays, inputs, causal, pass_):
     def setup():
-        import xpkernels as xk
-
-        q, k, v, do = (arrays.convert(a) for a in (q_np, k_np, v_np, do_np))
-        o = arrays.empty_like(q)
-        ck = allocate_checkpoints(xk.attention_, q, k, v)
-        xk.attention_(o, q, k, v, causal=causal, checkpoints=ck)
-        if pass_ == "forward":
-            return lambda: xk.attention_(o, q, k, v, causal=causal, checkpoints=ck)
-        O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
-        scratch = allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
-        return lambda: xk.attention_backward_(
-            O, Q, K, V, checkpoints=ck, scratch=scratch, causal=causal
-        )
+        calls = attention_calls(arrays, inputs, causal)
+        return calls.forward if pass_ == "forward" else calls.backward
 
     return setup
 
@@ -371,27 +702,21 @@ def _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_):
 
 # --------------------------------------------------------------------------- decode
 
+#: Keys per page of the paged decode rows (DESIGN section 8's paged target is at 16).
+PAGE_SIZE = 16
+
 
 def _decode_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -> list[Bench]:
     b, h, hkv, s, d = (shape[n] for n in ("B", "H", "Hkv", "S", "D"))
     rng = np.random.default_rng(3)
-    q_np = rng.standard_normal((b, h, d), dtype=np.float32)
-    k_np, v_np = (rng.standard_normal((b, hkv, s, d), dtype=np.float32) for _ in range(2))
-    work = (2 * b * hkv * s * d + 2 * b * h * d) * 4
-    formula = (
-        "bytes = (2*B*Hkv*L*D + 2*B*H*D)*s (read the valid K and V cache, read q, write o; "
-        f"B={b}, H={h}, Hkv={hkv}, L={s} valid of Smax={s}, D={d}, s=4)"
+    q_np, k_np, v_np = decode_inputs(
+        b, h, hkv, s, d, lambda shape: rng.standard_normal(shape, dtype=np.float32)
     )
+    work, formula = decode_work(b, h, hkv, s, d, 4)
     shape_text = f"{b}x{h}/{hkv}x{s}x{d}"
 
     def xpk_setup():
-        import xpkernels as xk
-
-        q, k, v = (arrays.convert(a) for a in (q_np, k_np, v_np))
-        lengths = arrays.integers([s] * b)
-        o = arrays.empty_like(q)
-        scratch = allocate_scratchspace(xk.decode_attention_, o, q, k, v, lengths)
-        return lambda: xk.decode_attention_(o, q, k, v, lengths, scratch=scratch)
+        return decode_call(arrays, q_np, k_np, v_np, s).forward
 
     def torch_setup():
         import torch
@@ -406,27 +731,21 @@ def _decode_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -> l
 
         return forward
 
-    def paged_setup(page_size=16):  # the same cache in shuffled pages, read through a block table
-        import xpkernels as xk
-
-        table = rng.permutation(b * s // page_size).reshape(b, -1).astype(np.int32)
-        pages = [np.empty((table.size, hkv, page_size, d), np.float32) for _ in range(2)]
-        for p, c in zip(pages, (k_np, v_np)):
-            p[table] = np.moveaxis(c.reshape(b, hkv, -1, page_size, d), 2, 1)
-        q, k, v, bt = (arrays.convert(a) for a in (q_np, *pages, table))
-        lengths, o = arrays.integers([s] * b), arrays.empty_like(q)
-        scratch = allocate_scratchspace(xk.decode_attention_, o, q, k, v, lengths, block_table=bt)
-        return lambda: xk.decode_attention_(o, q, k, v, lengths, block_table=bt, scratch=scratch)
+    def paged_setup():  # the same cache in shuffled pages, read through a block table
+        order = rng.permutation(b * s // PAGE_SIZE)
+        table, k_pages, v_pages = paged_cache(k_np, v_np, order, PAGE_SIZE)
+        return decode_call(arrays, q_np, k_pages, v_pages, s, block_table=table).forward
 
     theirs = ("torch", torch_setup) if with_torch else None
+    paged_work, paged_formula = decode_work(b, h, hkv, s, d, 4, PAGE_SIZE)
     paged = Row(
         "decode_attention",
         "forward",
-        "xpkernels paged16",
+        f"xpkernels paged{PAGE_SIZE}",
         shape_text,
         "GB/s",
-        work,
-        formula + "; paged16: the cache in 16-key pages, block table shuffled",
+        paged_work,
+        paged_formula,
         "decode_attention/forward/xpkernels",
     )
     return compare(
@@ -622,22 +941,15 @@ def _flex_benches(
     benches = []
     b, h, s, d, w = (shape[n] for n in ("B", "H", "S", "D", "window"))
     shape_text = f"{b}x{h}x{s}x{d}"
-    rng = np.random.default_rng(4)
-    inputs = [rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4)]
+    inputs = attention_inputs(b, h, s, d, numpy_random(4))
     masks: tuple[tuple[str, Any], ...] = (
         ("flex causal mask" + suffix, "causal"),
         (f"flex window {w}" + suffix, w),
         (f"flex {shape['documents']} documents" + suffix, _document_ids(s, shape["documents"])),
     )
     for label, mask in masks:
-        pairs = _kept_pairs(s, mask)
         for pass_ in ("forward", "backward"):
-            work = 4 * b * h * d * pairs * (2.5 if pass_ == "backward" else 1.0)
-            formula = (
-                f"FLOPs = {'2.5 * ' if pass_ == 'backward' else ''}4*B*H*D*pairs, pairs = the "
-                f"(query, key) pairs the mask keeps = {pairs:,} (B={b}, H={h}, Sq=Sk={s}, D={d}; "
-                "the same for every path)"
-            )
+            work, formula = flex_work(b, h, s, d, mask, pass_)
             sides = [
                 (impl, _xpk_flex_setup(arrays, inputs, pass_, mask=mask, block_sparse=sparse))
                 for impl, sparse in (("xpkernels", True), ("xpkernels dense", False))
@@ -660,11 +972,9 @@ def _flex_benches(
         return benches
     b, h, s, d = (attention_shape[n] for n in ("B", "H", "S", "D"))
     shape_text = f"{b}x{h}x{s}x{d}"
-    rng = np.random.default_rng(2)
-    inputs = [rng.standard_normal((b, h, s, d), dtype=np.float32) for _ in range(4)]
+    inputs = attention_inputs(b, h, s, d, numpy_random(2))
     for pass_ in ("forward", "backward"):
-        work = _attention_flops(b, h, s, s, d, False, pass_)
-        formula = _attention_formula(pass_, False, f"B={b}, H={h}, Sq=Sk={s}, D={d}")
+        work, formula = flex_work(b, h, s, d, None, pass_)
         baseline = f"attention/{pass_}/xpkernels"
         row = Row(
             "flex no mods", pass_, "xpkernels", shape_text, "TFLOP/s", work, formula, baseline
@@ -701,17 +1011,7 @@ def _torch_flex_setup(inputs, mask):
 
         q, k, v = (_torch_tensor(a) for a in inputs[:3])
         s = q.shape[2]
-        if isinstance(mask, np.ndarray):
-            mask_mod = _torch_document_mask(mask)
-        elif mask == "causal":
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return kv_idx <= q_idx
-        else:
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return (kv_idx <= q_idx) & (q_idx - kv_idx <= mask)
-
+        _, mask_mod = torch_mods(FlexMods("mask", mask), q.shape[1])
         block_mask = create_block_mask(mask_mod, None, None, s, s, device="cpu")
         compiled = torch.compile(flex_attention)
 
@@ -737,36 +1037,20 @@ def _xpk_flex_setup(arrays: _Arrays, inputs, pass_, mask=None, block_sparse=True
 
     def setup():
         from xpkernels.backends.array_api.flex_attention import default_tiles
-        from xpkernels.flex_attention import flex_attention_, flex_attention_backward_
-        from xpkernels.mods import CausalMask, DocumentMask, SlidingWindowMask, build_block_mask
+        from xpkernels.mods import build_block_mask
         from xpkernels.mods.bands import exact_band
 
-        q, k, v, do = (arrays.convert(a) for a in inputs)
-        opts: dict[str, Any] = {"block_sparse": block_sparse}
-        if isinstance(mask, np.ndarray):
-            opts["mask_mod"] = DocumentMask(arrays.convert(mask))
-            if block_sparse and exact_band(opts["mask_mod"], 0, mask.size, mask.size) is None:
+        q, k = inputs[0], inputs[1]
+        mods = xpk_mods(FlexMods("mask", mask), arrays, q.shape[1])
+        if isinstance(mask, np.ndarray) and block_sparse:
+            if exact_band(mods["mask_mod"], 0, mask.size, mask.size) is None:
                 n = q.shape[2]
                 tile_m, tile_n = default_tiles(n, n, q.shape[1] // k.shape[1], True)
-                opts["block_mask"] = build_block_mask(
-                    opts.pop("mask_mod"), n, n, tile_m=tile_m, tile_n=tile_n
+                mods["block_mask"] = build_block_mask(
+                    mods.pop("mask_mod"), n, n, tile_m=tile_m, tile_n=tile_n
                 )
-        else:
-            opts["mask_mod"] = (
-                None
-                if mask is None
-                else CausalMask()
-                if mask == "causal"
-                else SlidingWindowMask(mask)
-            )
-        o = arrays.empty_like(q)
-        ck = allocate_checkpoints(flex_attention_, q, k, v)
-        flex_attention_(o, q, k, v, checkpoints=ck, **opts)
-        if pass_ == "forward":
-            return lambda: flex_attention_(o, q, k, v, checkpoints=ck, **opts)
-        O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
-        scratch = allocate_scratchspace(flex_attention_backward_, O, Q, K, V)
-        return lambda: flex_attention_backward_(O, Q, K, V, checkpoints=ck, scratch=scratch, **opts)
+        calls = flex_calls(arrays, inputs, mods, block_sparse=block_sparse)
+        return calls.forward if pass_ == "forward" else calls.backward
 
     return setup
 
@@ -816,7 +1100,7 @@ def benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[B
         skipped.append(f"{missing}: the comparison rows against {names} are skipped")
     benches = []
     for op in chosen:
-        if op in ("rms_norm", "layer_norm", "softmax"):
+        if op in ROW_OPS:
             benches += _row_benches(op, shapes["rows"], arrays, row_repeats, with_torch)
         elif op == "attention":
             benches += _attention_benches(shapes["attention"], arrays, attn_repeats, with_torch)
