@@ -50,7 +50,10 @@ __all__ = [
     "Backend",
     "Call",
     "Capability",
+    "Arg",
+    "Option",
     "Primitive",
+    "Signature",
     "Support",
     "AttentionModule",
     "AttentionVarlenModule",
@@ -60,6 +63,7 @@ __all__ = [
     "MergeAttentionStatesModule",
     "RMSNormModule",
     "SoftmaxModule",
+    "SwiGLUModule",
     "default_splits",
     "default_tiles",
     "partials",
@@ -146,6 +150,16 @@ class SoftmaxModule(Protocol):
     def forward(self, y, x) -> None: ...
 
     def backward(self, y, dy, dx) -> None: ...
+
+
+class SwiGLUModule(Protocol):
+    """``y = silu(a) * b`` over ``(rows, M)`` views."""
+
+    def forward(self, y, a, b) -> None:
+        """``y`` may be the very same array as ``a`` or ``b``."""
+
+    def backward(self, dy, a, b, da, db) -> None:
+        """``da`` may be the very same array as ``dy``."""
 
 
 class AttentionModule(Protocol):
@@ -411,6 +425,153 @@ def varlen_score_mod_workspace(
     return 0
 
 
+# -- Declared signatures ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One array argument of a primitive, as its :class:`Signature` declares it.
+
+    Attributes
+    ----------
+    name : str
+        The argument's name in the forward (``x``, ``w``, ``y``...); its
+        Duplicated in the backward is the upper-case name (``X``, ``W``, ``Y``).
+    shape : str
+        Its shape pattern: ``"... M"`` (any leading axes, then the row
+        length), ``"M"``, ``"rows"`` (one per row of the ``... M`` arrays) or
+        ``"P M"`` (any ``P >= 1`` rows of partial sums).
+    optional : bool
+        None is accepted (an input the call does without: no weight).
+    aliases : tuple of str
+        For an output: the inputs it may be the very same array as. For an
+        input: the outputs whose shadow its shadow may be, in the backward.
+    recorded : str or None
+        For an optional input: the key under which checkpoints record whether
+        the forward had it (a backward must match).
+    of : str or None
+        For a scratch array: the input whose gradient it holds partial sums of.
+    """
+
+    name: str
+    shape: str
+    optional: bool = False
+    aliases: tuple[str, ...] = ()
+    recorded: str | None = None
+    of: str | None = None
+
+
+@dataclass(frozen=True)
+class Option:
+    """One keyword option of a primitive's forward.
+
+    Attributes
+    ----------
+    name : str
+        The keyword.
+    default : float
+        Its default in the fronts.
+    rule : str
+        ``"positive_finite"`` (a float, finite and > 0) or ``"finite"``.
+    backward : bool
+        The backward takes it too, and checkpoints record it (a backward given
+        another value raises).
+    applies_to : str or None
+        An optional input without which the option must keep its default.
+    """
+
+    name: str
+    default: float
+    rule: str
+    backward: bool = False
+    applies_to: str | None = None
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A row primitive's arguments, declared once.
+
+    Everything that restates them is driven by this record: the fronts'
+    validation, labelled arrays and allocators (``xpkernels._declared``),
+    the torch.library schemas, fakes and autograd (``xpkernels.torch._declared``),
+    the conformance suite's generic error cases and the order of the
+    arguments the backend modules receive (:class:`RMSNormModule`...):
+    forward ``(outputs, inputs, checkpoints, **options)``; backward
+    ``(read outputs, output cotangents, read inputs, checkpoints, input
+    gradients, **backward options)``, where an input of shape ``"M"`` has
+    its gradient as partial sums in scratch (``accumulate=`` then says
+    whether to add to them).
+
+    Attributes
+    ----------
+    title : str
+        The primitive's name in prose and in its generated classes (``RMSNorm``
+        gives ``RMSNormCheckpoints`` and ``RMSNormBackwardScratch``).
+    inputs, outputs : tuple of Arg
+        The forward's arrays; the first input is the lead (``... M``).
+    checkpoints : tuple of Arg
+        What the forward saves for the backward (float32).
+    scratch : tuple of Arg
+        The backward's scratch (the accumulation dtype).
+    options : tuple of Option
+        Keyword options.
+    reads : tuple of str
+        The primals the backward reads (inputs or outputs).
+    """
+
+    title: str
+    inputs: tuple[Arg, ...]
+    outputs: tuple[Arg, ...]
+    checkpoints: tuple[Arg, ...] = ()
+    scratch: tuple[Arg, ...] = ()
+    options: tuple[Option, ...] = ()
+    reads: tuple[str, ...] = ()
+
+
+#: Row length and leading axes of the row primitives' arrays.
+ROWS = "... M"
+
+_SIGNATURES = {
+    "rms_norm": Signature(
+        title="RMSNorm",
+        inputs=(Arg("x", ROWS, aliases=("y",)), Arg("w", "M", optional=True, recorded="weight")),
+        outputs=(Arg("y", ROWS, aliases=("x",)),),
+        checkpoints=(Arg("rstd", "rows"),),
+        scratch=(Arg("dw_partial", "P M", of="w"),),
+        options=(
+            Option("eps", 1e-6, "positive_finite"),
+            Option("offset", 0.0, "finite", backward=True, applies_to="w"),
+        ),
+        reads=("x", "w"),
+    ),
+    "layer_norm": Signature(
+        title="LayerNorm",
+        inputs=(
+            Arg("x", ROWS, aliases=("y",)),
+            Arg("w", "M", optional=True, recorded="weight"),
+            Arg("b", "M", optional=True),
+        ),
+        outputs=(Arg("y", ROWS, aliases=("x",)),),
+        checkpoints=(Arg("mean", "rows"), Arg("rstd", "rows")),
+        scratch=(Arg("dw_partial", "P M", of="w"), Arg("db_partial", "P M", of="b")),
+        options=(Option("eps", 1e-5, "positive_finite"),),
+        reads=("x", "w"),
+    ),
+    "softmax": Signature(
+        title="Softmax",
+        inputs=(Arg("x", ROWS, aliases=("y",)),),
+        outputs=(Arg("y", ROWS, aliases=("x",)),),
+        reads=("y",),
+    ),
+    "swiglu": Signature(
+        title="SwiGLU",
+        inputs=(Arg("a", ROWS, aliases=("y",)), Arg("b", ROWS)),
+        outputs=(Arg("y", ROWS, aliases=("a", "b")),),
+        reads=("a", "b"),
+    ),
+}
+
+
 @dataclass(frozen=True)
 class Primitive:
     """What the protocol declares for one op.
@@ -429,6 +590,9 @@ class Primitive:
         The scratch fields a backend may do without (its ``Capability.scratch``
         says which it uses). The others carry results between passes (the
         norms' partial sums, decode's split results) and every backend uses them.
+    signature : Signature or None
+        The declared arguments, for the primitives whose fronts are driven by
+        one (the row primitives); None for those whose fronts are written out.
     """
 
     name: str
@@ -436,6 +600,12 @@ class Primitive:
     hooks: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     scratch: tuple[str, ...] = ()
     optional_scratch: tuple[str, ...] = ()
+    signature: Signature | None = None
+
+    def __post_init__(self):
+        if self.signature is not None and not self.scratch:
+            fields = tuple(a.name for a in self.signature.scratch)
+            object.__setattr__(self, "scratch", fields)
 
 
 _PARTIAL_HOOKS: Mapping[str, Callable[..., Any]] = {
@@ -446,9 +616,12 @@ _PARTIAL_HOOKS: Mapping[str, Callable[..., Any]] = {
 PRIMITIVES: Mapping[str, Primitive] = {
     p.name: p
     for p in (
-        Primitive("rms_norm", RMSNormModule, _PARTIAL_HOOKS, ("dw_partial",)),
-        Primitive("layer_norm", LayerNormModule, _PARTIAL_HOOKS, ("dw_partial", "db_partial")),
-        Primitive("softmax", SoftmaxModule),
+        Primitive("rms_norm", RMSNormModule, _PARTIAL_HOOKS, signature=_SIGNATURES["rms_norm"]),
+        Primitive(
+            "layer_norm", LayerNormModule, _PARTIAL_HOOKS, signature=_SIGNATURES["layer_norm"]
+        ),
+        Primitive("softmax", SoftmaxModule, signature=_SIGNATURES["softmax"]),
+        Primitive("swiglu", SwiGLUModule, signature=_SIGNATURES["swiglu"]),
         Primitive("attention", AttentionModule, {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
         Primitive(
             "attention_varlen",

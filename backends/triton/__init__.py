@@ -54,6 +54,7 @@ BACKEND = Backend(
         "rms_norm": _NORM,
         "layer_norm": _NORM,
         "softmax": Capability(dtypes=_DTYPES),
+        "swiglu": Capability(dtypes=_DTYPES),
         "attention": Capability(
             dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",)
         ),

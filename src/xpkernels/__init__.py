@@ -1,6 +1,6 @@
 """xpkernels: differentiable fused transformer kernels over caller-owned buffers.
 
-RMSNorm, LayerNorm, softmax, fused attention, split-KV decode attention,
+RMSNorm, LayerNorm, softmax, SwiGLU, fused attention, split-KV decode attention,
 FlexAttention and the merge of partial attention states, each with an
 in-place forward and an in-place backward, on NumPy, CuPy and PyTorch arrays
 (any Array API namespace). Importing this package imports no torch, cupy or
@@ -29,6 +29,7 @@ _EXPORTS = {
     "rms_norm": ("rms_norm", "rms_norm_", "rms_norm_backward", "rms_norm_backward_"),
     "layer_norm": ("layer_norm", "layer_norm_", "layer_norm_backward", "layer_norm_backward_"),
     "softmax": ("softmax", "softmax_", "softmax_backward", "softmax_backward_"),
+    "swiglu": ("swiglu", "swiglu_", "swiglu_backward", "swiglu_backward_"),
     "attention": ("attention", "attention_", "attention_backward", "attention_backward_"),
     "attention_varlen": (
         "attention_varlen",

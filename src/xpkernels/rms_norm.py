@@ -22,25 +22,7 @@ checkpointed in float32.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-from . import _autograd
-from . import _checks as check
-from ._rows import n_rows, row_groups
-from .buffers import (
-    Checkpoints,
-    Duplicated,
-    check_forward,
-    checkpoints_for,
-    empty,
-    empty_accumulator,
-    empty_float32,
-    forget_forward,
-    primal,
-    record_forward,
-    scratchspace_for,
-)
-from .registry import resolve
+from ._declared import RowPrimitive
 
 __all__ = [
     "rms_norm_",
@@ -51,69 +33,12 @@ __all__ = [
     "RMSNormBackwardScratch",
 ]
 
-
-class _RMSNormCheckpointArrays(NamedTuple):
-    rstd: object  #: ``(rows,)`` float32, the reciprocal RMS of each row
-
-
-class RMSNormCheckpoints(_RMSNormCheckpointArrays, Checkpoints):
-    """What ``rms_norm_`` saves for its backward: ``rstd``; it records ``offset`` and whether
-    the forward had a weight."""
-
-
-class RMSNormBackwardScratch(NamedTuple):
-    """Transient workspace of ``rms_norm_backward_``."""
-
-    dw_partial: (
-        object  #: ``(P, M)`` float32 (float64 for float64 x), partial sums of ``dy * x_hat``
-    )
-
-
-def _weight(fn, name, xp, w, m, offset):
-    """Check the weight ``(M,)`` (None: no weight, which takes no ``offset``); ``offset`` as a float."""
-    offset = check.finite(fn, "offset", offset)
-    if w is None:
-        if offset != 0.0:
-            raise ValueError(f"{fn}: offset={offset!r} applies to the weight, but {name} is None")
-        return offset
-    check.floating(fn, name, xp, w)
-    check.shape(fn, name, w, (m,))
-    check.last_axis_contiguous(fn, name, w)
-    return offset
-
-
-def _validate_forward(fn, y, x, w, eps, offset, checkpoints):
-    xp = check.namespace(fn, "x", x)
-    check.same_namespace(fn, xp, {"x": x, "w": w, "y": y})
-    check.min_rank(fn, "x", x, 1, "(..., M)")
-    check.floating(fn, "x", xp, x)
-    m = x.shape[-1]
-    offset = _weight(fn, "w", xp, w, m, offset)
-    check.floating(fn, "y", xp, y)
-    check.shape(fn, "y", y, tuple(x.shape))
-    check.last_axis_contiguous(fn, "y", y)
-    check.last_axis_contiguous(fn, "x", x)
-    eps = check.positive_finite(fn, "eps", eps)
-    rstd = None
-    if checkpoints is not None:
-        rstd = _checkpoint_rstd(fn, xp, checkpoints, x)
-    check.writable(fn, {"y": y, "checkpoints.rstd": rstd})
-    check.no_overlap(
-        fn, {"y": y, "checkpoints.rstd": rstd}, {"x": x, "w": w}, may_alias=[("y", "x")]
-    )
-    return xp, eps, offset, rstd
-
-
-def _checkpoint_rstd(fn, xp, checkpoints, x):
-    if not isinstance(checkpoints, RMSNormCheckpoints):
-        raise TypeError(
-            f"{fn}: checkpoints must be the RMSNormCheckpoints from "
-            f"allocate_checkpoints(rms_norm_, x, w), got {type(checkpoints).__name__}"
-        )
-    rstd = checkpoints.rstd
-    check.float32(fn, "checkpoints.rstd", xp, rstd)
-    check.shape(fn, "checkpoints.rstd", rstd, (n_rows(x.shape),))
-    return rstd
+_PRIMITIVE = RowPrimitive("rms_norm", __name__)
+#: What ``rms_norm_`` saves for its backward: ``rstd (rows,)`` float32; it records ``offset``
+#: and whether the forward had a weight.
+RMSNormCheckpoints = _PRIMITIVE.Checkpoints
+#: Transient workspace of ``rms_norm_backward_``: ``dw_partial (P, M)``.
+RMSNormBackwardScratch = _PRIMITIVE.Scratch
 
 
 def rms_norm_(y, x, w=None, *, eps=1e-6, offset=0.0, checkpoints=None, backend=None) -> None:
@@ -154,33 +79,9 @@ def rms_norm_(y, x, w=None, *, eps=1e-6, offset=0.0, checkpoints=None, backend=N
     -----------
     rstd : ``(rows,)`` float32, ``rows = prod(x.shape[:-1])``.
     """
-    fn = "rms_norm_"
-    _autograd.check_inplace(fn, {"x": x, "w": w, "y": y})
-    x, w = primal(x), primal(w)
-    _, eps, offset, rstd = _validate_forward(fn, y, x, w, eps, offset, checkpoints)
-    route = resolve("rms_norm", {"y": y, "x": x, "w": w, "checkpoints.rstd": rstd}, backend=backend)
-    if checkpoints is not None:
-        forget_forward(checkpoints)
-    m = x.shape[-1]
-    for first, (yv, xv) in row_groups([y, x], m):
-        rv = None if rstd is None else rstd[first : first + xv.shape[0]]
-        route.impl.forward(yv, xv, w, rv, eps=eps, offset=offset)
-    if checkpoints is not None:
-        record_forward(checkpoints, fn, _recorded(w, offset))
-
-
-def _recorded(w, offset) -> dict:
-    """The options of the forward that its backward must repeat."""
-    return {"offset": offset, "weight": "none" if w is None else "given"}
-
-
-@checkpoints_for(rms_norm_)
-def allocate_rms_norm_checkpoints(x, w=None, **options) -> RMSNormCheckpoints:
-    """Allocate ``rms_norm_``'s checkpoints for input ``x`` (``(..., M)``): ``rstd (rows,)`` float32."""
-    x = primal(x)
-    check.namespace("allocate_checkpoints(rms_norm_)", "x", x)
-    check.min_rank("allocate_checkpoints(rms_norm_)", "x", x, 1, "(..., M)")
-    return RMSNormCheckpoints(rstd=empty_float32(x, (n_rows(x.shape),)))
+    _PRIMITIVE.forward_(
+        {"y": y}, {"x": x, "w": w}, {"eps": eps, "offset": offset}, checkpoints, backend
+    )
 
 
 def rms_norm(x, w=None, *, eps=1e-6, offset=0.0, checkpoints=None, backend=None):
@@ -191,68 +92,8 @@ def rms_norm(x, w=None, *, eps=1e-6, offset=0.0, checkpoints=None, backend=None)
     y : array, shape and dtype of ``x``. On torch tensors that require grad (grad mode on),
     autograd records xpkernels' backward (:mod:`xpkernels.torch`).
     """
-    options = {"eps": eps, "offset": offset, "checkpoints": checkpoints, "backend": backend}
-    if (y := _autograd.record("rms_norm", {"x": x, "w": w}, options)) is not _autograd.NOT_RECORDED:
-        return y
-    x = primal(x)
-    check.namespace("rms_norm", "x", x)
-    y = empty(x, x.shape, x.dtype)
-    rms_norm_(y, x, w, eps=eps, offset=offset, checkpoints=checkpoints, backend=backend)
-    return y
-
-
-def _validate_backward(fn, Y, X, W, checkpoints, scratch, offset):
-    Y = check.duplicated(fn, "Y", Y)
-    X = check.duplicated(fn, "X", X)
-    x, w, dy, dx = X.primal, primal(W), Y.shadow, X.shadow
-    xp = check.namespace(fn, "X.primal", x)
-    dw = W.shadow if isinstance(W, Duplicated) else None
-    check.same_namespace(
-        fn, xp, {"X.primal": x, "W": w, "Y.shadow": dy, "X.shadow": dx, "W.shadow": dw}
-    )
-    check.min_rank(fn, "X.primal", x, 1, "(..., M)")
-    check.floating(fn, "X.primal", xp, x)
-    m = x.shape[-1]
-    for name, a in (("Y.shadow", dy), ("X.shadow", dx)):
-        check.floating(fn, name, xp, a)
-        check.shape(fn, name, a, tuple(x.shape))
-        check.last_axis_contiguous(fn, name, a)
-    check.last_axis_contiguous(fn, "X.primal", x)
-    offset = _weight(fn, "W.primal" if dw is not None else "W", xp, w, m, offset)
-    if dw is not None:
-        check.floating(fn, "W.shadow", xp, dw)
-        check.shape(fn, "W.shadow", dw, (m,))
-    if checkpoints is None:
-        raise ValueError(
-            f"{fn}: checkpoints are required: pass the RMSNormCheckpoints that rms_norm_ "
-            "filled in the forward (allocate_checkpoints(rms_norm_, x, w))"
-        )
-    rstd = _checkpoint_rstd(fn, xp, checkpoints, x)
-    dw_partial = None
-    if dw is not None and scratch is not None:
-        if not isinstance(scratch, RMSNormBackwardScratch):
-            raise TypeError(
-                f"{fn}: scratch must be the RMSNormBackwardScratch from "
-                f"allocate_scratchspace(rms_norm_backward_, Y, X, W), got {type(scratch).__name__}"
-            )
-        dw_partial = scratch.dw_partial
-        check.namespace(fn, "scratch.dw_partial", dw_partial)
-        check.accumulator(fn, "scratch.dw_partial", xp, dw_partial, x.dtype)
-        if dw_partial.ndim != 2 or dw_partial.shape[1] != m or dw_partial.shape[0] < 1:
-            raise ValueError(
-                f"{fn}: scratch.dw_partial must have shape (P, {m}) with P >= 1, "
-                f"got {tuple(dw_partial.shape)}"
-            )
-    outputs = {"X.shadow": dx, "W.shadow": dw, "scratch.dw_partial": dw_partial}
-    check.writable(fn, outputs)
-    check.no_overlap(
-        fn,
-        outputs,
-        {"X.primal": x, "W": w, "Y.shadow": dy, "checkpoints.rstd": rstd},
-        may_alias=[("X.shadow", "Y.shadow")],
-    )
-    check_forward(fn, checkpoints, "rms_norm_", _recorded(w, offset))
-    return x, w, dy, dx, dw, rstd, dw_partial, offset
+    options = {"eps": eps, "offset": offset}
+    return _PRIMITIVE.forward({"x": x, "w": w}, options, checkpoints, backend)
 
 
 def rms_norm_backward_(
@@ -290,40 +131,8 @@ def rms_norm_backward_(
     dw_partial : ``(P, M)``, ``P >= 1`` partial sums reduced into dw; float32
     (float64 for float64 inputs).
     """
-    fn = "rms_norm_backward_"
-    _autograd.check_inplace(fn, {"Y": Y, "X": X, "W": W})
-    x, w, dy, dx, dw, rstd, dw_partial, offset = _validate_backward(
-        fn, Y, X, W, checkpoints, scratch, offset
-    )
-    arrays = {"X.primal": x, "W": w, "Y.shadow": dy, "X.shadow": dx, "W.shadow": dw, "rstd": rstd}
-    route = resolve("rms_norm", arrays, backend=backend)
-    if dw is not None and dw_partial is None:
-        dw_partial = _alloc_dw_partial(route, x)
-    m = x.shape[-1]
-    groups = row_groups([dy, x, dx], m)
-    for k, (first, (dyv, xv, dxv)) in enumerate(groups):
-        rv = rstd[first : first + xv.shape[0]]
-        route.impl.backward(dyv, xv, w, rv, dxv, dw_partial, offset=offset, accumulate=k > 0)
-    if dw is not None:
-        route.hook("reduce_partials")(dw_partial, dw)
-
-
-def _alloc_dw_partial(route, x):
-    m = x.shape[-1]
-    return empty_accumulator(x, (route.hook("partials")(n_rows(x.shape), m, x), m))
-
-
-@scratchspace_for(rms_norm_backward_)
-def allocate_rms_norm_backward_scratch(
-    Y, X, W=None, *, backend=None, **options
-) -> RMSNormBackwardScratch:
-    """Allocate ``rms_norm_backward_``'s scratch: ``dw_partial (P, M)``, P chosen by the backend."""
-    x, w = primal(X), primal(W)
-    fn = "allocate_scratchspace(rms_norm_backward_)"
-    check.namespace(fn, "X", x)
-    check.min_rank(fn, "X", x, 1, "(..., M)")
-    route = resolve("rms_norm", {"X": x, "W": w}, backend=backend)
-    return RMSNormBackwardScratch(dw_partial=_alloc_dw_partial(route, x))
+    arrays = {"Y": Y, "X": X, "W": W}
+    _PRIMITIVE.backward_(arrays, {"offset": offset}, checkpoints, scratch, backend)
 
 
 def rms_norm_backward(dy, x, w=None, *, checkpoints, offset=0.0, backend=None):
@@ -334,15 +143,8 @@ def rms_norm_backward(dy, x, w=None, *, checkpoints, offset=0.0, backend=None):
     dx : array, shape and dtype of ``x``.
     dw : array of ``w``'s shape and dtype, or None when ``w`` is None.
     """
-    fn = "rms_norm_backward"
-    x, w = primal(x), primal(w)
-    check.namespace(fn, "x", x)
-    check.namespace(fn, "dy", dy)
-    X = Duplicated(x, empty(x, x.shape, x.dtype))
-    W = None
-    if w is not None:
-        check.namespace(fn, "w", w)
-        W = Duplicated(w, empty(w, w.shape, w.dtype))
-    Y = Duplicated(dy, dy)  # the backward reads only Y's shadow
-    rms_norm_backward_(Y, X, W, checkpoints=checkpoints, offset=offset, backend=backend)
-    return X.shadow, None if W is None else W.shadow
+    arrays = {"dy": dy, "x": x, "w": w}
+    return _PRIMITIVE.backward(arrays, {"offset": offset}, checkpoints, backend)
+
+
+_PRIMITIVE.register(rms_norm_, rms_norm_backward_)

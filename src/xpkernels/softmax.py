@@ -19,24 +19,11 @@ Nothing is checkpointed: the backward's only saved state is the output
 
 from __future__ import annotations
 
-from . import _autograd
-from . import _checks as check
-from ._rows import row_groups
-from .buffers import Duplicated, empty, primal
-from .registry import resolve
+from ._declared import RowPrimitive
 
 __all__ = ["softmax", "softmax_", "softmax_backward", "softmax_backward_"]
 
-
-def _rows_like(fn, xp, lead_name, lead, others):
-    """Check ``lead`` is a float ``(..., M)`` array and each of ``others`` matches its shape."""
-    check.min_rank(fn, lead_name, lead, 1, "(..., M)")
-    check.floating(fn, lead_name, xp, lead)
-    check.last_axis_contiguous(fn, lead_name, lead)
-    for name, a in others:
-        check.floating(fn, name, xp, a)
-        check.shape(fn, name, a, tuple(lead.shape))
-        check.last_axis_contiguous(fn, name, a)
+_PRIMITIVE = RowPrimitive("softmax", __name__)
 
 
 def softmax_(y, x, *, backend=None) -> None:
@@ -66,18 +53,7 @@ def softmax_(y, x, *, backend=None) -> None:
     x, y : ``(..., M)``. Any float dtypes; the last axis must be contiguous,
     other axes may have any stride.
     """
-    fn = "softmax_"
-    _autograd.check_inplace(fn, {"x": x, "y": y})
-    x = primal(x)
-    xp = check.namespace(fn, "x", x)
-    check.namespace(fn, "y", y)
-    check.same_namespace(fn, xp, {"x": x, "y": y})
-    _rows_like(fn, xp, "x", x, [("y", y)])
-    check.writable(fn, {"y": y})
-    check.no_overlap(fn, {"y": y}, {"x": x}, may_alias=[("y", "x")])
-    route = resolve("softmax", {"x": x, "y": y}, backend=backend)
-    for _, (yv, xv) in row_groups([y, x], x.shape[-1]):
-        route.impl.forward(yv, xv)
+    _PRIMITIVE.forward_({"y": y}, {"x": x}, {}, None, backend)
 
 
 def softmax(x, *, backend=None):
@@ -88,14 +64,7 @@ def softmax(x, *, backend=None):
     y : array, shape and dtype of ``x``. On torch tensors that require grad (grad mode on),
     autograd records xpkernels' backward (:mod:`xpkernels.torch`).
     """
-    options = {"backend": backend}
-    if (y := _autograd.record("softmax", {"x": x}, options)) is not _autograd.NOT_RECORDED:
-        return y
-    x = primal(x)
-    check.namespace("softmax", "x", x)
-    y = empty(x, x.shape, x.dtype)
-    softmax_(y, x, backend=backend)
-    return y
+    return _PRIMITIVE.forward({"x": x}, {}, None, backend)
 
 
 def softmax_backward_(Y, X, *, backend=None) -> None:
@@ -121,22 +90,7 @@ def softmax_backward_(Y, X, *, backend=None) -> None:
     ------
     primal and shadow of Y, shadow of X : ``(..., M)``.
     """
-    fn = "softmax_backward_"
-    _autograd.check_inplace(fn, {"Y": Y, "X": X})
-    Y = check.duplicated(fn, "Y", Y)
-    X = check.duplicated(fn, "X", X)
-    y, dy, dx = Y.primal, Y.shadow, X.shadow
-    arrays = {"Y.primal": y, "Y.shadow": dy, "X.shadow": dx}
-    xp = check.namespace(fn, "Y.primal", y)
-    check.same_namespace(fn, xp, arrays)
-    _rows_like(fn, xp, "Y.primal", y, [("Y.shadow", dy), ("X.shadow", dx)])
-    check.writable(fn, {"X.shadow": dx})
-    check.no_overlap(
-        fn, {"X.shadow": dx}, {"Y.primal": y, "Y.shadow": dy}, may_alias=[("X.shadow", "Y.shadow")]
-    )
-    route = resolve("softmax", arrays, backend=backend)
-    for _, (yv, dyv, dxv) in row_groups([y, dy, dx], y.shape[-1]):
-        route.impl.backward(yv, dyv, dxv)
+    _PRIMITIVE.backward_({"Y": Y, "X": X}, {}, None, None, backend)
 
 
 def softmax_backward(dy, y, *, backend=None):
@@ -155,12 +109,4 @@ def softmax_backward(dy, y, *, backend=None):
     -------
     dx : array, shape and dtype of ``y``.
     """
-    fn = "softmax_backward"
-    y = primal(y)
-    check.namespace(fn, "y", y)
-    check.namespace(fn, "dy", dy)
-    check.shape(fn, "dy", dy, tuple(y.shape))
-    dx = empty(y, y.shape, y.dtype)
-    # X's primal is never read by the backward; y stands in for it.
-    softmax_backward_(Duplicated(y, dy), Duplicated(y, dx), backend=backend)
-    return dx
+    return _PRIMITIVE.backward({"dy": dy, "y": y}, {}, None, backend)

@@ -26,6 +26,8 @@ __all__ = [
     "layer_norm_backward",
     "softmax",
     "softmax_backward",
+    "swiglu",
+    "swiglu_backward",
     "attention_keep",
     "repeat_kv",
     "group_sum",
@@ -118,6 +120,23 @@ def softmax(x: np.ndarray) -> np.ndarray:
 def softmax_backward(y: np.ndarray, dy: np.ndarray) -> np.ndarray:
     """``dx = y * (dy - sum(y * dy))`` per row."""
     return y * (dy - np.sum(y * dy, axis=-1, keepdims=True))
+
+
+def _sigmoid(a: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-a))``, evaluated as ``exp(-|a|)`` ratios so no ``|a|`` overflows."""
+    e = np.exp(-np.abs(a))
+    return np.where(a >= 0, 1 / (1 + e), e / (1 + e))
+
+
+def swiglu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``y = silu(a) * b`` elementwise, ``silu(a) = a * sigmoid(a)``."""
+    return a * _sigmoid(a) * b
+
+
+def swiglu_backward(a: np.ndarray, b: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(da, db)`` of :func:`swiglu`: ``da = dy * b * s * (1 + a * (1 - s))``, ``db = dy * a * s``."""
+    s = _sigmoid(a)
+    return dy * b * s * (1 + a * (1 - s)), dy * a * s
 
 
 # --------------------------------------------------------------------------- attention

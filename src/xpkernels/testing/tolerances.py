@@ -24,6 +24,8 @@ import math
 
 import numpy as np
 
+from xpkernels.backends.protocol import PRIMITIVES
+
 from .harness import Case, OpSpec, max_error
 
 #: A few units in the last place of each dtype (float32 ulp/2 = 6e-8, float16 5e-4,
@@ -37,17 +39,7 @@ _FLOOR = {"float64": 1e-10, "float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
 _FLOAT64_FROM_F32_CHECKPOINTS = 2e-6
 
 FLOORS: dict[tuple[str, str, str], float] = {}
-for _op in (
-    "rms_norm",
-    "layer_norm",
-    "softmax",
-    "attention",
-    "attention_varlen",
-    "decode_attention",
-    "flex_attention",
-    "flex_attention_varlen",
-    "merge_attention_states",
-):
+for _op in PRIMITIVES:  # every declared primitive
     for _dtype, _floor in _FLOOR.items():
         FLOORS[(_op, "forward", _dtype)] = _floor
         FLOORS[(_op, "backward", _dtype)] = 2 * _floor
