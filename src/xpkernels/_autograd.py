@@ -17,18 +17,46 @@ Two hooks, each a couple of lines in every front file:
 Both refuse meta tensors (they hold no data for a kernel to read), naming
 the argument. Torch is detected through ``sys.modules``: when the caller
 never imported torch, nothing here imports it.
+
+Layering: this module sits below the torch integration and never imports
+it. The torch layer files its recorders in :data:`RECORDERS` when it loads
+(:mod:`xpkernels.torch._fronts` registers its ``FRONTS``). When torch
+tensors need recording, :func:`record` first imports
+:mod:`xpkernels._torch_plugin`, which loads that plug-in by its module name
+(:mod:`importlib`) the first time -- the one plug-in load of the core, so a
+NumPy or CuPy caller never pays for the torch layer and the core never
+depends on it.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .buffers import Duplicated
 
-__all__ = ["NOT_RECORDED", "record", "check_inplace", "requires_grad_error"]
+__all__ = [
+    "NOT_RECORDED",
+    "RECORDERS",
+    "record",
+    "check_inplace",
+    "register_recorders",
+    "requires_grad_error",
+]
 
 #: What :func:`record` returns when the call is not for autograd; the front proceeds as usual.
 NOT_RECORDED = object()
+
+#: Primitive (``"rms_norm"``...) -> its recorder ``(op, arrays, options) -> result``: the
+#: call of the autograd-recording torch op. Filled by the torch layer (:func:`register_recorders`)
+#: when :mod:`xpkernels._torch_plugin` loads it.
+RECORDERS: dict[str, Callable[[str, dict, dict], Any]] = {}
+
+
+def register_recorders(recorders: Mapping[str, Callable[[str, dict, dict], Any]]) -> None:
+    """File the torch layer's recorders (primitive -> recorder) for :func:`record`."""
+    RECORDERS.update(recorders)
 
 
 def _torch_tensors(arrays):
@@ -140,6 +168,8 @@ def record(op: str, arrays: dict, options: dict):
     wanted = torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors)
     if not wanted and not torch.compiler.is_compiling():
         return NOT_RECORDED
-    from .torch import _fronts  # registers the ops on first use
+    # Loads the torch plug-in by name on first use (it registers the ops and files its
+    # recorders here); read RECORDERS only after it, so torch.compile sees it filled.
+    from . import _torch_plugin  # noqa: F401
 
-    return _fronts.FRONTS[op](op, arrays, options)
+    return RECORDERS[op](op, arrays, options)

@@ -21,21 +21,11 @@ import numpy as np
 
 from ._debug import debug_enabled
 from ._memory import identical, layout
-from .buffers import Duplicated
+from .buffers import Duplicated, namespace  # namespace: buffers uses it too, so it lives there
 from .registry import FLOAT_DTYPES, dtype_name, namespace_name
 
 #: Largest magnitude of a position or length: the kernels index sequences in int32.
 INDEX_MAX = 2**31 - 1
-
-
-def namespace(fn: str, name: str, a):
-    """The array namespace of ``a``; TypeError when ``a`` is not an array."""
-    if isinstance(a, Duplicated):
-        raise TypeError(f"{fn}: {name} must be an array here, not a Duplicated")
-    try:
-        return array_api_compat.array_namespace(a)
-    except TypeError:
-        raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}") from None
 
 
 def duplicated(fn: str, name: str, d) -> Duplicated:

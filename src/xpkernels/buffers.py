@@ -105,6 +105,22 @@ def shadow(d):
     return d.shadow
 
 
+def namespace(fn: str, name: str, a):
+    """The array namespace of ``a``; TypeError when ``a`` is not an array (or is a Duplicated).
+
+    The check every front runs on a bare array argument (re-exported as
+    ``xpkernels._checks.namespace``); it lives here, beside :class:`Duplicated`,
+    so that this module needs nothing from :mod:`xpkernels._checks`, which
+    builds on it.
+    """
+    if isinstance(a, Duplicated):
+        raise TypeError(f"{fn}: {name} must be an array here, not a Duplicated")
+    try:
+        return array_api_compat.array_namespace(a)
+    except TypeError:
+        raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}") from None
+
+
 _CHECKPOINT_ALLOCATORS: dict[Callable, Callable] = {}
 _SCRATCH_ALLOCATORS: dict[Callable, Callable] = {}
 
@@ -208,12 +224,10 @@ def with_new_shadows(fn: str, arrays: Mapping[str, Any]) -> dict:
     argument names to arrays or Duplicated (their primals are taken); a
     non-array raises TypeError naming the argument.
     """
-    from . import _checks as check
-
     out = {}
     for name, a in arrays.items():
         a = primal(a)
-        check.namespace(fn, name, a)
+        namespace(fn, name, a)
         out[name] = Duplicated(a, empty(a, tuple(a.shape), a.dtype))
     return out
 

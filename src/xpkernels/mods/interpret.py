@@ -2,6 +2,9 @@
 
 :class:`Grid` and :func:`tile_grid` (the index inputs of one evaluation),
 :class:`BoundGraph` (evaluation and reverse mode) and :func:`scatter_add`.
+Loading this module files :class:`BoundGraph` as the evaluator
+:meth:`~xpkernels.mods.ir.Graph.bind` builds (``ir`` sits below this module
+and does not import it).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Any
 import array_api_compat
 
 from .grad import COTANGENT, gradient
-from .ir import BOOL, FLOAT, INT, OPS, computes_in_floats, is_host_array
+from .ir import BOOL, FLOAT, INT, OPS, computes_in_floats, is_host_array, register_interpreter
 
 
 class Grid:
@@ -301,3 +304,7 @@ class BoundGraph:
         if back != list(range(len(kept))):
             block = xp.permute_dims(block, tuple(back))
         acc[slices] += xp.astype(xp.reshape(block, tuple(lengths)), acc.dtype)
+
+
+# Graph.bind (in .ir, below this module) builds a BoundGraph.
+register_interpreter(BoundGraph)

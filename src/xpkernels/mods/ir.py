@@ -32,6 +32,17 @@ INPUTS = ("score", "b", "h", "q_idx", "kv_idx", "q_row")
 #: Integers in graphs are computed in int64 by every kernel; results outside wrap around.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
+#: The evaluator :meth:`Graph.bind` builds (:class:`~xpkernels.mods.interpret.BoundGraph`),
+#: filed by :mod:`~xpkernels.mods.interpret` when it loads. The interpreter builds on this
+#: module (and on :mod:`~xpkernels.mods.grad`, which does too), so this module never imports
+#: it; importing :mod:`xpkernels.mods` (the only way to reach this module) loads it.
+_INTERPRETER: list[Callable[..., BoundGraph]] = []
+
+
+def register_interpreter(bound_graph: Callable[..., BoundGraph]) -> None:
+    """File the class :meth:`Graph.bind` instantiates (called by :mod:`~xpkernels.mods.interpret`)."""
+    _INTERPRETER[:] = [bound_graph]
+
 
 @dataclass(frozen=True)
 class Node:
@@ -159,9 +170,8 @@ class Graph:
 
         ``arrays`` replaces the slots' arrays (same order), e.g. host copies.
         """
-        from .interpret import BoundGraph  # interpret builds on this module
-
-        return BoundGraph(self, xp, float_dtype, device, arrays)
+        (bound_graph,) = _INTERPRETER  # filed by the interpreter, which builds on this module
+        return bound_graph(self, xp, float_dtype, device, arrays)
 
     def check_indices(
         self, fn: str, ranges: dict, context: str, read_device: bool = False

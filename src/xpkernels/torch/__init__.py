@@ -8,7 +8,9 @@ allocating fronts (``xpkernels.rms_norm(x, w)``, ``xpkernels.attention(q,
 k, v)``...) given torch tensors that require grad import it themselves and
 record xpkernels' own backward, so ``loss.backward()`` runs xpkernels'
 backward kernels and ``torch.compile(fullgraph=True)`` traces the calls as
-single ops.
+single ops. (The core never imports this package: importing it, or the
+first such call, loads :mod:`xpkernels.torch._fronts`, which files the
+recorders :func:`xpkernels._autograd.record` looks up.)
 
 - :mod:`xpkernels.torch.nn`: ``RMSNorm``, ``LayerNorm`` (drop-in for
   ``torch.nn.RMSNorm`` / ``torch.nn.LayerNorm``, same arguments and
@@ -24,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _flex, _flex_varlen, _ops, _varlen, nn
+from . import _declared, _flex, _flex_varlen, _ops, _varlen, nn
+from . import _fronts as _fronts  # files the autograd recorders in xpkernels._autograd
 
 __all__ = ["nn", "ops", "OPS"]
 
@@ -32,4 +35,4 @@ __all__ = ["nn", "ops", "OPS"]
 ops = torch.ops.xpkernels
 
 #: Every op this package registers, by its name in the namespace (``"rms_norm"``, ``"rms_norm_"``...).
-OPS = tuple(sorted(_ops.OPS + _flex.OPS + _varlen.OPS + _flex_varlen.OPS))
+OPS = tuple(sorted(_declared.OPS + _ops.OPS + _flex.OPS + _varlen.OPS + _flex_varlen.OPS))

@@ -20,6 +20,7 @@ from ..buffers import Duplicated, allocate_checkpoints, primal
 from ..flex_attention_varlen import flex_attention_varlen_, flex_attention_varlen_backward_
 from . import _flex
 from ._flex import _score_grads
+from ._front_args import _backend, _flex_key, _no_checkpoints, _positions, _scale
 from ._ops import (
     _checkpoints_not_differentiable,
     _input_pos,
@@ -28,6 +29,7 @@ from ._ops import (
     _no_double_backward,
     _written,
 )
+from ._varlen import _max_seqlen
 
 __all__ = ["OPS", "front"]
 
@@ -352,9 +354,6 @@ flex_attention_varlen.register_autograd(_grad, setup_context=_setup)
 
 def front(fn, arrays, options):
     """The allocating front on tensors that need gradients: a call of ``xpkernels::flex_attention_varlen``."""
-    from ._fronts import _backend, _flex_key, _no_checkpoints, _positions, _scale
-    from ._varlen import _max_seqlen
-
     _no_checkpoints(fn, options)
     q, k, v = (primal(arrays[n]) for n in ("q", "k", "v"))
     key, score_arrays, mods = _flex_key(fn, options, None)

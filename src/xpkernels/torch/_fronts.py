@@ -6,6 +6,10 @@ schema cannot check for itself, fixes the backend choice now (so the
 backward, which autograd may run on another thread, uses the forward's
 backend) and calls the functional op; the op's implementation runs the
 front's full validation before it writes anything.
+
+Importing this module files :data:`FRONTS` in :data:`xpkernels._autograd.RECORDERS`
+(the core looks its recorders up there and never imports the torch layer);
+the option checks the fronts share live in :mod:`~xpkernels.torch._front_args`.
 """
 
 from __future__ import annotations
@@ -14,80 +18,17 @@ import operator
 
 import torch
 
-from .. import _checks as check
+from .. import _autograd
 from ..buffers import primal
-from ..registry import _explicit_choice
-from . import _flex
+from . import _declared
+from ._declared import backend_choice
 from ._flex_varlen import front as _flex_attention_varlen
+from ._front_args import _flex_key, _no_checkpoints, _positions, _scale
 from ._varlen import front as _attention_varlen
 
 __all__ = ["FRONTS"]
 
 ops = torch.ops.xpkernels
-
-
-@torch._dynamo.assume_constant_result
-def _traced_choice(backend: str | None) -> str | None:
-    return _explicit_choice(backend)[0]
-
-
-def _backend(options) -> str | None:
-    """The explicit backend choice in force for this call (keyword, use_backend, env), or None.
-
-    Under ``torch.compile`` the choice in force when the graph is traced is
-    baked into it (a context variable cannot be read inside a graph).
-    """
-    if torch.compiler.is_compiling():
-        return _traced_choice(options["backend"])
-    return _explicit_choice(options["backend"])[0]
-
-
-def _no_checkpoints(fn, options) -> None:
-    if options.get("checkpoints") is not None:
-        raise ValueError(
-            f"{fn}: checkpoints= feeds the explicit backward ({fn}_backward); with autograd "
-            "recording this call (an input requires grad), autograd saves the checkpoints "
-            f"itself. Drop checkpoints=, or call {fn} under torch.no_grad() to keep them"
-        )
-
-
-def _positions(fn, input_pos):
-    """``(int, tensor or None)`` for an ``input_pos`` given as an int or a tensor."""
-    if isinstance(input_pos, torch.Tensor):
-        return 0, input_pos
-    if isinstance(input_pos, bool):
-        raise TypeError(f"{fn}: input_pos must be an int >= 0 or a (B,) integer array, got a bool")
-    try:
-        return operator.index(input_pos), None
-    except TypeError:
-        raise TypeError(
-            f"{fn}: input_pos must be an int >= 0 or a (B,) integer array, "
-            f"got {type(input_pos).__name__}"
-        ) from None
-
-
-def _scale(fn, scale):
-    return None if scale is None else check.positive_finite(fn, "scale", scale)
-
-
-def _rms_norm(fn, arrays, options):
-    _no_checkpoints(fn, options)
-    eps = check.positive_finite(fn, "eps", options["eps"])
-    offset = check.finite(fn, "offset", options["offset"])
-    y, _ = ops.rms_norm(primal(arrays["x"]), primal(arrays["w"]), eps, offset, _backend(options))
-    return y
-
-
-def _layer_norm(fn, arrays, options):
-    _no_checkpoints(fn, options)
-    eps = check.positive_finite(fn, "eps", options["eps"])
-    x, w, b = (primal(arrays[n]) for n in ("x", "w", "b"))
-    y, _, _ = ops.layer_norm(x, w, b, eps, _backend(options))
-    return y
-
-
-def _softmax(fn, arrays, options):
-    return ops.softmax(primal(arrays["x"]), _backend(options))
 
 
 def _attention(fn, arrays, options):
@@ -104,7 +45,7 @@ def _attention(fn, arrays, options):
         input_pos_array,
         options["q_lengths"],
         options["k_lengths"],
-        _backend(options),
+        backend_choice(options),
     )
     return o
 
@@ -128,32 +69,8 @@ def _decode_attention(fn, arrays, options):
         None if softcap is None else float(softcap),
         None if window is None else operator.index(window),
         None if n_splits is None else operator.index(n_splits),
-        _backend(options),
+        backend_choice(options),
     )
-
-
-@torch._dynamo.assume_constant_result
-def _traced_flex_key(score_mod, mask_mod, block_mask, block_sparse) -> int:
-    mods = _flex.FlexMods(score_mod, mask_mod, block_mask, block_sparse)
-    return _flex.register_flex(mods, keep=True)
-
-
-def _flex_key(fn, options, block_mask) -> tuple:
-    """``(key, score_arrays, mods)``: the call's mods filed for the flex ops under ``key``.
-
-    The filing holds ``mods`` weakly: the caller keeps ``mods`` alive until
-    the op has run (its autograd graph then holds them).
-    """
-    block_sparse = options["block_sparse"]
-    if not isinstance(block_sparse, bool):
-        raise TypeError(f"{fn}: block_sparse must be a bool, got {block_sparse!r}")
-    score_mod, mask_mod = options["score_mod"], options["mask_mod"]
-    if torch.compiler.is_compiling():
-        # Filed once, when the graph is traced; the graph holds the key as a constant.
-        key = _traced_flex_key(score_mod, mask_mod, block_mask, block_sparse)
-        return key, _flex.score_arrays(score_mod), None
-    mods = _flex.FlexMods(score_mod, mask_mod, block_mask, block_sparse)
-    return _flex.register_flex(mods), mods.arrays(), mods
 
 
 def _flex_attention(fn, arrays, options):
@@ -170,7 +87,7 @@ def _flex_attention(fn, arrays, options):
         _scale(fn, options["scale"]),
         input_pos,
         input_pos_array,
-        _backend(options),
+        backend_choice(options),
     )
     del mods  # held until the op ran
     return o
@@ -178,14 +95,12 @@ def _flex_attention(fn, arrays, options):
 
 def _merge_attention_states(fn, arrays, options):
     states = (primal(arrays[n]) for n in ("o_a", "m_a", "l_a", "o_b", "m_b", "l_b"))
-    return ops.merge_attention_states(*states, _backend(options))
+    return ops.merge_attention_states(*states, backend_choice(options))
 
 
 #: Primitive -> its autograd front ``(fn, arrays, options) -> result``.
 FRONTS = {
-    "rms_norm": _rms_norm,
-    "layer_norm": _layer_norm,
-    "softmax": _softmax,
+    **_declared.FRONTS,
     "attention": _attention,
     "attention_varlen": _attention_varlen,
     "decode_attention": _decode_attention,
@@ -193,3 +108,7 @@ FRONTS = {
     "flex_attention_varlen": _flex_attention_varlen,
     "merge_attention_states": _merge_attention_states,
 }
+
+# The core's autograd hook (xpkernels._autograd.record) finds the fronts here: it never imports
+# this layer itself; xpkernels._torch_plugin loads this module by name on the first recorded call.
+_autograd.register_recorders(FRONTS)

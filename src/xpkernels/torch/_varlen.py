@@ -24,6 +24,7 @@ from ..attention_varlen import (
     attention_varlen_backward_,
 )
 from ..buffers import Duplicated, allocate_checkpoints, primal
+from ._front_args import _backend, _no_checkpoints, _positions, _scale
 from ._ops import (
     _checkpoints_not_differentiable,
     _input_pos,
@@ -268,8 +269,6 @@ def _max_seqlen(fn, name, value):
 
 def front(fn, arrays, options):
     """The allocating front on tensors that need gradients: a call of ``xpkernels::attention_varlen``."""
-    from ._fronts import _backend, _no_checkpoints, _positions, _scale
-
     _no_checkpoints(fn, options)
     causal = options["causal"]
     if not isinstance(causal, bool):
