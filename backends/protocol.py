@@ -451,6 +451,12 @@ class Arg:
         the forward had it (a backward must match).
     of : str or None
         For a scratch array: the input whose gradient it holds partial sums of.
+    dtype : str
+        ``"float"`` (any float dtype of the backend), ``"int32"`` (prefix
+        sums) or ``"index"`` (int32 or int64: lengths, page tables).
+    grad : bool
+        For an input: the backward takes it as a Duplicated and writes its
+        gradient into the shadow (False for integer arrays).
     """
 
     name: str
@@ -459,6 +465,8 @@ class Arg:
     aliases: tuple[str, ...] = ()
     recorded: str | None = None
     of: str | None = None
+    dtype: str = "float"
+    grad: bool = True
 
 
 @dataclass(frozen=True)
@@ -469,38 +477,65 @@ class Option:
     ----------
     name : str
         The keyword.
-    default : float
+    default : object
         Its default in the fronts.
     rule : str
-        ``"positive_finite"`` (a float, finite and > 0) or ``"finite"``.
+        What values it takes, checked by the fronts and typed in the torch
+        ops' schemas by this one name: ``"positive_finite"`` (a float, finite
+        and > 0), ``"finite"`` (a float), ``"bool"``, ``"scale"`` (None, meaning
+        ``1/sqrt(D)``, or positive_finite), ``"position"`` (an int, or a
+        ``(B,)`` integer array; flex also takes a list of B ints),
+        ``"lengths"`` (None or a ``(B,)`` integer array), ``"int_or_none"``,
+        ``"float_or_none"``, ``"page_table"`` (None or a ``(B, pages)`` integer
+        array), ``"score_mod"``, ``"mask_mod"``, ``"block_mask"``
+        (mod objects, :mod:`xpkernels.mods`), ``"score_mod_grad"`` (a
+        ScoreModGrad the backward adds into).
     backward : bool
-        The backward takes it too, and checkpoints record it (a backward given
-        another value raises).
+        The backward takes it too.
     applies_to : str or None
         An optional input without which the option must keep its default.
+    forward : bool
+        The forward takes it (False: a backward-only option, such as
+        ``deterministic``).
+    recorded : bool
+        For an option both passes take: checkpoints record its forward
+        value, and a backward given another raises.
     """
 
     name: str
-    default: float
+    default: Any
     rule: str
     backward: bool = False
     applies_to: str | None = None
+    forward: bool = True
+    recorded: bool = True
 
 
 @dataclass(frozen=True)
 class Signature:
-    """A row primitive's arguments, declared once.
+    """A primitive's arguments, declared once.
 
     Everything that restates them is driven by this record: the fronts'
-    validation, labelled arrays and allocators (``xpkernels._declared``),
-    the torch.library schemas, fakes and autograd (``xpkernels.torch._declared``),
-    the conformance suite's generic error cases and the order of the
-    arguments the backend modules receive (:class:`RMSNormModule`...):
+    validation, labelled arrays and allocators (``xpkernels._declared`` for
+    the row primitives, ``xpkernels._attention_front`` for the attention
+    family), the torch.library schemas, fakes and autograd
+    (``xpkernels.torch``), the conformance suite's generic error cases
+    (``xpkernels.testing``), the tolerance table and the benchmark lists.
+
+    Shape patterns name each axis by a symbol; one symbol is one extent
+    across every array of the call: ``"B H Sq D"`` and ``"B Hkv Sk D"``
+    share ``B`` and ``D``. ``"... M"`` is any leading axes then the row
+    length (the row primitives), ``"rows"`` one entry per row of those,
+    ``"P M"`` any ``P >= 1`` rows of partial sums, ``"B+1"`` the prefix
+    sums of ``B`` sequences, ``"N"`` a 1-D workspace of any length.
+
+    For the row primitives the backend modules receive, in this order:
     forward ``(outputs, inputs, checkpoints, **options)``; backward
     ``(read outputs, output cotangents, read inputs, checkpoints, input
     gradients, **backward options)``, where an input of shape ``"M"`` has
     its gradient as partial sums in scratch (``accumulate=`` then says
-    whether to add to them).
+    whether to add to them). The other kinds keep the argument order of
+    their module protocol (:class:`AttentionModule`...).
 
     Attributes
     ----------
@@ -508,15 +543,22 @@ class Signature:
         The primitive's name in prose and in its generated classes (``RMSNorm``
         gives ``RMSNormCheckpoints`` and ``RMSNormBackwardScratch``).
     inputs, outputs : tuple of Arg
-        The forward's arrays; the first input is the lead (``... M``).
+        The forward's arrays, in their positional order; the first input is
+        the lead (its shape and dtype make the allocating forward's outputs).
     checkpoints : tuple of Arg
         What the forward saves for the backward (float32).
     scratch : tuple of Arg
-        The backward's scratch (the accumulation dtype).
+        The backward's scratch (the accumulation dtype); for a forward-only
+        primitive, the forward's.
     options : tuple of Option
         Keyword options.
     reads : tuple of str
         The primals the backward reads (inputs or outputs).
+    kind : str
+        ``"rows"`` (``... M`` arrays, fronts driven by ``xpkernels._declared``),
+        ``"attention"`` (the attention family's front core), ``"decode"`` or
+        ``"merge"`` (fronts written out, declaration used by the torch layer
+        and the conformance suite).
     """
 
     title: str
@@ -526,6 +568,11 @@ class Signature:
     scratch: tuple[Arg, ...] = ()
     options: tuple[Option, ...] = ()
     reads: tuple[str, ...] = ()
+    kind: str = "rows"
+
+    def option(self, name: str) -> Option:
+        """The declared option ``name``."""
+        return next(o for o in self.options if o.name == name)
 
 
 #: Row length and leading axes of the row primitives' arrays.
@@ -571,6 +618,134 @@ _SIGNATURES = {
     ),
 }
 
+#: The attention family's arrays: padded ``(B, H, S, D)`` and packed ``(T, H, D)`` layouts.
+_PADDED = (Arg("q", "B H Sq D"), Arg("k", "B Hkv Sk D"), Arg("v", "B Hkv Sk Dv"))
+_PACKED = (
+    Arg("q", "Tq H D"),
+    Arg("k", "Tk Hkv D"),
+    Arg("v", "Tk Hkv Dv"),
+    Arg("cu_seqlens_q", "B+1", dtype="int32", grad=False),
+    Arg("cu_seqlens_k", "B+1", dtype="int32", grad=False),
+)
+
+
+def _attention(title, packed: bool, options, flex: bool) -> Signature:
+    rows = "H Tq" if packed else "B H Sq"
+    workspace = (Arg("score_mod_workspace", "N", optional=True),) if flex else ()
+    return Signature(
+        title=title,
+        inputs=_PACKED if packed else _PADDED,
+        outputs=(Arg("o", "Tq H Dv" if packed else "B H Sq Dv"),),
+        checkpoints=(Arg("m", rows), Arg("l", rows)),
+        scratch=(
+            Arg("delta", rows),
+            Arg("dq_accum", "Tq H D" if packed else "B H Sq D", optional=True),
+            *workspace,
+        ),
+        options=options,
+        reads=("q", "k", "v", "o"),
+        kind="attention",
+    )
+
+
+_SCALE = Option("scale", None, "scale", backward=True)
+_POSITION = Option("input_pos", 0, "position", backward=True)
+_MAX_SEQLENS = (
+    Option("max_seqlen_q", None, "int_or_none", backward=True, recorded=False),
+    Option("max_seqlen_k", None, "int_or_none", backward=True, recorded=False),
+)
+_CAUSAL = Option("causal", False, "bool", backward=True)
+_MODS = (
+    Option("score_mod", None, "score_mod", backward=True),
+    Option("mask_mod", None, "mask_mod", backward=True),
+)
+_MOD_BACKWARD = (
+    Option("score_mod_grad", None, "score_mod_grad", backward=True, forward=False),
+    Option("deterministic", True, "bool", backward=True, forward=False),
+)
+_SPARSE = Option("block_sparse", True, "bool", backward=True, recorded=False)
+
+_SIGNATURES.update(
+    attention=_attention(
+        "Attention",
+        packed=False,
+        options=(
+            _CAUSAL,
+            _SCALE,
+            _POSITION,
+            Option("q_lengths", None, "lengths", backward=True),
+            Option("k_lengths", None, "lengths", backward=True),
+        ),
+        flex=False,
+    ),
+    attention_varlen=_attention(
+        "AttentionVarlen",
+        packed=True,
+        options=(*_MAX_SEQLENS, _CAUSAL, _SCALE, _POSITION),
+        flex=False,
+    ),
+    flex_attention=_attention(
+        "FlexAttention",
+        packed=False,
+        options=(
+            *_MODS,
+            Option("block_mask", None, "block_mask", backward=True),
+            _SPARSE,
+            _SCALE,
+            _POSITION,
+            *_MOD_BACKWARD,
+        ),
+        flex=True,
+    ),
+    flex_attention_varlen=_attention(
+        "FlexAttentionVarlen",
+        packed=True,
+        options=(*_MAX_SEQLENS, *_MODS, _SPARSE, _SCALE, _POSITION, *_MOD_BACKWARD),
+        flex=True,
+    ),
+    decode_attention=Signature(
+        title="DecodeAttention",
+        inputs=(
+            Arg("q", "B H D"),
+            Arg("k_cache", "B Hkv Smax D"),
+            Arg("v_cache", "B Hkv Smax Dv"),
+            Arg("lengths", "B", dtype="index", grad=False),
+        ),
+        outputs=(Arg("o", "B H Dv"),),
+        scratch=(
+            Arg("o_partial", "B H N Dv"),
+            Arg("m_partial", "B H N"),
+            Arg("l_partial", "B H N"),
+        ),
+        options=(
+            Option("block_table", None, "page_table"),
+            _SCALE,
+            Option("softcap", None, "float_or_none"),
+            Option("window", None, "int_or_none"),
+            Option("n_splits", None, "int_or_none"),
+        ),
+        kind="decode",
+    ),
+    merge_attention_states=Signature(
+        title="MergeAttentionStates",
+        inputs=(
+            Arg("o_a", "B H S Dv", aliases=("o",)),
+            Arg("m_a", "B H S", aliases=("m",)),
+            Arg("l_a", "B H S", aliases=("l",)),
+            Arg("o_b", "B H S Dv", aliases=("o",)),
+            Arg("m_b", "B H S", aliases=("m",)),
+            Arg("l_b", "B H S", aliases=("l",)),
+        ),
+        outputs=(
+            Arg("o", "B H S Dv", aliases=("o_a", "o_b")),
+            Arg("m", "B H S", aliases=("m_a", "m_b")),
+            Arg("l", "B H S", aliases=("l_a", "l_b")),
+        ),
+        reads=("o", "m", "l", "o_a", "m_a", "l_a", "o_b", "m_b", "l_b"),
+        kind="merge",
+    ),
+)
+
 
 @dataclass(frozen=True)
 class Primitive:
@@ -590,9 +765,8 @@ class Primitive:
         The scratch fields a backend may do without (its ``Capability.scratch``
         says which it uses). The others carry results between passes (the
         norms' partial sums, decode's split results) and every backend uses them.
-    signature : Signature or None
-        The declared arguments, for the primitives whose fronts are driven by
-        one (the row primitives); None for those whose fronts are written out.
+    signature : Signature
+        The declared arguments (``_SIGNATURES[name]``).
     """
 
     name: str
@@ -600,12 +774,13 @@ class Primitive:
     hooks: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     scratch: tuple[str, ...] = ()
     optional_scratch: tuple[str, ...] = ()
-    signature: Signature | None = None
+    signature: Signature = field(init=False)
 
     def __post_init__(self):
-        if self.signature is not None and not self.scratch:
-            fields = tuple(a.name for a in self.signature.scratch)
-            object.__setattr__(self, "scratch", fields)
+        signature = _SIGNATURES[self.name]
+        object.__setattr__(self, "signature", signature)
+        if not self.scratch and signature.kind == "rows":
+            object.__setattr__(self, "scratch", tuple(a.name for a in signature.scratch))
 
 
 _PARTIAL_HOOKS: Mapping[str, Callable[..., Any]] = {
@@ -616,12 +791,10 @@ _PARTIAL_HOOKS: Mapping[str, Callable[..., Any]] = {
 PRIMITIVES: Mapping[str, Primitive] = {
     p.name: p
     for p in (
-        Primitive("rms_norm", RMSNormModule, _PARTIAL_HOOKS, signature=_SIGNATURES["rms_norm"]),
-        Primitive(
-            "layer_norm", LayerNormModule, _PARTIAL_HOOKS, signature=_SIGNATURES["layer_norm"]
-        ),
-        Primitive("softmax", SoftmaxModule, signature=_SIGNATURES["softmax"]),
-        Primitive("swiglu", SwiGLUModule, signature=_SIGNATURES["swiglu"]),
+        Primitive("rms_norm", RMSNormModule, _PARTIAL_HOOKS),
+        Primitive("layer_norm", LayerNormModule, _PARTIAL_HOOKS),
+        Primitive("softmax", SoftmaxModule),
+        Primitive("swiglu", SwiGLUModule),
         Primitive("attention", AttentionModule, {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
         Primitive(
             "attention_varlen",

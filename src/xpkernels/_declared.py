@@ -70,7 +70,7 @@ class RowPrimitive:
     Parameters
     ----------
     name : str
-        The primitive (a key of ``protocol.PRIMITIVES`` whose ``signature`` is set).
+        The primitive (a key of ``protocol.PRIMITIVES`` of kind ``"rows"``).
     module : str
         The front module that exports the generated classes (their ``__module__``,
         so that they pickle).
@@ -90,8 +90,8 @@ class RowPrimitive:
 
     def __init__(self, name: str, module: str):
         signature = PRIMITIVES[name].signature
-        if signature is None:
-            raise ValueError(f"{name} declares no signature")
+        if signature.kind != "rows":
+            raise ValueError(f"{name} is not a row primitive")
         self.name = name
         self.signature = signature
         self.forward_name = f"{name}_"
@@ -134,7 +134,7 @@ class RowPrimitive:
         """The declared options, checked; ``present`` maps input names to their array labels."""
         out = {}
         for opt in self.signature.options:
-            if backward and not opt.backward:
+            if not (opt.backward if backward else opt.forward):
                 continue
             out[opt.name] = self._option(fn, opt, options[opt.name], present)
         return out
@@ -152,7 +152,7 @@ class RowPrimitive:
     def _recorded(self, options: dict, inputs: dict) -> dict:
         """What the checkpoints record of the forward: backward options, given optional inputs."""
         record: dict[str, Any] = {
-            o.name: options[o.name] for o in self.signature.options if o.backward
+            o.name: options[o.name] for o in self.signature.options if o.backward and o.recorded
         }
         for arg in self.signature.inputs:
             if arg.recorded is not None:

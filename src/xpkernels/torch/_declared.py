@@ -1,6 +1,6 @@
 """The ``xpkernels`` torch.library ops of the declared row primitives, generated from their signatures.
 
-For each primitive ``p`` whose ``protocol.PRIMITIVES[p].signature`` is set
+For each primitive ``p`` whose ``protocol.PRIMITIVES[p].signature`` is of kind ``"rows"``
 (RMSNorm, LayerNorm, softmax, SwiGLU), four ops are defined from that one
 record, with the conventions of :mod:`xpkernels.torch._ops`:
 
@@ -339,7 +339,7 @@ def _declared_ops(name: str) -> _Ops:
     return _Ops(module._PRIMITIVE)
 
 
-_DECLARED = [_declared_ops(name) for name, p in PRIMITIVES.items() if p.signature is not None]
+_DECLARED = [_declared_ops(name) for name, p in PRIMITIVES.items() if p.signature.kind == "rows"]
 
 #: Primitive -> its autograd front ``(fn, arrays, options) -> result``.
 FRONTS = {ops.front.name: ops.record for ops in _DECLARED}
