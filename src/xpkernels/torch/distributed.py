@@ -66,13 +66,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _checks as check
-from ..attention import (
-    AttentionCheckpoints,
-    _causal,
-    _validate_qkv,
-    attention_,
-    attention_backward_,
-)
+from .._attention_call import boolean
+from .._attention_front import FRONTS
+from ..attention import AttentionCheckpoints, attention_, attention_backward_
 from ..buffers import Duplicated, record_forward
 from ..merge_attention_states import merge_attention_states_
 from ..registry import _explicit_choice
@@ -202,7 +198,7 @@ def shard_sequence(x, *, group=None, dim=2, causal=False) -> Tensor:
     fn = "shard_sequence"
     x = _tensor(fn, "x", x)
     axis = _dim(fn, x, dim)
-    causal = _causal(fn, causal)
+    causal = boolean(fn, "causal", causal)
     group, rank, size = _group(fn, group)
     pieces = 2 * size if causal else size
     if x.shape[axis] % pieces:
@@ -281,7 +277,7 @@ def unshard_sequence(x, *, group=None, dim=2, causal=False) -> Tensor:
     fn = "unshard_sequence"
     x = _tensor(fn, "x", x)
     axis = _dim(fn, x, dim)
-    causal = _causal(fn, causal)
+    causal = boolean(fn, "causal", causal)
     group, rank, size = _group(fn, group)
     _check_device(fn, group, {"x": x})
     if causal and x.shape[axis] % 2:
@@ -525,8 +521,8 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, backend=Non
     """
     fn = "ring_attention"
     tensors = {name: _tensor(fn, name, a) for name, a in (("q", q), ("k", k), ("v", v))}
-    _validate_qkv(fn, q, k, v)
-    causal = _causal(fn, causal)
+    FRONTS["attention"].validate_qkv(fn, q, k, v)
+    causal = boolean(fn, "causal", causal)
     if scale is not None:
         scale = check.positive_finite(fn, "scale", scale)
     if causal:
