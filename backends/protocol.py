@@ -5,9 +5,10 @@ defines ``BACKEND``, a :class:`Backend` declaration, and imports nothing
 heavy (routing reads it without importing torch, triton or cupy). Beside it,
 one module ``<name>/<op>.py`` per op it declares, providing:
 
-- the functions of that op's protocol class (:class:`RMSNormModule`...):
-  ``forward`` and, where the primitive has one, ``backward``, with the
-  parameters written there;
+- ``forward`` and, where the primitive has one, ``backward``, with the
+  parameters :meth:`Primitive.functions` gives (derived from the op's
+  declared :class:`Signature`, or its Protocol class for the two irregular
+  ops, :class:`DecodeAttentionModule` and :class:`MergeAttentionStatesModule`);
 - any of the op's optional hooks (:data:`PRIMITIVES`), each declared in the
   backend's :class:`Capability` ``hooks``; an undeclared hook is replaced by
   the default defined here, whose signature is the hook's contract;
@@ -36,6 +37,7 @@ the hooks it declares, and adds its package to ``registry.BACKEND_PACKAGES``.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -55,16 +57,10 @@ __all__ = [
     "Primitive",
     "Signature",
     "Support",
-    "AttentionModule",
-    "AttentionVarlenModule",
     "DecodeAttentionModule",
-    "FlexAttentionModule",
-    "LayerNormModule",
     "MergeAttentionStatesModule",
-    "RMSNormModule",
-    "SoftmaxModule",
-    "SwiGLUModule",
     "default_splits",
+    "module_functions",
     "default_tiles",
     "partials",
     "reduce_partials",
@@ -122,122 +118,10 @@ FEATURES = {
 
 # -- What each primitive's backend module provides -------------------------------------------
 # Array arguments arrive validated (shapes, dtypes, a contiguous last axis);
-# outputs and shadows are overwritten in full. Row primitives get 2-D
-# ``(rows, M)`` views. Checkpoint arguments are None for inference.
-
-
-class RMSNormModule(Protocol):
-    """``y = x * rstd * (w + offset)`` over ``(rows, M)`` views (``w`` may be None: no weight)."""
-
-    def forward(self, y, x, w, rstd, *, eps, offset) -> None: ...
-
-    def backward(self, dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
-        """``dw_partial`` is ``(P, M)`` for any ``P >= 1`` (None: no dw); ``accumulate`` adds to it."""
-
-
-class LayerNormModule(Protocol):
-    """``y = (x - mean) * rstd * w + b`` over ``(rows, M)`` views (``w``, ``b`` may be None)."""
-
-    def forward(self, y, x, w, b, mean, rstd, *, eps) -> None: ...
-
-    def backward(self, dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) -> None:
-        """Partials are ``(P, M)`` for any ``P >= 1``, or None when that gradient is not wanted."""
-
-
-class SoftmaxModule(Protocol):
-    """Row softmax over ``(rows, M)`` views."""
-
-    def forward(self, y, x) -> None: ...
-
-    def backward(self, y, dy, dx) -> None: ...
-
-
-class SwiGLUModule(Protocol):
-    """``y = silu(a) * b`` over ``(rows, M)`` views."""
-
-    def forward(self, y, a, b) -> None:
-        """``y`` may be the very same array as ``a`` or ``b``."""
-
-    def backward(self, dy, a, b, da, db) -> None:
-        """``da`` may be the very same array as ``dy``."""
-
-
-class AttentionModule(Protocol):
-    """Fused attention; ``m``, ``l`` are the backend-neutral checkpoints of DESIGN section 3."""
-
-    def forward(
-        self, o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths
-    ) -> None: ...
-
-    def backward(
-        self,
-        do,
-        q,
-        k,
-        v,
-        o,
-        m,
-        l,
-        dq,
-        dk,
-        dv,
-        delta,
-        dq_accum,
-        *,
-        scale,
-        causal,
-        input_pos,
-        q_lengths,
-        k_lengths,
-    ) -> None:
-        """``delta``, ``dq_accum``: the scratch, None for a field the backend does not declare."""
-
-
-class AttentionVarlenModule(Protocol):
-    """Attention over packed variable-length sequences; ``m``, ``l`` are ``(H, Tq)``."""
-
-    def forward(
-        self,
-        o,
-        q,
-        k,
-        v,
-        m,
-        l,
-        *,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        scale,
-        causal,
-        input_pos,
-    ) -> None: ...
-
-    def backward(
-        self,
-        do,
-        q,
-        k,
-        v,
-        o,
-        m,
-        l,
-        dq,
-        dk,
-        dv,
-        delta,
-        dq_accum,
-        *,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        scale,
-        causal,
-        input_pos,
-    ) -> None:
-        """``delta``, ``dq_accum``: the scratch, None for a field the backend does not declare."""
+# outputs and shadows are overwritten in full. Checkpoint arguments are None
+# for inference. The row primitives and the attention family take the
+# parameters their Signature implies (:func:`module_functions`); the two
+# irregular ones are written out as Protocol classes below.
 
 
 class DecodeAttentionModule(Protocol):
@@ -259,102 +143,6 @@ class DecodeAttentionModule(Protocol):
         window,
         block_table,
     ) -> None: ...
-
-
-class FlexAttentionModule(Protocol):
-    """Attention with score and mask mod graphs over a tile ``plan``."""
-
-    def forward(self, o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) -> None: ...
-
-    def backward(
-        self,
-        do,
-        q,
-        k,
-        v,
-        o,
-        m,
-        l,
-        dq,
-        dk,
-        dv,
-        delta,
-        dq_accum,
-        *,
-        scale,
-        input_pos,
-        score_mod,
-        mask_mod,
-        plan,
-        score_mod_grads,
-        deterministic,
-        score_mod_workspace,
-    ) -> None:
-        """``score_mod_grads``: one accumulator or None per captured array; gradients are ADDED.
-
-        ``deterministic``: those sums must be bit-identical run to run (False allows atomics).
-        ``score_mod_workspace``: a 1-D float32 scratch array of at least the
-        ``score_mod_workspace`` hook's elements, or None when that is 0.
-        """
-
-
-class FlexAttentionVarlenModule(Protocol):
-    """FlexAttention over packed variable-length sequences; ``m``, ``l`` are ``(H, Tq)``.
-
-    ``planner(b, n_q, n_kv)`` returns the tile plan of sequence ``b`` alone
-    (``n_q`` queries, ``n_kv`` keys, at its own position).
-    """
-
-    def forward(
-        self,
-        o,
-        q,
-        k,
-        v,
-        m,
-        l,
-        *,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        scale,
-        input_pos,
-        score_mod,
-        mask_mod,
-        planner,
-    ) -> None: ...
-
-    def backward(
-        self,
-        do,
-        q,
-        k,
-        v,
-        o,
-        m,
-        l,
-        dq,
-        dk,
-        dv,
-        delta,
-        dq_accum,
-        *,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        scale,
-        input_pos,
-        score_mod,
-        mask_mod,
-        planner,
-        score_mod_grads,
-        deterministic,
-        score_mod_workspace,
-    ) -> None:
-        """``score_mod_grads``, ``deterministic``, ``score_mod_workspace``: as flex's backward
-        (the workspace sized by this op's ``score_mod_workspace`` hook)."""
 
 
 class MergeAttentionStatesModule(Protocol):
@@ -534,8 +322,9 @@ class Signature:
     ``(read outputs, output cotangents, read inputs, checkpoints, input
     gradients, **backward options)``, where an input of shape ``"M"`` has
     its gradient as partial sums in scratch (``accumulate=`` then says
-    whether to add to them). The other kinds keep the argument order of
-    their module protocol (:class:`AttentionModule`...).
+    whether to add to them). The attention family's take ``(o, q, k, v, m,
+    l, **kernel options)`` and ``(do, q, k, v, o, m, l, dq, dk, dv, delta,
+    dq_accum, **kernel options)``; :func:`module_functions` spells both out.
 
     Attributes
     ----------
@@ -755,8 +544,6 @@ class Primitive:
     ----------
     name : str
         The op (``"rms_norm"``...), also the backend module's name.
-    module : type
-        The Protocol class its backend modules satisfy.
     hooks : mapping of str to callable
         Optional hooks, each with its default (used when a backend does not declare it).
     scratch : tuple of str
@@ -765,15 +552,18 @@ class Primitive:
         The scratch fields a backend may do without (its ``Capability.scratch``
         says which it uses). The others carry results between passes (the
         norms' partial sums, decode's split results) and every backend uses them.
+    module : type or None
+        For an op whose backend functions do not follow from its Signature,
+        the Protocol class they satisfy.
     signature : Signature
         The declared arguments (``_SIGNATURES[name]``).
     """
 
     name: str
-    module: type
     hooks: Mapping[str, Callable[..., Any]] = field(default_factory=dict)
     scratch: tuple[str, ...] = ()
     optional_scratch: tuple[str, ...] = ()
+    module: type | None = None
     signature: Signature = field(init=False)
 
     def __post_init__(self):
@@ -781,6 +571,79 @@ class Primitive:
         object.__setattr__(self, "signature", signature)
         if not self.scratch and signature.kind == "rows":
             object.__setattr__(self, "scratch", tuple(a.name for a in signature.scratch))
+
+    def functions(self) -> dict[str, inspect.Signature]:
+        """The functions a backend module provides for this op, with their parameters."""
+        if self.module is None:
+            return module_functions(self.signature)
+        return {
+            name: inspect.Signature(list(inspect.signature(fn).parameters.values())[1:])
+            for name, fn in vars(self.module).items()
+            if inspect.isfunction(fn) and not name.startswith("_")
+        }
+
+
+def _parameters(positional, keywords) -> inspect.Signature:
+    p = inspect.Parameter
+    params = [p(n, p.POSITIONAL_OR_KEYWORD) for n in positional]
+    return inspect.Signature(params + [p(n, p.KEYWORD_ONLY) for n in keywords])
+
+
+def module_functions(sig: Signature) -> dict[str, inspect.Signature]:
+    """``forward`` and ``backward`` of a backend module for a row or attention-family op.
+
+    Rows: ``forward(outputs, inputs, checkpoints, *, forward options)``;
+    ``backward(read outputs, d<output>..., read inputs, checkpoints,
+    d<input>... (the partial sums in scratch for an ``"M"`` input), *,
+    backward options, accumulate)`` over ``(rows, M)`` views. Attention:
+    ``forward(o, q, k, v, m, l, *, kernel options)`` and ``backward(do, q, k,
+    v, o, m, l, dq, dk, dv, delta, dq_accum, *, kernel options)``, the kernel
+    options being the prefix sums (packed) and the forward's options, with
+    the flex mods' ``block_mask``/``block_sparse`` planned into ``plan``
+    (``planner(b, n_q, n_kv)``, the plan of sequence ``b``, when packed), and
+    the flex backward's ``score_mod_grads`` (one accumulator or None per
+    captured array, ADDED to), ``deterministic`` and ``score_mod_workspace``
+    (1-D float32, at least the ``score_mod_workspace`` hook's elements, or
+    None when that is 0). Scratch fields a backend does not use arrive as None.
+    """
+    ins, outs = [a.name for a in sig.inputs], [a.name for a in sig.outputs]
+    checkpoints = [c.name for c in sig.checkpoints]
+    if sig.kind == "rows":
+        partial = {s.of: s.name for s in sig.scratch}
+        grads = [partial.get(a.name, f"d{a.name}") for a in sig.inputs]
+        read = [n for n in (*outs, *ins) if n in sig.reads]
+        accumulate = ["accumulate"] if sig.scratch else []
+        backward = [o.name for o in sig.options if o.backward] + accumulate
+        return {
+            "forward": _parameters(
+                [*outs, *ins, *checkpoints], [o.name for o in sig.options if o.forward]
+            ),
+            "backward": _parameters(
+                [
+                    *(n for n in read if n in outs),
+                    *(f"d{n}" for n in outs),
+                    *(n for n in read if n in ins),
+                    *checkpoints,
+                    *grads,
+                ],
+                backward,
+            ),
+        }
+    flex = any(o.rule == "score_mod" for o in sig.options)
+    planned = ("block_mask", "block_sparse")
+    kernel = [a.name for a in sig.inputs if not a.grad]
+    kernel += [o.name for o in sig.options if o.forward and o.name not in planned]
+    if flex:
+        kernel.append("planner" if "cu_seqlens_q" in kernel else "plan")
+    grads = ["score_mod_grads", "deterministic", "score_mod_workspace"] if flex else []
+    scratch = [a.name for a in sig.scratch if a.shape != "N"]
+    qkv = ins[:3]
+    return {
+        "forward": _parameters([*outs, *qkv, *checkpoints], kernel),
+        "backward": _parameters(
+            ["do", *qkv, *outs, *checkpoints, *(f"d{n}" for n in qkv), *scratch], kernel + grads
+        ),
+    }
 
 
 _PARTIAL_HOOKS: Mapping[str, Callable[..., Any]] = {
@@ -791,39 +654,31 @@ _PARTIAL_HOOKS: Mapping[str, Callable[..., Any]] = {
 PRIMITIVES: Mapping[str, Primitive] = {
     p.name: p
     for p in (
-        Primitive("rms_norm", RMSNormModule, _PARTIAL_HOOKS),
-        Primitive("layer_norm", LayerNormModule, _PARTIAL_HOOKS),
-        Primitive("softmax", SoftmaxModule),
-        Primitive("swiglu", SwiGLUModule),
-        Primitive("attention", AttentionModule, {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
-        Primitive(
-            "attention_varlen",
-            AttentionVarlenModule,
-            {},
-            ("delta", "dq_accum"),
-            ("delta", "dq_accum"),
-        ),
+        Primitive("rms_norm", _PARTIAL_HOOKS),
+        Primitive("layer_norm", _PARTIAL_HOOKS),
+        Primitive("softmax"),
+        Primitive("swiglu"),
+        Primitive("attention", {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
+        Primitive("attention_varlen", {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
         Primitive(
             "decode_attention",
-            DecodeAttentionModule,
             {"default_splits": default_splits},
             ("o_partial", "m_partial", "l_partial"),
+            module=DecodeAttentionModule,
         ),
         Primitive(
             "flex_attention",
-            FlexAttentionModule,
             {"default_tiles": default_tiles, "score_mod_workspace": score_mod_workspace},
             ("delta", "dq_accum"),
             ("delta", "dq_accum"),
         ),
         Primitive(
             "flex_attention_varlen",
-            FlexAttentionVarlenModule,
             {"default_tiles": default_tiles, "score_mod_workspace": varlen_score_mod_workspace},
             ("delta", "dq_accum"),
             ("delta", "dq_accum"),
         ),
-        Primitive("merge_attention_states", MergeAttentionStatesModule),
+        Primitive("merge_attention_states", module=MergeAttentionStatesModule),
     )
 }
 OPS = tuple(PRIMITIVES)

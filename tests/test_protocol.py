@@ -45,29 +45,33 @@ from xpkernels.registry import BackendError, resolve
 PAIRS = [(b, op) for b in registry.BACKENDS for op in b.ops]
 
 
-def _protocol_functions(primitive) -> dict:
-    """The functions a primitive's protocol class declares, by name."""
-    return {
-        name: fn
-        for name, fn in vars(primitive.module).items()
-        if inspect.isfunction(fn) and not name.startswith("_")
-    }
+def _signature_problem(name, provided, declared) -> str | None:
+    """Why ``provided`` cannot be called as ``declared`` (a function or its Signature) is, or None.
 
-
-def _signature_problem(name, provided, declared, drop_self) -> str | None:
-    """Why ``provided`` cannot be called as ``declared`` is, or None."""
-    want = list(inspect.signature(declared).parameters.values())[1 if drop_self else 0 :]
+    Positional parameters must match in order, keyword-only ones by name.
+    """
+    if not isinstance(declared, inspect.Signature):
+        declared = inspect.signature(declared)
+    want = list(declared.parameters.values())
     have = list(inspect.signature(provided).parameters.values())
-    for i, p in enumerate(want):
-        if i >= len(have):
+    keywords = {q.name: q for q in have if q.kind == q.KEYWORD_ONLY}
+    positional = [q for q in have if q.kind != q.KEYWORD_ONLY]
+    for i, p in enumerate(w for w in want if w.kind != w.KEYWORD_ONLY):
+        if i >= len(positional):
             return f"{name} lacks parameter {p.name!r}"
-        q = have[i]
+        q = positional[i]
         if (q.name, q.kind) != (p.name, p.kind):
             return f"{name} has parameter {q.name!r} ({q.kind.description}) where the protocol has {p.name!r} ({p.kind.description})"
+    for p in (w for w in want if w.kind == w.KEYWORD_ONLY):
+        if p.name not in keywords:
+            return f"{name} lacks keyword-only parameter {p.name!r} (it has {sorted(keywords)})"
+    named = {p.name for p in want}
     extra = [
         q.name
-        for q in have[len(want) :]
-        if q.default is inspect.Parameter.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)
+        for q in have
+        if q.name not in named
+        and q.default is inspect.Parameter.empty
+        and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)
     ]
     if extra:
         return f"{name} requires parameters the protocol does not pass: {', '.join(extra)}"
@@ -78,12 +82,12 @@ def conformance_problems(module, op: str, capability: Capability) -> list[str]:
     """Every way ``module`` (a backend's module for ``op``) departs from the protocol."""
     primitive = PRIMITIVES[op]
     problems = []
-    for name, declared in _protocol_functions(primitive).items():
+    for name, declared in primitive.functions().items():
         provided = getattr(module, name, None)
         if not callable(provided):
             problems.append(f"{op}: missing {name}")
             continue
-        problem = _signature_problem(name, provided, declared, drop_self=True)
+        problem = _signature_problem(name, provided, declared)
         if problem:
             problems.append(f"{op}: {problem}")
     for name in capability.hooks:
@@ -95,7 +99,7 @@ def conformance_problems(module, op: str, capability: Capability) -> list[str]:
             if not callable(provided):
                 problems.append(f"{op}: declares hook {name} but does not provide it")
             else:
-                problem = _signature_problem(name, provided, default, drop_self=False)
+                problem = _signature_problem(name, provided, default)
                 if problem:
                     problems.append(f"{op}: {problem}")
         elif provided is not None:
@@ -160,9 +164,9 @@ def test_extra_required_parameters_are_reported_and_defaulted_ones_accepted():
 
     def required(a, *, b, c): ...
 
-    assert _signature_problem("f", defaulted, declared, drop_self=False) is None
+    assert _signature_problem("f", defaulted, declared) is None
     assert "requires parameters the protocol does not pass: c" in _signature_problem(
-        "f", required, declared, drop_self=False
+        "f", required, declared
     )
 
 
