@@ -13,6 +13,8 @@ import importlib
 import sys
 import types
 
+from xpkernels.backends.protocol import PRIMITIVES  # the declarations: imports no array library
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -26,37 +28,13 @@ _EXPORTS = {
     ),
     "registry": ("BackendError", "use_backend"),
     "_debug": ("debug", "debug_enabled"),
-    "rms_norm": ("rms_norm", "rms_norm_", "rms_norm_backward", "rms_norm_backward_"),
-    "layer_norm": ("layer_norm", "layer_norm_", "layer_norm_backward", "layer_norm_backward_"),
-    "softmax": ("softmax", "softmax_", "softmax_backward", "softmax_backward_"),
-    "swiglu": ("swiglu", "swiglu_", "swiglu_backward", "swiglu_backward_"),
-    "attention": ("attention", "attention_", "attention_backward", "attention_backward_"),
-    "attention_varlen": (
-        "attention_varlen",
-        "attention_varlen_",
-        "attention_varlen_backward",
-        "attention_varlen_backward_",
-    ),
-    "decode_attention": ("decode_attention", "decode_attention_"),
-    "flex_attention": (
-        "flex_attention",
-        "flex_attention_",
-        "flex_attention_backward",
-        "flex_attention_backward_",
-    ),
-    "flex_attention_varlen": (
-        "flex_attention_varlen",
-        "flex_attention_varlen_",
-        "flex_attention_varlen_backward",
-        "flex_attention_varlen_backward_",
-    ),
-    "merge_attention_states": (
-        "merge_attention_states",
-        "merge_attention_states_",
-        "merge_attention_states_backward",
-        "merge_attention_states_backward_",
-    ),
 }
+for _name, _primitive in PRIMITIVES.items():  # each declared primitive, from its own module
+    _backward = (
+        (f"{_name}_backward", f"{_name}_backward_") if "backward" in _primitive.functions() else ()
+    )
+    _EXPORTS[_name] = (_name, f"{_name}_", *_backward)
+del _name, _primitive, _backward
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [*sorted(_WHERE), "backends", "__version__"]
