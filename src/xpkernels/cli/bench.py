@@ -76,7 +76,8 @@ class _Progress:
         if self.draw and importlib.util.find_spec("tqdm") is not None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, file=sys.stderr, unit="row", leave=False)
+            # mininterval=0: draw every row (a bench has tens of rows, each seconds long)
+            self.bar = tqdm(total=total, file=sys.stderr, unit="row", leave=False, mininterval=0)
 
     def start(self, label: str) -> None:
         if self.bar is not None:
