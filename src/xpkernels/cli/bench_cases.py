@@ -44,6 +44,7 @@ SHAPES: dict[bool, dict[str, Any]] = {
         "varlen": {"H": 8, "D": 64, "lengths": (1900, 1100, 700, 300)},
         "flex": {"B": 1, "H": 8, "S": 2048, "D": 64, "window": 256, "documents": 4},
         "large": {"S": 4096, "D": 128},
+        "hf_llama": {"B": 4, "S": 512, "hidden": 256, "layers": 2, "heads": 8, "kv_heads": 2},
     },
     True: {
         "rows": (256, 1024),
@@ -52,6 +53,7 @@ SHAPES: dict[bool, dict[str, Any]] = {
         "varlen": {"H": 2, "D": 32, "lengths": (200, 57, 129)},
         "flex": {"B": 1, "H": 2, "S": 256, "D": 32, "window": 32, "documents": 3},
         "large": None,
+        "hf_llama": {"B": 2, "S": 64, "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2},
     },
 }
 
@@ -1142,4 +1144,82 @@ def benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[B
         from ..torch.bench import autograd_benches
 
         benches += autograd_benches(shapes, chosen, attn_repeats, Row, Bench)
+        if not ops or "attention" in chosen:
+            if importlib.util.find_spec("transformers") is None:
+                skipped.append("transformers is not installed: the Llama training-step rows")
+            else:
+                benches += hf_llama_benches(shapes["hf_llama"], attn_repeats)
     return benches, skipped
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def hf_llama_config(shape: dict[str, int], attn_implementation: str = "sdpa"):
+    """A transformers ``LlamaConfig`` of ``shape`` (hidden, layers, heads, kv_heads; S as
+    the longest position; the MLP 4x wide)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=shape["hidden"],
+        intermediate_size=4 * shape["hidden"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=shape["S"],
+        use_cache=False,
+    )
+    config._attn_implementation = attn_implementation
+    return config
+
+
+def hf_llama_work(shape: dict[str, int], parameters: int) -> tuple[float, str]:
+    """FLOPs of one forward+backward step of a Llama: ``6 * parameters * tokens`` plus the
+    causal attention's ``6 * B * S^2 * hidden`` per layer (half of ``12 B S^2 hidden``)."""
+    b, s, hidden, layers = shape["B"], shape["S"], shape["hidden"], shape["layers"]
+    work = 6 * parameters * b * s + 6 * b * s * s * hidden * layers
+    return float(work), "6*params*B*S + 6*B*S^2*hidden*layers"
+
+
+def hf_llama_benches(shape: dict[str, int], repeats: int) -> list[Bench]:
+    """One training step (forward, ``loss.backward()``) of a tiny transformers Llama on torch
+    CPU tensors: ``apply_xpkernels`` against the same model on transformers' SDPA attention."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(hf_llama_config(shape))
+    parameters = sum(p.numel() for p in model.parameters())
+    work, formula = hf_llama_work(shape, parameters)
+    ids = torch.randint(0, 1024, (shape["B"], shape["S"]))
+    text = f"{shape['B']}x{shape['S']} hidden={shape['hidden']} layers={shape['layers']}"
+
+    def setup(xpkernels: bool):
+        def build():
+            from ..torch.transformers import apply_xpkernels
+
+            torch.manual_seed(0)
+            llama = LlamaForCausalLM(hf_llama_config(shape))
+            if xpkernels:
+                apply_xpkernels(llama)
+
+            def step():
+                llama.zero_grad(set_to_none=True)
+                llama(ids, labels=ids).loss.backward()
+
+            return step
+
+        return build
+
+    return compare(
+        "llama train step [transformers]",
+        "fwd+bwd",
+        text,
+        "TFLOP/s",
+        work,
+        formula,
+        repeats,
+        ("xpkernels", setup(True)),
+        ("sdpa", setup(False)),
+    )

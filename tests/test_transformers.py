@@ -1,0 +1,377 @@
+"""Hugging Face transformers models on xpkernels (``xpkernels.torch.transformers``), against their eager code.
+
+Tiny random-weight models are built from configs (nothing is downloaded):
+Llama, Qwen3, Mistral (sliding window), Gemma 2 (softcap, sliding window,
+``1 + weight`` norms) and Gemma 3 (sliding and full layers). Each runs
+twice, once as transformers' ``attn_implementation="eager"`` and once after
+``apply_xpkernels``, from the same weights; the array_api backend serves the
+CPU tensors, the Triton interpreter one smallest case.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+
+from xpkernels.testing import harness
+
+harness.select_triton_interpreter()  # before any Triton kernel is defined
+
+torch = pytest.importorskip("torch", reason="the transformers integration needs torch")
+tf = pytest.importorskip("transformers", reason="transformers is not installed")
+
+import xpkernels as xk
+from xpkernels.torch import nn as xnn
+from xpkernels.torch import transformers as xt
+
+SOURCE = os.path.dirname(os.path.dirname(os.path.abspath(xk.__file__)))
+
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    attn_implementation="eager",
+)
+_GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=6)
+FAMILIES = {
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=16)),
+    "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=6)),
+    "gemma2": (
+        tf.Gemma2Config,
+        tf.Gemma2ForCausalLM,
+        dict(_GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=30.0),
+    ),
+    "gemma3": (
+        tf.Gemma3TextConfig,
+        tf.Gemma3ForCausalLM,
+        dict(_GEMMA, layer_types=["sliding_attention", "full_attention"]),
+    ),
+}
+SEQ = 16
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """One intra-op thread: the models' products are tiny, and two threads per pytest-xdist
+    worker on a shared two-core machine spin against each other (measured: a 64 x 64 matmul
+    took 11.7 ms with two threads under load, 9 us with one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _models(family, dtype=torch.float32, **config):
+    """(eager reference, the same weights after apply_xpkernels), in train mode."""
+    config_class, model_class, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    ref = model_class(config_class(**{**_COMMON, **extra, **config}))
+    with torch.no_grad():
+        for p in ref.parameters():  # Gemma's norms start at 0: perturb every weight
+            p.add_(0.05 * torch.randn_like(p))
+    ref = ref.to(dtype)
+    return ref, xt.apply_xpkernels(copy.deepcopy(ref))
+
+
+def _batch(padding, batch=3, seed=0):
+    """Token ids and a 0/1 attention mask: no padding, left, right, or mixed (holes included)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 128, (batch, SEQ), generator=g)
+    mask = torch.ones(batch, SEQ, dtype=torch.long)
+    if padding == "left":
+        mask[1, :5] = mask[2, :2] = 0
+    elif padding == "right":
+        mask[1, 11:] = mask[2, 14:] = 0
+    elif padding == "mixed":
+        mask[1, :5] = mask[2, 12:] = 0
+        mask[0, 6:8] = 0
+    return ids, (None if padding == "none" else mask)
+
+
+def _rel(got, want):
+    return float((got - want).abs().max() / want.abs().max())
+
+
+class _Calls:
+    """Counts the xpkernels entry points the integration calls."""
+
+    NAMES = (
+        "attention",
+        "attention_varlen",
+        "decode_attention",
+        "flex_attention",
+        "flex_attention_varlen",
+    )
+
+    def __init__(self, monkeypatch):
+        self.seen: list[str] = []
+        for name in self.NAMES:
+            monkeypatch.setattr(xt, name, self._spy(name, getattr(xt, name)))
+
+    def _spy(self, name, fn):
+        def spy(*args, **kwargs):
+            self.seen.append(name)
+            return fn(*args, **kwargs)
+
+        return spy
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right", "mixed"])
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.float64, 1e-10)])
+def test_logits_match_eager(family, padding, dtype, tolerance, monkeypatch):
+    ref, ours = _models(family, dtype)
+    ids, mask = _batch(padding)
+    with torch.no_grad():
+        got = ours(ids, attention_mask=mask).logits
+        # Eager attention takes its softmax in float32 whatever the dtype: in float64 the
+        # reference runs it in float64, the accuracy 1e-10 asks of it.
+        softmax = torch.nn.functional.softmax
+        monkeypatch.setattr(
+            torch.nn.functional,
+            "softmax",
+            lambda x, dim, dtype=None: softmax(
+                x, dim, dtype=x.dtype if x.dtype == torch.float64 else dtype
+            ),
+        )
+        want = ref(ids, attention_mask=mask).logits
+    real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    assert _rel(got[real], want[real]) <= tolerance
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_error_at_most_twice_eagers_own(family):
+    ref32, _ = _models(family)
+    ref16, ours16 = _models(family, torch.bfloat16)
+    ids, mask = _batch("left")
+    real = mask.bool()
+    with torch.no_grad():
+        exact = ref32(ids, attention_mask=mask).logits[real]
+        eager_error = (ref16(ids, attention_mask=mask).logits[real].float() - exact).abs().max()
+        our_error = (ours16(ids, attention_mask=mask).logits[real].float() - exact).abs().max()
+    assert our_error <= 2 * eager_error
+
+
+def _labels(ids, mask):
+    """Next-token labels; -100 at padding and at each row's first real token (a padded row's
+    last pad predicts it, from an output eager and xpkernels define differently)."""
+    if mask is None:
+        return ids
+    first = torch.nn.functional.pad(mask[:, :-1], (1, 0)) == 0
+    return ids.masked_fill((mask == 0) | first, -100)
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_gradient_matches_eager(family, padding):
+    ref, ours = _models(family)
+    ids, mask = _batch(padding)
+    for model in (ref, ours):
+        model(ids, attention_mask=mask, labels=_labels(ids, mask)).loss.backward()
+    ours_params = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert ours_params[name].grad is not None, name
+        assert _rel(ours_params[name].grad, p.grad) <= 1e-4, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adamw_loss_curves_agree(family):
+    ref, ours = _models(family)
+    curves = []
+    for model in (ref, ours):
+        g = torch.Generator().manual_seed(1)
+        optimiser = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        curve = []
+        for _ in range(30):
+            ids = torch.randint(0, 128, (2, SEQ), generator=g)
+            loss = model(ids, labels=ids).loss
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+            curve.append(loss.item())
+        curves.append(torch.tensor(curve))
+    assert _rel(curves[1], curves[0]) <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_gives_eagers_tokens(family, monkeypatch):
+    ref, ours = _models(family)
+    ref.eval(), ours.eval()
+    ids, mask = _batch("left")
+    options = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    want = ref.generate(ids, **options)
+    calls = _Calls(monkeypatch)
+    got = ours.generate(ids, **options)
+    assert torch.equal(got, want)
+    unpadded = ours.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(unpadded, ref.generate(ids[:1], max_new_tokens=4, do_sample=False))
+    assert "decode_attention" in calls.seen  # the unpadded one-token steps
+
+
+@pytest.mark.parametrize(
+    "family, padding, expected",
+    [
+        ("llama", "none", {"attention"}),
+        ("llama", "left", {"attention"}),
+        ("llama", "right", {"attention"}),
+        ("llama", "mixed", {"attention"}),
+        ("mistral", "none", {"flex_attention"}),
+        ("gemma2", "left", {"flex_attention"}),
+    ],
+)
+def test_each_mask_takes_its_path(family, padding, expected, monkeypatch):
+    """Padding alone stays on attention's lengths (no mask mod); windows and softcaps use flex."""
+    _, ours = _models(family)
+    ids, mask = _batch(padding)
+    calls = _Calls(monkeypatch)
+    with torch.no_grad():
+        ours(ids, attention_mask=mask)
+    assert set(calls.seen) == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_packed_sequences_run_varlen(family, monkeypatch):
+    """position_ids restarts (and the cu_seq_lens kwargs of padding-free training) split the row."""
+    ref, ours = _models(family, use_cache=False)
+    ids = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(2))
+    position_ids = torch.tensor([[*range(7), *range(9), *range(4)]])
+    cu = torch.tensor([0, 7, 16, 20], dtype=torch.int32)
+    flash_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9)
+    calls = _Calls(monkeypatch)
+    with torch.no_grad():
+        want = ref(ids, position_ids=position_ids).logits
+        assert _rel(ours(ids, position_ids=position_ids).logits, want) <= 1e-4
+        assert _rel(ours(ids, position_ids=position_ids, **flash_kwargs).logits, want) <= 1e-4
+    varlen = "attention_varlen" if family == "llama" else "flex_attention_varlen"
+    assert set(calls.seen) == {varlen}
+
+
+def test_norms_are_replaced_with_their_weights_and_gemma_offset():
+    _, ours = _models("gemma2")
+    report = ours.xpkernels_report
+    norms = [m for m in ours.modules() if isinstance(m, xnn.RMSNorm)]
+    assert len(report.rms_norm) == len(norms) == 9 and report.attention == "xpkernels"
+    assert all(isinstance(m, xt.RMSNorm) and m.offset == 1.0 for m in norms)
+    _, llama = _models("llama")
+    assert all(type(m) is xnn.RMSNorm for m in llama.modules() if isinstance(m, xnn.RMSNorm))
+    assert ours.config._attn_implementation == "xpkernels"
+
+
+def test_layer_norms_shared_and_unknown_norms_reported():
+    class OddRMSNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return x * self.weight
+
+    model = torch.nn.Sequential(torch.nn.LayerNorm(8), OddRMSNorm())
+    weight = model[0].weight
+    xt.apply_xpkernels(model, attention=False)
+    assert type(model[0]) is xnn.LayerNorm and model[0].weight is weight
+    assert model.xpkernels_report.layer_norm == ["0"]
+    assert [name for name, _ in model.xpkernels_report.skipped] == ["1"]
+    assert isinstance(model[1], OddRMSNorm)
+
+
+def test_what_xpkernels_cannot_express_runs_sdpa_with_one_warning():
+    """A 4-D mask from the caller goes to SDPA (warned once); the answer stays eager's."""
+    ref, ours = _models("llama")
+    ids, mask = _batch("left")
+    keep = mask.bool()[:, None, None, :] & torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    mask4 = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    xt._WARNED.clear()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = ours(ids, attention_mask=mask4).logits
+        ours(ids, attention_mask=mask4)
+        want = ref(ids, attention_mask=mask4).logits
+    sdpa = [w for w in caught if "SDPA" in str(w.message)]
+    assert len(sdpa) == 1
+    assert _rel(got[mask.bool()], want[mask.bool()]) <= 1e-4
+
+
+def test_custom_and_static_cache_recipes_get_sdpas_mask():
+    from transformers import masking_utils as mu
+
+    def odd(b, h, q_idx, kv_idx):
+        return kv_idx % 2 == 0
+
+    xt._WARNED.clear()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        custom = xt.mask_function(2, 4, 4, mask_function=mu.and_masks(odd), use_vmap=True)
+        static = xt.mask_function(2, 1, 8, q_offset=3, mask_function=mu.causal_mask_function)
+    assert custom.shape == (2, 1, 4, 4) and static.shape == (2, 1, 1, 8)
+    assert static[0, 0, 0].tolist() == [True] * 4 + [False] * 4
+
+
+def test_dropout_is_refused():
+    _, ours = _models("llama", attention_dropout=0.1)
+    ids, _ = _batch("none")
+    with pytest.raises(ValueError, match="dropout"):
+        ours(ids)
+
+
+def test_register_makes_the_name_loadable():
+    xt.register()
+    config_class, model_class, extra = FAMILIES["llama"]
+    config = config_class(**{**_COMMON, **extra, "attn_implementation": xt.NAME})
+    model = model_class(config)
+    assert model.config._attn_implementation == "xpkernels"
+    model(torch.randint(0, 128, (1, 8))).logits.sum().backward()
+
+
+def test_compile_forward_backward_has_no_graph_break():
+    ref, ours = _models("llama", use_cache=False)
+    ids, _ = _batch("none", batch=2)
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")  # inductor adds 40 s
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = compiled(ids, labels=ids).loss
+        loss.backward()
+    assert not [w for w in caught if os.path.abspath(w.filename).startswith(SOURCE)]
+    want = ref(ids, labels=ids).loss
+    want.backward()
+    assert _rel(loss.detach(), want.detach()) <= 1e-5
+    ours_params = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert _rel(ours_params[name].grad, p.grad) <= 1e-4, name
+
+
+def test_triton_interpreter_serves_the_smallest_model():
+    pytest.importorskip("triton", reason="triton is not installed")
+    ref, ours = _models("llama", num_hidden_layers=1)
+    ids, mask = _batch("left")
+    labels = _labels(ids, mask)
+    ref(ids, attention_mask=mask, labels=labels).loss.backward()
+    with xk.use_backend("triton"):
+        loss = ours(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+    ours_params = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert _rel(ours_params[name].grad, p.grad) <= 1e-4, name
+
+
+def test_example_trains_both_models_alike(capsys):
+    """examples/hf_train.py, three steps: both curves printed, equal to float32 rounding."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "hf_train.py")
+    spec = importlib.util.spec_from_file_location("hf_train", os.path.normpath(path))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    eager, ours = example.main(steps=3)
+    assert len(eager) == len(ours) == 3
+    assert _rel(torch.tensor(ours), torch.tensor(eager)) <= 1e-5
+    assert "xpkernels" in capsys.readouterr().out
