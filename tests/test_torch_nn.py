@@ -142,3 +142,15 @@ def test_demo_torch_flag_runs_the_torch_demo(monkeypatch):
     monkeypatch.setattr(demo_torch, "run", lambda *args: calls.append(args) or 0)
     assert main(["demo", "--torch", "--steps", "7", "--seed", "3", "--sample", "0"]) == 0
     assert calls == [(7, "cpu", None, 3, 0)]
+
+
+def test_rms_norm_offset_scales_by_weight_plus_offset():
+    """``offset=1`` is Gemma's ``x / rms(x) * (1 + weight)``, over a 2-D normalized_shape too."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 5, dtype=torch.float64)
+    norm = xnn.RMSNorm((4, 5), eps=1e-6, dtype=torch.float64, offset=1.0)
+    with torch.no_grad():
+        norm.weight.normal_()
+    want = F.rms_norm(x, (4, 5), eps=1e-6) * (1.0 + norm.weight)
+    torch.testing.assert_close(norm(x), want, rtol=1e-12, atol=1e-12)
+    assert "offset=1.0" in repr(norm)

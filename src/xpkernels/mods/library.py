@@ -35,6 +35,12 @@ def _array_kind(owner: str, name: str, a) -> str:
 
 
 def _takes_q_row(fn) -> bool:
+    """Whether ``fn`` has a parameter ``q_row``: read off its code object where it has one
+    (``torch.compile`` cannot trace ``inspect.signature``, so mods built inside a compiled
+    function need this path), else from its signature."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is not None:
+        return "q_row" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
     try:
         return "q_row" in inspect.signature(fn).parameters
     except (TypeError, ValueError):

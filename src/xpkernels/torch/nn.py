@@ -52,7 +52,7 @@ def _flat(p):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the trailing ``normalized_shape`` dims: ``y = x / rms(x) * weight``.
+    """RMSNorm over the trailing ``normalized_shape`` dims: ``y = x / rms(x) * (weight + offset)``.
 
     Parameters
     ----------
@@ -65,6 +65,9 @@ class RMSNorm(nn.Module):
         Learn ``weight`` (ones at first); False: no parameter.
     device, dtype
         Of the parameter.
+    offset : float
+        Added to the weight (Gemma's ``1 + weight`` is ``offset=1``); it
+        needs ``elementwise_affine``. Not a ``torch.nn.RMSNorm`` argument.
     backend : str, optional
         Explicit xpkernels backend (default: routing).
 
@@ -82,12 +85,14 @@ class RMSNorm(nn.Module):
         device=None,
         dtype=None,
         *,
+        offset=0.0,
         backend=None,
     ):
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
+        self.offset = float(offset)
         self.backend = backend
         if elementwise_affine:
             self.weight = nn.Parameter(
@@ -104,12 +109,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        y = rms_norm(_rows(self, x), _flat(self.weight), eps=eps, backend=self.backend)
+        weight = _flat(self.weight)
+        y = rms_norm(_rows(self, x), weight, eps=eps, offset=self.offset, backend=self.backend)
         return y.reshape(x.shape)
 
     def extra_repr(self) -> str:
+        offset = f", offset={self.offset}" if self.offset else ""
         return (
-            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+            f"{self.normalized_shape}, eps={self.eps}, "
+            f"elementwise_affine={self.elementwise_affine}{offset}"
         )
 
 

@@ -525,38 +525,6 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, mask_function)
 
 
-class RMSNorm(xnn.RMSNorm):
-    """:class:`xpkernels.torch.nn.RMSNorm` scaling by ``weight + offset`` (Gemma: ``offset=1``).
-
-    Parameters
-    ----------
-    normalized_shape, eps, elementwise_affine, device, dtype, backend
-        As :class:`xpkernels.torch.nn.RMSNorm`.
-    offset : float
-        Added to the weight: ``y = x / rms(x) * (weight + offset)``.
-
-    Shapes
-    ------
-    input ``(..., M)`` with ``normalized_shape = (M,)``, output the same.
-    """
-
-    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None,
-                 dtype=None, *, offset=0.0, backend=None):  # fmt: skip
-        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype, backend=backend)
-        if len(self.normalized_shape) != 1:
-            raise ValueError(
-                f"RMSNorm: an offset needs a 1-D normalized_shape, got {self.normalized_shape}"
-            )
-        self.offset = float(offset)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        return rms_norm(x, self.weight, eps=eps, offset=self.offset, backend=self.backend)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + f", offset={self.offset}"
-
-
 @dataclass
 class Report:
     """What :func:`apply_xpkernels` replaced, by module name.
@@ -564,8 +532,8 @@ class Report:
     Attributes
     ----------
     rms_norm, layer_norm : list of str
-        Modules now :class:`xpkernels.torch.nn.RMSNorm` (or this module's
-        offset :class:`RMSNorm`) and :class:`xpkernels.torch.nn.LayerNorm`.
+        Modules now :class:`xpkernels.torch.nn.RMSNorm` (with ``offset=1`` for
+        Gemma's) and :class:`xpkernels.torch.nn.LayerNorm`.
     skipped : list of (str, str)
         Norm-like modules left alone, with the reason.
     attention : str or None
@@ -611,9 +579,7 @@ def _rms_norm_for(module: Any) -> tuple[nn.Module | None, str]:
             got = rms_norm(probe, weight, eps=eps, offset=offset).float()
             if bool(((got - want).abs() <= tolerance * (1 + want.abs())).all()):
                 factory = {"eps": eps, "device": weight.device, "dtype": weight.dtype}
-                new = xnn.RMSNorm(weight.shape[0], **factory)
-                if offset:
-                    new = RMSNorm(weight.shape[0], **factory, offset=offset)
+                new = xnn.RMSNorm(weight.shape[0], **factory, offset=offset)
                 new.weight = weight
                 return new, ""
     return None, "its output is not x / rms(x) * (weight + offset) for offset 0 or 1"
