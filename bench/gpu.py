@@ -91,6 +91,7 @@ class Entry:
     pct_of_ceiling: float | None = None
     baselines: dict = field(default_factory=dict)
     error: str | None = None
+    notes: dict = field(default_factory=dict)  # further figures by name (tokens/s, peak GiB)
 
 
 class Bench:
@@ -176,6 +177,7 @@ def format_entry(e: Entry) -> str:
             parts.append(f"{name}: {b['error'][:60]}")
         else:
             parts.append(f"{name}: {b['rate']:.1f} ({e.rate / b['rate']:.2f}x)")
+    parts += [f"{name} {value:.4g}" for name, value in e.notes.items()]
     return " | ".join(parts)
 
 
@@ -338,6 +340,79 @@ def attention_case(bench: Bench, B: int, H: int, S: int, D: int, causal: bool) -
             "attention", name, pass_, "bfloat16", (B, H, S, D), "TFLOP/s", formula, flops, "matmul"
         )
         bench.run(entry, kernel, {"F.sdpa": baseline})
+
+
+def hf_section(bench: Bench) -> None:
+    """A transformers Llama layer (``GPU_SHAPES["hf_llama"]``: 1B-shaped, seq 4096) in bfloat16,
+    forward and ``loss.backward()``: ``apply_xpkernels`` against the same model on SDPA and, where
+    installed, on Liger-Kernel (``apply_liger_kernel_to_llama``, applied last: it patches the
+    model classes). TFLOP/s, tokens/s and peak memory of each (peak memory on CUDA only)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        bench.sections_skipped["transformers"] = (
+            "transformers is not installed (carry its wheels: bench/README.md)"
+        )
+        return
+    from transformers import LlamaForCausalLM
+
+    from xpkernels.torch.transformers import apply_xpkernels
+
+    torch = bench.torch
+    shape = cases.GPU_SHAPES[bench.dry]["hf_llama"]
+    tokens = shape["B"] * shape["S"]
+    ids = torch.randint(0, 1024, (shape["B"], shape["S"]), device=bench.device)
+    peaks: dict[str, float] = {}
+
+    def step(name, prepare=None):
+        if prepare is not None:
+            prepare()
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cases.hf_llama_config(shape))
+        model = model.to(device=bench.device, dtype=torch.bfloat16)
+        if name == "xpkernels":
+            apply_xpkernels(model)
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            model(ids, labels=ids).loss.backward()
+
+        if not bench.dry:
+            run()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            run()
+            peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+        return run
+
+    def liger():
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama()
+
+    parameters = sum(p.numel() for p in LlamaForCausalLM(cases.hf_llama_config(shape)).parameters())
+    work, formula = cases.hf_llama_work(shape, parameters)
+    size = (shape["B"], shape["S"], shape["hidden"])
+    entry = Entry(
+        "transformers",
+        "llama-layer",
+        "fwd+bwd",
+        "bfloat16",
+        size,
+        "TFLOP/s",
+        formula,
+        work,
+        "matmul",
+    )
+    baselines = {"sdpa": step("sdpa")}
+    if importlib.util.find_spec("liger_kernel") is not None:
+        baselines["liger"] = step("liger", liger)
+    bench.run(entry, step("xpkernels"), baselines)
+    if entry.ms:
+        entry.notes["tokens/s"] = tokens / (entry.ms * 1e-3)
+    entry.notes.update({f"{name} peak GiB": gib for name, gib in peaks.items()})
+    print("    " + ", ".join(f"{name} {value:.4g}" for name, value in entry.notes.items()))
+    bench.free()
 
 
 def flex_section(bench: Bench, compiler: CompileBudget) -> None:
@@ -857,6 +932,8 @@ def main(argv=None) -> int:
     bench.free()
     print("cupy backend (CUDA C; baselines: the triton backend and PyTorch's op):", flush=True)
     cupy_section(bench)
+    print("transformers Llama layer (TFLOP/s, tokens/s, peak memory):", flush=True)
+    hf_section(bench)
     failed = [e for e in bench.entries if e.error]
     summary = summary_rows(bench.entries, bench.dry)
     print("\nsummary (DESIGN section 8 targets):")

@@ -54,6 +54,7 @@ def test_device_script_dry_run_writes_every_entry(tmp_path):
         for pass_ in ("forward", "backward"):
             assert (f"cupy {op}", pass_, "float16") in seen
     assert ("cupy decode_attention", "forward", "float16") in seen
+    assert ("llama-layer", "fwd+bwd", "bfloat16") in seen
     for e in report["entries"]:
         assert e["ms"] > 0 and e["rate"] > 0 and e["formula"], e["op"]
     assert len(report["summary"]) == len(report["entries"])

@@ -73,6 +73,8 @@ GPU_SHAPES: dict[bool, dict[str, Any]] = {
         "decode": {"B": 16, "H": 32, "Hkv": 8, "S": 32768, "D": 128},
         "flex": {"B": 4, "H": 16, "S": 4096, "D": (64, 128), "documents": 4},
         "cupy": {"rows": (32768, 4096), "attention": {"B": 4, "H": 32, "S": 4096, "D": 128}},
+        # One decoder layer of a 1B-parameter Llama (Llama 3.2 1B's widths), small vocabulary.
+        "hf_llama": {"B": 1, "S": 4096, "hidden": 2048, "layers": 1, "heads": 32, "kv_heads": 8},
     },
     True: {
         "rows": ((64, 256), (8, 2048)),
@@ -81,6 +83,7 @@ GPU_SHAPES: dict[bool, dict[str, Any]] = {
         "decode": {"B": 2, "H": 8, "Hkv": 2, "S": 96, "D": 32},
         "flex": {"B": 1, "H": 2, "S": 48, "D": (16,), "documents": 4},
         "cupy": {"rows": (64, 256), "attention": {"B": 1, "H": 2, "S": 48, "D": 32}},
+        "hf_llama": {"B": 1, "S": 32, "hidden": 64, "layers": 1, "heads": 4, "kv_heads": 2},
     },
 }
 
