@@ -579,3 +579,14 @@ def test_flex_mods_declare_the_same_attention_for_xpkernels_and_torch():
             theirs = flex.flex_attention(q, k, v, score_mod=score, block_mask=block)
         np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=1e-5, err_msg=name)
         assert bench_cases.flex_work(b, h, s, d, mods.mask, "forward")[0] > 0
+
+
+def test_torch_attention_rows_add_the_transformers_training_step():
+    """``--array torch --op attention`` adds a tiny transformers Llama's training step with
+    ``apply_xpkernels`` against the same model on SDPA, and both sides measure."""
+    pytest.importorskip("transformers", reason="the Llama rows need transformers")
+    benches, skipped = bench_cases.benches(True, ["attention"], "torch", 1)
+    llama = [b for b in benches if b.row.op == "llama train step [transformers]"]
+    assert skipped == [] and {b.row.impl for b in llama} == {"xpkernels", "sdpa"}
+    for b in llama:
+        assert bench.measure(b).error is None, b.row.key
