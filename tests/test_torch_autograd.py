@@ -323,7 +323,7 @@ def test_no_tile_intermediate_is_kept_for_autograd_on_a_long_sequence():
         lambda t: torch.ops.xpkernels.rms_norm(t, None, 1e-6, 0.0, None),
         lambda t: torch.ops.xpkernels.layer_norm(t, None, None, 1e-5, None),
         lambda t: torch.ops.xpkernels.attention(
-            *(t.view(1, 1, 3, 4),) * 3, True, None, 0, None, None, None, None
+            *(t.view(1, 1, 3, 4),) * 3, None, None, None, True, None, 0, None
         ),
     ],
 )
@@ -338,6 +338,6 @@ def test_checkpoint_outputs_are_not_differentiable(forward):
 def test_merging_attention_outputs_whose_checkpoints_lack_gradients_raises():
     """o_a from attention with its non-differentiable (m, l): a merge would lose their gradient."""
     q = torch.randn(1, 1, 3, 4, dtype=torch.float64, requires_grad=True)
-    o, m, l = torch.ops.xpkernels.attention(q, q, q, False, None, 0, None, None, None, None)
+    o, m, l = torch.ops.xpkernels.attention(q, q, q, None, None, None, False, None, 0, None)
     with pytest.raises(RuntimeError, match="o_a requires grad but m_a and l_a do not"):
         torch.ops.xpkernels.merge_attention_states(o, m, l, o.detach(), m, l, None)

@@ -25,7 +25,7 @@ from xpkernels.mods import (
     SlidingWindowMask,
     minimum,
 )
-from xpkernels.torch._flex import FlexMods, register_flex
+from xpkernels.torch._flex import file
 
 ops = torch.ops.xpkernels
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -38,7 +38,11 @@ def _t(*shape, dtype, grad=False, generator):
 
 
 def _cases(dtype):
-    """``(name, op, args)`` for every op in ``xt.OPS``, on small CPU tensors of ``dtype``."""
+    """``(name, op, args)`` for every op in ``xt.OPS``, on small CPU tensors of ``dtype``.
+
+    Each op takes its tensors first (cotangents, arrays, the options' tensors, checkpoints,
+    gradients, scratch), then its scalar options in declared order, then ``backend``.
+    """
     g = torch.Generator().manual_seed(0)
 
     def t(*shape, grad=False):
@@ -54,16 +58,22 @@ def _cases(dtype):
     _, mean, lrstd = ops.layer_norm(x.detach(), w.detach(), b.detach(), 1e-5, None)
     y = ops.softmax(x.detach(), None)
     q, k, v = t(1, 4, 5, 8, grad=True), t(1, 2, 6, 8, grad=True), t(1, 2, 6, 4, grad=True)
-    att = (True, None, 1, None, None, None, None)
-    o, m, l = ops.attention(q.detach(), k.detach(), v.detach(), *att)
+    # input_pos_array, q_lengths, k_lengths; causal, scale, input_pos, backend
+    att, att_s = (None, None, None), (True, None, 1, None)
+    o, m, l = ops.attention(q.detach(), k.detach(), v.detach(), *att, *att_s)
     do = t(1, 4, 5, 4)
     lengths = torch.tensor([5, 2])
     qd, kc, vc = t(2, 4, 8), t(2, 2, 7, 8), t(2, 2, 7, 4)
     slopes = torch.rand(4, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-    mods = FlexMods(AliBiScore(slopes), CausalMask(), None, True)
-    key = register_flex(mods)
-    flex = (key, None, 0, None, None)
-    fo, fm, fl = ops.flex_attention(q.detach(), k.detach(), v.detach(), [slopes.detach()], *flex)
+    mods = (AliBiScore(slopes), CausalMask())
+    score_key, mask_key = (file(mod) for mod in mods)
+    # score_mod, mask_mod, block_mask, block_sparse, scale, input_pos (forward; backward:
+    # then deterministic), backend
+    flex = (score_key, mask_key, None, True, None, 0)
+    flex_s, flex_b = (*flex, None), (*flex, True, None)
+    fo, fm, fl = ops.flex_attention(
+        q.detach(), k.detach(), v.detach(), [slopes.detach()], None, *flex_s
+    )
 
     def state(grad=False):
         m_side = torch.randn(1, 4, 5, generator=g).requires_grad_(grad)
@@ -73,6 +83,7 @@ def _cases(dtype):
     states = (*state(grad=True), *state(grad=True))
     sd = tuple(a.detach() for a in states)
     mo, mm, ml = ops.merge_attention_states(*sd, None)
+    dml = (torch.randn(1, 4, 5, generator=g), torch.randn(1, 4, 5, generator=g))
     d = {"x": x.detach(), "w": w.detach(), "b": b.detach()}
     qkv = (q.detach(), k.detach(), v.detach())
     cases = [
@@ -108,13 +119,30 @@ def _cases(dtype):
         ("swiglu_", ops.swiglu_, (t(3, 8), d["x"], dy, None)),
         ("swiglu_backward", ops.swiglu_backward, (dy, d["x"], y, None)),
         ("swiglu_backward_", ops.swiglu_backward_, (dy, d["x"], y, t(3, 8), t(3, 8), None)),
-        ("attention", ops.attention, (q, k, v, *att)),
-        ("attention_", ops.attention_, (t(1, 4, 5, 4), *qkv, f32(1, 4, 5), f32(1, 4, 5), *att)),
-        ("attention_backward", ops.attention_backward, (do, *qkv, o, m, l, *att)),
+        ("attention", ops.attention, (q, k, v, *att, *att_s)),
+        (
+            "attention_",
+            ops.attention_,
+            (t(1, 4, 5, 4), *qkv, *att, f32(1, 4, 5), f32(1, 4, 5), *att_s),
+        ),
+        ("attention_backward", ops.attention_backward, (do, *qkv, o, *att, m, l, *att_s)),
         (
             "attention_backward_",
             ops.attention_backward_,
-            (do, *qkv, o, m, l, t(1, 4, 5, 8), t(1, 2, 6, 8), t(1, 2, 6, 4), None, None, *att),
+            (
+                do,
+                *qkv,
+                o,
+                *att,
+                m,
+                l,
+                t(1, 4, 5, 8),
+                t(1, 2, 6, 8),
+                t(1, 2, 6, 4),
+                None,
+                None,
+                *att_s,
+            ),
         ),
         # No input requires grad: opcheck's AOT test runs a backward, which raises (forward only).
         (
@@ -127,16 +155,16 @@ def _cases(dtype):
             ops.decode_attention_,
             (t(2, 4, 4), qd, kc, vc, lengths, None, None, None, None, None, None, None, 2, None),
         ),
-        ("flex_attention", ops.flex_attention, (q, k, v, [slopes], *flex)),
+        ("flex_attention", ops.flex_attention, (q, k, v, [slopes], None, *flex_s)),
         (
             "flex_attention_",
             ops.flex_attention_,
-            (t(1, 4, 5, 4), *qkv, f32(1, 4, 5), f32(1, 4, 5), [slopes.detach()], *flex),
+            (t(1, 4, 5, 4), *qkv, [slopes.detach()], None, f32(1, 4, 5), f32(1, 4, 5), *flex_s),
         ),
         (
             "flex_attention_backward",
             ops.flex_attention_backward,
-            (do, *qkv, fo, fm, fl, [slopes.detach()], *flex),
+            (do, *qkv, fo, [slopes.detach()], None, fm, fl, *flex_b),
         ),
         (
             "flex_attention_backward_",
@@ -145,14 +173,18 @@ def _cases(dtype):
                 do,
                 *qkv,
                 fo,
+                [slopes.detach()],
+                None,
                 fm,
                 fl,
                 t(1, 4, 5, 8),
                 t(1, 2, 6, 8),
                 t(1, 2, 6, 4),
-                [slopes.detach()],
                 [t(4)],
-                *flex,
+                None,
+                None,
+                None,
+                *flex_b,
             ),
         ),
         ("merge_attention_states", ops.merge_attention_states, (*states, None)),
@@ -164,19 +196,21 @@ def _cases(dtype):
         (
             "merge_attention_states_backward",
             ops.merge_attention_states_backward,
-            (do, torch.randn(1, 4, 5, generator=g), mo, mm, ml, *sd, None),
+            (do, *dml, mo, mm, ml, *sd, None),
         ),
         (
             "merge_attention_states_backward_",
             ops.merge_attention_states_backward_,
             (
                 do,
-                None,
+                *dml,
                 mo,
                 mm,
                 ml,
                 *sd,
                 t(1, 4, 5, 4),
+                f32(1, 4, 5),
+                f32(1, 4, 5),
                 t(1, 4, 5, 4),
                 f32(1, 4, 5),
                 f32(1, 4, 5),
@@ -187,44 +221,60 @@ def _cases(dtype):
     cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 5], [0, 4, 6]))
     pq, pk, pv = t(5, 4, 8, grad=True), t(6, 2, 8, grad=True), t(6, 2, 4, grad=True)
     packed = (pq.detach(), pk.detach(), pv.detach())
-    vl = (cu_q, cu_k, 3, 4, True, None, 0, None, None)
-    vo, vm, vls = ops.attention_varlen(*packed, *vl)
+    # max_seqlen_q, max_seqlen_k, causal, scale, input_pos, backend
+    vl_s = (3, 4, True, None, 0, None)
+    vo, vm, vls = ops.attention_varlen(*packed, cu_q, cu_k, None, *vl_s)
     dvo, vgrads = t(5, 4, 4), (t(5, 4, 8), t(6, 2, 8), t(6, 2, 4), torch.empty(4, 5, dtype=acc))
     cases += [
-        ("attention_varlen", ops.attention_varlen, (pq, pk, pv, *vl)),
+        ("attention_varlen", ops.attention_varlen, (pq, pk, pv, cu_q, cu_k, None, *vl_s)),
         (
             "attention_varlen_",
             ops.attention_varlen_,
-            (t(5, 4, 4), *packed, f32(4, 5), f32(4, 5), *vl),
+            (t(5, 4, 4), *packed, cu_q, cu_k, None, f32(4, 5), f32(4, 5), *vl_s),
         ),
         (
             "attention_varlen_backward",
             ops.attention_varlen_backward,
-            (dvo, *packed, vo, vm, vls, *vl),
+            (dvo, *packed, vo, cu_q, cu_k, None, vm, vls, *vl_s),
         ),
         (
             "attention_varlen_backward_",
             ops.attention_varlen_backward_,
-            (dvo, *packed, vo, vm, vls, *vgrads, torch.empty(5, 4, 8, dtype=acc), *vl),
+            (
+                dvo,
+                *packed,
+                vo,
+                cu_q,
+                cu_k,
+                None,
+                vm,
+                vls,
+                *vgrads,
+                torch.empty(5, 4, 8, dtype=acc),
+                *vl_s,
+            ),
         ),
     ]
-    fv = (key, 3, 4, None, 0, None, None)
-    fvo, fvm, fvl = ops.flex_attention_varlen(*packed, cu_q, cu_k, [slopes.detach()], *fv)
+    # max_seqlen_q, max_seqlen_k, score_mod, mask_mod, block_sparse, scale, input_pos
+    # (backward: then deterministic), backend
+    fv = (3, 4, score_key, mask_key, True, None, 0)
+    fv_s, fv_b = (*fv, None), (*fv, True, None)
+    fvo, fvm, fvl = ops.flex_attention_varlen(*packed, cu_q, cu_k, [slopes.detach()], None, *fv_s)
     cases += [
         (
             "flex_attention_varlen",
             ops.flex_attention_varlen,
-            (pq, pk, pv, cu_q, cu_k, [slopes], *fv),
+            (pq, pk, pv, cu_q, cu_k, [slopes], None, *fv_s),
         ),
         (
             "flex_attention_varlen_",
             ops.flex_attention_varlen_,
-            (t(5, 4, 4), *packed, f32(4, 5), f32(4, 5), cu_q, cu_k, [slopes.detach()], *fv),
+            (t(5, 4, 4), *packed, cu_q, cu_k, [slopes.detach()], None, f32(4, 5), f32(4, 5), *fv_s),
         ),
         (
             "flex_attention_varlen_backward",
             ops.flex_attention_varlen_backward,
-            (dvo, *packed, fvo, fvm, fvl, cu_q, cu_k, [slopes.detach()], *fv),
+            (dvo, *packed, fvo, cu_q, cu_k, [slopes.detach()], None, fvm, fvl, *fv_b),
         ),
         (
             "flex_attention_varlen_backward_",
@@ -233,14 +283,18 @@ def _cases(dtype):
                 dvo,
                 *packed,
                 fvo,
-                fvm,
-                fvl,
-                *vgrads[:3],
                 cu_q,
                 cu_k,
                 [slopes.detach()],
+                None,
+                fvm,
+                fvl,
+                *vgrads[:3],
                 [t(4)],
-                *fv,
+                None,
+                None,
+                None,
+                *fv_b,
             ),
         ),
     ]
@@ -264,7 +318,7 @@ def test_opcheck(dtype):
             torch.library.opcheck(op, args)
         except Exception as exc:
             raise AssertionError(f"opcheck failed for xpkernels::{name} ({dtype})") from exc
-    assert mods.score_mod is not None
+    assert all(mod is not None for mod in mods)
 
 
 def _gradcheck(fn, *inputs):

@@ -2,8 +2,9 @@
 
 Importing this package imports torch (importing :mod:`xpkernels` does not)
 and registers every primitive as ``torch.library`` custom ops in the
-``xpkernels`` namespace (``torch.ops.xpkernels.rms_norm``...; see
-:mod:`xpkernels.torch._ops`). Nothing else is needed to train: the
+``xpkernels`` namespace (``torch.ops.xpkernels.rms_norm``...), each
+generated from the primitive's declared signature (see
+:mod:`xpkernels.torch._declared`). Nothing else is needed to train: the
 allocating fronts (``xpkernels.rms_norm(x, w)``, ``xpkernels.attention(q,
 k, v)``...) given torch tensors that require grad import it themselves and
 record xpkernels' own backward, so ``loss.backward()`` runs xpkernels'
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _declared, _flex, _flex_varlen, _ops, _varlen, nn
+from . import _declared, nn
 from . import _fronts as _fronts  # files the autograd recorders in xpkernels._autograd
 
 __all__ = ["nn", "ops", "OPS"]
@@ -35,4 +36,4 @@ __all__ = ["nn", "ops", "OPS"]
 ops = torch.ops.xpkernels
 
 #: Every op this package registers, by its name in the namespace (``"rms_norm"``, ``"rms_norm_"``...).
-OPS = tuple(sorted(_declared.OPS + _ops.OPS + _flex.OPS + _varlen.OPS + _flex_varlen.OPS))
+OPS = _declared.OPS

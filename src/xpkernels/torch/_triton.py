@@ -1,7 +1,7 @@
 """The functional ops on CUDA, visible to ``torch.compile``: ``torch.library.triton_op`` twins.
 
 A ``torch.library.custom_op`` is opaque to ``torch.compile``: Inductor calls
-it as a black box. Each functional op of :mod:`xpkernels.torch._ops` that the
+it as a black box. Each functional op of :mod:`xpkernels.torch._declared` that the
 Triton backend serves (forward and backward) is therefore defined twice from
 one implementation:
 
@@ -34,6 +34,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
+from xpkernels.backends.protocol import PRIMITIVES
+
 from ..registry import BackendError, resolve
 
 __all__ = ["TWINS", "functional_op"]
@@ -55,7 +57,7 @@ def _routes_to_triton(primitive: str, args) -> bool:
     if not tensors or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     head_dim = None
-    if primitive in ("attention", "attention_varlen", "decode_attention"):
+    if PRIMITIVES[primitive].signature.kind in ("attention", "decode"):
         head_dim = max(t.shape[-1] for t in tensors if t.dtype.is_floating_point)
     arrays = {f"arg{i}": t for i, t in enumerate(tensors)}
     try:
