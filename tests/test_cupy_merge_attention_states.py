@@ -363,9 +363,9 @@ def _empty_state_case():
     ("old", "new"),
     [
         ("(m == xk::neg_inf() ? 0.0f : m)", "m"),
-        ("l > 0.0f ? 1.0f / l : 0.0f", "1.0f / l"),
-        ("(wa > 0.0f ? wa * va[i] : 0.0f)", "wa * va[i]"),
-        ("wb > 0.0f ? wb * (dot_b + d_lse) : 0.0f", "wb * (dot_b + d_lse)"),
+        ("l == 0.0f ? 0.0f : 1.0f / l", "1.0f / l"),
+        ("(wa != 0.0f ? wa * va[i] : 0.0f)", "wa * va[i]"),
+        ("wb != 0.0f ? wb * (dot_b + d_lse) : 0.0f", "wb * (dot_b + d_lse)"),
     ],
     ids=["no-empty-shift", "no-inverse-guard", "empty-side-o-read", "empty-side-dlse"],
 )

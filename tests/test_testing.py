@@ -116,3 +116,24 @@ def test_the_naive_references_keep_the_input_dtype(spec):
     outs, _ = spec.reference(case, low)
     for name in spec.outputs:
         assert outs[name].dtype == np.float32, name
+
+
+def test_generated_error_messages_must_name_the_whole_argument():
+    """A generated case's pattern names the function and the argument as a whole label: ``m``
+    is not found in ``m_a`` or ``checkpoints.m``, ``X`` not in ``X.primal``."""
+    import re
+
+    from xpkernels.testing.declared_errors import declared_errors
+    from xpkernels.testing.specs.merge_attention_states import EXTRA
+
+    cases = {c.id: c for c in declared_errors("merge_attention_states", extra=EXTRA)}
+    match = cases["merge_attention_states_backward_-m-none"].match
+    assert re.search(match, "merge_attention_states_backward_: m must be an array, got NoneType")
+    assert not re.search(match, "merge_attention_states_backward_: m_a must be an array")
+    assert not re.search(match, "merge_attention_states_: m must be an array")
+    match = cases["merge_attention_states_backward_-O-none"].match
+    assert re.search(match, "merge_attention_states_backward_: O must be a Duplicated(...)")
+    assert not re.search(match, "merge_attention_states_backward_: O.primal must be an array")
+    rows = {c.id: c for c in declared_errors("rms_norm")}
+    match = rows["rms_norm_backward_-checkpoints.rstd-none"].match
+    assert not re.search(match, "rms_norm_backward_: checkpoints are required")

@@ -3,6 +3,12 @@
 Each block reads every input it needs into temporaries before it writes, so
 an output may be the very same array as an input (``o is o_a``, ``do_a is
 do``): element ``i`` of an output depends only on row ``i`` of the inputs.
+
+Empty rows merge without NaN (no ``-inf - -inf``, no ``0 / 0``), and a side
+of weight 0 contributes exactly 0 (selected, never multiplied). NaN in a
+row's statistics reaches that row's results: a weight that is NaN is not 0,
+so it is multiplied in; an ``l`` that is negative or ``+inf`` counts as NaN
+(no attention state has one), and ``m = +inf`` gives NaN through ``exp(inf - inf)``.
 """
 
 from __future__ import annotations
@@ -30,13 +36,19 @@ def _shifted_exp(xp, m_side, m):
 
 def _inverse(xp, l):
     """``1 / l``, and 0 where ``l == 0`` (an empty merged row), without dividing by 0."""
-    positive = l > 0
-    return xp.where(positive, 1.0 / xp.where(positive, l, xp.ones_like(l)), xp.zeros_like(l))
+    empty = l == 0
+    return xp.where(empty, xp.zeros_like(l), 1.0 / xp.where(empty, xp.ones_like(l), l))
+
+
+def _valid_sum(xp, l):
+    """A row sum ``l`` as read: NaN where it is negative or ``+inf`` (no attention state has
+    such an ``l``; its ``lse = m + log l`` is not a finite number or ``-inf``)."""
+    return xp.where((l >= 0) & (l < math.inf), l, xp.full_like(l, math.nan))
 
 
 def _weighted(xp, w, o):
     """``w[..., None] * o``, exactly 0 where ``w == 0`` (an empty side's ``o`` is not read)."""
-    return xp.where(w[..., None] > 0, w[..., None] * o, xp.zeros_like(o))
+    return xp.where(w[..., None] != 0, w[..., None] * o, xp.zeros_like(o))
 
 
 def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
@@ -50,8 +62,8 @@ def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
     for b, s0, s1 in _blocks(o_a):
         rows = (b, slice(None), slice(s0, s1))
         tile = (*rows, slice(None))
-        ma, la = to(xp, m_a[rows], acc), to(xp, l_a[rows], acc)
-        mb, lb = to(xp, m_b[rows], acc), to(xp, l_b[rows], acc)
+        ma, la = to(xp, m_a[rows], acc), _valid_sum(xp, to(xp, l_a[rows], acc))
+        mb, lb = to(xp, m_b[rows], acc), _valid_sum(xp, to(xp, l_b[rows], acc))
         m_new = xp.maximum(ma, mb)
         scaled_a, scaled_b = la * _shifted_exp(xp, ma, m_new), lb * _shifted_exp(xp, mb, m_new)
         l_new = scaled_a + scaled_b
@@ -81,14 +93,17 @@ def backward(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b
         dov = to(xp, do[tile], acc)
         ov = to(xp, o[tile], acc)
         d_new = xp.zeros_like(m_new) if dlse is None else to(xp, dlse[rows], acc)
-        inv = _inverse(xp, l_new)
+        inv = _inverse(xp, _valid_sum(xp, l_new))
         results = []
         for m_s, l_s, o_s in ((m_a, l_a, o_a), (m_b, l_b, o_b)):
-            w = to(xp, l_s[rows], acc) * _shifted_exp(xp, to(xp, m_s[rows], acc), m_new) * inv
+            scaled = _valid_sum(xp, to(xp, l_s[rows], acc)) * _shifted_exp(
+                xp, to(xp, m_s[rows], acc), m_new
+            )
+            w = scaled * inv
             diff = to(xp, o_s[tile], acc) - ov
-            dot = xp.sum(xp.where(w[..., None] > 0, dov * diff, xp.zeros_like(diff)), axis=-1)
+            dot = xp.sum(xp.where(w[..., None] != 0, dov * diff, xp.zeros_like(diff)), axis=-1)
             results.append(
-                (w[..., None] * dov, xp.where(w > 0, w * (dot + d_new), xp.zeros_like(w)))
+                (w[..., None] * dov, xp.where(w != 0, w * (dot + d_new), xp.zeros_like(w)))
             )
         (do_a_new, dlse_a_new), (do_b_new, dlse_b_new) = results
         do_a[tile] = to(xp, do_a_new, do_a.dtype)

@@ -10,10 +10,12 @@
 // others by shuffle and writes the row's statistics last, and every element of an
 // o-shaped output is read and written by one thread, so an output may be the very same
 // array as an input (m is m_a, dlse_a is dlse, o is o_a, do_a is do).
-// Empty rows (m = -inf) are shifted by 0 before exp, 1 / l is taken only where l > 0, and a
-// side of weight w <= 0 contributes exactly 0 (selected, never multiplied), whatever its o
-// holds: no -inf - -inf, no 0 / 0. NaN as on the array_api backend: the max propagates it,
-// a NaN weight selects 0 (so a row whose statistics hold NaN gets o = 0, m = l = NaN).
+// Empty rows (m = -inf) are shifted by 0 before exp, 1 / l is taken only where l != 0, and a
+// side of weight w == 0 contributes exactly 0 (selected, never multiplied), whatever its o
+// holds: no -inf - -inf, no 0 / 0. NaN as on the array_api backend: it reaches exactly the
+// rows whose statistics hold it. The max propagates it, a NaN weight is not 0 (so it is
+// multiplied in: o, l, do_a, do_b, dlse_a, dlse_b of the row are NaN), an l that is
+// negative or +inf counts as NaN, and m = +inf gives NaN through exp(inf - inf).
 // The o-shaped arrays may each be float, __half or __nv_bfloat16 (kinds 0, 1, 2; o_a and
 // o_b share one); the statistics are float32. Accumulation in float32.
 #include "common.cuh"
@@ -66,8 +68,13 @@ __device__ __forceinline__ float shifted_exp(float m_side, float m) {
     return expf(m_side - (m == xk::neg_inf() ? 0.0f : m));
 }
 
-// 1 / l, and 0 where l is not positive (an empty merged row): never 0 / 0.
-__device__ __forceinline__ float inverse(float l) { return l > 0.0f ? 1.0f / l : 0.0f; }
+// 1 / l, and 0 where l == 0 (an empty merged row): never 0 / 0; NaN stays NaN.
+__device__ __forceinline__ float inverse(float l) { return l == 0.0f ? 0.0f : 1.0f / l; }
+
+// A row sum l as read: NaN where it is negative, +inf or NaN (no attention state has such an l).
+__device__ __forceinline__ float valid_sum(float l) {
+    return l >= 0.0f && l < __int_as_float(0x7f800000) ? l : __int_as_float(0x7fc00000);
+}
 
 // v of the first lane of this lane's group of `group` lanes (all 32 lanes call it).
 __device__ __forceinline__ float from_leader(float v, int group) {
@@ -121,7 +128,8 @@ __global__ void __launch_bounds__(256) merge_attention_states_forward(
     lb = from_leader(lb, group);
     if (!active) return;  // after the last shuffle
     const float mx = max_nan(ma, mb);
-    const float scaled_a = la * shifted_exp(ma, mx), scaled_b = lb * shifted_exp(mb, mx);
+    const float scaled_a = valid_sum(la) * shifted_exp(ma, mx);
+    const float scaled_b = valid_sum(lb) * shifted_exp(mb, mx);
     const float sum = scaled_a + scaled_b;
     const float inv = inverse(sum);
     const float wa = scaled_a * inv, wb = scaled_b * inv;
@@ -134,7 +142,7 @@ __global__ void __launch_bounds__(256) merge_attention_states_forward(
         load_kind<V>(o_b, in_kind, at_b + c, vb);
 #pragma unroll
         for (int i = 0; i < V; ++i)
-            out[i] = (wa > 0.0f ? wa * va[i] : 0.0f) + (wb > 0.0f ? wb * vb[i] : 0.0f);
+            out[i] = (wa != 0.0f ? wa * va[i] : 0.0f) + (wb != 0.0f ? wb * vb[i] : 0.0f);
         store_kind<V>(o, o_kind, at_o + c, out);
     }
     if (lane == 0) {
@@ -196,9 +204,10 @@ __global__ void __launch_bounds__(256) merge_attention_states_backward(
     la = from_leader(la, group);
     mb = from_leader(mb, group);
     lb = from_leader(lb, group);
-    const float inv = inverse(sum);
-    const float wa = la * shifted_exp(ma, mx) * inv, wb = lb * shifted_exp(mb, mx) * inv;
-    // rowsum(do * (o_side - o)); a side with w <= 0 drops it below (selected, never multiplied).
+    const float inv = inverse(valid_sum(sum));
+    const float wa = valid_sum(la) * shifted_exp(ma, mx) * inv;
+    const float wb = valid_sum(lb) * shifted_exp(mb, mx) * inv;
+    // rowsum(do * (o_side - o)); a side with w == 0 drops it below (selected, never multiplied).
     float dot_a = 0.0f, dot_b = 0.0f;
     if (active) {
         const long long at_do = row.at(s_do_b, s_do_h, s_do_s);
@@ -227,7 +236,7 @@ __global__ void __launch_bounds__(256) merge_attention_states_backward(
     dot_a = group_sum(dot_a, group);
     dot_b = group_sum(dot_b, group);
     if (active && lane == 0) {
-        dlse_a[row.at(s_dla_b, s_dla_h, s_dla_s)] = wa > 0.0f ? wa * (dot_a + d_lse) : 0.0f;
-        dlse_b[row.at(s_dlb_b, s_dlb_h, s_dlb_s)] = wb > 0.0f ? wb * (dot_b + d_lse) : 0.0f;
+        dlse_a[row.at(s_dla_b, s_dla_h, s_dla_s)] = wa != 0.0f ? wa * (dot_a + d_lse) : 0.0f;
+        dlse_b[row.at(s_dlb_b, s_dlb_h, s_dlb_s)] = wb != 0.0f ? wb * (dot_b + d_lse) : 0.0f;
     }
 }

@@ -236,6 +236,7 @@ class AttentionFront:
                 continue
             check.shape(fn, label, a, self._shape(name, dims))
             check.accumulator(fn, label, xp, a, q.dtype)
+            check.last_axis_contiguous(fn, label, a)
         return arrays
 
     def _allocate_scratch(self, route, q, dims, workspace=None):
@@ -473,7 +474,12 @@ class AttentionFront:
         """The allocating backward: ``(dq, dk, dv)`` in new arrays."""
         fn = f"{self.name}_backward"
         shadows = with_new_shadows(fn, {n: args[n] for n in _QKV})
-        O = Duplicated(primal(args["o"]), args["do"])
+        o, do = primal(args["o"]), args["do"]
+        check.namespace(fn, "o", o)
+        check.rank(fn, "o", o, len(self.pattern["o"]), _layout(self.pattern["o"]))
+        check.namespace(fn, "do", do)
+        check.shape(fn, "do", do, tuple(o.shape))
+        O = Duplicated(o, do)
         rest = {n: a for n, a in args.items() if n not in (*_QKV, "o", "do")}
         upper = {"Q": shadows["q"], "K": shadows["k"], "V": shadows["v"]}
         self.backward_({**rest, **upper, "O": O, "scratch": None})

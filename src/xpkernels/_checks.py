@@ -20,7 +20,7 @@ import array_api_compat
 import numpy as np
 
 from ._debug import debug_enabled
-from ._memory import identical, layout
+from ._memory import identical, layout, self_overlapping
 from .buffers import Duplicated, namespace  # namespace: buffers uses it too, so it lives there
 from .registry import FLOAT_DTYPES, dtype_name, namespace_name
 
@@ -29,17 +29,28 @@ INDEX_MAX = 2**31 - 1
 
 
 def duplicated(fn: str, name: str, d) -> Duplicated:
-    """``d`` itself; TypeError unless it is a Duplicated."""
+    """``d`` itself; TypeError unless it is a Duplicated whose primal and shadow are arrays
+    (``name.primal``, ``name.shadow`` in the message)."""
     if not isinstance(d, Duplicated):
         raise TypeError(
             f"{fn}: {name} must be a Duplicated(primal, shadow) so its gradient has somewhere "
             f"to go, got {type(d).__name__}"
         )
+    namespace(fn, f"{name}.primal", d.primal)
+    namespace(fn, f"{name}.shadow", d.shadow)
     return d
+
+
+def array(fn: str, name: str, a) -> None:
+    """TypeError unless ``a`` looks like an array (has a shape and a dtype): the guard every
+    check below runs first, so that a ``None`` or a list never leaks an AttributeError."""
+    if not (hasattr(a, "shape") and hasattr(a, "dtype")) or isinstance(a, Duplicated):
+        raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}")
 
 
 def floating(fn: str, name: str, xp, a, allowed=FLOAT_DTYPES) -> str:
     """The dtype name of ``a``; TypeError unless it is one of ``allowed``."""
+    array(fn, name, a)
     dt = dtype_name(xp, a.dtype)
     if dt not in allowed:
         raise TypeError(f"{fn}: {name} must have dtype in {{{', '.join(allowed)}}}, got {a.dtype}")
@@ -72,12 +83,14 @@ def accumulator(fn: str, name: str, xp, a, input_dtype) -> None:
 
 def shape(fn: str, name: str, a, expected: tuple) -> None:
     """ValueError unless ``a.shape == expected``."""
+    array(fn, name, a)
     if tuple(a.shape) != tuple(expected):
         raise ValueError(f"{fn}: {name} must have shape {tuple(expected)}, got {tuple(a.shape)}")
 
 
 def min_rank(fn: str, name: str, a, rank: int, layout: str) -> None:
     """ValueError unless ``a.ndim >= rank``."""
+    array(fn, name, a)
     if a.ndim < rank:
         raise ValueError(
             f"{fn}: {name} must have shape {layout} (rank >= {rank}), got rank {a.ndim} {tuple(a.shape)}"
@@ -86,6 +99,7 @@ def min_rank(fn: str, name: str, a, rank: int, layout: str) -> None:
 
 def rank(fn: str, name: str, a, rank: int, layout: str) -> None:
     """ValueError unless ``a.ndim == rank``."""
+    array(fn, name, a)
     if a.ndim != rank:
         raise ValueError(
             f"{fn}: {name} must have shape {layout} (rank {rank}), got rank {a.ndim} {tuple(a.shape)}"
@@ -106,6 +120,7 @@ def strides(a) -> tuple[int, ...] | None:
 
 def last_axis_contiguous(fn: str, name: str, a) -> None:
     """ValueError unless the last axis of ``a`` has stride 1 (or length 1)."""
+    array(fn, name, a)
     st = strides(a)
     if st and a.shape[-1] > 1 and st[-1] != 1 and math.prod(a.shape) > 0:
         raise ValueError(
@@ -192,6 +207,7 @@ def batch_integers(fn, name, xp, a, batch, low, high, layout) -> None:
     (what ``high`` is). Values are checked only on host arrays or in debug
     mode: reading a device array's values would sync it.
     """
+    array(fn, name, a)
     if a.dtype not in (xp.int32, xp.int64):
         raise TypeError(f"{fn}: {name} must have dtype int32 or int64, got {a.dtype}")
     shape(fn, name, a, (batch,))
@@ -201,14 +217,17 @@ def batch_integers(fn, name, xp, a, batch, low, high, layout) -> None:
 
 
 def writable(fn: str, arrays) -> None:
-    """Refuse outputs the call could not write in full: read-only NumPy arrays, and torch tensors
-    that require grad while grad mode is on (autograd cannot record xpkernels' in-place writes).
+    """Refuse outputs the call could not write in full, or not element by element: read-only
+    NumPy arrays, torch tensors that require grad while grad mode is on (autograd cannot record
+    xpkernels' in-place writes), and arrays two of whose elements share memory
+    (:func:`self_overlap`).
 
     ``arrays`` maps argument names to arrays or None.
     """
     for name, a in arrays.items():
         if a is None:
             continue
+        self_overlap(fn, name, a)
         raw = getattr(a, "_array", a)  # array_api_strict wraps a NumPy array
         if isinstance(raw, np.ndarray) and not raw.flags.writeable:
             raise ValueError(
@@ -220,6 +239,18 @@ def writable(fn: str, arrays) -> None:
                 "writes into it; pass a buffer that does not require grad, call under "
                 "torch.no_grad(), or use the allocating form"
             )
+
+
+def self_overlap(fn: str, name: str, a) -> None:
+    """ValueError when two elements of the output ``a`` share memory: a broadcast (stride-0)
+    view, or strides that bring elements together. Each element of an output is written on its
+    own, so such an output would end up holding one of several results."""
+    if self_overlapping(a):
+        raise ValueError(
+            f"{fn}: {name} has elements that share memory (shape {tuple(a.shape)}, strides "
+            f"{strides(a)}), so writing one overwrites another; pass an output whose elements "
+            "are distinct (not a broadcast view)"
+        )
 
 
 def _torch_grad_enabled() -> bool:

@@ -224,7 +224,8 @@ class RowPrimitive:
         if checkpoints is not None:
             forget_forward(checkpoints)
         cks = [ck.get(f"checkpoints.{c.name}") for c in sig.checkpoints]
-        self._run_forward(route, outputs, inputs, cks, opts)
+        if n_rows(lead.shape) > 0:  # no rows: every output and checkpoint is empty
+            self._run_forward(route, outputs, inputs, cks, opts)
         if checkpoints is not None:
             record_forward(checkpoints, fn, self._recorded(opts, inputs))
 
@@ -269,17 +270,21 @@ class RowPrimitive:
     # -- backward ----------------------------------------------------------------------------
 
     def _backward_parts(self, fn: str, duplicated: dict):
-        """``(reads, cotangents, gradients, labels)`` of the backward's Duplicated arguments.
+        """``(reads, cotangents, gradients, labels, unread)``: the backward's Duplicated parts.
 
         ``labels`` maps each input name to ``(label, primal)``: how its primal
-        is named in messages (``X.primal``, or ``W`` for a bare array) and its value.
+        is named in messages (``X.primal``, or ``W`` for a bare array) and its
+        value. ``unread`` holds the primals the backward does not read, by
+        label: they are checked for being arrays of the call's namespace only.
         """
         sig = self.signature
-        reads, cotangents, grads, labels = {}, {}, {}, {}
+        reads: dict[str, Any] = {}
+        unread: dict[str, Any] = {}
+        cotangents, grads, labels = {}, {}, {}
         for out in sig.outputs:
             d = check.duplicated(fn, _upper(out.name), duplicated[_upper(out.name)])
-            if out.name in sig.reads:
-                reads[f"{_upper(out.name)}.primal"] = d.primal
+            where = reads if out.name in sig.reads else unread
+            where[f"{_upper(out.name)}.primal"] = d.primal
             cotangents[f"{_upper(out.name)}.shadow"] = d.shadow
         for arg in sig.inputs:
             name = _upper(arg.name)
@@ -290,9 +295,12 @@ class RowPrimitive:
                 d = check.duplicated(fn, name, d)
                 labels[arg.name] = (f"{name}.primal", d.primal)
                 grads[f"{name}.shadow"] = d.shadow
+            label, value = labels[arg.name]
             if arg.name in sig.reads:
-                reads[labels[arg.name][0]] = labels[arg.name][1]
-        return reads, cotangents, grads, labels
+                reads[label] = value
+            elif isinstance(d, Duplicated):
+                unread[label] = value
+        return reads, cotangents, grads, labels, unread
 
     def _pattern_of(self, label: str) -> str:
         name = label.split(".")[0].lower()
@@ -302,7 +310,7 @@ class RowPrimitive:
         """The in-place backward: validate everything, then overwrite the inputs' shadows."""
         sig, fn = self.signature, self.backward_name
         _autograd.check_inplace(fn, duplicated)
-        reads, cotangents, grads, labels = self._backward_parts(fn, duplicated)
+        reads, cotangents, grads, labels, unread = self._backward_parts(fn, duplicated)
         rows_reads = [label for label in reads if self._pattern_of(label) == ROWS]
         lead_label = rows_reads[0]
         lead = reads[lead_label]
@@ -311,7 +319,7 @@ class RowPrimitive:
         given = {labels[a.name][0]: labels[a.name][1] for a in sig.inputs if a.optional}
         arrays = {**reads, **cotangents, **grads, **given}
         self._arrays(fn, arrays, optional)
-        check.same_namespace(fn, xp, arrays, lead_label)
+        check.same_namespace(fn, xp, {**arrays, **unread}, lead_label)
         pattern = {label: self._pattern_of(label) for label in arrays}
         self._arrays_like(fn, xp, lead_label, lead, arrays, pattern)
         opts = self._options(fn, options, labels, backward=True)
@@ -337,10 +345,20 @@ class RowPrimitive:
             inputs = {name: value for name, (_, value) in labels.items()}
             check_forward(fn, checkpoints, self.forward_name, self._recorded(opts, inputs))
         route = resolve(self.name, {**arrays, **ck}, backend=backend)
+        if n_rows(lead.shape) == 0:
+            self._no_rows_backward(grads)
+            return
         for s in sig.scratch:
             if f"{_upper(s.of)}.shadow" in grads and partials.get(s.name) is None:
                 partials[s.name] = self._alloc_partial(route, lead)
         self._run_backward(route, reads, cotangents, grads, list(ck.values()), partials, opts)
+
+    def _no_rows_backward(self, grads: dict) -> None:
+        """The backward over no rows: the row gradients are empty, those of ``(M,)`` inputs 0."""
+        for a in self.signature.inputs:
+            g = grads.get(f"{_upper(a.name)}.shadow")
+            if a.shape != ROWS and g is not None:
+                g[...] = 0
 
     def _partials(self, fn, xp, scratch, grads: dict, lead) -> dict:
         """The caller's scratch arrays for the gradients this call computes, checked."""
@@ -363,6 +381,7 @@ class RowPrimitive:
                 raise ValueError(
                     f"{fn}: {label} must have shape (P, {m}) with P >= 1, got {tuple(a.shape)}"
                 )
+            check.last_axis_contiguous(fn, label, a)
             first = next(iter(out.values()), a)
             if a.shape != first.shape:
                 raise ValueError(
@@ -422,6 +441,8 @@ class RowPrimitive:
         duplicated: dict[str, Any] = {}
         for out in sig.outputs:
             dy = given[f"d{out.name}"]
+            if out.name in given:
+                check.shape(fn, f"d{out.name}", dy, tuple(given[out.name].shape))
             duplicated[_upper(out.name)] = Duplicated(given.get(out.name, dy), dy)
         for arg in sig.inputs:
             value = given.get(arg.name, stand_in)

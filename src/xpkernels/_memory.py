@@ -3,7 +3,9 @@
 :func:`layout` gives a NumPy array with another array's byte layout
 (address, shape, strides) without touching its memory, so ``np.shares_memory``
 compares device arrays exactly; :func:`same_memory` says whether two arrays
-are views of the very same elements, whatever Python objects hold them.
+are views of the very same elements, whatever Python objects hold them;
+:func:`self_overlapping` whether two elements of one array share memory (a
+broadcast view's zero strides, rows closer than their length).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import array_api_compat
 import numpy as np
 
-__all__ = ["identical", "layout", "same_memory", "torch_numpy_view"]
+__all__ = ["identical", "layout", "same_memory", "self_overlapping", "torch_numpy_view"]
 
 
 # A stand-in for the whole address space: NumPy views of it reproduce any array's byte layout
@@ -82,3 +84,50 @@ def same_memory(a, b) -> bool:
         return False
     u, v = layout(a), layout(b)
     return u is not None and v is not None and identical(u, v)
+
+
+#: Work bound of the exact overlap solver (``np.shares_memory``) for tangled layouts.
+_MAX_WORK = 100_000
+
+
+def self_overlapping(a) -> bool:
+    """True when two elements of ``a`` share memory (False when ``a`` has no inspectable memory).
+
+    Decided from the strides alone, nothing is read. Axes of length 1 never
+    overlap; a zero stride on a longer axis always does. When each axis,
+    sorted by stride, steps past everything the shorter-stride axes span
+    (any dense or padded layout, permuted or not), nothing overlaps. The
+    remaining tangled layouts are decided exactly: two elements that first
+    differ in axis ``k`` (equal indices before it) overlap, after a shift,
+    as the slab at index 0 of axis ``k`` and the slabs past it, so ``a``
+    overlaps itself when ``s[:1]`` and ``s[1:]`` share memory for the slab
+    ``s`` of some axis (``np.shares_memory`` with bounded work; a layout too
+    hard for it counts as overlapping).
+    """
+    u = layout(a)
+    if u is None:
+        return False
+    axes = [(abs(st), n) for st, n in zip(u.strides, u.shape) if n > 1]
+    if any(st == 0 for st, _ in axes):
+        return True
+    span = 0
+    for st, n in sorted(axes):
+        if st <= span:
+            return _tangled(u)
+        span += st * (n - 1)
+    return False
+
+
+def _tangled(u) -> bool:
+    """Exact internal overlap of the layout ``u`` (see :func:`self_overlapping`). Only views
+    are taken (indexing one element would read it: ``u`` may describe device memory)."""
+    for axis in reversed(range(u.ndim)):
+        slab = u[(0,) * axis]
+        if slab.shape[0] < 2:
+            continue
+        try:
+            if np.shares_memory(slab[:1], slab[1:], max_work=_MAX_WORK):  # type: ignore[arg-type]  # stubs list only -1, 0
+                return True
+        except np.exceptions.TooHardError:
+            return True
+    return False

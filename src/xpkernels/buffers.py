@@ -75,6 +75,12 @@ class Duplicated:
     ------
     ``shadow.shape == primal.shape``; dtypes may differ (a float32 shadow for
     a bfloat16 primal is allowed where the primitive accepts it).
+
+    Only what construction needs is checked here (the shapes, when both are
+    arrays). Anything else -- a ``None`` or a list in either field (a
+    ``shadow=None`` beside a non-array primal stays None) -- is refused by the
+    function it is passed to, with a TypeError naming that function and the
+    field (``rms_norm_backward_: X.primal must be an array, got NoneType``).
     """
 
     primal: Any
@@ -83,10 +89,12 @@ class Duplicated:
     def __post_init__(self):
         if isinstance(self.primal, Duplicated):
             raise TypeError("Duplicated: primal is already a Duplicated; pass its .primal")
-        if self.shadow is None:
-            p = self.primal
+        p, s = self.primal, self.shadow
+        if not _is_array(p):
+            return
+        if s is None:
             object.__setattr__(self, "shadow", empty(p, tuple(p.shape), p.dtype))
-        elif tuple(self.shadow.shape) != tuple(self.primal.shape):
+        elif _is_array(s) and tuple(s.shape) != tuple(p.shape):
             raise ValueError(
                 f"Duplicated: shadow must have the primal's shape {tuple(self.primal.shape)}, "
                 f"got {tuple(self.shadow.shape)}"

@@ -183,6 +183,8 @@ def _validate(
 ):
     k_name, v_name = _names(block_table)
     xp = check.namespace(fn, "q", q)
+    for name, a in (("o", o), (k_name, k_cache), (v_name, v_cache)):
+        check.namespace(fn, name, a)
     check.same_namespace(
         fn,
         xp,
@@ -254,9 +256,10 @@ def _check_scratch(fn, xp, scratch, q, dv, n_splits) -> None:
             f"allocate_scratchspace(decode_attention_, o, q, ...), got {type(scratch).__name__}"
         )
     batch, heads, _ = q.shape
-    check.same_namespace(
-        fn, xp, {f"scratch.{n}": a for n, a in scratch._asdict().items()}, reference="q"
-    )
+    fields = {f"scratch.{n}": a for n, a in scratch._asdict().items()}
+    for name, a in fields.items():
+        check.namespace(fn, name, a)
+    check.same_namespace(fn, xp, fields, reference="q")
     o_partial = scratch.o_partial
     check.rank(fn, "scratch.o_partial", o_partial, 4, "(B, H, n_splits, Dv)")
     splits = o_partial.shape[2]
@@ -270,6 +273,7 @@ def _check_scratch(fn, xp, scratch, q, dv, n_splits) -> None:
             f"{fn}: scratch.o_partial must have n_splits >= 1, got shape {tuple(o_partial.shape)}"
         )
     check.shape(fn, "scratch.o_partial", o_partial, (batch, heads, splits, dv))
+    check.last_axis_contiguous(fn, "scratch.o_partial", o_partial)
     for name in ("m_partial", "l_partial"):
         check.shape(fn, f"scratch.{name}", getattr(scratch, name), (batch, heads, splits))
     for name in DecodeAttentionScratch._fields:

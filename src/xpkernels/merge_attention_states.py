@@ -21,6 +21,17 @@ whatever its ``o`` holds; two empty sides merge into the empty state
 (``o = 0``, ``m = -inf``, ``l = 0``). No step evaluates ``-inf - -inf`` or
 ``0 / 0``, so no NaN arises from empty states.
 
+NaN reaches exactly the rows that see it, as in attention: a NaN in ``m_a``,
+``l_a``, ``m_b`` or ``l_b`` makes that row's ``o`` and ``l`` NaN (and ``m``
+where it is in ``m_a`` or ``m_b``), and, in the backward, that row's
+``do_a``, ``do_b``, ``dlse_a`` and ``dlse_b``; every other row is untouched
+by it. So does a state no attention produces, whose ``lse`` is not a number
+or ``+inf``: ``m = +inf``, or ``l`` negative or ``+inf``. Debug mode
+(:func:`xpkernels.debug`) refuses those instead, with a ValueError naming
+the argument (it reads the values, which syncs a device). A NaN in an ``o``
+reaches the merged row where its side's weight is not 0; a side of weight 0
+(an empty side) is never read.
+
 Backward. The merge depends on each side's ``(m, l)`` only through its
 ``lse``, and ``lse = log(e^{lse_a} + e^{lse_b})``, so
 :math:`\partial \mathrm{lse} / \partial \mathrm{lse}_a = w_a` and
@@ -60,8 +71,11 @@ Accumulation is in float32 (float64 for float64 outputs ``o_a``).
 
 from __future__ import annotations
 
+import math
+
 from . import _autograd
 from . import _checks as check
+from ._debug import debug_enabled
 from .attention import AttentionCheckpoints
 from .buffers import Duplicated, empty, forget_forward, primal, record_forward
 from .registry import resolve
@@ -133,6 +147,28 @@ def _validate_states(fn, xp, sides, tiles, stats):
     return rows
 
 
+def _debug_states(fn, xp, arrays) -> None:
+    """In debug mode, ValueError for a state no attention produces: ``m = +inf``, or ``l``
+    negative or ``+inf`` (``arrays``: the call's arrays by name; its ``m*``/``l*`` are read).
+
+    Outside debug mode such a row merges into NaN (module docstring): reading the values
+    would sync the device (capture safety).
+    """
+    if not debug_enabled():
+        return
+    for name, a in arrays.items():
+        if name[0] == "m" and bool(xp.any(a == math.inf)):
+            raise ValueError(
+                f"{fn}: {name} holds +inf, which no attention state has (a row max of "
+                "scores is finite, or -inf for a row that sees no key)"
+            )
+        if name[0] == "l" and bool(xp.any((a < 0) | (a == math.inf))):
+            raise ValueError(
+                f"{fn}: {name} holds a negative or infinite value, which no attention state "
+                "has (a sum of exponentials is finite and >= 0)"
+            )
+
+
 def _route(arrays, backend, o_a):
     return resolve("merge_attention_states", arrays, backend=backend, head_dim=o_a.shape[3])
 
@@ -175,9 +211,11 @@ def merge_attention_states_(
         ``o_a``'s dtype), arrays from different namespaces or devices.
     ValueError
         Wrong ranks or shapes (states of different shapes), a last axis of an
-        ``o`` that is not contiguous, read-only outputs, overlaps other than
-        those allowed above, ``checkpoints`` whose fields are not ``m`` and
-        ``l``. Nothing is written when a check fails.
+        ``o`` that is not contiguous, read-only outputs, outputs whose own
+        elements share memory (broadcast views), overlaps other than those
+        allowed above, ``checkpoints`` whose fields are not ``m`` and ``l``;
+        in debug mode, ``m_a``/``m_b`` holding ``+inf`` or ``l_a``/``l_b``
+        negative or ``+inf`` values. Nothing is written when a check fails.
 
     Shapes
     ------
@@ -211,6 +249,7 @@ def merge_attention_states_(
             )
     check.writable(fn, outputs)
     check.no_overlap(fn, outputs, inputs, may_alias=_FORWARD_ALIASES)
+    _debug_states(fn, xp, inputs)
     route = _route({**outputs, **inputs}, backend, inputs["o_a"])
     if checkpoints is not None:
         forget_forward(checkpoints)
@@ -267,10 +306,11 @@ def merge_attention_states_backward_(
     m_a, l_a, m_b, l_b : array
         Each side's checkpoints (read).
     dlse_a, dlse_b : array
-        Receive the gradients of each side's ``lse = m + log l`` in full (0 on
-        an empty side): ``w_a (rowsum(do * (o_a - o)) + dlse)``; they are also
-        the gradients of ``m_a``, ``m_b``, and ``dlse_a / l_a`` is that of
-        ``l_a`` (module docstring). Either may be ``dlse`` itself (not both).
+        Required. Receive the gradients of each side's ``lse = m + log l`` in
+        full (0 on an empty side): ``w_a (rowsum(do * (o_a - o)) + dlse)``;
+        they are also the gradients of ``m_a``, ``m_b``, and ``dlse_a / l_a``
+        is that of ``l_a`` (module docstring). Either may be ``dlse`` itself
+        (not both).
     dlse : array, optional
         Cotangent of the merged state's lse (a later merge's ``dlse_a``);
         None means zero.
@@ -280,8 +320,9 @@ def merge_attention_states_backward_(
     Raises
     ------
     TypeError, ValueError
-        As the forward, and when O, O_a or O_b is not a Duplicated. Nothing is
-        written when a check fails.
+        As the forward (the debug checks cover ``m`` and ``l`` too), when O,
+        O_a or O_b is not a Duplicated of arrays, and when ``dlse_a`` or
+        ``dlse_b`` is not an array. Nothing is written when a check fails.
 
     Shapes
     ------
@@ -312,9 +353,10 @@ def merge_attention_states_backward_(
     named = {
         f"{n}.{part}": getattr(d, part) for n, d in Ds.items() for part in ("primal", "shadow")
     }
-    for name, a in {**named, **stats, "dlse": dlse, "dlse_a": dlse_a, "dlse_b": dlse_b}.items():
-        if a is not None:
-            check.namespace(fn, name, a)
+    for name, a in {**named, **stats, "dlse_a": dlse_a, "dlse_b": dlse_b}.items():
+        check.namespace(fn, name, a)
+    if dlse is not None:
+        check.namespace(fn, "dlse", dlse)
     xp = check.namespace(fn, "O_a.primal", O_a.primal)
     check.same_namespace(
         fn,
@@ -345,6 +387,7 @@ def merge_attention_states_backward_(
         "dlse": dlse,
     }
     check.no_overlap(fn, outputs, read, may_alias=_BACKWARD_ALIASES)
+    _debug_states(fn, xp, stats)
     route = _route({**read, **outputs}, backend, O_a.primal)
     route.impl.backward(
         O.shadow,
@@ -391,10 +434,10 @@ def merge_attention_states_backward(
     """
     fn = "merge_attention_states_backward"
     o, o_a, o_b, m_a = primal(o), primal(o_a), primal(o_b), primal(m_a)
-    for name, a in (("o", o), ("o_a", o_a), ("o_b", o_b), ("m_a", m_a), ("do", do)):
+    for name, a in (("o_a", o_a), ("o_b", o_b), ("m_a", m_a), ("o", o), ("do", do)):
         check.namespace(fn, name, a)
-    check.shape(fn, "do", do, tuple(o.shape))
-    check.shape(fn, "o_b", o_b, tuple(o_a.shape))
+    for name, a in (("o_b", o_b), ("o", o), ("do", do)):
+        check.shape(fn, name, a, tuple(o_a.shape))
     O_a = Duplicated(o_a, empty(o_a, o_a.shape, o_a.dtype))
     O_b = Duplicated(o_b, empty(o_b, o_b.shape, o_b.dtype))
     dlse_a = empty(m_a, m_a.shape, m_a.dtype)

@@ -157,7 +157,7 @@ class Target:
         if self.namespace == "torch":
             import torch
 
-            t = torch.from_numpy(np.ascontiguousarray(a))
+            t = torch.from_numpy(np.array(a, order="C"))  # rank 0 stays rank 0
             if dtype is not None:
                 t = t.to(getattr(torch, dtype))
             return t.to(self.device)
@@ -270,6 +270,8 @@ class ErrorCase:
     reading the values of an integer array (lengths, positions): raised always
     for host arrays, and for device arrays only in debug mode (capture safety,
     DESIGN section 6) -- outside it the kernels clamp such values instead.
+    ``every_backend=True`` marks a case whose call passes ``backend=target.backend``
+    and runs on every target (else on the array_api targets only).
     """
 
     id: str
@@ -277,6 +279,7 @@ class ErrorCase:
     error: type
     match: str
     values: bool = False
+    every_backend: bool = False
 
 
 def _same_arrays(case: Case, arrays: dict, target: Target) -> dict:

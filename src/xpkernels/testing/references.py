@@ -253,15 +253,21 @@ def gather_pages(pages, block_table):
 
 
 def _merge_weights(m_a, l_a, m_b, l_b):
-    """``(w_a, w_b, m, l)``: each side's ``exp(lse_side - lse)`` through ``lse = m + log l``."""
-    with np.errstate(divide="ignore", invalid="ignore"):  # log(0) = -inf on empty rows
+    """``(w_a, w_b, m, l)``: each side's ``exp(lse_side - lse)`` through ``lse = m + log l``.
+
+    A row whose ``lse`` is ``-inf`` (both sides empty) has weights 0 and ``l = 0``; one whose
+    ``lse`` is NaN or ``+inf`` (NaN, ``m = +inf``, ``l`` negative or ``+inf``) has NaN weights
+    and a NaN ``l``.
+    """
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # log(0), log(-1)
         lse_a, lse_b = m_a + np.log(l_a), m_b + np.log(l_b)
         lse = np.logaddexp(lse_a, lse_b)
-        finite = np.isfinite(lse)
-        w_a = np.where(finite, np.exp(lse_a - np.where(finite, lse, 0)), 0)
-        w_b = np.where(finite, np.exp(lse_b - np.where(finite, lse, 0)), 0)
+        empty = lse == -np.inf
+        shift = np.where(np.isfinite(lse), lse, np.nan)
+        w_a = np.where(empty, 0, np.exp(lse_a - shift))
+        w_b = np.where(empty, 0, np.exp(lse_b - shift))
         m = np.maximum(m_a, m_b)
-        l_sum = np.where(finite, np.exp(lse - np.where(finite, m, 0)), 0)
+        l_sum = np.where(empty, 0, np.exp(shift - np.where(empty, 0, m)))
     return w_a.astype(l_a.dtype), w_b.astype(l_b.dtype), m, l_sum.astype(l_a.dtype)
 
 
@@ -269,11 +275,12 @@ def merge_attention_states(o_a, m_a, l_a, o_b, m_b, l_b):
     """``(o, m, l)`` of attention over two disjoint key sets from each set's ``(o, m, l)``.
 
     ``o = w_a o_a + w_b o_b`` with ``w = exp(lse_side - lse)``, ``lse = m + log l``; an
-    empty side (``l = 0``) has ``w = 0`` and its ``o`` is not read.
+    empty side (``l = 0``) has ``w = 0`` and its ``o`` is not read. NaN weights (see
+    :func:`_merge_weights`) make the row's ``o`` NaN.
     """
     w_a, w_b, m, l_sum = _merge_weights(m_a, l_a, m_b, l_b)
-    o = np.where(w_a[..., None] > 0, w_a[..., None] * o_a, 0)
-    o = o + np.where(w_b[..., None] > 0, w_b[..., None] * o_b, 0)
+    o = np.where(w_a[..., None] != 0, w_a[..., None] * o_a, 0)
+    o = o + np.where(w_b[..., None] != 0, w_b[..., None] * o_b, 0)
     return o.astype(o_a.dtype), m, l_sum
 
 
@@ -286,8 +293,8 @@ def merge_attention_states_backward(o_a, m_a, l_a, o_b, m_b, l_b, do, dlse):
     o, _, _ = merge_attention_states(o_a, m_a, l_a, o_b, m_b, l_b)
     grads = []
     for w, o_side in ((w_a, o_a), (w_b, o_b)):
-        seen = w[..., None] > 0
+        seen = w[..., None] != 0
         dot = np.sum(np.where(seen, do * (o_side - o), 0), axis=-1)
-        grads.append((w[..., None] * do, np.where(w > 0, w * (dot + dlse), 0)))
+        grads.append((w[..., None] * do, np.where(w != 0, w * (dot + dlse), 0)))
     (do_a, dlse_a), (do_b, dlse_b) = grads
     return do_a, do_b, dlse_a, dlse_b

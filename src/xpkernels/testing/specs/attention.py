@@ -14,9 +14,9 @@ import math
 import numpy as np
 
 import xpkernels as xk
-from xpkernels.attention import AttentionBackwardScratch, AttentionCheckpoints
 from xpkernels.buffers import Duplicated
 from xpkernels.testing import references as ref
+from xpkernels.testing.declared_errors import declared_errors
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
 
@@ -312,13 +312,15 @@ def _other_namespace_array(target, a: np.ndarray):
 
 
 def _error_cases():
+    """What the declaration cannot say: GQA head counts, dtypes that must agree, option values,
+    the checkpoints' type (the generic cases come from :func:`declared_errors`)."""
     shape_q, shape_kv = (2, 4, 8, 16), (2, 2, 8, 16)
 
-    def make(t, dtype="float32"):
-        q = t.full(shape_q, 0.5, dtype)
-        k = t.full(shape_kv, 0.5, dtype)
-        v = t.full(shape_kv, 0.5, dtype)
-        return q, k, v, t.full(shape_q, 0.0, dtype)
+    def make(t):
+        q = t.full(shape_q, 0.5, "float32")
+        k = t.full(shape_kv, 0.5, "float32")
+        v = t.full(shape_kv, 0.5, "float32")
+        return q, k, v, t.full(shape_q, 0.0, "float32")
 
     def forward(**options):
         def call(t):
@@ -339,59 +341,8 @@ def _error_cases():
     def ints(values):
         return lambda t: t.asarray(np.asarray(values, dtype=np.int64))
 
-    def trained(t):
-        q, k, v, o = make(t)
-        ck = xk.allocate_checkpoints(xk.attention_, q, k, v)
-        xk.attention_(o, q, k, v, checkpoints=ck)
-        return (Duplicated(o), Duplicated(q), Duplicated(k), Duplicated(v)), ck
-
-    def backward(checkpoints=None, scratch=None, bare=None):
-        def call(t):
-            args, ck = trained(t)
-            if bare is not None:
-                args = tuple(a.primal if i == bare else a for i, a in enumerate(args))
-            ck = ck if checkpoints is None else checkpoints(t, ck)
-            kw = {} if scratch is None else {"scratch": scratch(t)}
-            xk.attention_backward_(*args, checkpoints=ck, **kw)
-
-        return call
-
-    def bad_checkpoints(shape_m, dtype_l="float32"):
-        return lambda t: AttentionCheckpoints(
-            m=t.full(shape_m, 0.0, "float32"), l=t.full((2, 4, 8), 1.0, dtype_l)
-        )
-
-    def non_contiguous_q(t):
-        q = t.xp.permute_dims(t.full((2, 4, 16, 8), 0.5, "float32"), (0, 1, 3, 2))
-        return q
-
-    def missing_checkpoints(t):
-        args, _ = trained(t)
-        xk.attention_backward_(*args, checkpoints=None)
-
-    def mixed(t):
-        q, _, v, o = make(t)
-        xk.attention_(o, q, _other_namespace_array(t, np.full(shape_kv, 0.5)), v)
-
     return [
-        ErrorCase(
-            "q-rank3",
-            arrays(q=lambda t: t.full((2, 4, 16), 0.5, "float32")),
-            ValueError,
-            r"q must have shape \(B, H, Sq, D\) \(rank 4\)",
-        ),
-        ErrorCase(
-            "k-head-dim",
-            arrays(k=lambda t: t.full((2, 2, 8, 12), 0.5, "float32")),
-            ValueError,
-            r"k must have shape \(2, 2, 8, 16\)",
-        ),
-        ErrorCase(
-            "k-batch",
-            arrays(k=lambda t: t.full((3, 2, 8, 16), 0.5, "float32")),
-            ValueError,
-            r"k must have shape \(2, 2, 8, 16\)",
-        ),
+        *declared_errors("attention"),
         ErrorCase(
             "H-not-multiple-of-Hkv",
             arrays(
@@ -402,46 +353,10 @@ def _error_cases():
             r"H=4 query heads of q must be a multiple of the Hkv=3",
         ),
         ErrorCase(
-            "v-keys",
-            arrays(v=lambda t: t.full((2, 2, 9, 16), 0.5, "float32")),
-            ValueError,
-            r"v must have shape \(2, 2, 8, 16\)",
-        ),
-        ErrorCase(
-            "o-shape",
-            arrays(o=lambda t: t.full((2, 4, 8, 8), 0.0, "float32")),
-            ValueError,
-            r"o must have shape \(2, 4, 8, 16\)",
-        ),
-        ErrorCase(
-            "int-q",
-            arrays(q=lambda t: t.asarray(np.ones(shape_q, dtype=np.int32))),
-            TypeError,
-            r"q must have dtype in",
-        ),
-        ErrorCase(
             "k-dtype-differs",
             arrays(k=lambda t: t.full(shape_kv, 0.5, "float64")),
             TypeError,
             r"k must have q's dtype",
-        ),
-        ErrorCase(
-            "int-o",
-            arrays(o=lambda t: t.asarray(np.zeros(shape_q, dtype=np.int32))),
-            TypeError,
-            r"o must have dtype in",
-        ),
-        ErrorCase(
-            "q-last-axis-strided",
-            arrays(q=non_contiguous_q),
-            ValueError,
-            r"q must be contiguous along its last axis",
-        ),
-        ErrorCase(
-            "mixed-namespaces",
-            mixed,
-            TypeError,
-            r"all arrays of a call must come from one namespace",
         ),
         ErrorCase("scale-zero", forward(scale=0.0), ValueError, r"scale must be finite and > 0"),
         ErrorCase(
@@ -492,63 +407,11 @@ def _error_cases():
             r"k_lengths must have shape \(2,\)",
         ),
         ErrorCase(
-            "checkpoint-shape",
-            forward(checkpoints=bad_checkpoints((2, 4, 9))),
-            ValueError,
-            r"checkpoints.m must have shape \(2, 4, 8\)",
-        ),
-        ErrorCase(
-            "checkpoint-dtype",
-            forward(checkpoints=bad_checkpoints((2, 4, 8), "float64")),
-            TypeError,
-            r"checkpoints.l must be float32",
-        ),
-        ErrorCase(
-            "checkpoint-namespace",
-            forward(
-                checkpoints=lambda t: AttentionCheckpoints(
-                    *(_other_namespace_array(t, np.zeros((2, 4, 8))) for _ in range(2))
-                )
-            ),
-            TypeError,
-            r"checkpoints.m is a .* array but q is a .* array",
-        ),
-        ErrorCase(
             "checkpoint-type",
             forward(checkpoints=lambda t: (t.full((2, 4, 8), 0.0, "float32"),) * 2),
             TypeError,
             r"checkpoints must be the AttentionCheckpoints",
         ),
-        ErrorCase(
-            "missing-checkpoints", missing_checkpoints, ValueError, r"checkpoints are required"
-        ),
-        ErrorCase(
-            "backward-checkpoint-shape",
-            backward(checkpoints=lambda t, ck: AttentionCheckpoints(ck.m[:, :, :4], ck.l)),
-            ValueError,
-            r"checkpoints.m must have shape \(2, 4, 8\)",
-        ),
-        ErrorCase(
-            "scratch-shape",
-            backward(
-                scratch=lambda t: AttentionBackwardScratch(
-                    t.full((2, 4, 8), 0.0, "float32"), t.full((2, 4, 8, 8), 0.0, "float32")
-                )
-            ),
-            ValueError,
-            r"scratch.dq_accum must have shape \(2, 4, 8, 16\)",
-        ),
-        ErrorCase(
-            "scratch-dtype",
-            backward(
-                scratch=lambda t: AttentionBackwardScratch(
-                    t.full((2, 4, 8), 0.0, "float64"), t.full(shape_q, 0.0, "float32")
-                )
-            ),
-            TypeError,
-            r"scratch.delta must be .*float32",
-        ),
-        ErrorCase("bare-Q", backward(bare=1), TypeError, r"Q must be a Duplicated"),
     ]
 
 

@@ -16,9 +16,9 @@ import math
 import numpy as np
 
 import xpkernels as xk
-from xpkernels.attention_varlen import AttentionVarlenBackwardScratch, AttentionVarlenCheckpoints
 from xpkernels.buffers import Duplicated
 from xpkernels.testing import references as ref
+from xpkernels.testing.declared_errors import declared_errors, prefix_sums
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
 
@@ -226,7 +226,13 @@ def _backward(case, arrays, outs, cotangents, checkpoints, backend):
     return {"q": dq, "k": dk, "v": dv}
 
 
+#: Valid prefix sums of the generated calls: the packed tokens split into the B sequences.
+PREFIX_SUMS = {"cu_seqlens_q": prefix_sums("Tq"), "cu_seqlens_k": prefix_sums("Tk")}
+
+
 def _errors():
+    """What the declaration cannot say: values of the prefix sums and ``max_seqlen_q``, GQA head
+    counts (the generic cases come from :func:`declared_errors`)."""
     q_lens, k_lens = (3, 0, 5), (4, 2, 2)
     tq, tk = sum(q_lens), sum(k_lens)
 
@@ -247,21 +253,8 @@ def _errors():
 
         return call
 
-    def backward(scratch):
-        def call(t):
-            q, k, v, o = make(t)
-            ck = xk.allocate_checkpoints(xk.attention_varlen_, q, k, v)
-            cu_q, cu_k = ints(_cu(q_lens))(t), ints(_cu(k_lens))(t)
-            xk.attention_varlen_(o, q, k, v, cu_q, cu_k, checkpoints=ck)
-            O = Duplicated(o, t.full(o.shape, 1.0, "float32"))
-            Q, K, V = (Duplicated(a, t.full(a.shape, 0.0, "float32")) for a in (q, k, v))
-            xk.attention_varlen_backward_(
-                O, Q, K, V, cu_q, cu_k, checkpoints=ck, scratch=scratch(t)
-            )
-
-        return call
-
     return [
+        *declared_errors("attention_varlen", values=PREFIX_SUMS),
         ErrorCase(
             "cu-q-decreasing",
             forward(cu_q=ints([0, 3, 2, 8])),
@@ -284,45 +277,11 @@ def _errors():
             values=True,
         ),
         ErrorCase(
-            "cu-k-int64",
-            forward(cu_k=ints(_cu(k_lens), "int64")),
-            TypeError,
-            r"cu_seqlens_k must have dtype int32 \(prefix sums\), got .*int64",
-        ),
-        ErrorCase(
-            "cu-q-float",
-            forward(cu_q=lambda t: t.full((4,), 0.0, "float32")),
-            TypeError,
-            r"cu_seqlens_q must have dtype int32",
-        ),
-        ErrorCase(
-            "batch-mismatch",
-            forward(cu_k=ints([0, 4, 8])),
-            ValueError,
-            r"cu_seqlens_k must have the B \+ 1 = 4 entries of cu_seqlens_q .*got 3",
-        ),
-        ErrorCase(
-            "cu-q-rank",
-            forward(cu_q=ints([[0, 3, 3, 8]])),
-            ValueError,
-            r"cu_seqlens_q must be a \(B \+ 1,\) array of prefix sums, got shape \(1, 4\)",
-        ),
-        ErrorCase(
             "max-seqlen-q-too-small",
             forward(max_seqlen_q=4),
             ValueError,
             r"max_seqlen_q must be at least the longest sequence \(5\), got 4",
             values=True,
-        ),
-        ErrorCase(
-            "k-rank",
-            lambda t: xk.attention_varlen_(
-                *(lambda q, k, v, o: (o, q, t.xp.expand_dims(k, axis=0), v))(*make(t)),
-                ints(_cu(q_lens))(t),
-                ints(_cu(k_lens))(t),
-            ),
-            ValueError,
-            r"k must have shape \(Tk, Hkv, D\) \(rank 3\)",
         ),
         ErrorCase(
             "gqa-heads",
@@ -336,26 +295,6 @@ def _errors():
             ),
             ValueError,
             r"the H=3 query heads of q must be a multiple of the Hkv=2 kv heads",
-        ),
-        ErrorCase(
-            "checkpoint-shape",
-            forward(
-                checkpoints=lambda t: AttentionVarlenCheckpoints(
-                    t.full((tq, 4), 0.0, "float32"), t.full((tq, 4), 0.0, "float32")
-                )
-            ),
-            ValueError,
-            r"checkpoints.m must have shape \(4, 8\)",
-        ),
-        ErrorCase(
-            "scratch-delta-shape",
-            backward(
-                lambda t: AttentionVarlenBackwardScratch(
-                    t.full((tq, 4), 0.0, "float32"), t.full((tq, 4, 16), 0.0, "float32")
-                )
-            ),
-            ValueError,
-            r"scratch.delta must have shape \(4, 8\)",
         ),
     ]
 

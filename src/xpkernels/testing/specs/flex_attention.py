@@ -27,7 +27,6 @@ import warnings
 import numpy as np
 
 from xpkernels import mods as xm
-from xpkernels.attention import AttentionCheckpoints
 from xpkernels.buffers import Duplicated, allocate_checkpoints, allocate_scratchspace, grad_shadow
 from xpkernels.flex_attention import (
     flex_attention,
@@ -37,6 +36,7 @@ from xpkernels.flex_attention import (
 )
 from xpkernels.registry import BACKENDS
 from xpkernels.testing import references as ref
+from xpkernels.testing.declared_errors import declared_errors
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 from xpkernels.testing.specs.attention import _bshd, _dims, _scale, arrange_qkv, cotangent_o
 
@@ -838,23 +838,13 @@ def _error_cases():
         args, ck = trained(t)
         flex_attention_backward_(*args, checkpoints=ck, score_mod_grad=grad_shadow(slopes((4,))(t)))
 
-    def missing_checkpoints(t):
-        args, _ = trained(t)
-        flex_attention_backward_(*args, checkpoints=None)
-
-    def wrong_checkpoints(t):
-        q, k, v, o = make(t)
-        ck = AttentionCheckpoints(
-            m=t.full((2, 4, 9), 0.0, "float32"), l=t.full((2, 4, 8), 1.0, "float32")
-        )
-        flex_attention_(o, q, k, v, checkpoints=ck)
-
     def h_not_multiple(t):
         q, _, _, o = make(t)
         kv = t.full((2, 3, 8, 16), 0.5, "float32")
         flex_attention_(o, q, kv, kv)
 
     return [
+        *declared_errors("flex_attention"),
         ErrorCase(
             "bias-wrong-shape",
             forward(score_mod=bias((1, 4, 9, 8))),
@@ -964,15 +954,6 @@ def _error_cases():
             grad_without_score_mod,
             TypeError,
             r"the call has no score_mod",
-        ),
-        ErrorCase(
-            "missing-checkpoints", missing_checkpoints, ValueError, r"checkpoints are required"
-        ),
-        ErrorCase(
-            "checkpoint-shape",
-            wrong_checkpoints,
-            ValueError,
-            r"checkpoints.m must have shape \(2, 4, 8\)",
         ),
         ErrorCase(
             "H-not-multiple-of-Hkv",

@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from xpkernels import mods as xm
-from xpkernels.attention_varlen import AttentionVarlenCheckpoints, attention_varlen_
+from xpkernels.attention_varlen import attention_varlen_
 from xpkernels.buffers import Duplicated, allocate_checkpoints, allocate_scratchspace, grad_shadow
 from xpkernels.flex_attention_varlen import (
     flex_attention_varlen,
@@ -28,8 +28,9 @@ from xpkernels.flex_attention_varlen import (
     flex_attention_varlen_backward_,
 )
 from xpkernels.testing import references as ref
+from xpkernels.testing.declared_errors import declared_errors
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
-from xpkernels.testing.specs.attention_varlen import _cu, _packed, _padded
+from xpkernels.testing.specs.attention_varlen import PREFIX_SUMS, _cu, _packed, _padded
 from xpkernels.testing.specs.flex_attention import (
     _namespace,
     _reshape,
@@ -430,18 +431,13 @@ def _errors():
         return call
 
     return [
+        *declared_errors("flex_attention_varlen", values=PREFIX_SUMS),
         ErrorCase(
             "cu-q-decreasing",
             forward(cu_q=ints([0, 3, 2, 8])),
             ValueError,
             r"cu_seqlens_q must be non-decreasing",
             values=True,
-        ),
-        ErrorCase(
-            "cu-k-int64",
-            forward(cu_k=ints(_cu(k_lens), "int64")),
-            TypeError,
-            r"cu_seqlens_k must have dtype int32",
         ),
         ErrorCase(
             "mod-table-shorter-than-the-batch",
@@ -460,16 +456,6 @@ def _errors():
             backward(flex_attention_varlen_, mask_mod=lambda t: xm.CausalMask()),
             ValueError,
             r"mask_mod=.* differs from the forward",
-        ),
-        ErrorCase(
-            "checkpoint-shape",
-            forward(
-                checkpoints=lambda t: AttentionVarlenCheckpoints(
-                    t.full((tq, 4), 0.0, "float32"), t.full((tq, 4), 0.0, "float32")
-                )
-            ),
-            ValueError,
-            r"checkpoints.m must have shape \(4, 8\)",
         ),
     ]
 

@@ -7,6 +7,7 @@ import numpy as np
 import xpkernels as xk
 from xpkernels.buffers import Duplicated
 from xpkernels.testing import references as ref
+from xpkernels.testing.declared_errors import declared_errors, other_device
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
 
@@ -89,114 +90,14 @@ def _backward(case, arrays, outs, cotangents, checkpoints, backend):
 
 
 def _errors():
-    def full(shape, dtype="float32"):
-        return lambda t: t.full(shape, 1.0, dtype)
+    """What the declaration cannot say: an array on another device."""
 
-    def int_array(shape):
-        return lambda t: t.asarray(np.ones(shape, dtype=np.int32))
-
-    rows = full((4, 8))
-
-    def forward_with(y=rows, x=rows):
-        def call(t):
-            xk.softmax_(y(t), x(t))
-
-        return call
-
-    def backward_with(y=rows, dy=rows, dx=rows, duplicated=True):
-        def call(t):
-            Y = Duplicated(y(t), dy(t)) if duplicated else y(t)
-            X = Duplicated(dx(t), dx(t))
-            xk.softmax_backward_(Y, X)
-
-        return call
-
-    def other_namespace(t):
-        """A (4, 8) float32 array from a namespace other than ``t``'s."""
-        import pytest
-
-        if t.namespace == "torch":
-            return np.ones((4, 8), dtype=np.float32)
-        torch = pytest.importorskip("torch", reason="mixing namespaces needs a second library")
-        return torch.ones(4, 8)
-
-    def other_device(t):
-        """A (4, 8) float32 array on a device other than ``t``'s."""
-        import pytest
-
-        if t.namespace == "torch":
-            import torch
-
-            return torch.ones(4, 8, device="meta")
-        if t.namespace == "array_api_strict":
-            import array_api_strict
-
-            return array_api_strict.ones(
-                (4, 8), dtype=array_api_strict.float32, device=array_api_strict.Device("device1")
-            )
-        pytest.skip(f"{t.namespace} has a single device here")
-
-    def strided(t):
-        return t.full((4, 16), 1.0, "float32")[:, ::2]
-
-    def rank0(t):
-        return t.xp.reshape(t.full((1,), 1.0, "float32"), ())
+    def mixed_devices(t):
+        xk.softmax_(other_device(t, (4, 8)), t.full((4, 8), 1.0, "float32"))
 
     return [
-        ErrorCase(
-            "x-rank0",
-            forward_with(y=rank0, x=rank0),
-            ValueError,
-            r"x must have shape \(\.\.\., M\)",
-        ),
-        ErrorCase(
-            "y-shape", forward_with(y=full((4, 9))), ValueError, r"y must have shape \(4, 8\)"
-        ),
-        ErrorCase("int-x", forward_with(x=int_array((4, 8))), TypeError, r"x must have dtype in"),
-        ErrorCase("int-y", forward_with(y=int_array((4, 8))), TypeError, r"y must have dtype in"),
-        ErrorCase(
-            "mixed-namespaces",
-            forward_with(y=other_namespace),
-            TypeError,
-            r"y is a \w+ array but x is a \w+ array",
-        ),
-        ErrorCase(
-            "mixed-devices",
-            forward_with(y=other_device),
-            TypeError,
-            r"y is on device .* but x is on",
-        ),
-        ErrorCase(
-            "x-last-axis-strided",
-            forward_with(x=strided),
-            ValueError,
-            r"x must be contiguous along its last axis",
-        ),
-        ErrorCase(
-            "y-last-axis-strided",
-            forward_with(y=strided),
-            ValueError,
-            r"y must be contiguous along its last axis",
-        ),
-        ErrorCase(
-            "dx-shape",
-            backward_with(dx=full((4, 9))),
-            ValueError,
-            r"X.shadow must have shape \(4, 8\)",
-        ),
-        ErrorCase(
-            "dy-dtype",
-            backward_with(dy=int_array((4, 8))),
-            TypeError,
-            r"Y.shadow must have dtype in",
-        ),
-        ErrorCase(
-            "dx-mixed-namespaces",
-            backward_with(dx=other_namespace),
-            TypeError,
-            r"X.shadow is a \w+ array but Y.primal is a \w+ array",
-        ),
-        ErrorCase("bare-Y", backward_with(duplicated=False), TypeError, r"Y must be a Duplicated"),
+        *declared_errors("softmax"),
+        ErrorCase("mixed-devices", mixed_devices, TypeError, r"y is on device .* but x is on"),
     ]
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import xpkernels as xk
 from xpkernels.buffers import Duplicated
 from xpkernels.testing import references as ref
+from xpkernels.testing.declared_errors import declared_errors, other_device
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
 
@@ -100,145 +101,15 @@ def _backward(case, arrays, outs, cotangents, checkpoints, backend):
 
 
 def _errors():
-    def full(shape, dtype="float32"):
-        return lambda t: t.full(shape, 1.0, dtype)
+    """What the declaration cannot say: an array on another device."""
 
-    def int_array(shape):
-        return lambda t: t.asarray(np.ones(shape, dtype=np.int32))
-
-    rows = full((4, 8))
-
-    def forward_with(y=rows, a=rows, b=rows):
-        def call(t):
-            xk.swiglu_(y(t), a(t), b(t))
-
-        return call
-
-    def backward_with(dy=rows, a=rows, b=rows, da=rows, db=rows, duplicated=True):
-        def call(t):
-            Y = Duplicated(t.full((4, 8), 1.0, "float32"), dy(t)) if duplicated else dy(t)
-            A = Duplicated(a(t), da(t))
-            B = Duplicated(b(t), db(t))
-            xk.swiglu_backward_(Y, A, B)
-
-        return call
-
-    def other_namespace(t):
-        """A (4, 8) float32 array from a namespace other than ``t``'s."""
-        import pytest
-
-        if t.namespace == "torch":
-            return np.ones((4, 8), dtype=np.float32)
-        torch = pytest.importorskip("torch", reason="mixing namespaces needs a second library")
-        return torch.ones(4, 8)
-
-    def other_device(t):
-        """A (4, 8) float32 array on a device other than ``t``'s."""
-        import pytest
-
-        if t.namespace == "torch":
-            import torch
-
-            return torch.ones(4, 8, device="meta")
-        if t.namespace == "array_api_strict":
-            import array_api_strict
-
-            return array_api_strict.ones(
-                (4, 8), dtype=array_api_strict.float32, device=array_api_strict.Device("device1")
-            )
-        pytest.skip(f"{t.namespace} has a single device here")
-
-    def strided(t):
-        return t.full((4, 16), 1.0, "float32")[:, ::2]
-
-    def rank0(t):
-        return t.xp.reshape(t.full((1,), 1.0, "float32"), ())
-
-    def y_overlapping(input_name):
-        """``y`` a view one column off the ``input_name`` input: partly the same memory."""
-
-        def call(t):
-            buf = t.full((4, 9), 1.0, "float32")
-            inputs = {"a": t.full((4, 8), 1.0, "float32"), "b": t.full((4, 8), 1.0, "float32")}
-            inputs[input_name] = buf[:, :8]
-            xk.swiglu_(buf[:, 1:], inputs["a"], inputs["b"])
-
-        return call
-
-    def db_is_dy(t):
-        dy = t.full((4, 8), 1.0, "float32")
-        Y = Duplicated(t.full((4, 8), 1.0, "float32"), dy)
-        A = Duplicated(t.full((4, 8), 1.0, "float32"), t.full((4, 8), 1.0, "float32"))
-        xk.swiglu_backward_(Y, A, Duplicated(t.full((4, 8), 1.0, "float32"), dy))
+    def mixed_devices(t):
+        rows = t.full((4, 8), 1.0, "float32")
+        xk.swiglu_(other_device(t, (4, 8)), rows, rows)
 
     return [
-        ErrorCase(
-            "a-rank0",
-            forward_with(y=rank0, a=rank0, b=rank0),
-            ValueError,
-            r"a must have shape \(\.\.\., M\)",
-        ),
-        ErrorCase(
-            "b-shape", forward_with(b=full((4, 9))), ValueError, r"b must have shape \(4, 8\)"
-        ),
-        ErrorCase(
-            "y-shape", forward_with(y=full((4, 9))), ValueError, r"y must have shape \(4, 8\)"
-        ),
-        ErrorCase("int-a", forward_with(a=int_array((4, 8))), TypeError, r"a must have dtype in"),
-        ErrorCase("int-b", forward_with(b=int_array((4, 8))), TypeError, r"b must have dtype in"),
-        ErrorCase("int-y", forward_with(y=int_array((4, 8))), TypeError, r"y must have dtype in"),
-        ErrorCase(
-            "mixed-namespaces",
-            forward_with(b=other_namespace),
-            TypeError,
-            r"b is a \w+ array but a is a \w+ array",
-        ),
-        ErrorCase(
-            "mixed-devices",
-            forward_with(y=other_device),
-            TypeError,
-            r"y is on device .* but a is on",
-        ),
-        ErrorCase(
-            "a-last-axis-strided",
-            forward_with(a=strided),
-            ValueError,
-            r"a must be contiguous along its last axis",
-        ),
-        ErrorCase(
-            "b-last-axis-strided",
-            forward_with(b=strided),
-            ValueError,
-            r"b must be contiguous along its last axis",
-        ),
-        ErrorCase(
-            "y-last-axis-strided",
-            forward_with(y=strided),
-            ValueError,
-            r"y must be contiguous along its last axis",
-        ),
-        ErrorCase("y-overlaps-a", y_overlapping("a"), ValueError, r"y shares memory with a"),
-        ErrorCase("y-overlaps-b", y_overlapping("b"), ValueError, r"y shares memory with b"),
-        ErrorCase(
-            "b-shape-backward",
-            backward_with(b=full((4, 9)), db=full((4, 9))),
-            ValueError,
-            r"B.primal must have shape \(4, 8\)",
-        ),
-        ErrorCase(
-            "dy-dtype",
-            backward_with(dy=int_array((4, 8))),
-            TypeError,
-            r"Y.shadow must have dtype in",
-        ),
-        ErrorCase(
-            "db-mixed-namespaces",
-            backward_with(db=other_namespace),
-            TypeError,
-            r"B.shadow is a \w+ array but A.primal is a \w+ array",
-        ),
-        ErrorCase("db-is-dy", db_is_dy, ValueError, r"B.shadow shares memory with Y.shadow"),
-        ErrorCase("bare-Y", backward_with(duplicated=False), TypeError, r"Y must be a Duplicated"),
+        *declared_errors("swiglu"),
+        ErrorCase("mixed-devices", mixed_devices, TypeError, r"y is on device .* but a is on"),
     ]
 
 

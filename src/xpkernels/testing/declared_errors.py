@@ -1,0 +1,952 @@
+"""Error cases generated from the :class:`~xpkernels.backends.protocol.Signature` of a primitive.
+
+Every primitive declares its arrays once (``backends/protocol.py``): shape
+patterns over shared axis symbols, dtype rules, what each pass reads and
+writes, what may alias what. :func:`declared_errors` turns that record, and
+the parameter lists of the primitive's public functions, into the generic
+bad calls the conformance suite runs on every target, so no spec writes them
+by hand:
+
+- for each array argument of each public function: ``None`` (where it is
+  not optional), a Python list, a wrong rank; for the in-place functions
+  also a wrong extent per axis symbol, an integer dtype for a float array, a
+  float dtype for an integer one, float64 for a float32-only one
+  (checkpoints, scratch), an array of another namespace, a last axis that is
+  not contiguous (the ``M``, ``D``, ``Dv`` axes);
+- for each Duplicated argument: ``None``, a list or a bare array in its
+  place, a wrong rank or extent of both its arrays, and the cases above on
+  its primal and its shadow; for required checkpoints, ``None``;
+- for each array an in-place function writes (outputs, shadows,
+  checkpoints, scratch): a view whose elements share memory (stride 0), a
+  read-only array, the very memory of an input it may not alias, and a
+  partial overlap with each input it may be the very same array as.
+
+Each case expects the error class and a message naming the function and the
+argument (``rms_norm_backward_: X.primal ...``); where a mismatch between
+two arguments may be reported on either (the lead array, the first read one,
+that fixes an extent, a dtype or the namespace), any of them is accepted.
+Every case also checks that the refused call wrote nothing: each array it
+could write is compared with its value before the call. The non-array and
+overlap cases (with that check, the first three kinds of bad input of issue
+34) run on every backend target, passing ``backend=target.backend``; the
+others on the array_api targets.
+
+A spec adds ``declared_errors(name, ...)`` to its hand-written cases, which
+keep what a declaration cannot express: values, options, mods, records.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from xpkernels import buffers
+from xpkernels.backends.protocol import PRIMITIVES, ROWS, Arg
+
+from .harness import ErrorCase, Target
+
+__all__ = [
+    "EXTENTS",
+    "Extra",
+    "Front",
+    "Slot",
+    "declared_errors",
+    "fronts",
+    "other_device",
+    "prefix_sums",
+    "valid_call",
+]
+
+#: The extent of each axis symbol in the generated calls (``R``: the rows of a ``... M`` array).
+EXTENTS = {
+    "B": 2,
+    "H": 4,
+    "Hkv": 2,
+    "Sq": 3,
+    "Sk": 5,
+    "S": 3,
+    "Smax": 5,
+    "Tq": 5,
+    "Tk": 7,
+    "D": 8,
+    "Dv": 6,
+    "M": 8,
+    "R": 3,
+    "N": 2,
+    "P": 1,
+}
+#: Symbols whose extent is free (any ``P >= 1`` partial rows, any number of splits or workspace).
+_FREE = ("P", "N")
+#: Axes whose stride must be 1 (the row length and head dims); other strides are free.
+_CONTIGUOUS = ("M", "D", "Dv")
+#: What a written array is filled with before a call: a refused call must leave it so.
+SENTINEL = 7.0
+#: What the arrays a call reads are filled with.
+FILL = 0.5
+
+
+@dataclass(frozen=True)
+class Extra:
+    """An array parameter of a public function that its Signature does not declare
+    (merge's backward takes ``dlse_a``, ``dlse_b`` and ``dlse``).
+
+    Attributes
+    ----------
+    like : str
+        The declared array it is shaped like.
+    written : bool
+        The function writes it (else reads it).
+    aliases : tuple of str
+        For a written one: the parameters it may be the very same array as.
+    """
+
+    like: str
+    written: bool
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One array of a call, as messages label it.
+
+    Attributes
+    ----------
+    label : str
+        ``x``, ``X.primal``, ``checkpoints.rstd``, ``scratch.delta``...
+    axes : tuple of str
+        Its axis symbols (keys of :data:`EXTENTS`; ``B+1`` for prefix sums).
+    role : str
+        What the call does with it: reads it as an ``"input"`` of the
+        primitive, an ``"output"`` (a backward reading the forward's result),
+        a ``"cotangent"`` or a ``"state"`` (checkpoints); ``"written"``; or
+        ``"unread"`` (a Duplicated's primal the backward does not read,
+        checked for being an array of the call's namespace only). Checks that
+        compare arrays take the first read one, in this order of roles, as
+        the lead the others must match.
+    dtype : str
+        ``"float"``, ``"float32"`` (checkpoints, scratch), ``"int32"`` or ``"index"``.
+    optional : bool
+        None is a valid value.
+    partners : tuple of str
+        For a written slot: the labels it may be the very same array as.
+    names : tuple of str
+        The labels messages may give it (the in-place front's, for an
+        allocating function's argument).
+    """
+
+    label: str
+    axes: tuple[str, ...]
+    role: str
+    dtype: str = "float"
+    optional: bool = False
+    partners: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+
+    @property
+    def written(self) -> bool:
+        return self.role == "written"
+
+    @property
+    def read(self) -> bool:
+        return self.role not in ("written", "unread")
+
+    @property
+    def floating(self) -> bool:
+        return self.dtype in ("float", "float32")
+
+    def shape(self, extents: Mapping[str, int]) -> tuple[int, ...]:
+        return tuple(extents["B"] + 1 if s == "B+1" else extents[s] for s in self.axes)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a public function that takes arrays.
+
+    ``kind`` is ``"array"`` (one slot), ``"duplicated"`` (its primal and
+    shadow slots) or ``"checkpoints"`` / ``"scratch"`` (a NamedTuple of slots).
+    """
+
+    name: str
+    kind: str
+    slots: tuple[Slot, ...]
+    keyword: bool
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class Front:
+    """A public function of a primitive, its array parameters in order.
+
+    Attributes
+    ----------
+    primitive : str
+        The primitive (a key of ``protocol.PRIMITIVES``).
+    fn : str
+        The function's name (``rms_norm_backward_``).
+    params : tuple of Param
+    inplace : bool
+        An in-place function (its name ends in ``_``).
+    """
+
+    primitive: str
+    fn: str
+    params: tuple[Param, ...]
+    inplace: bool
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        return tuple(s for p in self.params for s in p.slots)
+
+    @property
+    def message_fn(self) -> str:
+        """The function names its messages may start with: an allocating function's checks
+        may come from its in-place form."""
+        return re.escape(self.fn) if self.inplace else re.escape(self.fn) + "_?"
+
+
+def _axes(pattern: str) -> tuple[str, ...]:
+    if pattern == ROWS:
+        return ("R", "M")
+    if pattern == "rows":
+        return ("R",)
+    return tuple(pattern.split())
+
+
+def _capital(name: str) -> str:
+    """The Duplicated parameter of ``name``: ``x`` -> ``X``, ``o_a`` -> ``O_a``."""
+    return name[0].upper() + name[1:]
+
+
+def _public(name: str):
+    return getattr(importlib.import_module("xpkernels"), name, None)
+
+
+def fronts(primitive: str, extra: Mapping[str, Extra] | None = None) -> list[Front]:
+    """The public functions of ``primitive`` with their array parameters, from its Signature.
+
+    Parameters
+    ----------
+    primitive : str
+        A key of ``protocol.PRIMITIVES``.
+    extra : mapping of str to Extra, optional
+        Array parameters the Signature does not declare, by parameter name.
+
+    Raises
+    ------
+    ValueError
+        A required parameter that is neither declared nor in ``extra``: the
+        generator must learn what it is.
+    """
+    extra = dict(extra or {})
+    sig = PRIMITIVES[primitive].signature
+    args: dict[str, Arg] = {a.name: a for a in (*sig.inputs, *sig.outputs)}
+    outputs = {a.name for a in sig.outputs}
+    backward_params = set()
+    if (backward_ := _public(f"{primitive}_backward_")) is not None:
+        backward_params = set(inspect.signature(backward_).parameters)
+    found = []
+    for suffix in ("_", "", "_backward_", "_backward"):
+        fn = f"{primitive}{suffix}"
+        function = _public(fn)
+        if function is None:
+            continue
+        inplace, backward = suffix.endswith("_"), "backward" in suffix
+        params = []
+        for p in inspect.signature(function).parameters.values():
+            param = _param(
+                p, sig, args, outputs, extra, inplace, backward, backward_params, primitive
+            )
+            if param is not None:
+                params.append(param)
+        found.append(Front(primitive, fn, tuple(params), inplace))
+    return found
+
+
+def _param(
+    p, sig, args, outputs, extra, inplace, backward, backward_params, primitive
+) -> Param | None:
+    """The :class:`Param` of parameter ``p`` of a public function, or None for an option."""
+    keyword = p.kind is inspect.Parameter.KEYWORD_ONLY
+    required = p.default is inspect.Parameter.empty
+    name = p.name
+    if name in ("checkpoints", "scratch"):
+        declared = sig.checkpoints if name == "checkpoints" else sig.scratch
+        takes = inplace and (name == "checkpoints" or backward or not sig.checkpoints)
+        if not declared or not (takes or (name == "checkpoints" and required)):
+            return None
+        written = name == "scratch" or not backward
+        slots = tuple(
+            Slot(
+                f"{name}.{a.name}",
+                _axes(a.shape),
+                "written" if written and inplace else "state",
+                "float32",
+                optional=a.optional or a.name in PRIMITIVES[primitive].optional_scratch,
+            )
+            for a in declared
+        )
+        return Param(name, name, slots, keyword=True, optional=not required)
+    if name in extra:
+        e = extra[name]
+        slot = Slot(
+            name,
+            _axes(args[e.like].shape),
+            "written" if e.written else "cotangent",
+            optional=not required,
+            partners=e.aliases,
+            names=(name,),
+        )
+        return Param(name, "array", (slot,), keyword, optional=not required)
+    dup = name[0].lower() + name[1:]
+    if name[0].isupper() and dup in args:
+        return _duplicated(name, args[dup], sig, outputs, keyword)
+    if name in args or (name[0] == "d" and name[1:] in args):
+        arg = args.get(name) or args[name[1:]]
+        if name not in args:
+            role = "cotangent"
+        elif inplace and not backward and name in outputs:
+            role = "written"
+        else:
+            role = "output" if name in outputs else "input"
+        partners = arg.aliases if role == "written" else ()
+        if inplace:
+            names: tuple[str, ...] = (name,)
+        elif name not in args:
+            names = (name, f"{_capital(arg.name)}.shadow")
+        elif backward and _capital(name) in backward_params:
+            names = (name, f"{_capital(name)}.primal", f"{_capital(name)}.shadow")
+        else:
+            names = (name,)
+        slot = Slot(
+            name,
+            _axes(arg.shape),
+            role,
+            arg.dtype,
+            optional=arg.optional,
+            partners=partners,
+            names=names,
+        )
+        return Param(name, "array", (slot,), keyword, optional=arg.optional)
+    if required:
+        raise ValueError(
+            f"declared_errors: {primitive}'s parameter {name!r} is not in its Signature; "
+            "describe it with an Extra"
+        )
+    return None
+
+
+def _duplicated(name, arg: Arg, sig, outputs, keyword) -> Param:
+    axes = _axes(arg.shape)
+    if arg.name in outputs:
+        role = "output"
+        shadow = Slot(f"{name}.shadow", axes, "cotangent")
+    else:
+        role = "input"
+        partners = tuple(f"{_capital(o)}.shadow" for o in arg.aliases)
+        shadow = Slot(f"{name}.shadow", axes, "written", partners=partners)
+    primal = Slot(f"{name}.primal", axes, role if arg.name in sig.reads else "unread", arg.dtype)
+    return Param(name, "duplicated", (primal, shadow), keyword, optional=arg.optional)
+
+
+# -- building calls on a target ----------------------------------------------------------------
+
+
+def _values(slot: Slot, extents, values) -> np.ndarray:
+    """The valid host value of ``slot``: floats filled, integers from ``values`` (else ones)."""
+    shape = slot.shape(extents)
+    if slot.floating:
+        return np.full(shape, SENTINEL if slot.written else FILL)
+    make = values.get(slot.label)
+    data = np.ones(shape) if make is None else make(extents)
+    return np.asarray(data, dtype=np.int32 if slot.dtype == "int32" else np.int64)
+
+
+def _on(target: Target, slot: Slot, host: np.ndarray):
+    return target.asarray(host, "float32" if slot.floating else None)
+
+
+@dataclass
+class Call:
+    """A call of a :class:`Front` being built: its arrays by label, then its arguments.
+
+    ``arrays`` maps each slot's label to its value (replaced one at a time by
+    the cases); ``whole`` replaces a whole Duplicated or NamedTuple parameter;
+    ``extents`` are the call's (:data:`EXTENTS`, with the free ones, such as
+    the splits of a decode scratch, as allocated).
+    """
+
+    front: Front
+    target: Target
+    arrays: dict[str, Any]
+    tuples: dict[str, Any]
+    whole: dict[str, Any]
+    extents: dict[str, int]
+
+    def arguments(self):
+        """``(args, kwargs)`` of the call."""
+        args, kwargs = [], {"backend": self.target.backend}
+        for p in self.front.params:
+            if p.name in self.whole:
+                value = self.whole[p.name]
+            elif p.kind == "duplicated":
+                primal, shadow = (self.arrays[s.label] for s in p.slots)
+                value = buffers.Duplicated(primal, shadow)
+            elif p.kind in ("checkpoints", "scratch"):
+                value = _replaced(self.tuples[p.name], p, self.arrays)
+            else:
+                value = self.arrays[p.slots[0].label]
+            if p.keyword:
+                kwargs[p.name] = value
+            else:
+                args.append(value)
+        return args, kwargs
+
+    def run(self) -> None:
+        """Make the call; when it raises, first check that it wrote nothing."""
+        args, kwargs = self.arguments()
+        before = {label: _host(a) for label, a in self._written().items()}
+        try:
+            _public(self.front.fn)(*args, **kwargs)
+        except Exception:
+            for label, a in self._written().items():
+                after = _host(a)
+                assert np.array_equal(after, before[label], equal_nan=True), (
+                    f"{self.front.fn} raised but wrote {label} first"
+                )
+            raise
+
+    def _written(self) -> dict:
+        return {
+            s.label: self.arrays[s.label]
+            for s in self.front.slots
+            if s.written and _is_array(self.arrays.get(s.label))
+        }
+
+
+def _host(a) -> np.ndarray:
+    """A NumPy copy of the array ``a``, whatever its namespace."""
+    if hasattr(a, "detach"):
+        return a.detach().cpu().numpy().copy()
+    if hasattr(a, "get"):
+        return a.get()
+    return np.array(getattr(a, "_array", a))
+
+
+def _is_array(a) -> bool:
+    return hasattr(a, "shape") and hasattr(a, "dtype") and not isinstance(a, np.generic)
+
+
+def _replaced(tup, p: Param, arrays):
+    """The NamedTuple ``tup`` with its fields from ``arrays`` (keeping its forward's record)."""
+    fields = {s.label.split(".", 1)[1]: arrays[s.label] for s in p.slots}
+    new = tup._replace(**fields)
+    if hasattr(tup, "__dict__"):
+        new.__dict__.update(tup.__dict__)
+    return new
+
+
+def _forward_inputs(primitive, target, arrays, extents, values) -> list:
+    """The forward's inputs: the call's own arrays where it has them (a checkpoints record
+    may keep integer arrays by identity), else new ones."""
+    sig = PRIMITIVES[primitive].signature
+    found = []
+    for a in sig.inputs:
+        given = arrays.get(a.name, arrays.get(f"{_capital(a.name)}.primal"))
+        slot = Slot(a.name, _axes(a.shape), "input", a.dtype)
+        found.append(
+            given if _is_array(given) else _on(target, slot, _values(slot, extents, values))
+        )
+    return found
+
+
+def _tuple(front: Front, p: Param, target: Target, arrays, tuples, extents, values):
+    """A valid checkpoints or scratch NamedTuple for ``p`` (checkpoints of a backward written
+    by a forward on the array_api backend: they are backend-neutral)."""
+    primitive = front.primitive
+    if p.kind == "checkpoints":
+        forward_ = _public(f"{primitive}_")
+        inputs = _forward_inputs(primitive, target, arrays, extents, values)
+        ck = buffers.allocate_checkpoints(forward_, *inputs)
+        if front.inplace and not front.fn.endswith("backward_"):
+            return ck
+        sig = PRIMITIVES[primitive].signature
+        outs = [
+            _on(target, s, _values(s, extents, values))
+            for s in (Slot(a.name, _axes(a.shape), "written") for a in sig.outputs)
+        ]
+        forward_(*outs, *inputs, checkpoints=ck, backend="array_api")
+        return ck
+    args, kwargs = Call(front, target, arrays, tuples, {"scratch": None}, {}).arguments()
+    kwargs.pop("scratch", None)
+    return buffers.allocate_scratchspace(_public(front.fn), *args, **kwargs)
+
+
+def valid_call(front: Front, target: Target, values=None, extents=None) -> Call:
+    """A call of ``front`` on ``target`` that succeeds: the base every case changes one thing of.
+
+    ``values`` maps integer arrays to ``extents -> host values`` (default: ones).
+    """
+    values = values or {}
+    extents = dict(extents or EXTENTS)
+    arrays: dict[str, Any] = {}
+    tuples: dict[str, Any] = {}
+    for p in front.params:
+        if p.kind in ("checkpoints", "scratch"):
+            continue
+        for s in p.slots:
+            arrays[s.label] = _on(target, s, _values(s, extents, values))
+    for p in front.params:
+        if p.kind not in ("checkpoints", "scratch"):
+            continue
+        tup = _tuple(front, p, target, arrays, tuples, extents, values)
+        tuples[p.name] = tup
+        for s in p.slots:
+            field = getattr(tup, s.label.split(".", 1)[1])
+            if field is not None and s.written:
+                field[...] = SENTINEL
+            arrays[s.label] = field
+            for axis, n in zip(s.axes, getattr(field, "shape", ())):
+                if axis in _FREE:
+                    extents[axis] = n
+    return Call(front, target, arrays, tuples, {}, extents)
+
+
+# -- the cases ---------------------------------------------------------------------------------
+
+
+def _names_regex(names) -> str:
+    """Any of ``names`` as a whole label (``m`` does not match ``checkpoints.m`` or ``m_a``)."""
+    alternatives = "|".join(re.escape(n) for n in sorted(set(names), key=len, reverse=True))
+    return rf"(?<![\w.])(?:{alternatives})(?!\w|\.\w)"
+
+
+def _match(front: Front, names) -> str:
+    return rf"{front.message_fn}: .*?{_names_regex(names)}"
+
+
+def _other_namespace(target: Target, host: np.ndarray, dtype: str | None):
+    """``host`` as an array of a namespace other than ``target``'s."""
+    cast = host if dtype is None else host.astype(dtype)
+    if target.namespace == "numpy" and importlib.util.find_spec("torch") is not None:
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(cast))
+    if target.namespace == "numpy":
+        import array_api_strict
+
+        return array_api_strict.asarray(cast)
+    return np.array(cast)
+
+
+def prefix_sums(symbol: str) -> Callable[[Mapping[str, int]], np.ndarray]:
+    """Valid values of a ``B+1`` prefix-sum array: the ``symbol`` packed tokens split as evenly
+    as they go into the ``B`` sequences (for ``declared_errors(values=...)``)."""
+
+    def make(extents: Mapping[str, int]) -> np.ndarray:
+        return np.linspace(0, extents[symbol], extents["B"] + 1).astype(np.int64)
+
+    return make
+
+
+def other_device(target: Target, shape: tuple[int, ...]):
+    """A float32 array of ones on a device other than ``target``'s (torch: meta;
+    array_api_strict: its second device); skips where the namespace has one device here."""
+    if target.namespace == "torch":
+        import torch
+
+        return torch.ones(shape, device="meta")
+    if target.namespace == "array_api_strict":
+        import array_api_strict
+
+        device = array_api_strict.Device("device1")
+        return array_api_strict.ones(shape, dtype=array_api_strict.float32, device=device)
+    import pytest
+
+    pytest.skip(f"{target.namespace} has a single device here")
+
+
+def _self_overlapping(target: Target, slot: Slot, extents):
+    """A writable ``slot``-shaped array whose first axis longer than 1 has stride 0."""
+    shape = slot.shape(extents)
+    axis = next(i for i, n in enumerate(shape) if n > 1)
+    base = target.full(shape[:axis] + (1,) + shape[axis + 1 :], SENTINEL, "float32")
+    if target.namespace == "torch":
+        strides = list(base.stride())
+        strides[axis] = 0
+        return base.as_strided(shape, strides)
+    if target.namespace == "cupy":
+        import cupy
+
+        strides = list(base.strides)
+        strides[axis] = 0
+        return cupy.lib.stride_tricks.as_strided(base, shape, strides)
+    raw = getattr(base, "_array", base)
+    strides = list(raw.strides)
+    strides[axis] = 0
+    view = np.lib.stride_tricks.as_strided(raw, shape, strides)
+    return type(base)._new(view, device=base.device) if raw is not base else view
+
+
+def _read_only(target: Target, slot: Slot, extents):
+    if target.namespace not in ("numpy", "array_api_strict"):
+        import pytest
+
+        pytest.skip(f"{target.namespace} arrays cannot be read-only")
+    a = target.full(slot.shape(extents), SENTINEL, "float32")
+    getattr(a, "_array", a).flags.writeable = False
+    return a
+
+
+def _sharing(target: Target, shapes, offsets, fills):
+    """Arrays of ``shapes`` over one float32 buffer, starting ``offsets`` elements into it."""
+    sizes = [math.prod(s) for s in shapes]
+    end = max(o + n for o, n in zip(offsets, sizes))
+    buffer = target.full((end,), FILL, "float32")
+    xp = target.xp
+    views = [xp.reshape(buffer[o : o + n], s) for s, o, n in zip(shapes, offsets, sizes)]
+    for view, fill in zip(views, fills):
+        view[...] = fill
+    return views
+
+
+@dataclass(frozen=True)
+class _Change:
+    """One change to a valid call, and the error it must raise: its class, the labels the
+    message may name, whether it runs on every backend target, and the slot it changes ("":
+    a whole parameter, or a Duplicated's two arrays together)."""
+
+    what: str
+    apply: Callable[[Call, Target, Mapping[str, int], Mapping], None]
+    error: type
+    names: tuple[str, ...]
+    every_backend: bool
+    label: str = ""
+
+
+def _set(label, make):
+    """A change that replaces the array ``label`` by ``make(call, target, extents, values)``."""
+
+    def apply(call, target, extents, values):
+        call.arrays[label] = make(call, target, extents, values)
+
+    return apply
+
+
+_ROLES = ("input", "output", "cotangent", "state", "written")
+
+
+def _checked(front: Front) -> list[Slot]:
+    """The slots a front checks against each other, leads first (see :attr:`Slot.role`)."""
+    slots = [s for s in front.slots if s.role in _ROLES]
+    return sorted(slots, key=lambda s: _ROLES.index(s.role))
+
+
+def _slot_changes(front: Front, slot: Slot, dup: bool) -> list[_Change]:
+    """The changes of one array slot (``dup``: a field of a Duplicated)."""
+    names = slot.names or (slot.label,)
+    slots = _checked(front)
+    changes = []
+    if not slot.optional and not (dup and slot.label.endswith(".shadow")):
+        changes.append(_Change("none", _set(slot.label, lambda *_: None), TypeError, names, True))
+    changes.append(
+        _Change(
+            "list",
+            _set(slot.label, lambda c, t, e, v: t.to_numpy(c.arrays[slot.label]).tolist()),
+            TypeError,
+            names,
+            True,
+        )
+    )
+    if not dup:
+        changes.append(_rank_change(slot, (slot,), slots))
+    if not front.inplace:
+        return [replace(c, label=slot.label) for c in changes]
+    if not dup:
+        changes += _extent_changes(slot, (slot,), slots)
+    if not slot.read and not slot.written:
+        changes.append(_namespace_change(slot, slots))
+        return [replace(c, label=slot.label) for c in changes]
+    if slot.floating:
+        changes.append(
+            _Change(
+                "integer-dtype",
+                _set(slot.label, lambda c, t, e, v: t.asarray(np.ones(slot.shape(e), np.int32))),
+                TypeError,
+                _lead_names(slot, slots, lambda s: s.floating),
+                False,
+            )
+        )
+    else:
+        changes.append(
+            _Change(
+                "float-dtype",
+                _set(slot.label, lambda c, t, e, v: t.full(slot.shape(e), 1.0, "float32")),
+                TypeError,
+                names,
+                False,
+            )
+        )
+    if slot.dtype == "int32":
+        changes.append(
+            _Change(
+                "int64",
+                _set(
+                    slot.label, lambda c, t, e, v: t.asarray(_values(slot, e, v).astype(np.int64))
+                ),
+                TypeError,
+                names,
+                False,
+            )
+        )
+    if slot.dtype == "float32":
+        changes.append(
+            _Change(
+                "float64",
+                _set(slot.label, lambda c, t, e, v: t.full(slot.shape(e), FILL, "float64")),
+                TypeError,
+                names,
+                False,
+            )
+        )
+    changes.append(_namespace_change(slot, slots))
+    if slot.axes and slot.axes[-1] in _CONTIGUOUS:
+
+        def strided(call, target, extents, values):
+            shape = slot.shape(extents)
+            fill = SENTINEL if slot.written else FILL
+            return target.full((*shape[:-1], 2 * shape[-1]), fill, "float32")[..., ::2]
+
+        changes.append(
+            _Change("last-axis-strided", _set(slot.label, strided), ValueError, names, False)
+        )
+    if slot.written:
+        changes += _written_changes(slot, slots)
+    return [replace(c, label=slot.label) for c in changes]
+
+
+def _lead_names(slot: Slot, slots, related) -> tuple[str, ...]:
+    """``slot``'s names, and those of every ``related`` slot when ``slot`` comes first among
+    them (the lead whose dtype or namespace the front compares the others with)."""
+    names = slot.names or (slot.label,)
+    peers = [s for s in slots if related(s)]
+    if peers and peers[0] is slot:
+        names += _names(peers)
+    return names
+
+
+def _namespace_change(slot: Slot, slots) -> _Change:
+    def other(call, target, extents, values):
+        host = _values(slot, extents, values)
+        return _other_namespace(target, host, "float32" if slot.floating else None)
+
+    names = _lead_names(slot, slots, lambda s: True)
+    return _Change("other-namespace", _set(slot.label, other), TypeError, names, False)
+
+
+def _carriers(slots, symbol) -> list[Slot]:
+    """The slots an extent of ``symbol`` shows in: its axes, or the values of integer arrays."""
+    return [
+        s
+        for s in slots
+        if symbol in s.axes or (symbol == "B" and "B+1" in s.axes) or not s.floating
+    ]
+
+
+def _names(slots) -> tuple[str, ...]:
+    return tuple(n for s in slots for n in (s.names or (s.label,)))
+
+
+def _extent_changes(slot: Slot, group, slots) -> list[_Change]:
+    """A wrong extent of each axis symbol of ``slot`` (applied to every array of ``group``;
+    integer arrays get values for it: prefix sums of ``B + 1`` sequences)."""
+    changes = []
+    symbols = dict.fromkeys("B" if a == "B+1" else a for a in slot.axes if a not in _FREE)
+    for sym in symbols:
+
+        def apply(call, target, extents, values, sym=sym):
+            wrong = {**extents, sym: extents[sym] + 1}
+            for s in group:
+                call.arrays[s.label] = _on(target, s, _values(s, wrong, values))
+
+        names = _names(group)
+        carriers = _carriers(slots, sym)
+        if carriers and carriers[0] in group:
+            names += _names(carriers)
+        changes.append(_Change(f"extent-{sym}", apply, ValueError, names, False))
+    return changes
+
+
+def _rank_change(slot: Slot, group, slots) -> _Change:
+    """``slot`` (every array of ``group``) without its first axis; a ``... M`` one (any rank
+    >= 1 is valid) as rank 0."""
+
+    def apply(call, target, extents, values):
+        for s in group:
+            host = _values(s, extents, values)
+            rows = s.axes == _axes(ROWS)
+            call.arrays[s.label] = _on(target, s, host.reshape(-1)[0, ...] if rows else host[0])
+
+    names = _names(group)
+    for sym in slot.axes:
+        carriers = _carriers(slots, "B" if sym == "B+1" else sym)
+        if carriers and carriers[0] in group:
+            names += _names(carriers)
+    return _Change("rank", apply, ValueError, names, False)
+
+
+def _written_changes(slot: Slot, slots) -> list[_Change]:
+    names = (slot.label,)
+    changes = [
+        _Change(
+            "self-overlapping",
+            _set(slot.label, lambda c, t, e, v: _self_overlapping(t, slot, e)),
+            ValueError,
+            names,
+            True,
+        ),
+        _Change(
+            "read-only",
+            _set(slot.label, lambda c, t, e, v: _read_only(t, slot, e)),
+            ValueError,
+            names,
+            True,
+        ),
+    ]
+    reads = [s for s in slots if s.read and s.floating]
+    others = [s for s in reads if s.label not in slot.partners]
+    if others:
+        elsewhere = {p for s in slots if s.written for p in s.partners}
+        partner = sorted(others, key=lambda s: (s.label not in elsewhere, s.axes != slot.axes))[0]
+        changes.append(_overlap(slot, partner, offset=0, what=f"is-{partner.label}"))
+    for label in slot.partners:
+        partner = next(s for s in slots if s.label == label)
+        changes.append(_overlap(slot, partner, offset=1, what=f"overlaps-{label}-partly"))
+    return changes
+
+
+def _overlap(slot: Slot, partner: Slot, offset: int, what: str) -> _Change:
+    """``slot`` over the memory of ``partner`` (the very same elements when ``offset`` is 0
+    and the shapes agree; else starting ``offset`` elements before them)."""
+
+    def apply(call, target, extents, values):
+        written, read = _sharing(
+            target,
+            [slot.shape(extents), partner.shape(extents)],
+            [0, offset],
+            [SENTINEL, FILL],
+        )
+        if offset == 0 and slot.axes == partner.axes:
+            written = read
+        call.arrays[slot.label], call.arrays[partner.label] = written, read
+
+    return _Change(what, apply, ValueError, (slot.label,), True)
+
+
+def _param_changes(front: Front, p: Param) -> list[_Change]:
+    slots = _checked(front)
+    if p.kind == "array":
+        return _slot_changes(front, p.slots[0], dup=False)
+    if p.kind in ("checkpoints", "scratch"):
+        changes = [c for s in p.slots for c in _slot_changes(front, s, dup=False)]
+        if not p.optional:
+
+            def missing(call, target, extents, values):
+                call.whole[p.name] = None
+
+            changes.append(_Change("none", missing, ValueError, (p.name,), True))
+        return changes
+    changes = []
+
+    def whole(value):
+        def apply(call, target, extents, values):
+            call.whole[p.name] = value(call)
+
+        return apply
+
+    if not p.optional:
+        changes += [
+            _Change("none", whole(lambda c: None), TypeError, (p.name,), True),
+            _Change(
+                "bare-array",
+                whole(lambda c: c.arrays[p.slots[0].label]),
+                TypeError,
+                (p.name,),
+                True,
+            ),
+        ]
+    changes.append(
+        _Change(
+            "list",
+            whole(lambda c: c.target.to_numpy(c.arrays[p.slots[0].label]).tolist()),
+            TypeError,
+            (p.name,),
+            True,
+        )
+    )
+    changes.append(_rank_change(p.slots[0], p.slots, slots))
+    changes += _extent_changes(p.slots[0], p.slots, slots)
+    for s in p.slots:
+        changes += _slot_changes(front, s, dup=True)
+    return changes
+
+
+def declared_errors(
+    primitive: str,
+    *,
+    extra: Mapping[str, Extra] | None = None,
+    values: Mapping[str, Callable[[Mapping[str, int]], Any]] | None = None,
+) -> list[ErrorCase]:
+    """The generic error cases of ``primitive``'s public functions (module docstring).
+
+    Parameters
+    ----------
+    primitive : str
+        A key of ``protocol.PRIMITIVES``.
+    extra : mapping of str to Extra, optional
+        Array parameters its Signature does not declare.
+    values : mapping of str to callable, optional
+        Valid host values of integer arrays, by argument name, from the
+        extents (``cu_seqlens_q``: prefix sums ending at ``Tq``); default ones.
+
+    Returns
+    -------
+    list of ErrorCase
+        Ids ``<function>-<label>-<change>``; ``every_backend`` set on the
+        non-array and overlap cases (module docstring).
+    """
+    values = dict(values or {})
+    cases = []
+    for front in fronts(primitive, extra):
+        for p in front.params:
+            for change in _param_changes(front, p):
+                cases.append(
+                    ErrorCase(
+                        f"{front.fn}-{change.label or p.name}-{change.what}",
+                        _caller(front, change, values),
+                        change.error,
+                        _match(front, change.names),
+                        every_backend=change.every_backend,
+                    )
+                )
+    return cases
+
+
+def _caller(front: Front, change: _Change, values) -> Callable[[Target], None]:
+    def call(target: Target) -> None:
+        built = valid_call(front, target, values)
+        if change.label and built.arrays[change.label] is None:
+            import pytest
+
+            pytest.skip(f"{front.fn} on {target.backend} uses no {change.label}")
+        change.apply(built, target, built.extents, values)
+        built.run()
+
+    return call
