@@ -17,9 +17,10 @@ offset, as the CUDA caching allocator's blocks are.
 :func:`analyse` reads the artefacts of a compiled kernel (TTGIR, PTX, cubin):
 the tensor-core instructions of each ``tl.dot``, registers and local memory
 (``cuobjdump``), spill instructions and instruction count (``nvdisasm``), and
-each global access joined to its source line, so that the width of every
-16-bit tile load and store and whether a loop's loads are asynchronous can be
-read per source line.
+each global access joined to its source position -- its line and the lines of
+the calls it was inlined through -- so that the width of every 16-bit tile
+load and store and whether a loop's loads are asynchronous can be read per
+access, also in a helper that several call sites inline.
 """
 
 from __future__ import annotations
@@ -301,6 +302,9 @@ _ELEM_BITS = {
 
 
 def _resolve_locs(ttgir: str) -> dict:
+    """``{#loc name: source position}`` of a TTGIR listing; a position is the tuple of
+    ``(file, line)`` frames from the operation's own line out through the calls inlined
+    into it, so that an access in a helper called from several places stays apart."""
     raw = {}
     for line in ttgir.splitlines():
         if m := _LOC_DEF.match(line):
@@ -310,11 +314,11 @@ def _resolve_locs(ttgir: str) -> dict:
         if depth > 50:
             return None
         if m := _LOC_FILE.match(body):
-            return os.path.basename(m[1]), int(m[2])
-        if body.startswith("callsite("):
-            inner = body[len("callsite(") :]
-            ref = re.match(r"(#loc\d*)", inner)
-            return resolve(raw.get(ref[1], ""), depth + 1) if ref else resolve(inner, depth + 1)
+            return ((os.path.basename(m[1]), int(m[2])),)
+        if m := re.match(r"^callsite\((#loc\d*) at (#loc\d*)\)", body):
+            callee = resolve(raw.get(m[1], ""), depth + 1)
+            caller = resolve(raw.get(m[2], ""), depth + 1)
+            return callee + caller if callee and caller else callee or caller
         if m := re.match(r'^"[^"]*"\((#loc\d*)\)', body):
             return resolve(raw.get(m[1], ""), depth + 1)
         if m := re.match(r"^fused\[(#loc\d*)", body):
@@ -443,7 +447,11 @@ def _ptx_facts(ptx: str) -> dict:
     mma = Counter()
     for i, line in enumerate(lines):
         if m := re.match(r"^\s*\.loc\s+(\d+)\s+(\d+)\s+\d+", line):
-            where = (files.get(int(m[1]), m[1]), int(m[2]))
+            # The comment names the inlining chain: "f.py:12:3 @[ g.py:40:7 @[ ... ] ]".
+            frames = re.findall(r"([\w.\-]+):(\d+):\d+", line.split("//", 1)[-1])
+            where = tuple((f, int(n)) for f, n in frames) or (
+                (files.get(int(m[1]), m[1]), int(m[2])),
+            )
             continue
         if "wgmma.mma_async" in line:
             mma["wgmma"] += 1
@@ -520,8 +528,8 @@ def analyse(compiled) -> dict:
         ``ctas_per_sm`` (estimate from registers and shared memory),
         ``sass_instructions``, ``loops``, ``accesses`` (global access width
         counts, all and inside loops), ``tile_ops`` (each TTGIR load/store of
-        16-bit elements with its source line, whether it is in a loop and
-        asynchronous, and the PTX access widths of that line), ``divisible16``
+        16-bit elements with its source position, whether it is in a loop and
+        asynchronous, and the PTX access widths at that position), ``divisible16``
         (arguments carrying ``tt.divisibility = 16``).
     """
     asm = compiled.asm
@@ -546,13 +554,13 @@ def analyse(compiled) -> dict:
             # LLVM may put a load's instructions on the next line (the conversion it fused with):
             # take accesses of that kind from the next two lines that no TTGIR access claims.
             for step in (1, 2):
-                key = ((where[0], where[1] + step), op["kind"])
+                key = (((where[0][0], where[0][1] + step), *where[1:]), op["kind"])
                 if key in by_line and key not in claimed:
                     ptx_here = by_line[key]
                     break
         tile_ops.append(
             {
-                "where": f"{where[0]}:{where[1]}" if where else None,
+                "where": " @ ".join(f"{f}:{n}" for f, n in where) if where else None,
                 "kind": op["kind"],
                 "rank": op["rank"],
                 "in_loop": op["in_loop"],

@@ -15,7 +15,8 @@ what the compiler emitted and checks the offline targets of DESIGN section 8:
 
 A 16-bit tile access is a TTGIR ``tt.load``/``tt.store`` (or its asynchronous
 form) of bfloat16/float16 elements; its PTX instructions are those carrying
-the same source line. Each target is ``PASS``, ``FAIL`` or ``-`` (does not
+the same source position (line, and the lines of the calls it was inlined
+through). Each target is ``PASS``, ``FAIL`` or ``-`` (does not
 apply). The default tile of each launch table is compiled (the tile a launch
 uses when it does not autotune); ``--candidates`` also compiles every tile the
 bounded autotuning may pick.
@@ -136,6 +137,58 @@ def _decode(D, B=16, H=32, Hkv=8, S=32768):
         l_partial,
         scale=D**-0.5,
     )
+
+
+def _attention_varlen(pass_, D=128, H=32, lengths=(8192, 4096, 2048, 2048)):
+    """Packed causal sequences of uneven lengths (``T = 16384`` tokens) through the varlen kernels."""
+    from xpkernels.backends.triton import attention_varlen
+
+    t = spec.tensor
+    T = sum(lengths)
+    cu_seqlens = t((len(lengths) + 1,), torch.int32)
+    q, k, v, o = (t((T, H, D)) for _ in range(4))
+    m, l = t((H, T), F32), t((H, T), F32)
+    options = {
+        "cu_seqlens_q": cu_seqlens,
+        "cu_seqlens_k": cu_seqlens,
+        "max_seqlen_q": max(lengths),
+        "max_seqlen_k": max(lengths),
+        "scale": D**-0.5,
+        "causal": True,
+        "input_pos": 0,
+    }
+    if pass_ == "fwd":
+        attention_varlen.forward(o, q, k, v, m, l, **options)
+        return
+    do, dq, dk, dv = (t((T, H, D)) for _ in range(4))
+    attention_varlen.backward(do, q, k, v, o, m, l, dq, dk, dv, t((H, T), F32), None, **options)
+
+
+def _merge(pass_, B=4, H=32, S=4096, D=128):
+    from xpkernels.backends.triton import merge_attention_states
+
+    t = spec.tensor
+
+    def state():
+        return t((B, H, S, D)), t((B, H, S), F32), t((B, H, S), F32)
+
+    merged, a, b = state(), state(), state()
+    if pass_ == "fwd":
+        merge_attention_states.forward(*merged, *a, *b)
+        return
+    do, dlse = t((B, H, S, D)), t((B, H, S), F32)
+    grads = (t((B, H, S, D)), t((B, H, S), F32), t((B, H, S, D)), t((B, H, S), F32))
+    merge_attention_states.backward(do, dlse, *merged, *a, *b, *grads)
+
+
+def _swiglu(pass_, R, M):
+    from xpkernels.backends.triton import swiglu
+
+    t = spec.tensor
+    if pass_ == "fwd":
+        swiglu.forward(t((R, M)), t((R, M)), t((R, M)))
+    else:
+        swiglu.backward(t((R, M)), t((R, M)), t((R, M)), t((R, M)), t((R, M)))
 
 
 def _rms_norm(pass_, R, M):
@@ -293,6 +346,11 @@ def cases():
                 "attention",
                 lambda D=D, c=causal: _attention_backward(D, c),
             )
+    for pass_ in ("fwd", "bwd"):
+        out[f"attention_varlen.{pass_}.D128.causal"] = (
+            "attention",
+            lambda p=pass_: _attention_varlen(p),
+        )
     for D in (128, 64):
         out[f"decode.D{D}"] = ("attention", lambda D=D: _decode(D))
     for mods in (
@@ -315,7 +373,14 @@ def cases():
                     "attention",
                     lambda D=D, m=mods: _flex("bwd", D, m, deterministic=False),
                 )
-    for name, fn in (("rms_norm", _rms_norm), ("layer_norm", _layer_norm), ("softmax", _softmax)):
+    for pass_ in ("fwd", "bwd"):
+        out[f"merge_attention_states.{pass_}.D128"] = ("rows", lambda p=pass_: _merge(p))
+    for name, fn in (
+        ("rms_norm", _rms_norm),
+        ("layer_norm", _layer_norm),
+        ("softmax", _softmax),
+        ("swiglu", _swiglu),
+    ):
         for pass_ in ("fwd", "bwd"):
             for R, M in ((32768, 4096), (4096, 65536)):
                 out[f"{name}.{pass_}.{R}x{M}"] = (

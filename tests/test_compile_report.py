@@ -171,6 +171,38 @@ def test_evaluate_reads_each_target_from_the_compiled_facts():
     }
 
 
+def test_accesses_are_joined_to_their_source_through_the_inlining_chain():
+    """A helper inlined at two call sites (``load_rows`` for Q and for K, say) gives two
+    source positions: each TTGIR access and each PTX instruction is keyed by its line and
+    the lines of the calls it was inlined through, so the two sites' widths stay apart."""
+    _report()
+    import _triton_specialize
+
+    ttgir = "\n".join(
+        [
+            '#loc1 = loc("/src/kernel.py":10:4)',
+            '#loc2 = loc("/src/kernel.py":20:8)',
+            '#loc3 = loc("/src/kernel.py":30:8)',
+            "#loc4 = loc(callsite(#loc1 at #loc2))",
+            "#loc5 = loc(callsite(#loc1 at #loc3))",
+            '#loc6 = loc("x"(#loc5))',
+        ]
+    )
+    locs = _triton_specialize._resolve_locs(ttgir)
+    assert locs["#loc4"] == (("kernel.py", 10), ("kernel.py", 20))
+    assert locs["#loc6"] == (("kernel.py", 10), ("kernel.py", 30))
+    ptx = "\n".join(
+        [
+            '\t.file\t1 "/src/kernel.py"',
+            "\t.loc\t1 10 4                          // kernel.py:10:4 @[ kernel.py:30:8 ]",
+            "\tld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];",
+        ]
+    )
+    (access,) = _triton_specialize._ptx_facts(ptx)["accesses"]
+    assert access["where"] == (("kernel.py", 10), ("kernel.py", 30))
+    assert access["bits"] == 128
+
+
 def test_baseline_covers_the_ci_kernels():
     with open(BASELINE) as f:
         kernels = json.load(f)["kernels"]

@@ -15,6 +15,7 @@ result is the same): launch each shape once before capturing a CUDA graph.
 from __future__ import annotations
 
 import os
+from collections import namedtuple
 from dataclasses import dataclass
 
 import triton
@@ -45,13 +46,65 @@ def interpreted() -> bool:
 #: run ``range`` over a run-time bound with NumPy >= 2.4 -- its scalars are
 #: 1-element arrays, which NumPy no longer turns into indices (triton-lang/triton
 #: issue 9171) -- while ``while`` loops test their condition with ``bool``, which
-#: still works. Loops that are never pipelined (over GQA heads, over decode
-#: splits) are ``while`` loops everywhere.
+#: still works. :func:`tile_loop` is the one place that chooses; loops that are
+#: never pipelined (over GQA heads, over decode splits) are ``while`` loops everywhere.
 RANGE_LOOPS = tl.constexpr(not interpreted())
 
 
 #: Whether kernels run through the interpreter, as a compile-time value.
 INTERPRETED = tl.constexpr(interpreted())
+
+# Kernels take flat pointer and integer arguments: ``torch.library.wrap_triton``
+# (the ops ``torch.compile`` traces, see ``_common.traced``) passes only top-level
+# tensors and integers through its graph -- a stride inside a tuple argument would
+# be frozen into the graph as a constant. Each kernel groups its arguments into
+# the records below as it starts, and its helpers take those. The records hold
+# run-time values only: Triton turns the constants of a tuple assigned to a name
+# into tensors, so compile-time flags travel as ``tl.constexpr`` arguments.
+
+#: A ``(B, H, rows, ...)`` tensor: its pointer and the element strides of its batch,
+#: head and row axes (the last axis is contiguous).
+Strided = namedtuple("Strided", ["ptr", "stride_b", "stride_h", "stride_row"])
+#: The rows of one (batch, head) of a :data:`Strided` tensor: base pointer and row stride.
+Rows = namedtuple("Rows", ["base", "stride"])
+#: The K and V :data:`Rows` of one (batch, kv head) (or the K and V, dK and dV tensors).
+KV = namedtuple("KV", ["k", "v"])
+#: The head-dim columns of a program's tiles: the offsets (``tl.arange``) of the padded
+#: q/k and v widths, and the widths ``D`` and ``DV``.
+Cols = namedtuple("Cols", ["d", "dv", "D", "DV"])
+#: The tensors a backward reads per query row -- q, do, the checkpoints m and l, and
+#: delta -- as :data:`Strided` tensors, or the :data:`Rows` of one head.
+BackwardRows = namedtuple("BackwardRows", ["q", "do", "m", "l", "delta"])
+
+
+@triton.jit
+def head_rows(t, b, h):
+    """:data:`Rows` of batch ``b``, head ``h`` (int64) of the :data:`Strided` tensor ``t``
+    (or a plain ``(pointer, batch, head, row strides)`` tuple)."""
+    ptr, stride_b, stride_h, stride_row = t
+    return Rows(ptr + b * stride_b + h * stride_h, stride_row)
+
+
+@triton.jit
+def tile_loop(step, carry, lo, hi, STEP: tl.constexpr, ctx, flags):
+    """``carry = step(carry, i, ctx, *flags)`` for ``i`` in ``range(lo, hi, STEP)``; the last carry.
+
+    The one tile loop of the attention kernels: a ``for`` loop when compiled
+    (which Triton software-pipelines), a ``while`` loop under the interpreter
+    (see ``RANGE_LOOPS``). ``step`` is a ``@triton.jit`` function (a
+    compile-time argument), ``carry`` the running values (a tensor or a tuple
+    of them), ``ctx`` the run-time values the step reads, ``flags`` its
+    compile-time arguments, as a tuple written in the call (see :data:`Strided`).
+    """
+    if RANGE_LOOPS:
+        for i in range(lo, hi, STEP):
+            carry = step(carry, i, ctx, *flags)
+    else:
+        i = lo
+        while i < hi:
+            carry = step(carry, i, ctx, *flags)
+            i += STEP
+    return carry
 
 
 @triton.jit
@@ -68,48 +121,156 @@ def row_max(s):
 
 
 @triton.jit
-def kv_tile(
-    k_base,
-    v_base,
-    n0,
-    stride_kn,
-    stride_vn,
-    offs_n,
-    offs_d,
-    offs_dv,
-    k_len,
-    D,
-    DV,
-    MASKED: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,
-):
-    """The K and V tiles of keys ``n0 + offs_n``; ``MASKED`` zero-fills keys ``>= k_len``."""
-    key_off = tl.cast(n0, tl.int64)
-    k_ptrs = k_base + key_off * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = v_base + key_off * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :]
-    if MASKED:
-        # Mask on the key axis alone where the head dim fills the tile, so a masked
-        # tile is loaded by the same 16-byte vectors as a full one.
-        key_ok = ((n0 + offs_n) < k_len)[:, None]
-        if EVEN_D:
-            k = tl.load(k_ptrs, mask=key_ok, other=0.0)
+def softmax_update(acc, m_i, l_i, s):
+    """Online-softmax rescale of a query tile's running values by base-2 scores ``s``.
+
+    Returns ``(p, acc, m, l)``: ``p = exp2(s - m)`` for the new row max ``m``
+    and ``acc``, ``l`` rescaled to it (``l`` including ``p``); the caller adds
+    ``p v`` to ``acc``. A row max of ``-inf`` (every score so far masked, or a NaN
+    query row) is replaced by 0, which avoids ``-inf - -inf``.
+    """
+    m_new = tl.maximum(m_i, row_max(s))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, acc * alpha[:, None], m_new, l_i
+
+
+@triton.jit
+def load_tile(ptrs, row_ok, offs, width, MASK_ROWS: tl.constexpr, EVEN: tl.constexpr):
+    """A ``(rows, cols)`` tile at ``ptrs``, 0 in rows not ``row_ok`` (``(rows, 1)``, with
+    ``MASK_ROWS``) and in columns ``offs >= width`` (unless ``EVEN``: the tile is the width).
+
+    A mask on the row axis alone keeps the rows loaded by the same 16-byte
+    vectors as an unmasked tile.
+    """
+    if MASK_ROWS:
+        if EVEN:
+            tile = tl.load(ptrs, mask=row_ok, other=0.0)
         else:
-            k = tl.load(k_ptrs, mask=key_ok & (offs_d[None, :] < D), other=0.0)
-        if EVEN_DV:
-            v = tl.load(v_ptrs, mask=key_ok, other=0.0)
-        else:
-            v = tl.load(v_ptrs, mask=key_ok & (offs_dv[None, :] < DV), other=0.0)
+            tile = tl.load(ptrs, mask=row_ok & (offs[None, :] < width), other=0.0)
+    elif EVEN:
+        tile = tl.load(ptrs)
     else:
-        if EVEN_D:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
-        if EVEN_DV:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+        tile = tl.load(ptrs, mask=offs[None, :] < width, other=0.0)
+    return tile
+
+
+@triton.jit
+def row_ptrs(rows, row_off, offs_m, offs_d):
+    """Pointers of rows ``row_off + offs_m``, columns ``offs_d`` of :data:`Rows` ``rows``."""
+    return rows.base + row_off * rows.stride + offs_m[:, None] * rows.stride + offs_d[None, :]
+
+
+@triton.jit
+def load_rows(
+    rows, row_off, offs_m, row_ok, offs_d, D, MASK_ROWS: tl.constexpr, EVEN: tl.constexpr
+):
+    """Rows ``row_off + offs_m`` of :data:`Rows` ``rows``, columns ``offs_d`` (see :func:`load_tile`)."""
+    ptrs = row_ptrs(rows, row_off, offs_m, offs_d)
+    return load_tile(ptrs, row_ok[:, None], offs_d, D, MASK_ROWS, EVEN)
+
+
+@triton.jit
+def store_rows(rows, row_off, offs_m, row_ok, offs_d, D, x, EVEN: tl.constexpr):
+    """Store ``x`` to rows ``row_off + offs_m`` of :data:`Rows` ``rows`` where ``row_ok``; the
+    head-dim mask only if not ``EVEN``."""
+    ptrs = row_ptrs(rows, row_off, offs_m, offs_d)
+    x = x.to(rows.base.dtype.element_ty)
+    if EVEN:
+        tl.store(ptrs, x, mask=row_ok[:, None])
+    else:
+        tl.store(ptrs, x, mask=row_ok[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def kv_tile(
+    kv, n0, offs_n, cols, k_len, MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr
+):
+    """The K and V tiles of keys ``n0 + offs_n`` of :data:`KV` ``kv``; ``MASKED`` zero-fills
+    keys ``>= k_len``, ``EVEN_D`` / ``EVEN_DV``: the head dims fill the tile (no column mask).
+
+    The key mask alone where the head dim fills the tile, so a masked tile is
+    loaded by the same 16-byte vectors as a full one.
+    """
+    key_off = tl.cast(n0, tl.int64)
+    k_ptrs = row_ptrs(kv.k, key_off, offs_n, cols.d)
+    v_ptrs = row_ptrs(kv.v, key_off, offs_n, cols.dv)
+    key_ok = ((n0 + offs_n) < k_len)[:, None]
+    k = load_tile(k_ptrs, key_ok, cols.d, cols.D, MASKED, EVEN_D)
+    v = load_tile(v_ptrs, key_ok, cols.dv, cols.DV, MASKED, EVEN_DV)
     return k, v
+
+
+@triton.jit
+def row_stats(m, l, delta, row_off, offs_m, row_ok):
+    """Per query row ``row_off + offs_m``, from the :data:`Rows` of the checkpoints and ``delta``:
+    ``lse2 = m log2 e + log2 l`` (``+inf`` if fully masked, so P = 0; NaN stays NaN) and ``delta``."""
+    m_base = m.base + row_off * m.stride
+    l_base = l.base + row_off * l.stride
+    delta_base = delta.base + row_off * delta.stride
+    m_row = tl.load(m_base + offs_m * m.stride, mask=row_ok, other=0.0)
+    l_row = tl.load(l_base + offs_m * l.stride, mask=row_ok, other=0.0)
+    seen = l_row != 0.0
+    lse2 = tl.where(seen, m_row * LOG2E_CONST + tl.log2(tl.where(seen, l_row, 1.0)), float("inf"))
+    delta_row = tl.load(delta_base + offs_m * delta.stride, mask=row_ok, other=0.0)
+    return lse2, delta_row
+
+
+@triton.jit
+def store_output(
+    out,
+    row_off,
+    state,
+    live,
+    offs_m,
+    in_bounds,
+    cols,
+    EVEN_DV: tl.constexpr,
+    STORE_STATS: tl.constexpr,
+):
+    """Write a query tile's ``o = acc / l_i`` (0 in rows not ``live``) from its online-softmax
+    ``state = (acc, m_i, l_i)`` to rows ``row_off + offs_m`` where ``in_bounds`` of ``out``,
+    the :data:`Rows` of ``o``, ``m`` and ``l``; with ``STORE_STATS`` also the checkpoints
+    ``m`` (natural-log units; ``-inf`` where not live, NaN where ``l_i`` is) and ``l`` (0 where
+    not live)."""
+    o, m, l = out
+    acc, m_i, l_i = state
+    tile = acc / tl.where(live, l_i, 1.0)[:, None]
+    tile = tl.where(live[:, None], tile, 0.0)
+    store_rows(o, row_off, offs_m, in_bounds, cols.dv, cols.DV, tile, EVEN_DV)
+    if STORE_STATS:
+        m_out = tl.where(live, m_i * LN2_CONST, float("-inf"))
+        m_out = tl.where(l_i == l_i, m_out, float("nan"))
+        l_out = tl.where(live, l_i, 0.0)
+        tl.store(m.base + row_off * m.stride + offs_m * m.stride, m_out, mask=in_bounds)
+        tl.store(l.base + row_off * l.stride + offs_m * l.stride, l_out, mask=in_bounds)
+
+
+@triton.jit
+def backward_heads(t, b, h):
+    """The :data:`BackwardRows` of batch ``b``, head ``h`` of the tensors ``t``."""
+    return BackwardRows(
+        head_rows(t.q, b, h),
+        head_rows(t.do, b, h),
+        head_rows(t.m, b, h),
+        head_rows(t.l, b, h),
+        head_rows(t.delta, b, h),
+    )
+
+
+@triton.jit
+def query_tile(
+    head, row_off, offs_m, row_ok, cols, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_TYPE
+):
+    """``(q, do, lse2, delta)`` of query rows ``row_off + offs_m`` of one head's
+    :data:`BackwardRows` (0 where not ``row_ok``; ``lse2`` and ``delta`` as :func:`row_stats`)."""
+    q = load_rows(head.q, row_off, offs_m, row_ok, cols.d, cols.D, True, EVEN_D).to(DOT_TYPE)
+    do = load_rows(head.do, row_off, offs_m, row_ok, cols.dv, cols.DV, True, EVEN_DV)
+    do = do.to(DOT_TYPE)
+    lse2, delta = row_stats(head.m, head.l, head.delta, row_off, offs_m, row_ok)
+    return q, do, lse2, delta
 
 
 def dim_block(d: int) -> int:
@@ -258,20 +419,37 @@ def use_autotune(work: int, like) -> bool:
     )
 
 
+def tile_grid(n: int, block: str, programs: int, varlen: bool = False):
+    """``grid(blocks)`` for :func:`launch`: the tiles of ``n`` rows, ``blocks[block]`` rows a
+    tile, for each of ``programs`` (batch x heads), on one axis, or on two with ``varlen``."""
+
+    def grid(blocks):
+        tiles = triton.cdiv(n, blocks[block])
+        return (tiles, programs) if varlen else (tiles * programs,)
+
+    return grid
+
+
 def launch(kernel, tuned, table: TileTable, grid, args, meta, work: int, like) -> None:
     """Run ``kernel`` with ``table``'s tile, or its tuned wrapper ``tuned`` on large CUDA problems.
 
-    ``grid(blocks)`` maps the chosen ``BLOCK_M``/``BLOCK_N`` to the launch grid;
-    ``meta`` must hold ``BLOCK_D``.
+    ``grid(blocks)`` maps the chosen ``BLOCK_M``/``BLOCK_N`` to the launch grid (or
+    ``grid`` is the grid itself); ``meta`` must hold ``BLOCK_D``.
     """
     if use_autotune(work, like):
         traced(tuned, like)[grid](*args, **meta)
         return
     tile = table.choose(meta["BLOCK_D"], like.element_size())
     blocks = tile.blocks()
-    traced(kernel, like)[grid(blocks)](
+    traced(kernel, like)[grid(blocks) if callable(grid) else grid](
         *args, **meta, **blocks, num_warps=tile.num_warps, num_stages=tile.num_stages
     )
+
+
+def strides_of(*tensors) -> tuple[int, ...]:
+    """The (batch, head, row) element strides of each ``(B, H, rows, ...)`` tensor, in order:
+    a kernel's stride arguments. A None tensor (never read) gives zeros."""
+    return tuple(st for t in tensors for st in ((0, 0, 0) if t is None else t.stride()[:3]))
 
 
 def scalar_or_pointer(value, like):

@@ -56,6 +56,7 @@ __all__ = [
     "resident_programs",
     "reduce_partials",
     "row_config",
+    "row_strides",
     "traced",
     "tracing",
 ]
@@ -114,6 +115,19 @@ class RowConfig:
     def tiles(self, rows: int) -> int:
         """Tiles covering ``rows`` rows."""
         return triton.cdiv(rows, self.rows)
+
+    @property
+    def meta(self) -> dict:
+        """The launch keywords: ``ROWS``, ``BLOCK_M``, ``num_warps``, and ``N_CHUNKS`` when streaming."""
+        meta = {"ROWS": self.rows, "BLOCK_M": self.block_m, "num_warps": self.num_warps}
+        if self.streaming:
+            meta["N_CHUNKS"] = self.n_chunks
+        return meta
+
+
+def row_strides(*tensors) -> tuple[int, ...]:
+    """Each tensor's stride between rows (axis 0): a row kernel's stride arguments; 0 for None."""
+    return tuple(0 if t is None else t.stride(0) for t in tensors)
 
 
 def _warps(elements: int, pass_: str) -> int:
@@ -295,14 +309,12 @@ def load_row_vector(ptr, cols, col_ok, ROWS: tl.constexpr):
 def _reduce_partials_kernel(
     partial_ptr,  # (P, M) float32 partial sums
     total_ptr,  # (M,) column sums: out, or row 0 of partial (then cast by _cast_row_kernel)
-    p,  # number of partial rows P
-    m,  # row length M
-    stride_partial_p,  # element stride between partial rows
-    stride_partial_m,  # element stride along a partial row
+    p, m,  # number of partial rows P, row length M
+    stride_partial_p, stride_partial_m,  # element strides between partial rows, along a row
     stride_total,  # element stride of total
     BLOCK_P: tl.constexpr,  # partial rows summed per step
     BLOCK_N: tl.constexpr,  # columns per program
-):
+):  # fmt: skip
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < m
     cols64 = cols.to(tl.int64)
@@ -321,13 +333,11 @@ def _reduce_partials_kernel(
 
 @triton.jit
 def _cast_row_kernel(
-    src_ptr,  # (M,) float32 column sums
-    out_ptr,  # (M,) output, a 16-bit float dtype
+    src_ptr, out_ptr,  # (M,) float32 column sums, (M,) output of a 16-bit float dtype
     m,  # row length M
-    stride_src,  # element stride of src
-    stride_out,  # element stride of out
+    stride_src, stride_out,  # element strides of src and out
     BLOCK: tl.constexpr,  # columns per program: 8 per thread, one 16-byte store each
-):
+):  # fmt: skip
     cols = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = cols < m
     total = tl.load(src_ptr + cols * stride_src, mask=ok, other=0.0)
@@ -366,25 +376,10 @@ def reduce_partials(partial, out) -> None:
     direct = out.dtype == partial.dtype or p == 0
     total = out if direct else partial[0]
     with launch_context(_reduce_partials_kernel, partial):
-        traced(_reduce_partials_kernel, partial)[(triton.cdiv(m, REDUCE_BLOCK_N),)](
-            partial,
-            total,
-            p,
-            m,
-            partial.stride(0),
-            partial.stride(1),
-            total.stride(0),
-            BLOCK_P=REDUCE_BLOCK_P,
-            BLOCK_N=REDUCE_BLOCK_N,
-            num_warps=4,
-        )
+        args = (partial, total, p, m, *partial.stride(), total.stride(0))
+        meta = {"BLOCK_P": REDUCE_BLOCK_P, "BLOCK_N": REDUCE_BLOCK_N, "num_warps": 4}
+        traced(_reduce_partials_kernel, partial)[(triton.cdiv(m, REDUCE_BLOCK_N),)](*args, **meta)
         if not direct:
-            traced(_cast_row_kernel, partial)[(triton.cdiv(m, CAST_BLOCK),)](
-                total,
-                out,
-                m,
-                total.stride(0),
-                out.stride(0),
-                BLOCK=CAST_BLOCK,
-                num_warps=CAST_WARPS,
-            )
+            args = (total, out, m, total.stride(0), out.stride(0))
+            meta = {"BLOCK": CAST_BLOCK, "num_warps": CAST_WARPS}
+            traced(_cast_row_kernel, partial)[(triton.cdiv(m, CAST_BLOCK),)](*args, **meta)

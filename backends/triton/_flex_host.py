@@ -318,6 +318,12 @@ class Mods:
             reductions,
         )
 
+    @property
+    def arguments(self) -> tuple:
+        """The mods' run-time kernel arguments: score arrays, score constants, mask arrays,
+        mask constants."""
+        return (self.score_arrs, self.score_consts, self.mask_arrs, self.mask_consts)
+
     def finish(self) -> None:
         """Sum the partial rows (a fixed-order tree) and add the float32 sums into accumulators
         of other dtypes."""

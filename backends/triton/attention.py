@@ -65,29 +65,44 @@ product as 0, the pairs that see them carrying NaN through ``p`` or ``ds``
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import triton
 import triton.language as tl
 
 from ._attn_common import (
-    LN2_CONST,
+    KV,
     LOG2E,
-    LOG2E_CONST,
-    RANGE_LOOPS,
+    BackwardRows,
+    Cols,
+    Strided,
     Tile,
     TileTable,
     autotuned,
+    backward_heads,
     dim_block,
     dot_precision,
     dot_type,
     head_class,
+    head_rows,
     kv_tile,
     launch,
-    row_max,
+    load_rows,
+    query_tile,
     scalar_or_pointer,
+    softmax_update,
+    store_output,
+    store_rows,
+    strides_of,
+    tile_grid,
+    tile_loop,
 )
 from ._common import launch_context, traced
 
 __all__ = ["backward", "forward"]
+
+#: The query and key extents of batch (or packed sequence) ``b``, from :func:`_sequence_context`.
+Sequence = namedtuple("Sequence", ["bq", "bk", "q_len", "k_len", "pos0", "q_rows", "k_rows"])
 
 
 @triton.jit
@@ -102,157 +117,41 @@ def _visible(n0, offs_n, q_pos, k_len, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _forward_step(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k_base,
-    v_base,
+    carry,
     n0,
-    stride_kn,
-    stride_vn,
-    offs_n,
-    offs_d,
-    offs_dv,
-    q_pos,
-    k_len,
-    qk_scale,
-    D,
-    DV,
+    ctx,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Online-softmax update of ``acc, m_i, l_i`` by the key tile at ``n0``.
+    """Online-softmax update of ``carry = (acc, m_i, l_i)`` by the key tile at ``n0``.
 
-    With ``MASKED`` the tile is checked against ``k_len`` and (``CAUSAL``)
-    the query positions ``q_pos``; without it every key is visible to every row.
+    ``ctx``: the query tile ``q``, its :data:`~._attn_common.KV` and
+    :data:`~._attn_common.Cols`, the key offsets of a tile, the rows' query
+    positions ``q_pos``, the valid keys ``k_len`` and ``scale * log2 e``. With
+    ``MASKED`` the tile is checked against ``k_len`` and (``CAUSAL``) ``q_pos``;
+    without it every key is visible to every row.
     """
-    k, v = kv_tile(
-        k_base,
-        v_base,
-        n0,
-        stride_kn,
-        stride_vn,
-        offs_n,
-        offs_d,
-        offs_dv,
-        k_len,
-        D,
-        DV,
-        MASKED,
-        EVEN_D,
-        EVEN_DV,
-    )
+    acc, m_i, l_i = carry
+    q, kv, cols, offs_n, q_pos, k_len, qk_scale = ctx
+    k, v = kv_tile(kv, n0, offs_n, cols, k_len, MASKED, EVEN_D, EVEN_DV)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
     if MASKED:
         s = tl.where(_visible(n0, offs_n, q_pos, k_len, CAUSAL), s, float("-inf"))
-    m_new = tl.maximum(m_i, row_max(s))
-    # -inf: every score so far masked or NaN (a NaN query row); 0 avoids -inf - -inf.
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+    p, acc, m_i, l_i = softmax_update(acc, m_i, l_i, s)
     if MASKED and CAUSAL:
         # p = 0 on masked pairs, but 0 * NaN is NaN: non-finite values enter the
         # product as 0, and a row gets NaN in column c when it sees the first
         # non-finite value of that column (visibility is monotone in the key).
         finite = tl.abs(v.to(tl.float32)) < float("inf")
         first_bad = tl.min(tl.where(finite, 2147483647, (n0 + offs_n)[:, None]), 0)
-        acc = tl.dot(
-            p.to(q.dtype), tl.where(finite, v, 0.0).to(q.dtype), acc, input_precision=PRECISION
-        )
+        v = tl.where(finite, v, 0.0).to(q.dtype)
+        acc = tl.dot(p.to(q.dtype), v, acc, input_precision=PRECISION)
         acc = tl.where(first_bad[None, :] <= q_pos[:, None], float("nan"), acc)
     else:
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _forward_tiles(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k_base,
-    v_base,
-    stride_kn,
-    stride_vn,
-    offs_n,
-    offs_d,
-    offs_dv,
-    q_pos,
-    n_lo,
-    n_hi,
-    k_len,
-    qk_scale,
-    D,
-    DV,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """:func:`_forward_step` over the key tiles ``[n_lo, n_hi)`` (see ``RANGE_LOOPS``)."""
-    if RANGE_LOOPS:
-        for n0 in range(n_lo, n_hi, BLOCK_N):
-            acc, m_i, l_i = _forward_step(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k_base,
-                v_base,
-                n0,
-                stride_kn,
-                stride_vn,
-                offs_n,
-                offs_d,
-                offs_dv,
-                q_pos,
-                k_len,
-                qk_scale,
-                D,
-                DV,
-                MASKED,
-                CAUSAL,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-            )
-    else:
-        n0 = n_lo
-        while n0 < n_hi:
-            acc, m_i, l_i = _forward_step(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k_base,
-                v_base,
-                n0,
-                stride_kn,
-                stride_vn,
-                offs_n,
-                offs_d,
-                offs_dv,
-                q_pos,
-                k_len,
-                qk_scale,
-                D,
-                DV,
-                MASKED,
-                CAUSAL,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-            )
-            n0 += BLOCK_N
     return acc, m_i, l_i
 
 
@@ -264,84 +163,44 @@ def _clamped(ptr, b, low, high):
 
 
 @triton.jit
-def _row_context(
-    b,
-    q_len_ptr,
-    k_len_ptr,
-    pos_ptr,
-    pos_scalar,
-    Sq,
-    Sk,
-    HAS_QLEN: tl.constexpr,
-    HAS_KLEN: tl.constexpr,
-    POS_ARRAY: tl.constexpr,
+def _sequence_context(
+    b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY, VARLEN
 ):
-    """Batch ``b``'s valid query count, valid key count and first query position.
+    """The :class:`Sequence` of batch or sequence ``b``.
+
+    ``bq``/``bk`` (int64) index the batch axis of q-side and k-side tensors:
+    ``b`` itself, or with ``VARLEN`` the first token of sequence ``b`` (the
+    host then passes each tensor's token stride as its batch stride).
+    ``q_len``/``k_len`` count the valid queries and keys, ``pos0`` is the
+    position of query 0, and ``q_rows``/``k_rows`` bound the rows a program
+    may store: ``Sq``/``Sk``, or the sequence's own lengths with ``VARLEN``,
+    whose pointers ``q_len_ptr``/``k_len_ptr`` are the ``(B + 1,)`` prefix sums
+    and ``Sq``/``Sk`` the packed lengths.
 
     Array values are read at int64 and clamped where clamping changes no
-    result: lengths to ``[0, S]``, the position to ``[-Sq, Sk]`` (from ``Sk``
-    on every key is visible, up to ``-Sq`` none is), so no value wraps or
-    leads a load out of bounds. ``pos_scalar`` arrives clamped.
-    """
-    q_len = Sq
-    if HAS_QLEN:
-        q_len = _clamped(q_len_ptr, b, 0, Sq)
-    k_len = Sk
-    if HAS_KLEN:
-        k_len = _clamped(k_len_ptr, b, 0, Sk)
-    pos0 = pos_scalar
-    if POS_ARRAY:
-        pos0 = _clamped(pos_ptr, b, -Sq, Sk)
-    return q_len, k_len, pos0
-
-
-@triton.jit
-def _sequence_context(
-    b,
-    q_len_ptr,
-    k_len_ptr,
-    pos_ptr,
-    pos_scalar,
-    Sq,
-    Sk,
-    HAS_QLEN: tl.constexpr,
-    HAS_KLEN: tl.constexpr,
-    POS_ARRAY: tl.constexpr,
-    VARLEN: tl.constexpr,
-):
-    """``(q_row0, k_row0, q_len, k_len, pos0, q_rows, k_rows)`` of batch or sequence ``b``.
-
-    ``q_row0``/``k_row0`` (int64) index the batch axis of q-side and k-side
-    tensors: ``b`` itself, or with ``VARLEN`` the first token of sequence
-    ``b`` (the host then passes each tensor's token stride as its batch
-    stride). ``q_rows``/``k_rows`` bound the rows a program may store:
-    ``Sq``/``Sk``, or the sequence's own lengths with ``VARLEN``, whose
-    pointers ``q_len_ptr``/``k_len_ptr`` are the ``(B + 1,)`` prefix sums and
-    ``Sq``/``Sk`` the packed lengths: starts and ends are clamped into
-    ``[0, S]`` (so no value reads out of bounds), the position as in
-    :func:`_row_context`.
+    result: lengths (and starts and ends) to ``[0, S]``, the position to
+    ``[-Sq, Sk]`` (from ``Sk`` on every key is visible, up to ``-Sq`` none is),
+    so no value wraps or leads a load out of bounds. ``pos_scalar`` arrives clamped.
     """
     if VARLEN:
         q_start = _clamped(q_len_ptr, b, 0, Sq)
         q_len = _clamped(q_len_ptr, b + 1, q_start, Sq) - q_start
         k_start = _clamped(k_len_ptr, b, 0, Sk)
         k_len = _clamped(k_len_ptr, b + 1, k_start, Sk) - k_start
-        pos0 = pos_scalar
-        if POS_ARRAY:
-            pos0 = _clamped(pos_ptr, b, -Sq, Sk)
-        q_row0 = q_start.to(tl.int64)
-        k_row0 = k_start.to(tl.int64)
-        q_rows = q_len
-        k_rows = k_len
+        rows = (q_start.to(tl.int64), k_start.to(tl.int64), q_len, k_len)
     else:
-        q_len, k_len, pos0 = _row_context(
-            b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY
-        )
-        q_row0 = b.to(tl.int64)
-        k_row0 = q_row0
-        q_rows = Sq
-        k_rows = Sk
-    return q_row0, k_row0, q_len, k_len, pos0, q_rows, k_rows
+        q_len = Sq
+        if HAS_QLEN:
+            q_len = _clamped(q_len_ptr, b, 0, Sq)
+        k_len = Sk
+        if HAS_KLEN:
+            k_len = _clamped(k_len_ptr, b, 0, Sk)
+        rows = (b.to(tl.int64), b.to(tl.int64), Sq, Sk)
+    pos0 = pos_scalar
+    if POS_ARRAY:
+        pos0 = _clamped(pos_ptr, b, -Sq, Sk)
+    bq, bk, q_rows, k_rows = rows
+    return Sequence(bq, bk, q_len, k_len, pos0, q_rows, k_rows)
 
 
 @triton.jit
@@ -391,219 +250,95 @@ def _query_tile_program(
     return pid_m, pid_bh
 
 
-@triton.jit
-def _load_rows(base, row_off, stride, offs_m, offs_d, row_ok, D, EVEN: tl.constexpr):
-    """Rows ``row_off + offs_m`` (all ``offs_d`` columns) of a row-major tile, zero where not ``row_ok``.
-
-    The mask is on the sequence axis only when ``EVEN`` (the tile is the head
-    dim), so each row is loaded by 16-byte vectors; otherwise it also covers
-    the padded head-dim columns.
-    """
-    ptrs = base + row_off * stride + offs_m[:, None] * stride + offs_d[None, :]
-    if EVEN:
-        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
-    return tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-
-
-@triton.jit
-def _store_rows(base, stride, offs_n, offs_d, row_ok, D, x, EVEN: tl.constexpr):
-    """Store ``x`` to rows ``offs_n`` of ``base`` where ``row_ok``; the head-dim mask only if not ``EVEN``."""
-    ptrs = base + offs_n[:, None] * stride + offs_d[None, :]
-    x = x.to(base.dtype.element_ty)
-    if EVEN:
-        tl.store(ptrs, x, mask=row_ok[:, None])
-    else:
-        tl.store(ptrs, x, mask=row_ok[:, None] & (offs_d[None, :] < D))
-
-
 _SIZES = ["H", "GROUP", "Sq", "Sk", "pos_scalar", "D", "DV"]
 
 
 @triton.jit(do_not_specialize=_SIZES)
 def _forward_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
-    m_ptr,
-    l_ptr,  # (B,H,Sq) float32 checkpoints; unused unless STORE_STATS
-    q_len_ptr,
-    k_len_ptr,
-    pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
-    stride_qb,
-    stride_qh,
-    stride_qm,  # q strides (last axis contiguous)
-    stride_kb,
-    stride_kh,
-    stride_kn,  # k strides
-    stride_vb,
-    stride_vh,
-    stride_vn,  # v strides
-    stride_ob,
-    stride_oh,
-    stride_om,  # o strides
-    stride_mb,
-    stride_mh,
-    stride_mm,  # m strides
-    stride_lb,
-    stride_lh,
-    stride_lm,  # l strides
-    H,
-    GROUP,
-    Sq,
-    Sk,  # query heads, query heads per kv head, query and key lengths
+    q_ptr, k_ptr, v_ptr, o_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    m_ptr, l_ptr,  # (B,H,Sq) float32 checkpoints; unused unless STORE_STATS
+    q_len_ptr, k_len_ptr, pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
+    stride_qb, stride_qh, stride_qm,  # q strides (batch, head, row; last axis contiguous)
+    stride_kb, stride_kh, stride_kn,  # k strides
+    stride_vb, stride_vh, stride_vn,  # v strides
+    stride_ob, stride_oh, stride_om,  # o strides
+    stride_mb, stride_mh, stride_mm,  # m strides
+    stride_lb, stride_lh, stride_lm,  # l strides
+    H, GROUP, Sq, Sk,  # query heads, query heads per kv head, query and key lengths
     pos_scalar,  # input_pos when it is one integer
     qk_scale,  # scale * log2(e)
-    D,
-    DV,  # head dims of q/k and v/o
+    D, DV,  # head dims of q/k and v/o
     CAUSAL: tl.constexpr,
-    HAS_QLEN: tl.constexpr,
-    HAS_KLEN: tl.constexpr,
-    POS_ARRAY: tl.constexpr,
+    HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, POS_ARRAY: tl.constexpr,  # which arrays to read
     STORE_STATS: tl.constexpr,  # write the m, l checkpoints
-    EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
     PRECISION: tl.constexpr,  # tl.dot input precision
     DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,  # padded head dims
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # query and key tile
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query and key tile
     VARLEN: tl.constexpr = False,  # packed sequences (see _sequence_context)
-):
+):  # fmt: skip
     """One query tile of one (batch, head): ``o`` and, with ``STORE_STATS``, ``m`` and ``l``."""
     pid_m, pid_bh = _query_tile_program(Sq, CAUSAL, BLOCK_M, VARLEN)
     b = pid_bh // H
     h = pid_bh % H
-    kvh = h // GROUP
-    bq, bk, q_len, k_len, pos0, q_rows, _ = _sequence_context(
-        b,
-        q_len_ptr,
-        k_len_ptr,
-        pos_ptr,
-        pos_scalar,
-        Sq,
-        Sk,
-        HAS_QLEN,
-        HAS_KLEN,
-        POS_ARRAY,
-        VARLEN,
+    kvh = (h // GROUP).to(tl.int64)
+    h = h.to(tl.int64)
+    seq = _sequence_context(
+        b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY, VARLEN
     )
     start_m = pid_m * BLOCK_M
+    row_off = start_m.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    cols = Cols(tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), D, DV)
     rows = start_m + offs_m
-    row_ok = rows < q_len
+    row_ok = rows < seq.q_len
 
-    q_base = q_ptr + bq * stride_qb + h.to(tl.int64) * stride_qh
-    q = _load_rows(q_base, start_m.to(tl.int64), stride_qm, offs_m, offs_d, row_ok, D, EVEN_D).to(
-        DOT_TYPE
+    q_head = head_rows(Strided(q_ptr, stride_qb, stride_qh, stride_qm), seq.bq, h)
+    q = load_rows(q_head, row_off, offs_m, row_ok, cols.d, D, True, EVEN_D).to(DOT_TYPE)
+    kv = KV(
+        head_rows(Strided(k_ptr, stride_kb, stride_kh, stride_kn), seq.bk, kvh),
+        head_rows(Strided(v_ptr, stride_vb, stride_vh, stride_vn), seq.bk, kvh),
     )
-    k_base = k_ptr + bk * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + bk * stride_vb + kvh.to(tl.int64) * stride_vh
-
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    q_pos = pos0 + rows
-    full_end, hi = _key_bounds(start_m, q_len, k_len, pos0, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, m_i, l_i = _forward_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        k_base,
-        v_base,
-        stride_kn,
-        stride_vn,
-        offs_n,
-        offs_d,
-        offs_dv,
-        q_pos,
-        0,
-        full_end,
-        k_len,
-        qk_scale,
-        D,
-        DV,
-        False,
-        CAUSAL,
-        EVEN_D,
-        EVEN_DV,
-        PRECISION,
-        BLOCK_N,
+    q_pos = seq.pos0 + rows
+    ctx = (q, kv, cols, offs_n, q_pos, seq.k_len, qk_scale)
+    full_end, hi = _key_bounds(start_m, seq.q_len, seq.k_len, seq.pos0, CAUSAL, BLOCK_M, BLOCK_N)
+    carry = (acc, m_i, l_i)
+    carry = tile_loop(
+        _forward_step, carry, 0, full_end, BLOCK_N, ctx, (False, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
     )
-    acc, m_i, l_i = _forward_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        k_base,
-        v_base,
-        stride_kn,
-        stride_vn,
-        offs_n,
-        offs_d,
-        offs_dv,
-        q_pos,
-        full_end,
-        hi,
-        k_len,
-        qk_scale,
-        D,
-        DV,
-        True,
-        CAUSAL,
-        EVEN_D,
-        EVEN_DV,
-        PRECISION,
-        BLOCK_N,
+    acc, m_i, l_i = tile_loop(
+        _forward_step, carry, full_end, hi, BLOCK_N, ctx, (True, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
     )
 
     live = row_ok & (l_i != 0.0)  # a NaN sum (a row that saw NaN) stays live: o, m, l NaN
-    o = acc / tl.where(live, l_i, 1.0)[:, None]
-    o = tl.where(live[:, None], o, 0.0)
-    in_bounds = rows < q_rows
-    o_base = o_ptr + bq * stride_ob + h.to(tl.int64) * stride_oh + start_m.to(tl.int64) * stride_om
-    _store_rows(o_base, stride_om, offs_m, offs_dv, in_bounds, DV, o, EVEN_DV)
-    if STORE_STATS:
-        m_out = tl.where(live, m_i * LN2_CONST, float("-inf"))
-        m_out = tl.where(l_i == l_i, m_out, float("nan"))
-        l_out = tl.where(live, l_i, 0.0)
-        h64 = h.to(tl.int64)
-        row_off = start_m.to(tl.int64)
-        m_base = m_ptr + bq * stride_mb + h64 * stride_mh + row_off * stride_mm
-        l_base = l_ptr + bq * stride_lb + h64 * stride_lh + row_off * stride_lm
-        tl.store(m_base + offs_m * stride_mm, m_out, mask=in_bounds)
-        tl.store(l_base + offs_m * stride_lm, l_out, mask=in_bounds)
+    out = (
+        head_rows(Strided(o_ptr, stride_ob, stride_oh, stride_om), seq.bq, h),
+        head_rows(Strided(m_ptr, stride_mb, stride_mh, stride_mm), seq.bq, h),
+        head_rows(Strided(l_ptr, stride_lb, stride_lh, stride_lm), seq.bq, h),
+    )
+    state = (acc, m_i, l_i)
+    in_bounds = rows < seq.q_rows
+    store_output(out, row_off, state, live, offs_m, in_bounds, cols, EVEN_DV, STORE_STATS)
 
 
 @triton.jit(do_not_specialize=["H", "Sq", "DV"])
 def _delta_kernel(
-    o_ptr,
-    do_ptr,
-    delta_ptr,  # (B,H,Sq,DV) output and its cotangent; (B,H,Sq) float32 delta
+    o_ptr, do_ptr, delta_ptr,  # (B,H,Sq,DV) output and its cotangent; (B,H,Sq) float32 delta
     q_len_ptr,  # (B,) valid query counts; unused unless HAS_QLEN
-    stride_ob,
-    stride_oh,
-    stride_om,  # o strides
-    stride_dob,
-    stride_doh,
-    stride_dom,  # do strides
-    stride_deb,
-    stride_deh,
-    stride_dem,  # delta strides
-    H,
-    Sq,
-    DV,  # query heads, query length, value head dim
+    stride_ob, stride_oh, stride_om,  # o strides
+    stride_dob, stride_doh, stride_dom,  # do strides
+    stride_deb, stride_deh, stride_dem,  # delta strides
+    H, Sq, DV,  # query heads, query length, value head dim
     HAS_QLEN: tl.constexpr,
     EVEN_DV: tl.constexpr,  # DV == BLOCK_DV
-    BLOCK_M: tl.constexpr,
-    BLOCK_DV: tl.constexpr,  # row tile, padded value head dim
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,  # row tile, padded value head dim
     VARLEN: tl.constexpr = False,  # q_len_ptr: (B + 1,) prefix sums; grid (tiles, B * H)
-):
+):  # fmt: skip
     """``delta = rowsum(do * o)`` in float32; 0 for rows ``>= q_lengths[b]``."""
     if VARLEN:
         pid_m = tl.program_id(0)
@@ -628,52 +363,21 @@ def _delta_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = (start_m + offs_m) < q_len
     row_off = start_m.to(tl.int64)
-    o_base = o_ptr + b * stride_ob + h * stride_oh
-    o = _load_rows(o_base, row_off, stride_om, offs_m, offs_dv, row_ok, DV, EVEN_DV)
-    do_base = do_ptr + b * stride_dob + h * stride_doh
-    do = _load_rows(do_base, row_off, stride_dom, offs_m, offs_dv, row_ok, DV, EVEN_DV)
+    o_head = head_rows(Strided(o_ptr, stride_ob, stride_oh, stride_om), b, h)
+    o = load_rows(o_head, row_off, offs_m, row_ok, offs_dv, DV, True, EVEN_DV)
+    do_head = head_rows(Strided(do_ptr, stride_dob, stride_doh, stride_dom), b, h)
+    do = load_rows(do_head, row_off, offs_m, row_ok, offs_dv, DV, True, EVEN_DV)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    delta_base = delta_ptr + b * stride_deb + h * stride_deh + start_m.to(tl.int64) * stride_dem
-    tl.store(delta_base + offs_m * stride_dem, delta, mask=(start_m + offs_m) < q_rows)
-
-
-@triton.jit
-def _row_stats(m_base, l_base, delta_base, stride_mm, stride_lm, stride_dem, offs_m, row_ok):
-    """Per row: ``lse2 = m log2 e + log2 l`` (``+inf`` if fully masked, so P = 0; NaN stays NaN) and ``delta``."""
-    m = tl.load(m_base + offs_m * stride_mm, mask=row_ok, other=0.0)
-    l = tl.load(l_base + offs_m * stride_lm, mask=row_ok, other=0.0)
-    seen = l != 0.0
-    lse2 = tl.where(seen, m * LOG2E_CONST + tl.log2(tl.where(seen, l, 1.0)), float("inf"))
-    delta = tl.load(delta_base + offs_m * stride_dem, mask=row_ok, other=0.0)
-    return lse2, delta
+    out = head_rows(Strided(delta_ptr, stride_deb, stride_deh, stride_dem), b, h)
+    ptrs = out.base + row_off * out.stride + offs_m * out.stride
+    tl.store(ptrs, delta, mask=(start_m + offs_m) < q_rows)
 
 
 @triton.jit
 def _dkdv_step(
-    dk,
-    dv,
-    k,
-    v,
+    carry,
     m0,
-    q_base,
-    do_base,
-    m_base,
-    l_base,
-    delta_base,
-    stride_qm,
-    stride_dom,
-    stride_mm,
-    stride_lm,
-    stride_dem,
-    offs_m,
-    offs_d,
-    offs_dv,
-    key_pos,
-    q_len,
-    pos0,
-    qk_scale,
-    D,
-    DV,
+    ctx,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
@@ -681,40 +385,35 @@ def _dkdv_step(
     WITH_DK: tl.constexpr,
     WITH_DV: tl.constexpr,
 ):
-    """Add the query tile at ``m0`` of one query head to a key tile's ``dk`` (unscaled) and ``dv``.
+    """Add the query tile at ``m0`` of one query head to a key tile's ``carry = (dk, dv)``
+    (``dk`` unscaled).
+
+    ``ctx``: the key tile ``k``, ``v`` and its key positions, the head's
+    :data:`~._attn_common.BackwardRows`, the :data:`~._attn_common.Cols`, the query row
+    offsets of a tile, the :class:`Sequence` and ``scale * log2 e``.
+    ``WITH_DK`` / ``WITH_DV`` select the gradients formed (the other is
+    returned as given): dV alone needs neither ``dp`` nor ``v``.
 
     Transposed form: every product has the key tile as its M dimension --
     ``s^T = k q^T`` and ``dp^T = v dO^T`` are ``(BLOCK_N, BLOCK_M)``, then
     ``dv += p^T dO`` and ``dk += ds^T q`` -- so with ``BLOCK_N >= 64`` each
     lowers to a warpgroup MMA on Hopper, Q and dO being the shared-memory B
-    operands. ``MASKED``
-    applies the causal mask (query tiles crossing the diagonal); rows
-    ``>= q_len`` are excluded by the loads (``P = 0`` there). ``WITH_DK`` /
-    ``WITH_DV`` select the gradients formed (the other is returned as given):
-    dV alone needs neither ``dp`` nor ``v``.
+    operands. ``MASKED`` applies the causal mask (query tiles crossing the
+    diagonal); rows ``>= q_len`` are excluded by the loads (``P = 0`` there).
     """
+    dk, dv = carry
+    k, v, key_pos, head, cols, offs_m, seq, qk_scale = ctx
     rows = m0 + offs_m
-    row_ok = rows < q_len
+    row_ok = rows < seq.q_len
     row_off = tl.cast(m0, tl.int64)
-    q = _load_rows(q_base, row_off, stride_qm, offs_m, offs_d, row_ok, D, EVEN_D).to(k.dtype)
-    do = _load_rows(do_base, row_off, stride_dom, offs_m, offs_dv, row_ok, DV, EVEN_DV).to(k.dtype)
-    lse2, delta = _row_stats(
-        m_base + row_off * stride_mm,
-        l_base + row_off * stride_lm,
-        delta_base + row_off * stride_dem,
-        stride_mm,
-        stride_lm,
-        stride_dem,
-        offs_m,
-        row_ok,
-    )
+    q, do, lse2, delta = query_tile(head, row_off, offs_m, row_ok, cols, EVEN_D, EVEN_DV, k.dtype)
     s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
     p_t = tl.exp2(s_t - lse2[None, :])
     if MASKED:
         # Masked pairs get p = ds = 0 by selection (never 0 * NaN); a query
         # row's non-finite entries enter dK as 0 -- the pairs that see them
         # carry NaN in ds already.
-        visible = key_pos[:, None] <= (pos0 + rows)[None, :]
+        visible = key_pos[:, None] <= (seq.pos0 + rows)[None, :]
         p_t = tl.where(visible, p_t, 0.0)
         if WITH_DV:
             dv = tl.dot(p_t.to(k.dtype), do, dv, input_precision=PRECISION)
@@ -734,180 +433,27 @@ def _dkdv_step(
 
 
 @triton.jit
-def _dkdv_tiles(
-    dk,
-    dv,
-    k,
-    v,
-    q_base,
-    do_base,
-    m_base,
-    l_base,
-    delta_base,
-    stride_qm,
-    stride_dom,
-    stride_mm,
-    stride_lm,
-    stride_dem,
-    offs_m,
-    offs_d,
-    offs_dv,
-    key_pos,
-    m_lo,
-    m_hi,
-    q_len,
-    pos0,
-    qk_scale,
-    D,
-    DV,
-    MASKED: tl.constexpr,
+def _dkdv_program(
+    tile,
+    cols,
+    CAUSAL: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
-    WITH_DK: tl.constexpr,
-    WITH_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """:func:`_dkdv_step` over the query tiles ``[m_lo, m_hi)`` (see ``RANGE_LOOPS``)."""
-    if RANGE_LOOPS:
-        for m0 in range(m_lo, m_hi, BLOCK_M):
-            dk, dv = _dkdv_step(
-                dk,
-                dv,
-                k,
-                v,
-                m0,
-                q_base,
-                do_base,
-                m_base,
-                l_base,
-                delta_base,
-                stride_qm,
-                stride_dom,
-                stride_mm,
-                stride_lm,
-                stride_dem,
-                offs_m,
-                offs_d,
-                offs_dv,
-                key_pos,
-                q_len,
-                pos0,
-                qk_scale,
-                D,
-                DV,
-                MASKED,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-                WITH_DK,
-                WITH_DV,
-            )
-    else:
-        m0 = m_lo
-        while m0 < m_hi:
-            dk, dv = _dkdv_step(
-                dk,
-                dv,
-                k,
-                v,
-                m0,
-                q_base,
-                do_base,
-                m_base,
-                l_base,
-                delta_base,
-                stride_qm,
-                stride_dom,
-                stride_mm,
-                stride_lm,
-                stride_dem,
-                offs_m,
-                offs_d,
-                offs_dv,
-                key_pos,
-                q_len,
-                pos0,
-                qk_scale,
-                D,
-                DV,
-                MASKED,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-                WITH_DK,
-                WITH_DV,
-            )
-            m0 += BLOCK_M
-    return dk, dv
-
-
-@triton.jit
-def _dkdv_program(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    do_ptr,
-    m_ptr,
-    l_ptr,
-    delta_ptr,
-    dk_ptr,
-    dv_ptr,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_mb,
-    stride_mh,
-    stride_mm,
-    stride_lb,
-    stride_lh,
-    stride_lm,
-    stride_deb,
-    stride_deh,
-    stride_dem,
-    stride_dkb,
-    stride_dkh,
-    stride_dkn,
-    stride_dvb,
-    stride_dvh,
-    stride_dvn,
-    bq,
-    bk,
-    kvh,
-    q_len,
-    k_len,
-    pos0,
-    k_rows,
-    start_n,
-    GROUP,
-    scale,
-    qk_scale,
-    D,
-    DV,
-    CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_TYPE: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WITH_DK: tl.constexpr,
     WITH_DV: tl.constexpr,
     MASK_ALL: tl.constexpr,
 ):
-    """dK and/or dV (``WITH_DK``, ``WITH_DV``) of the key tile at ``start_n``, summed over the
-    GQA group and stored; the arguments are :func:`_dkdv_kernel`'s and its program's context.
+    """dK and/or dV (``WITH_DK``, ``WITH_DV``) of one key tile of one (batch, kv head),
+    summed over the GQA group and stored.
+
+    ``tile`` (from :func:`_dkdv_kernel`): the :data:`~._attn_common.BackwardRows`, the K and V, and the
+    dK and dV (:data:`~._attn_common.KV`) as :data:`~._attn_common.Strided` tensors, the
+    batch's :class:`Sequence`, the kv head, the key tile's first key, the query heads per
+    kv head, the softmax scale and ``scale * log2 e``; the flags as :func:`_dkdv_kernel`'s.
 
     ``MASK_ALL`` (causal): every query tile from the diagonal on goes through the masked
     step, in one loop, instead of the masked tiles then the full ones in a second loop.
@@ -917,192 +463,91 @@ def _dkdv_program(
     the split programs' causal build compiles without spills only this way (sm_90, 64
     keys, 3 stages: 248 registers; with two loops 18 bytes spill).
     """
+    tensors, kv, grads, seq, kvh, start_n, group, scale, qk_scale = tile
+    kvh64 = kvh.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     key_pos = start_n + offs_n
-    key_ok = key_pos < k_len
-
-    k_tile = bk * stride_kb + kvh.to(tl.int64) * stride_kh + start_n.to(tl.int64) * stride_kn
-    v_tile = bk * stride_vb + kvh.to(tl.int64) * stride_vh + start_n.to(tl.int64) * stride_vn
-    k = _load_rows(k_ptr + k_tile, 0, stride_kn, offs_n, offs_d, key_ok, D, EVEN_D).to(DOT_TYPE)
-    v = _load_rows(v_ptr + v_tile, 0, stride_vn, offs_n, offs_dv, key_ok, DV, EVEN_DV).to(k.dtype)
-    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
+    key_ok = key_pos < seq.k_len
+    key_off = start_n.to(tl.int64)
+    k_head = head_rows(kv.k, seq.bk, kvh64)
+    v_head = head_rows(kv.v, seq.bk, kvh64)
+    k = load_rows(k_head, key_off, offs_n, key_ok, cols.d, cols.D, True, EVEN_D).to(DOT_TYPE)
+    v = load_rows(v_head, key_off, offs_n, key_ok, cols.dv, cols.DV, True, EVEN_DV)
+    v = v.to(k.dtype)
+    dk = tl.zeros(k.shape, dtype=tl.float32)
+    dv = tl.zeros(v.shape, dtype=tl.float32)
 
     # Query tiles [m_lo, m_full) cross the causal diagonal; from m_full on every
     # row sees every valid key of the tile. A tile past k_len visits none.
     m_lo = 0
     m_full = 0
     if CAUSAL:
-        last_key = tl.minimum(start_n + BLOCK_N, k_len) - 1
-        m_lo = (tl.maximum(start_n - pos0, 0) // BLOCK_M) * BLOCK_M
-        m_full = tl.cdiv(tl.maximum(last_key - pos0, 0), BLOCK_M) * BLOCK_M
-    key_tile_live = start_n < k_len
-    m_lo = tl.where(key_tile_live, m_lo, q_len)
-    m_full = tl.where(key_tile_live, m_full, q_len)
-    m_diag_end = tl.minimum(m_full, q_len)
+        last_key = tl.minimum(start_n + BLOCK_N, seq.k_len) - 1
+        m_lo = (tl.maximum(start_n - seq.pos0, 0) // BLOCK_M) * BLOCK_M
+        m_full = tl.cdiv(tl.maximum(last_key - seq.pos0, 0), BLOCK_M) * BLOCK_M
+    key_tile_live = start_n < seq.k_len
+    m_lo = tl.where(key_tile_live, m_lo, seq.q_len)
+    m_full = tl.where(key_tile_live, m_full, seq.q_len)
+    m_diag_end = tl.minimum(m_full, seq.q_len)
     if MASK_ALL:
-        m_diag_end = q_len
+        m_diag_end = seq.q_len
     g = 0
-    while g < GROUP:
-        h = (kvh * GROUP + g).to(tl.int64)
-        q_base = q_ptr + bq * stride_qb + h * stride_qh
-        do_base = do_ptr + bq * stride_dob + h * stride_doh
-        m_base = m_ptr + bq * stride_mb + h * stride_mh
-        l_base = l_ptr + bq * stride_lb + h * stride_lh
-        delta_base = delta_ptr + bq * stride_deb + h * stride_deh
+    while g < group:
+        head = backward_heads(tensors, seq.bq, (kvh * group + g).to(tl.int64))
+        ctx = (k, v, key_pos, head, cols, offs_m, seq, qk_scale)
         if CAUSAL:
-            dk, dv = _dkdv_tiles(
-                dk,
-                dv,
-                k,
-                v,
-                q_base,
-                do_base,
-                m_base,
-                l_base,
-                delta_base,
-                stride_qm,
-                stride_dom,
-                stride_mm,
-                stride_lm,
-                stride_dem,
-                offs_m,
-                offs_d,
-                offs_dv,
-                key_pos,
-                m_lo,
-                m_diag_end,
-                q_len,
-                pos0,
-                qk_scale,
-                D,
-                DV,
-                True,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-                WITH_DK,
-                WITH_DV,
-                BLOCK_M,
-            )
+            dk, dv = tile_loop(
+                _dkdv_step, (dk, dv), m_lo, m_diag_end, BLOCK_M, ctx,
+                (True, EVEN_D, EVEN_DV, PRECISION, WITH_DK, WITH_DV),
+            )  # fmt: skip
         if not (CAUSAL and MASK_ALL):
-            dk, dv = _dkdv_tiles(
-                dk,
-                dv,
-                k,
-                v,
-                q_base,
-                do_base,
-                m_base,
-                l_base,
-                delta_base,
-                stride_qm,
-                stride_dom,
-                stride_mm,
-                stride_lm,
-                stride_dem,
-                offs_m,
-                offs_d,
-                offs_dv,
-                key_pos,
-                m_full,
-                q_len,
-                q_len,
-                pos0,
-                qk_scale,
-                D,
-                DV,
-                False,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-                WITH_DK,
-                WITH_DV,
-                BLOCK_M,
-            )
+            dk, dv = tile_loop(
+                _dkdv_step, (dk, dv), m_full, seq.q_len, BLOCK_M, ctx,
+                (False, EVEN_D, EVEN_DV, PRECISION, WITH_DK, WITH_DV),
+            )  # fmt: skip
         g += 1
 
-    in_bounds = key_pos < k_rows
-    kvh64 = kvh.to(tl.int64)
-    key_off = start_n.to(tl.int64)
+    in_bounds = key_pos < seq.k_rows
     if WITH_DK:
         dk = tl.where(key_ok[:, None], dk * scale, 0.0)
-        dk_base = dk_ptr + bk * stride_dkb + kvh64 * stride_dkh + key_off * stride_dkn
-        _store_rows(dk_base, stride_dkn, offs_n, offs_d, in_bounds, D, dk, EVEN_D)
+        dk_head = head_rows(grads.k, seq.bk, kvh64)
+        store_rows(dk_head, key_off, offs_n, in_bounds, cols.d, cols.D, dk, EVEN_D)
     if WITH_DV:
         dv = tl.where(key_ok[:, None], dv, 0.0)
-        dv_base = dv_ptr + bk * stride_dvb + kvh64 * stride_dvh + key_off * stride_dvn
-        _store_rows(dv_base, stride_dvn, offs_n, offs_dv, in_bounds, DV, dv, EVEN_DV)
+        dv_head = head_rows(grads.v, seq.bk, kvh64)
+        store_rows(dv_head, key_off, offs_n, in_bounds, cols.dv, cols.DV, dv, EVEN_DV)
 
 
 @triton.jit(do_not_specialize=["HKV", "GROUP", "Sq", "Sk", "pos_scalar", "D", "DV"])
 def _dkdv_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
-    m_ptr,
-    l_ptr,
-    delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
-    dk_ptr,
-    dv_ptr,  # (B,Hkv,Sk,D), (B,Hkv,Sk,DV) shadows, overwritten
-    q_len_ptr,
-    k_len_ptr,
-    pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
-    stride_qb,
-    stride_qh,
-    stride_qm,  # q strides
-    stride_kb,
-    stride_kh,
-    stride_kn,  # k strides
-    stride_vb,
-    stride_vh,
-    stride_vn,  # v strides
-    stride_dob,
-    stride_doh,
-    stride_dom,  # do strides
-    stride_mb,
-    stride_mh,
-    stride_mm,  # m strides
-    stride_lb,
-    stride_lh,
-    stride_lm,  # l strides
-    stride_deb,
-    stride_deh,
-    stride_dem,  # delta strides
-    stride_dkb,
-    stride_dkh,
-    stride_dkn,  # dk strides
-    stride_dvb,
-    stride_dvh,
-    stride_dvn,  # dv strides
-    HKV,
-    GROUP,
-    Sq,
-    Sk,  # kv heads, query heads per kv head, query and key lengths
+    q_ptr, k_ptr, v_ptr, do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    m_ptr, l_ptr, delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
+    dk_ptr, dv_ptr,  # (B,Hkv,Sk,D), (B,Hkv,Sk,DV) shadows, overwritten
+    q_len_ptr, k_len_ptr, pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
+    stride_qb, stride_qh, stride_qm,  # q strides (batch, head, row)
+    stride_kb, stride_kh, stride_kn,  # k strides
+    stride_vb, stride_vh, stride_vn,  # v strides
+    stride_dob, stride_doh, stride_dom,  # do strides
+    stride_mb, stride_mh, stride_mm,  # m strides
+    stride_lb, stride_lh, stride_lm,  # l strides
+    stride_deb, stride_deh, stride_dem,  # delta strides
+    stride_dkb, stride_dkh, stride_dkn,  # dk strides
+    stride_dvb, stride_dvh, stride_dvn,  # dv strides
+    HKV, GROUP, Sq, Sk,  # kv heads, query heads per kv head, query and key lengths
     pos_scalar,  # input_pos when it is one integer
-    scale,
-    qk_scale,  # softmax scale, and scale * log2(e)
-    D,
-    DV,  # head dims
+    scale, qk_scale,  # softmax scale, and scale * log2(e)
+    D, DV,  # head dims
     CAUSAL: tl.constexpr,
-    HAS_QLEN: tl.constexpr,
-    HAS_KLEN: tl.constexpr,
-    POS_ARRAY: tl.constexpr,
+    HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, POS_ARRAY: tl.constexpr,  # which arrays to read
     PRECISION: tl.constexpr,  # tl.dot input precision
     DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
-    EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,  # the padded head dims equal D, DV
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,  # padded head dims
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # query tile, key tile
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,  # the padded head dims equal D, DV
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query tile, key tile
     SPLIT: tl.constexpr = False,  # two programs per key tile: dV in the even one, dK in the odd
     VARLEN: tl.constexpr = False,  # packed sequences; grid (key tiles of max_seqlen_k, B * Hkv)
-):
+):  # fmt: skip
     """One key tile of one (batch, kv head): dK and dV, summed over the GQA group.
 
     With ``SPLIT`` (head dims of 256, see :func:`dkdv_split`) the grid has two
@@ -1138,258 +583,61 @@ def _dkdv_kernel(
         pid_bkv = pid // n_tiles
     b = pid_bkv // HKV
     kvh = pid_bkv % HKV
-    bq, bk, q_len, k_len, pos0, _, k_rows = _sequence_context(
-        b,
-        q_len_ptr,
-        k_len_ptr,
-        pos_ptr,
-        pos_scalar,
-        Sq,
-        Sk,
-        HAS_QLEN,
-        HAS_KLEN,
-        POS_ARRAY,
-        VARLEN,
+    seq = _sequence_context(
+        b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY, VARLEN
     )
-    start_n = pid_n * BLOCK_N
-    if SPLIT:
-        if part == 0:
-            _dkdv_program(
-                q_ptr,
-                k_ptr,
-                v_ptr,
-                do_ptr,
-                m_ptr,
-                l_ptr,
-                delta_ptr,
-                dk_ptr,
-                dv_ptr,
-                stride_qb,
-                stride_qh,
-                stride_qm,
-                stride_kb,
-                stride_kh,
-                stride_kn,
-                stride_vb,
-                stride_vh,
-                stride_vn,
-                stride_dob,
-                stride_doh,
-                stride_dom,
-                stride_mb,
-                stride_mh,
-                stride_mm,
-                stride_lb,
-                stride_lh,
-                stride_lm,
-                stride_deb,
-                stride_deh,
-                stride_dem,
-                stride_dkb,
-                stride_dkh,
-                stride_dkn,
-                stride_dvb,
-                stride_dvh,
-                stride_dvn,
-                bq,
-                bk,
-                kvh,
-                q_len,
-                k_len,
-                pos0,
-                k_rows,
-                start_n,
-                GROUP,
-                scale,
-                qk_scale,
-                D,
-                DV,
-                CAUSAL,
-                PRECISION,
-                DOT_TYPE,
-                EVEN_D,
-                EVEN_DV,
-                BLOCK_D,
-                BLOCK_DV,
-                BLOCK_M,
-                BLOCK_N,
-                False,
-                True,
-                SPLIT,
-            )
-        else:
-            _dkdv_program(
-                q_ptr,
-                k_ptr,
-                v_ptr,
-                do_ptr,
-                m_ptr,
-                l_ptr,
-                delta_ptr,
-                dk_ptr,
-                dv_ptr,
-                stride_qb,
-                stride_qh,
-                stride_qm,
-                stride_kb,
-                stride_kh,
-                stride_kn,
-                stride_vb,
-                stride_vh,
-                stride_vn,
-                stride_dob,
-                stride_doh,
-                stride_dom,
-                stride_mb,
-                stride_mh,
-                stride_mm,
-                stride_lb,
-                stride_lh,
-                stride_lm,
-                stride_deb,
-                stride_deh,
-                stride_dem,
-                stride_dkb,
-                stride_dkh,
-                stride_dkn,
-                stride_dvb,
-                stride_dvh,
-                stride_dvn,
-                bq,
-                bk,
-                kvh,
-                q_len,
-                k_len,
-                pos0,
-                k_rows,
-                start_n,
-                GROUP,
-                scale,
-                qk_scale,
-                D,
-                DV,
-                CAUSAL,
-                PRECISION,
-                DOT_TYPE,
-                EVEN_D,
-                EVEN_DV,
-                BLOCK_D,
-                BLOCK_DV,
-                BLOCK_M,
-                BLOCK_N,
-                True,
-                False,
-                SPLIT,
-            )
+    tensors = BackwardRows(
+        Strided(q_ptr, stride_qb, stride_qh, stride_qm),
+        Strided(do_ptr, stride_dob, stride_doh, stride_dom),
+        Strided(m_ptr, stride_mb, stride_mh, stride_mm),
+        Strided(l_ptr, stride_lb, stride_lh, stride_lm),
+        Strided(delta_ptr, stride_deb, stride_deh, stride_dem),
+    )
+    kv = KV(
+        Strided(k_ptr, stride_kb, stride_kh, stride_kn),
+        Strided(v_ptr, stride_vb, stride_vh, stride_vn),
+    )
+    grads = KV(
+        Strided(dk_ptr, stride_dkb, stride_dkh, stride_dkn),
+        Strided(dv_ptr, stride_dvb, stride_dvh, stride_dvn),
+    )
+    tile = (tensors, kv, grads, seq, kvh, pid_n * BLOCK_N, GROUP, scale, qk_scale)
+    cols = Cols(tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), D, DV)
+    if not SPLIT:
+        _dkdv_program(
+            tile, cols, CAUSAL, EVEN_D, EVEN_DV, PRECISION, DOT_TYPE, BLOCK_M, BLOCK_N,
+            True, True, False,
+        )  # fmt: skip
+    elif part == 0:
+        _dkdv_program(
+            tile, cols, CAUSAL, EVEN_D, EVEN_DV, PRECISION, DOT_TYPE, BLOCK_M, BLOCK_N,
+            False, True, True,
+        )  # fmt: skip
     else:
         _dkdv_program(
-            q_ptr,
-            k_ptr,
-            v_ptr,
-            do_ptr,
-            m_ptr,
-            l_ptr,
-            delta_ptr,
-            dk_ptr,
-            dv_ptr,
-            stride_qb,
-            stride_qh,
-            stride_qm,
-            stride_kb,
-            stride_kh,
-            stride_kn,
-            stride_vb,
-            stride_vh,
-            stride_vn,
-            stride_dob,
-            stride_doh,
-            stride_dom,
-            stride_mb,
-            stride_mh,
-            stride_mm,
-            stride_lb,
-            stride_lh,
-            stride_lm,
-            stride_deb,
-            stride_deh,
-            stride_dem,
-            stride_dkb,
-            stride_dkh,
-            stride_dkn,
-            stride_dvb,
-            stride_dvh,
-            stride_dvn,
-            bq,
-            bk,
-            kvh,
-            q_len,
-            k_len,
-            pos0,
-            k_rows,
-            start_n,
-            GROUP,
-            scale,
-            qk_scale,
-            D,
-            DV,
-            CAUSAL,
-            PRECISION,
-            DOT_TYPE,
-            EVEN_D,
-            EVEN_DV,
-            BLOCK_D,
-            BLOCK_DV,
-            BLOCK_M,
-            BLOCK_N,
-            True,
-            True,
-            False,
-        )
+            tile, cols, CAUSAL, EVEN_D, EVEN_DV, PRECISION, DOT_TYPE, BLOCK_M, BLOCK_N,
+            True, False, True,
+        )  # fmt: skip
 
 
 @triton.jit
 def _dq_step(
     dq,
-    q,
-    do,
-    lse2,
-    delta,
-    k_base,
-    v_base,
     n0,
-    stride_kn,
-    stride_vn,
-    offs_n,
-    offs_d,
-    offs_dv,
-    q_pos,
-    k_len,
-    qk_scale,
-    D,
-    DV,
+    ctx,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Add the key tile at ``n0`` to a query tile's ``dq`` (unscaled); ``MASKED`` as forward."""
-    k, v = kv_tile(
-        k_base,
-        v_base,
-        n0,
-        stride_kn,
-        stride_vn,
-        offs_n,
-        offs_d,
-        offs_dv,
-        k_len,
-        D,
-        DV,
-        MASKED,
-        EVEN_D,
-        EVEN_DV,
-    )
+    """Add the key tile at ``n0`` to a query tile's ``dq`` (unscaled); ``MASKED`` as forward.
+
+    ``ctx``: the query tile's ``q``, ``do``, ``lse2`` and ``delta``, then as
+    :func:`_forward_step`'s from the :data:`~._attn_common.KV` on.
+    """
+    q, do, lse2, delta, kv, cols, offs_n, q_pos, k_len, qk_scale = ctx
+    k, v = kv_tile(kv, n0, offs_n, cols, k_len, MASKED, EVEN_D, EVEN_DV)
     k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     p = tl.exp2(s - lse2[:, None])
@@ -1405,261 +653,77 @@ def _dq_step(
     return tl.dot(ds.to(q.dtype), k, dq, input_precision=PRECISION)
 
 
-@triton.jit
-def _dq_tiles(
-    dq,
-    q,
-    do,
-    lse2,
-    delta,
-    k_base,
-    v_base,
-    stride_kn,
-    stride_vn,
-    offs_n,
-    offs_d,
-    offs_dv,
-    q_pos,
-    n_lo,
-    n_hi,
-    k_len,
-    qk_scale,
-    D,
-    DV,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """:func:`_dq_step` over the key tiles ``[n_lo, n_hi)`` (see ``RANGE_LOOPS``)."""
-    if RANGE_LOOPS:
-        for n0 in range(n_lo, n_hi, BLOCK_N):
-            dq = _dq_step(
-                dq,
-                q,
-                do,
-                lse2,
-                delta,
-                k_base,
-                v_base,
-                n0,
-                stride_kn,
-                stride_vn,
-                offs_n,
-                offs_d,
-                offs_dv,
-                q_pos,
-                k_len,
-                qk_scale,
-                D,
-                DV,
-                MASKED,
-                CAUSAL,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-            )
-    else:
-        n0 = n_lo
-        while n0 < n_hi:
-            dq = _dq_step(
-                dq,
-                q,
-                do,
-                lse2,
-                delta,
-                k_base,
-                v_base,
-                n0,
-                stride_kn,
-                stride_vn,
-                offs_n,
-                offs_d,
-                offs_dv,
-                q_pos,
-                k_len,
-                qk_scale,
-                D,
-                DV,
-                MASKED,
-                CAUSAL,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-            )
-            n0 += BLOCK_N
-    return dq
-
-
 @triton.jit(do_not_specialize=_SIZES)
 def _dq_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
-    m_ptr,
-    l_ptr,
-    delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
+    q_ptr, k_ptr, v_ptr, do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    m_ptr, l_ptr, delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
     dq_ptr,  # (B,H,Sq,D) shadow, overwritten
-    q_len_ptr,
-    k_len_ptr,
-    pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
-    stride_qb,
-    stride_qh,
-    stride_qm,  # q strides
-    stride_kb,
-    stride_kh,
-    stride_kn,  # k strides
-    stride_vb,
-    stride_vh,
-    stride_vn,  # v strides
-    stride_dob,
-    stride_doh,
-    stride_dom,  # do strides
-    stride_mb,
-    stride_mh,
-    stride_mm,  # m strides
-    stride_lb,
-    stride_lh,
-    stride_lm,  # l strides
-    stride_deb,
-    stride_deh,
-    stride_dem,  # delta strides
-    stride_dqb,
-    stride_dqh,
-    stride_dqm,  # dq strides
-    H,
-    GROUP,
-    Sq,
-    Sk,  # query heads, query heads per kv head, query and key lengths
+    q_len_ptr, k_len_ptr, pos_ptr,  # (B,) integers; read only if HAS_QLEN / HAS_KLEN / POS_ARRAY
+    stride_qb, stride_qh, stride_qm,  # q strides (batch, head, row)
+    stride_kb, stride_kh, stride_kn,  # k strides
+    stride_vb, stride_vh, stride_vn,  # v strides
+    stride_dob, stride_doh, stride_dom,  # do strides
+    stride_mb, stride_mh, stride_mm,  # m strides
+    stride_lb, stride_lh, stride_lm,  # l strides
+    stride_deb, stride_deh, stride_dem,  # delta strides
+    stride_dqb, stride_dqh, stride_dqm,  # dq strides
+    H, GROUP, Sq, Sk,  # query heads, query heads per kv head, query and key lengths
     pos_scalar,  # input_pos when it is one integer
-    scale,
-    qk_scale,  # softmax scale, and scale * log2(e)
-    D,
-    DV,  # head dims
+    scale, qk_scale,  # softmax scale, and scale * log2(e)
+    D, DV,  # head dims
     CAUSAL: tl.constexpr,
-    HAS_QLEN: tl.constexpr,
-    HAS_KLEN: tl.constexpr,
-    POS_ARRAY: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
+    HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, POS_ARRAY: tl.constexpr,  # which arrays to read
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
     PRECISION: tl.constexpr,  # tl.dot input precision
     DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,  # padded head dims
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # query tile, key tile
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query tile, key tile
     VARLEN: tl.constexpr = False,  # packed sequences (see _sequence_context)
-):
+):  # fmt: skip
     """One query tile of one (batch, head): dQ."""
     pid_m, pid_bh = _query_tile_program(Sq, CAUSAL, BLOCK_M, VARLEN)
     b = pid_bh // H
     h = pid_bh % H
-    kvh = h // GROUP
-    bq, bk, q_len, k_len, pos0, q_rows, _ = _sequence_context(
-        b,
-        q_len_ptr,
-        k_len_ptr,
-        pos_ptr,
-        pos_scalar,
-        Sq,
-        Sk,
-        HAS_QLEN,
-        HAS_KLEN,
-        POS_ARRAY,
-        VARLEN,
+    kvh = (h // GROUP).to(tl.int64)
+    h = h.to(tl.int64)
+    seq = _sequence_context(
+        b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY, VARLEN
     )
-    h64 = h.to(tl.int64)
     start_m = pid_m * BLOCK_M
     row_off = start_m.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    cols = Cols(tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), D, DV)
     rows = start_m + offs_m
-    row_ok = rows < q_len
+    row_ok = rows < seq.q_len
 
-    q_base = q_ptr + bq * stride_qb + h64 * stride_qh
-    q = _load_rows(q_base, row_off, stride_qm, offs_m, offs_d, row_ok, D, EVEN_D).to(DOT_TYPE)
-    do_base = do_ptr + bq * stride_dob + h64 * stride_doh
-    do = _load_rows(do_base, row_off, stride_dom, offs_m, offs_dv, row_ok, DV, EVEN_DV)
-    do = do.to(q.dtype)
-    lse2, delta = _row_stats(
-        m_ptr + bq * stride_mb + h64 * stride_mh + row_off * stride_mm,
-        l_ptr + bq * stride_lb + h64 * stride_lh + row_off * stride_lm,
-        delta_ptr + bq * stride_deb + h64 * stride_deh + row_off * stride_dem,
-        stride_mm,
-        stride_lm,
-        stride_dem,
-        offs_m,
-        row_ok,
+    tensors = BackwardRows(
+        Strided(q_ptr, stride_qb, stride_qh, stride_qm),
+        Strided(do_ptr, stride_dob, stride_doh, stride_dom),
+        Strided(m_ptr, stride_mb, stride_mh, stride_mm),
+        Strided(l_ptr, stride_lb, stride_lh, stride_lm),
+        Strided(delta_ptr, stride_deb, stride_deh, stride_dem),
     )
-    k_base = k_ptr + bk * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + bk * stride_vb + kvh.to(tl.int64) * stride_vh
-
+    head = backward_heads(tensors, seq.bq, h)
+    q, do, lse2, delta = query_tile(head, row_off, offs_m, row_ok, cols, EVEN_D, EVEN_DV, DOT_TYPE)
+    kv = KV(
+        head_rows(Strided(k_ptr, stride_kb, stride_kh, stride_kn), seq.bk, kvh),
+        head_rows(Strided(v_ptr, stride_vb, stride_vh, stride_vn), seq.bk, kvh),
+    )
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    q_pos = pos0 + rows
-    full_end, hi = _key_bounds(start_m, q_len, k_len, pos0, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_tiles(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_base,
-        v_base,
-        stride_kn,
-        stride_vn,
-        offs_n,
-        offs_d,
-        offs_dv,
-        q_pos,
-        0,
-        full_end,
-        k_len,
-        qk_scale,
-        D,
-        DV,
-        False,
-        CAUSAL,
-        EVEN_D,
-        EVEN_DV,
-        PRECISION,
-        BLOCK_N,
+    q_pos = seq.pos0 + rows
+    ctx = (q, do, lse2, delta, kv, cols, offs_n, q_pos, seq.k_len, qk_scale)
+    full_end, hi = _key_bounds(start_m, seq.q_len, seq.k_len, seq.pos0, CAUSAL, BLOCK_M, BLOCK_N)
+    dq = tile_loop(
+        _dq_step, dq, 0, full_end, BLOCK_N, ctx, (False, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
     )
-    dq = _dq_tiles(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_base,
-        v_base,
-        stride_kn,
-        stride_vn,
-        offs_n,
-        offs_d,
-        offs_dv,
-        q_pos,
-        full_end,
-        hi,
-        k_len,
-        qk_scale,
-        D,
-        DV,
-        True,
-        CAUSAL,
-        EVEN_D,
-        EVEN_DV,
-        PRECISION,
-        BLOCK_N,
+    dq = tile_loop(
+        _dq_step, dq, full_end, hi, BLOCK_N, ctx, (True, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
     )
 
     dq = tl.where(row_ok[:, None], dq * scale, 0.0)
-    dq_base = dq_ptr + bq * stride_dqb + h64 * stride_dqh + row_off * stride_dqm
-    _store_rows(dq_base, stride_dqm, offs_m, offs_d, rows < q_rows, D, dq, EVEN_D)
+    dq_head = head_rows(Strided(dq_ptr, stride_dqb, stride_dqh, stride_dqm), seq.bq, h)
+    store_rows(dq_head, row_off, offs_m, rows < seq.q_rows, cols.d, D, dq, EVEN_D)
 
 
 # Tiles per head-dim class (64, 128, 256), chosen so that the sm_90 build of
@@ -1753,12 +817,24 @@ def _options(q, k, v, input_pos, q_lengths, k_lengths):
         "BLOCK_D": dim_block(q.shape[-1]),
         "BLOCK_DV": dim_block(v.shape[-1]),
     }
+    meta["EVEN_D"] = meta["BLOCK_D"] == q.shape[-1]
+    meta["EVEN_DV"] = meta["BLOCK_DV"] == v.shape[-1]
     pointers = (
         q if q_lengths is None else q_lengths,
         q if k_lengths is None else k_lengths,
         pos_arg,
     )
     return pointers, pos_scalar, meta
+
+
+def launch_delta(like, args, dv, rows, programs, *, has_qlen, varlen=False) -> None:
+    """``delta = rowsum(do * o)``: :func:`_delta_kernel` over its positional ``args`` (value
+    head dim ``dv``), tiles of ``rows`` rows for each of ``programs`` (batch x heads)."""
+    block_dv = dim_block(dv)
+    block_m = _DELTA_TILE // block_dv
+    grid = tile_grid(rows, "BLOCK_M", programs, varlen)({"BLOCK_M": block_m})
+    meta = {"HAS_QLEN": has_qlen, "EVEN_DV": block_dv == dv, "VARLEN": varlen}
+    traced(_delta_kernel, like)[grid](*args, **meta, BLOCK_M=block_m, BLOCK_DV=block_dv)
 
 
 def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths) -> None:
@@ -1791,49 +867,15 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
     if o.numel() == 0:
         return
     pointers, pos_scalar, meta = _options(q, k, v, input_pos, q_lengths, k_lengths)
-    store_stats = m is not None
-    m_arg, l_arg = (m, l) if store_stats else (o, o)
-    m_strides = m.stride() if store_stats else (0, 0, 0)
-    l_strides = l.stride() if store_stats else (0, 0, 0)
-    args = (
-        q,
-        k,
-        v,
-        o,
-        m_arg,
-        l_arg,
-        *pointers,
-        *q.stride()[:3],
-        *k.stride()[:3],
-        *v.stride()[:3],
-        *o.stride()[:3],
-        *m_strides,
-        *l_strides,
-        H,
-        H // Hkv,
-        Sq,
-        Sk,
-        pos_scalar,
-        scale * LOG2E,
-        D,
-        DV,
-    )
-    meta.update(
-        CAUSAL=bool(causal),
-        STORE_STATS=store_stats,
-        EVEN_D=meta["BLOCK_D"] == D,
-        EVEN_DV=meta["BLOCK_DV"] == DV,
-    )
+    stats = (o, o) if m is None else (m, l)  # o is never read without STORE_STATS
+    tensors = (q, k, v, o, *stats, *pointers, *strides_of(q, k, v, o, m, l))
+    sizes = (H, H // Hkv, Sq, Sk, pos_scalar, scale * LOG2E, D, DV)
+    meta.update(CAUSAL=bool(causal), STORE_STATS=m is not None)
+    args = (*tensors, *sizes)
+    grid = tile_grid(Sq, "BLOCK_M", B * H)
     with launch_context(_forward_kernel, q):
         launch(
-            _forward_kernel,
-            _forward_tuned,
-            _FORWARD_TILES,
-            lambda blocks: (triton.cdiv(Sq, blocks["BLOCK_M"]) * B * H,),
-            args,
-            meta,
-            B * H * Sq * Sk,
-            q,
+            _forward_kernel, _forward_tuned, _FORWARD_TILES, grid, args, meta, B * H * Sq * Sk, q
         )
 
 
@@ -1884,108 +926,22 @@ def backward(
     """
     B, H, Sq, D = q.shape
     Hkv, Sk, DV = k.shape[1], k.shape[2], v.shape[-1]
-    group = H // Hkv
     if B == 0 or H == 0:
         return
     pointers, pos_scalar, meta = _options(q, k, v, input_pos, q_lengths, k_lengths)
     meta["CAUSAL"] = bool(causal)
-    even = {**meta, "EVEN_D": meta["BLOCK_D"] == D, "EVEN_DV": meta["BLOCK_DV"] == DV}
-    qk_scale = scale * LOG2E
+    reads = (q, k, v, do, m, l, delta)
+    sizes = (H // Hkv, Sq, Sk, pos_scalar, scale, scale * LOG2E, D, DV)
     work = B * H * Sq * Sk
     with launch_context(_dq_kernel, q):
         if Sq > 0:
-            delta_rows = _DELTA_TILE // meta["BLOCK_DV"]
-            traced(_delta_kernel, q)[(triton.cdiv(Sq, delta_rows) * B * H,)](
-                o,
-                do,
-                delta,
-                pointers[0],
-                *o.stride()[:3],
-                *do.stride()[:3],
-                *delta.stride(),
-                H,
-                Sq,
-                DV,
-                HAS_QLEN=meta["HAS_QLEN"],
-                EVEN_DV=even["EVEN_DV"],
-                BLOCK_M=delta_rows,
-                BLOCK_DV=meta["BLOCK_DV"],
-            )
-        common = (
-            *q.stride()[:3],
-            *k.stride()[:3],
-            *v.stride()[:3],
-            *do.stride()[:3],
-            *m.stride(),
-            *l.stride(),
-            *delta.stride(),
-        )
+            args = (o, do, delta, pointers[0], *strides_of(o, do, delta), H, Sq, DV)
+            launch_delta(q, args, DV, Sq, B * H, has_qlen=meta["HAS_QLEN"])
         if Sk > 0:
-            tuned, table, grid, dkdv_meta = dkdv_launch(
-                lambda blocks: (triton.cdiv(Sk, blocks["BLOCK_N"]) * B * Hkv,), even
-            )
-            launch(
-                _dkdv_kernel,
-                tuned,
-                table,
-                grid,
-                (
-                    q,
-                    k,
-                    v,
-                    do,
-                    m,
-                    l,
-                    delta,
-                    dk,
-                    dv,
-                    *pointers,
-                    *common,
-                    *dk.stride()[:3],
-                    *dv.stride()[:3],
-                    Hkv,
-                    group,
-                    Sq,
-                    Sk,
-                    pos_scalar,
-                    scale,
-                    qk_scale,
-                    D,
-                    DV,
-                ),
-                dkdv_meta,
-                work,
-                q,
-            )
+            args = (*reads, dk, dv, *pointers, *strides_of(*reads, dk, dv), Hkv, *sizes)
+            tuned, table, grid, dkdv_meta = dkdv_launch(tile_grid(Sk, "BLOCK_N", B * Hkv), meta)
+            launch(_dkdv_kernel, tuned, table, grid, args, dkdv_meta, work, q)
         if Sq > 0:
-            launch(
-                _dq_kernel,
-                _dq_tuned,
-                _DQ_TILES,
-                lambda blocks: (triton.cdiv(Sq, blocks["BLOCK_M"]) * B * H,),
-                (
-                    q,
-                    k,
-                    v,
-                    do,
-                    m,
-                    l,
-                    delta,
-                    dq,
-                    *pointers,
-                    *common,
-                    *dq.stride()[:3],
-                    H,
-                    group,
-                    Sq,
-                    Sk,
-                    pos_scalar,
-                    scale,
-                    qk_scale,
-                    D,
-                    DV,
-                ),
-                even,
-                work,
-                q,
-            )
+            args = (*reads, dq, *pointers, *strides_of(*reads, dq), H, *sizes)
+            grid = tile_grid(Sq, "BLOCK_M", B * H)
+            launch(_dq_kernel, _dq_tuned, _DQ_TILES, grid, args, meta, work, q)

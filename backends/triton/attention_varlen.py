@@ -20,34 +20,43 @@ unchecked prefix sums; they are left unwritten here.
 
 from __future__ import annotations
 
-import triton
-
-from ._attn_common import LOG2E, dim_block, dot_precision, dot_type, launch, scalar_or_pointer
-from ._common import launch_context, traced
+from ._attn_common import (
+    LOG2E,
+    dim_block,
+    dot_precision,
+    dot_type,
+    launch,
+    scalar_or_pointer,
+    tile_grid,
+)
+from ._common import launch_context
 from .attention import (
-    _DELTA_TILE,
     _DQ_TILES,
     _FORWARD_TILES,
-    _delta_kernel,
     _dkdv_kernel,
     _dq_kernel,
     _dq_tuned,
     _forward_kernel,
     _forward_tuned,
     dkdv_launch,
+    launch_delta,
 )
 
 __all__ = ["forward", "backward"]
 
 
-def _packed_strides(a) -> tuple[int, int, int]:
-    """``(batch, head, token)`` strides of a packed ``(T, H, D)`` tensor for the ``VARLEN`` kernels."""
-    return a.stride(0), a.stride(1), a.stride(0)
-
-
-def _row_strides(a) -> tuple[int, int, int]:
-    """``(batch, head, token)`` strides of an ``(H, T)`` array (checkpoints, ``delta``)."""
-    return a.stride(1), a.stride(0), a.stride(1)
+def _strides(*tensors) -> tuple[int, ...]:
+    """``(batch, head, token)`` strides of each packed ``(T, H, D)`` tensor or ``(H, T)`` array
+    (checkpoints, ``delta``), in order, for the ``VARLEN`` kernels; zeros for None."""
+    out: tuple[int, ...] = ()
+    for a in tensors:
+        if a is None:
+            out += (0, 0, 0)
+        elif a.dim() == 3:
+            out += (a.stride(0), a.stride(1), a.stride(0))
+        else:
+            out += (a.stride(1), a.stride(0), a.stride(1))
+    return out
 
 
 def _meta(q, k, v, cu_seqlens_q, cu_seqlens_k, input_pos, causal):
@@ -107,42 +116,14 @@ def forward(
     if Tq == 0 or H == 0 or batch == 0 or max_seqlen_q == 0:
         return
     pointers, pos_scalar, meta = _meta(q, k, v, cu_seqlens_q, cu_seqlens_k, input_pos, causal)
-    store_stats = m is not None
-    meta["STORE_STATS"] = store_stats
-    args = (
-        q,
-        k,
-        v,
-        o,
-        m if store_stats else o,
-        l if store_stats else o,
-        *pointers,
-        *_packed_strides(q),
-        *_packed_strides(k),
-        *_packed_strides(v),
-        *_packed_strides(o),
-        *(_row_strides(m) if store_stats else (0, 0, 0)),
-        *(_row_strides(l) if store_stats else (0, 0, 0)),
-        H,
-        H // Hkv,
-        Tq,
-        Tk,
-        pos_scalar,
-        scale * LOG2E,
-        D,
-        DV,
-    )
+    meta["STORE_STATS"] = m is not None
+    stats = (o, o) if m is None else (m, l)  # o is never read without STORE_STATS
+    tensors = (q, k, v, o, *stats, *pointers, *_strides(q, k, v, o, m, l))
+    args = (*tensors, H, H // Hkv, Tq, Tk, pos_scalar, scale * LOG2E, D, DV)
+    grid = tile_grid(max_seqlen_q, "BLOCK_M", batch * H, varlen=True)
+    work = batch * H * max_seqlen_q * max_seqlen_k
     with launch_context(_forward_kernel, q):
-        launch(
-            _forward_kernel,
-            _forward_tuned,
-            _FORWARD_TILES,
-            lambda blocks: (triton.cdiv(max_seqlen_q, blocks["BLOCK_M"]), batch * H),
-            args,
-            meta,
-            batch * H * max_seqlen_q * max_seqlen_k,
-            q,
-        )
+        launch(_forward_kernel, _forward_tuned, _FORWARD_TILES, grid, args, meta, work, q)
 
 
 def backward(
@@ -178,103 +159,19 @@ def backward(
     if batch == 0 or H == 0:
         return
     pointers, pos_scalar, meta = _meta(q, k, v, cu_seqlens_q, cu_seqlens_k, input_pos, causal)
-    qk_scale = scale * LOG2E
+    reads = (q, k, v, do, m, l, delta)
+    sizes = (H // Hkv, Tq, Tk, pos_scalar, scale, scale * LOG2E, D, DV)
     work = batch * H * max_seqlen_q * max_seqlen_k
     with launch_context(_dq_kernel, q):
         if max_seqlen_q > 0:
-            delta_rows = _DELTA_TILE // meta["BLOCK_DV"]
-            traced(_delta_kernel, q)[(triton.cdiv(max_seqlen_q, delta_rows), batch * H)](
-                o,
-                do,
-                delta,
-                cu_seqlens_q,
-                *_packed_strides(o),
-                *_packed_strides(do),
-                *_row_strides(delta),
-                H,
-                Tq,
-                DV,
-                HAS_QLEN=False,
-                EVEN_DV=meta["EVEN_DV"],
-                BLOCK_M=delta_rows,
-                BLOCK_DV=meta["BLOCK_DV"],
-                VARLEN=True,
-            )
-        common = (
-            *_packed_strides(q),
-            *_packed_strides(k),
-            *_packed_strides(v),
-            *_packed_strides(do),
-            *_row_strides(m),
-            *_row_strides(l),
-            *_row_strides(delta),
-        )
+            args = (o, do, delta, cu_seqlens_q, *_strides(o, do, delta), H, Tq, DV)
+            launch_delta(q, args, DV, max_seqlen_q, batch * H, has_qlen=False, varlen=True)
         if max_seqlen_k > 0:
-            tuned, table, grid, dkdv_meta = dkdv_launch(
-                lambda blocks: (triton.cdiv(max_seqlen_k, blocks["BLOCK_N"]), batch * Hkv), meta
-            )
-            launch(
-                _dkdv_kernel,
-                tuned,
-                table,
-                grid,
-                (
-                    q,
-                    k,
-                    v,
-                    do,
-                    m,
-                    l,
-                    delta,
-                    dk,
-                    dv,
-                    *pointers,
-                    *common,
-                    *_packed_strides(dk),
-                    *_packed_strides(dv),
-                    Hkv,
-                    H // Hkv,
-                    Tq,
-                    Tk,
-                    pos_scalar,
-                    scale,
-                    qk_scale,
-                    D,
-                    DV,
-                ),
-                dkdv_meta,
-                work,
-                q,
-            )
+            args = (*reads, dk, dv, *pointers, *_strides(*reads, dk, dv), Hkv, *sizes)
+            grid = tile_grid(max_seqlen_k, "BLOCK_N", batch * Hkv, varlen=True)
+            tuned, table, grid, dkdv_meta = dkdv_launch(grid, meta)
+            launch(_dkdv_kernel, tuned, table, grid, args, dkdv_meta, work, q)
         if max_seqlen_q > 0:
-            launch(
-                _dq_kernel,
-                _dq_tuned,
-                _DQ_TILES,
-                lambda blocks: (triton.cdiv(max_seqlen_q, blocks["BLOCK_M"]), batch * H),
-                (
-                    q,
-                    k,
-                    v,
-                    do,
-                    m,
-                    l,
-                    delta,
-                    dq,
-                    *pointers,
-                    *common,
-                    *_packed_strides(dq),
-                    H,
-                    H // Hkv,
-                    Tq,
-                    Tk,
-                    pos_scalar,
-                    scale,
-                    qk_scale,
-                    D,
-                    DV,
-                ),
-                meta,
-                work,
-                q,
-            )
+            args = (*reads, dq, *pointers, *_strides(*reads, dq), H, *sizes)
+            grid = tile_grid(max_seqlen_q, "BLOCK_M", batch * H, varlen=True)
+            launch(_dq_kernel, _dq_tuned, _DQ_TILES, grid, args, meta, work, q)

@@ -36,14 +36,18 @@ into chunks shorter than ``MIN_SPLIT_KEYS``.
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import triton
 import triton.language as tl
 
 from ._attn_common import (
+    KV,
     LN2_CONST,
     LOG2E,
     LOG2E_CONST,
-    RANGE_LOOPS,
+    Cols,
+    Rows,
     Tile,
     TileTable,
     autotuned,
@@ -53,7 +57,10 @@ from ._attn_common import (
     head_class,
     kv_tile,
     launch,
+    load_tile,
     sm_count,
+    strides_of,
+    tile_loop,
 )
 from ._common import launch_context, traced
 
@@ -70,6 +77,12 @@ MIN_SPLIT_KEYS = 256
 #: Most splits :func:`default_splits` returns.
 MAX_SPLITS = 128
 
+#: One (batch, kv head) of the cache: its K and V :data:`~._attn_common.KV` (the key
+#: slots of one page when paged), the element strides between pages of K and V, the
+#: batch's block-table row and the stride along it, the page count and the logical
+#: cache length ``Smax``.
+Cache = namedtuple("Cache", ["kv", "page_k", "page_v", "table", "stride_table", "pages", "Smax"])
+
 
 @triton.jit
 def _tanh(x):
@@ -81,24 +94,12 @@ def _tanh(x):
 
 @triton.jit
 def _kv_tile(
-    k_base,
-    v_base,
-    bt_row,
+    cache,
     n0,
-    stride_kp,
-    stride_vp,
-    stride_kn,
-    stride_vn,
-    stride_btp,
     offs_n,
-    offs_d,
-    offs_dv,
+    cols,
     lo,
     length,
-    Smax,
-    num_pages,
-    D,
-    DV,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
@@ -107,7 +108,8 @@ def _kv_tile(
     HAS_WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """The K and V tiles of keys ``n0 + offs_n``; ``MASKED`` zero-fills keys outside ``[lo, length)``.
+    """The K and V tiles of keys ``n0 + offs_n`` of the :class:`Cache`; ``MASKED`` zero-fills
+    keys outside ``[lo, length)``.
 
     Contiguous caches (``PAGED`` false, no window) load as attention does. Pages:
     key ``j`` is slot ``j % PAGE_SIZE`` of page ``block_table[b, j // PAGE_SIZE]``
@@ -115,93 +117,46 @@ def _kv_tile(
     within one page (``PAGE_SIZE % BLOCK_N == 0``; tiles start at multiples
     of ``BLOCK_N``), else once per key.
     """
+    kv = cache.kv
     if not PAGED and not HAS_WINDOW:
-        k, v = kv_tile(
-            k_base,
-            v_base,
-            n0,
-            stride_kn,
-            stride_vn,
-            offs_n,
-            offs_d,
-            offs_dv,
-            length,
-            D,
-            DV,
-            MASKED,
-            EVEN_D,
-            EVEN_DV,
-        )
+        k, v = kv_tile(kv, n0, offs_n, cols, length, MASKED, EVEN_D, EVEN_DV)
     else:
         keys = n0 + offs_n
         if PAGED:
             if PAGE_SIZE % BLOCK_N == 0:
-                page = tl.load(bt_row + (n0 // PAGE_SIZE).to(tl.int64) * stride_btp)
-                page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+                page = tl.load(cache.table + (n0 // PAGE_SIZE).to(tl.int64) * cache.stride_table)
+                page = tl.minimum(tl.maximum(page, 0), cache.pages - 1).to(tl.int64)
                 slots = (n0 % PAGE_SIZE + offs_n).to(tl.int64)
-                k_rows = k_base + page * stride_kp + slots[:, None] * stride_kn
-                v_rows = v_base + page * stride_vp + slots[:, None] * stride_vn
+                k_rows = kv.k.base + page * cache.page_k + slots[:, None] * kv.k.stride
+                v_rows = kv.v.base + page * cache.page_v + slots[:, None] * kv.v.stride
             else:
                 # A tile spans pages: one block-table entry per key (keys past Smax read none).
                 pages = tl.load(
-                    bt_row + (keys // PAGE_SIZE).to(tl.int64) * stride_btp,
-                    mask=keys < Smax,
+                    cache.table + (keys // PAGE_SIZE).to(tl.int64) * cache.stride_table,
+                    mask=keys < cache.Smax,
                     other=0,
                 )
-                pages = tl.minimum(tl.maximum(pages, 0), num_pages - 1).to(tl.int64)
+                pages = tl.minimum(tl.maximum(pages, 0), cache.pages - 1).to(tl.int64)
                 slots = (keys % PAGE_SIZE).to(tl.int64)
-                k_rows = k_base + pages[:, None] * stride_kp + slots[:, None] * stride_kn
-                v_rows = v_base + pages[:, None] * stride_vp + slots[:, None] * stride_vn
+                k_rows = kv.k.base + pages[:, None] * cache.page_k + slots[:, None] * kv.k.stride
+                v_rows = kv.v.base + pages[:, None] * cache.page_v + slots[:, None] * kv.v.stride
         else:
             key_off = tl.cast(n0, tl.int64)
-            k_rows = k_base + key_off * stride_kn + offs_n[:, None] * stride_kn
-            v_rows = v_base + key_off * stride_vn + offs_n[:, None] * stride_vn
-        k_ptrs = k_rows + offs_d[None, :]
-        v_ptrs = v_rows + offs_dv[None, :]
-        if MASKED:
-            key_ok = keys < length
-            if HAS_WINDOW:
-                key_ok = key_ok & (keys >= lo)
-            k = tl.load(k_ptrs, mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        else:
-            if EVEN_D:
-                k = tl.load(k_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
-            if EVEN_DV:
-                v = tl.load(v_ptrs)
-            else:
-                v = tl.load(v_ptrs, mask=offs_dv[None, :] < DV, other=0.0)
+            k_rows = kv.k.base + key_off * kv.k.stride + offs_n[:, None] * kv.k.stride
+            v_rows = kv.v.base + key_off * kv.v.stride + offs_n[:, None] * kv.v.stride
+        key_ok = keys < length
+        if HAS_WINDOW:
+            key_ok = key_ok & (keys >= lo)
+        k = load_tile(k_rows + cols.d[None, :], key_ok[:, None], cols.d, cols.D, MASKED, EVEN_D)
+        v = load_tile(v_rows + cols.dv[None, :], key_ok[:, None], cols.dv, cols.DV, MASKED, EVEN_DV)
     return k, v
 
 
 @triton.jit
 def _decode_step(
-    acc,
-    m_i,
-    l_i,
-    q_t,
-    k_base,
-    v_base,
-    bt_row,
+    carry,
     n0,
-    stride_kp,
-    stride_vp,
-    stride_kn,
-    stride_vn,
-    stride_btp,
-    offs_n,
-    offs_d,
-    offs_dv,
-    lo,
-    length,
-    Smax,
-    num_pages,
-    qk_scale,
-    softcap,
-    D,
-    DV,
+    ctx,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
@@ -212,34 +167,21 @@ def _decode_step(
     HAS_SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Online-softmax update by the key tile at ``n0``; ``MASKED`` checks keys in ``[lo, length)``."""
+    """Online-softmax update of ``carry = (acc, m_i, l_i)`` (``acc`` is ``o^T``) by the key tile
+    at ``n0``; ``MASKED`` checks keys in ``[lo, length)``.
+
+    ``ctx``: the transposed query tile ``q_t``, the :class:`Cache`, the
+    :data:`~._attn_common.Cols`, the key offsets of a tile, ``lo``, ``length``,
+    ``scale * log2 e`` and ``softcap * log2 e``. Every tile visited holds at least
+    one key in ``[lo, length)``, so the running max is finite after the first
+    tile (no ``-inf - -inf``).
+    """
+    acc, m_i, l_i = carry
+    q_t, cache, cols, offs_n, lo, length, qk_scale, softcap = ctx
     k, v = _kv_tile(
-        k_base,
-        v_base,
-        bt_row,
-        n0,
-        stride_kp,
-        stride_vp,
-        stride_kn,
-        stride_vn,
-        stride_btp,
-        offs_n,
-        offs_d,
-        offs_dv,
-        lo,
-        length,
-        Smax,
-        num_pages,
-        D,
-        DV,
-        MASKED,
-        EVEN_D,
-        EVEN_DV,
-        PAGED,
-        PAGE_SIZE,
-        HAS_WINDOW,
-        BLOCK_N,
-    )
+        cache, n0, offs_n, cols, lo, length,
+        MASKED, EVEN_D, EVEN_DV, PAGED, PAGE_SIZE, HAS_WINDOW, BLOCK_N,
+    )  # fmt: skip
     # Transposed: the keys are the M rows of s^T = K q^T and the value dims those of
     # o^T = V^T p^T, so both dots have M >= 64 (wgmma) however small the GQA group.
     s = tl.dot(k.to(q_t.dtype), q_t, input_precision=PRECISION) * qk_scale
@@ -260,127 +202,6 @@ def _decode_step(
     return acc, m_new, l_i
 
 
-@triton.jit
-def _decode_tiles(
-    acc,
-    m_i,
-    l_i,
-    q_t,
-    k_base,
-    v_base,
-    bt_row,
-    stride_kp,
-    stride_vp,
-    stride_kn,
-    stride_vn,
-    stride_btp,
-    offs_n,
-    offs_d,
-    offs_dv,
-    n_lo,
-    n_hi,
-    lo,
-    length,
-    Smax,
-    num_pages,
-    qk_scale,
-    softcap,
-    D,
-    DV,
-    MASKED: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """:func:`_decode_step` over the key tiles ``[n_lo, n_hi)`` (``RANGE_LOOPS`` as in attention).
-
-    Every tile holds at least one key in ``[lo, length)``, so the running max
-    is finite after the first tile (no ``-inf - -inf``).
-    """
-    if RANGE_LOOPS:
-        for n0 in range(n_lo, n_hi, BLOCK_N):
-            acc, m_i, l_i = _decode_step(
-                acc,
-                m_i,
-                l_i,
-                q_t,
-                k_base,
-                v_base,
-                bt_row,
-                n0,
-                stride_kp,
-                stride_vp,
-                stride_kn,
-                stride_vn,
-                stride_btp,
-                offs_n,
-                offs_d,
-                offs_dv,
-                lo,
-                length,
-                Smax,
-                num_pages,
-                qk_scale,
-                softcap,
-                D,
-                DV,
-                MASKED,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-                PAGED,
-                PAGE_SIZE,
-                HAS_WINDOW,
-                HAS_SOFTCAP,
-                BLOCK_N,
-            )
-    else:
-        n0 = n_lo
-        while n0 < n_hi:
-            acc, m_i, l_i = _decode_step(
-                acc,
-                m_i,
-                l_i,
-                q_t,
-                k_base,
-                v_base,
-                bt_row,
-                n0,
-                stride_kp,
-                stride_vp,
-                stride_kn,
-                stride_vn,
-                stride_btp,
-                offs_n,
-                offs_d,
-                offs_dv,
-                lo,
-                length,
-                Smax,
-                num_pages,
-                qk_scale,
-                softcap,
-                D,
-                DV,
-                MASKED,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-                PAGED,
-                PAGE_SIZE,
-                HAS_WINDOW,
-                HAS_SOFTCAP,
-                BLOCK_N,
-            )
-            n0 += BLOCK_N
-    return acc, m_i, l_i
-
-
 @triton.jit(
     do_not_specialize=[
         "HKV",
@@ -396,45 +217,24 @@ def _decode_tiles(
     ]
 )
 def _split_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,  # (B,H,D) queries; (B,Hkv,Smax,D) and (B,Hkv,Smax,DV) caches, or their pages
+    q_ptr, k_ptr, v_ptr,  # (B,H,D) queries; (B,Hkv,Smax,D) and (B,Hkv,Smax,DV) caches, or their pages
     lengths_ptr,  # (B,) valid keys per batch
     bt_ptr,  # (B, max_pages) int32 block table (PAGED; never read otherwise)
-    o_part_ptr,
-    m_part_ptr,
-    l_part_ptr,  # (B,H,S,DV), (B,H,S), (B,H,S) float32 scratch
-    stride_qb,
-    stride_qh,  # q strides (last axis contiguous)
-    stride_kb,
-    stride_kh,
-    stride_kn,  # k cache strides (batch, or page when PAGED; head; key slot)
-    stride_vb,
-    stride_vh,
-    stride_vn,  # v cache strides, the same way
-    stride_btb,
-    stride_btp,  # block table strides
-    stride_opb,
-    stride_oph,
-    stride_ops,  # o_partial strides
-    stride_mpb,
-    stride_mph,
-    stride_mps,  # m_partial strides
-    stride_lpb,
-    stride_lph,
-    stride_lps,  # l_partial strides
-    HKV,
-    GROUP,
-    Smax,
-    n_splits,  # kv heads, query heads per kv head, (logical) cache length, splits
+    o_part_ptr, m_part_ptr, l_part_ptr,  # (B,H,S,DV), (B,H,S), (B,H,S) float32 scratch
+    stride_qb, stride_qh,  # q strides (last axis contiguous)
+    stride_kb, stride_kh, stride_kn,  # k cache strides (batch, or page when PAGED; head; key slot)
+    stride_vb, stride_vh, stride_vn,  # v cache strides, the same way
+    stride_btb, stride_btp,  # block table strides
+    stride_opb, stride_oph, stride_ops,  # o_partial strides
+    stride_mpb, stride_mph, stride_mps,  # m_partial strides
+    stride_lpb, stride_lph, stride_lps,  # l_partial strides
+    HKV, GROUP, Smax, n_splits,  # kv heads, query heads per kv head, (logical) cache length, splits
     num_pages,  # pages of k/v (PAGED): block-table entries are clamped to [0, num_pages)
     window,  # keys the query sees (HAS_WINDOW)
     qk_scale,  # scale * log2(e)
     softcap,  # softcap * log2(e) (HAS_SOFTCAP)
-    D,
-    DV,  # head dims
-    EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
+    D, DV,  # head dims
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
     PRECISION: tl.constexpr,  # tl.dot input precision
     DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
     PAGED: tl.constexpr,  # k/v are pages addressed through the block table
@@ -442,10 +242,9 @@ def _split_kernel(
     HAS_WINDOW: tl.constexpr,  # the query sees only the last `window` keys
     HAS_SOFTCAP: tl.constexpr,  # scores are capped by softcap * tanh(s / softcap)
     BLOCK_G: tl.constexpr,  # query heads of a group, padded to >= 16 (the N of both dots)
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,  # padded head dims
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
     BLOCK_N: tl.constexpr,  # key tile
-):
+):  # fmt: skip
     """One split of one (batch, kv head), for all the query heads of its group."""
     pid_s = tl.program_id(0) % n_splits
     pid_bkv = tl.program_id(0) // n_splits
@@ -470,147 +269,52 @@ def _split_kernel(
     full_end = head_end + (tl.maximum(end - head_end, 0) // BLOCK_N) * BLOCK_N
 
     offs_g = tl.arange(0, BLOCK_G)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    cols = Cols(tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), D, DV)
     head_ok = offs_g < GROUP
     heads = (kvh * GROUP + offs_g).to(tl.int64)
     # The (padded group, D) query tile in one load, masked on the D axis only for odd D
     # (a row mask alone keeps 16-byte vectors), then transposed for s^T = K q^T.
-    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    if EVEN_D:
-        q = tl.load(q_ptrs, mask=head_ok[:, None], other=0.0)
-    else:
-        q = tl.load(q_ptrs, mask=head_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + cols.d[None, :]
+    q = load_tile(q_ptrs, head_ok[:, None], cols.d, D, True, EVEN_D)
     q_t = tl.trans(q.to(DOT_TYPE))
+    kvh64 = kvh.to(tl.int64)
     if PAGED:
-        k_base = k_ptr + kvh.to(tl.int64) * stride_kh
-        v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+        kv = KV(
+            Rows(k_ptr + kvh64 * stride_kh, stride_kn), Rows(v_ptr + kvh64 * stride_vh, stride_vn)
+        )
     else:
-        k_base = k_ptr + b * stride_kb + kvh.to(tl.int64) * stride_kh
-        v_base = v_ptr + b * stride_vb + kvh.to(tl.int64) * stride_vh
-    bt_row = bt_ptr + b * stride_btb
+        kv = KV(
+            Rows(k_ptr + b * stride_kb + kvh64 * stride_kh, stride_kn),
+            Rows(v_ptr + b * stride_vb + kvh64 * stride_vh, stride_vn),
+        )
+    cache = Cache(kv, stride_kb, stride_vb, bt_ptr + b * stride_btb, stride_btp, num_pages, Smax)
+    ctx = (q_t, cache, cols, tl.arange(0, BLOCK_N), lo, length, qk_scale, softcap)
 
     acc = tl.zeros((BLOCK_DV, BLOCK_G), dtype=tl.float32)  # o^T
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    carry = (acc, m_i, l_i)
     if HAS_WINDOW:
-        acc, m_i, l_i = _decode_tiles(
-            acc,
-            m_i,
-            l_i,
-            q_t,
-            k_base,
-            v_base,
-            bt_row,
-            stride_kb,
-            stride_vb,
-            stride_kn,
-            stride_vn,
-            stride_btp,
-            offs_n,
-            offs_d,
-            offs_dv,
-            start,
-            head_end,
-            lo,
-            length,
-            Smax,
-            num_pages,
-            qk_scale,
-            softcap,
-            D,
-            DV,
-            True,
-            EVEN_D,
-            EVEN_DV,
-            PRECISION,
-            PAGED,
-            PAGE_SIZE,
-            HAS_WINDOW,
-            HAS_SOFTCAP,
-            BLOCK_N,
-        )
-    acc, m_i, l_i = _decode_tiles(
-        acc,
-        m_i,
-        l_i,
-        q_t,
-        k_base,
-        v_base,
-        bt_row,
-        stride_kb,
-        stride_vb,
-        stride_kn,
-        stride_vn,
-        stride_btp,
-        offs_n,
-        offs_d,
-        offs_dv,
-        head_end,
-        full_end,
-        lo,
-        length,
-        Smax,
-        num_pages,
-        qk_scale,
-        softcap,
-        D,
-        DV,
-        False,
-        EVEN_D,
-        EVEN_DV,
-        PRECISION,
-        PAGED,
-        PAGE_SIZE,
-        HAS_WINDOW,
-        HAS_SOFTCAP,
-        BLOCK_N,
-    )
-    acc, m_i, l_i = _decode_tiles(
-        acc,
-        m_i,
-        l_i,
-        q_t,
-        k_base,
-        v_base,
-        bt_row,
-        stride_kb,
-        stride_vb,
-        stride_kn,
-        stride_vn,
-        stride_btp,
-        offs_n,
-        offs_d,
-        offs_dv,
-        full_end,
-        end,
-        lo,
-        length,
-        Smax,
-        num_pages,
-        qk_scale,
-        softcap,
-        D,
-        DV,
-        True,
-        EVEN_D,
-        EVEN_DV,
-        PRECISION,
-        PAGED,
-        PAGE_SIZE,
-        HAS_WINDOW,
-        HAS_SOFTCAP,
-        BLOCK_N,
-    )
+        carry = tile_loop(
+            _decode_step, carry, start, head_end, BLOCK_N, ctx,
+            (True, EVEN_D, EVEN_DV, PRECISION, PAGED, PAGE_SIZE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N),
+        )  # fmt: skip
+    carry = tile_loop(
+        _decode_step, carry, head_end, full_end, BLOCK_N, ctx,
+        (False, EVEN_D, EVEN_DV, PRECISION, PAGED, PAGE_SIZE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N),
+    )  # fmt: skip
+    acc, m_i, l_i = tile_loop(
+        _decode_step, carry, full_end, end, BLOCK_N, ctx,
+        (True, EVEN_D, EVEN_DV, PRECISION, PAGED, PAGE_SIZE, HAS_WINDOW, HAS_SOFTCAP, BLOCK_N),
+    )  # fmt: skip
 
     live = l_i > 0.0
     split = pid_s.to(tl.int64)
     o_part = o_part_ptr + b * stride_opb + split * stride_ops
     tl.store(
-        o_part + heads[:, None] * stride_oph + offs_dv[None, :],
+        o_part + heads[:, None] * stride_oph + cols.dv[None, :],
         tl.trans(acc),
-        mask=head_ok[:, None] & (offs_dv[None, :] < DV),
+        mask=head_ok[:, None] & (cols.dv[None, :] < DV),
     )
     tl.store(
         m_part_ptr + b * stride_mpb + heads * stride_mph + split * stride_mps,
@@ -626,27 +330,15 @@ def _split_kernel(
 
 @triton.jit(do_not_specialize=["H", "n_splits", "DV"])
 def _combine_kernel(
-    o_part_ptr,
-    m_part_ptr,
-    l_part_ptr,  # (B,H,S,DV), (B,H,S), (B,H,S) float32 split results
+    o_part_ptr, m_part_ptr, l_part_ptr,  # (B,H,S,DV), (B,H,S), (B,H,S) float32 split results
     o_ptr,  # (B,H,DV) output, overwritten
-    stride_opb,
-    stride_oph,
-    stride_ops,  # o_partial strides
-    stride_mpb,
-    stride_mph,
-    stride_mps,  # m_partial strides
-    stride_lpb,
-    stride_lph,
-    stride_lps,  # l_partial strides
-    stride_ob,
-    stride_oh,  # o strides
-    H,
-    n_splits,
-    DV,  # query heads, splits, value head dim
-    BLOCK_S: tl.constexpr,
-    BLOCK_DV: tl.constexpr,  # splits per step, padded value head dim
-):
+    stride_opb, stride_oph, stride_ops,  # o_partial strides
+    stride_mpb, stride_mph, stride_mps,  # m_partial strides
+    stride_lpb, stride_lph, stride_lps,  # l_partial strides
+    stride_ob, stride_oh,  # o strides
+    H, n_splits, DV,  # query heads, splits, value head dim
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,  # splits per step, padded value head dim
+):  # fmt: skip
     """The splits of one (batch, query head) merged into ``o``."""
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
@@ -784,58 +476,19 @@ def forward(
         "BLOCK_DV": dim_block(DV),
     }
     table = block_table if paged else lengths  # never read when not paged
-    args = (
-        q,
-        k,
-        v,
-        lengths,
-        table,
-        o_partial,
-        m_partial,
-        l_partial,
-        *q.stride()[:2],
-        *k.stride()[:3],
-        *v.stride()[:3],
-        *(block_table.stride() if paged else (0, 0)),
-        *o_partial.stride()[:3],
-        *m_partial.stride(),
-        *l_partial.stride(),
-        Hkv,
-        group,
-        Smax,
-        n_splits,
-        k.shape[0] if paged else 1,
-        0 if window is None else window,
-        scale * LOG2E,
-        1.0 if softcap is None else softcap * LOG2E,
-        D,
-        DV,
-    )
+    scratch = (o_partial, m_partial, l_partial)
+    tensors = (q, k, v, lengths, table, *scratch, *q.stride()[:2], *strides_of(k, v))
+    table_strides = block_table.stride() if paged else (0, 0)
+    pages, keys_seen = (k.shape[0] if paged else 1), (0 if window is None else window)
+    scales = (scale * LOG2E, 1.0 if softcap is None else softcap * LOG2E)
+    sizes = (Hkv, group, Smax, n_splits, pages, keys_seen, *scales, D, DV)
+    args = (*tensors, *table_strides, *strides_of(*scratch), *sizes)
     with launch_context(_split_kernel, q):
-        launch(
-            _split_kernel,
-            _split_tuned,
-            _SPLIT_TILES,
-            lambda blocks: (n_splits * B * Hkv,),
-            args,
-            meta,
-            B * Hkv * Smax * D,
-            q,
-        )
+        grid = (n_splits * B * Hkv,)
+        launch(_split_kernel, _split_tuned, _SPLIT_TILES, grid, args, meta, B * Hkv * Smax * D, q)
+        args = (*scratch, o, *strides_of(*scratch), *o.stride()[:2], H, n_splits, DV)
         traced(_combine_kernel, q)[(B * H,)](
-            o_partial,
-            m_partial,
-            l_partial,
-            o,
-            *o_partial.stride()[:3],
-            *m_partial.stride(),
-            *l_partial.stride(),
-            *o.stride()[:2],
-            H,
-            n_splits,
-            DV,
-            BLOCK_S=_COMBINE_SPLITS,
-            BLOCK_DV=meta["BLOCK_DV"],
+            *args, BLOCK_S=_COMBINE_SPLITS, BLOCK_DV=meta["BLOCK_DV"]
         )
 
 

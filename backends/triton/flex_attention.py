@@ -39,6 +39,8 @@ are int64.
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 import torch
 import triton
@@ -46,33 +48,59 @@ import triton.language as tl
 
 from . import _flex_host
 from ._attn_common import (
-    LN2_CONST,
+    KV,
     LOG2E_CONST,
-    RANGE_LOOPS,
+    BackwardRows,
+    Cols,
+    Strided,
+    backward_heads,
     dim_block,
     dot_precision,
     dot_type,
+    head_rows,
     interpreted,
     kv_tile,
-    row_max,
+    load_rows,
+    query_tile,
+    softmax_update,
+    store_output,
+    store_rows,
+    strides_of,
+    tile_loop,
 )
 from ._common import launch_context, traced
 from ._flex_host import FULL_CONST, PARTIAL_CONST, Mods, strides, tile_lists, workspace_layout
-from .attention import (
-    _DELTA_TILE,
-    _DKDV_TILES,
-    _DQ_TILES,
-    _FORWARD_TILES,
-    _delta_kernel,
-    _load_rows,
-    _row_stats,
-    _store_rows,
-)
+from .attention import _DKDV_TILES, _DQ_TILES, _FORWARD_TILES, launch_delta
 
 __all__ = ["backward", "default_tiles", "forward", "score_mod_workspace"]
 
 #: Plan tiles on a GPU: every kernel tile of the attention kernels' tables divides them.
 PLAN_TILE = 128
+
+# The kernels take flat arguments, pointers first, as the attention kernels do. Passing
+# each tensor as one (pointer, strides) tuple instead compiled (sm_90) to the same code
+# everywhere but in one kernel: with its parameters so reordered the dK/dV kernel of a
+# gathered relative-position score mod with atomic gradients (D=64, 255 registers)
+# spilled 2 bytes.
+
+#: The mods of one launch, a compile-time kernel argument: the generated score, mask and
+#: score reverse-mode functions (:class:`._flex_host.Mods`), whether there is a score and
+#: a mask mod, and whether the lists' tile states are exact (else the kernel also reads
+#: each pair's state in the plan).
+ModFns = namedtuple("ModFns", ["score", "mask", "vjp", "HAS_SCORE", "HAS_MASK", "EXACT"])
+#: The plan's tile states of one (batch, head): base pointer, stride between query
+#: tiles, and the plan's tile sizes.
+PlanStates = namedtuple("PlanStates", ["base", "stride", "tile_m", "tile_n"])
+#: What the mods see of a tile's query rows: their ``b``, ``h``, ``q_idx`` and ``q_row``
+#: arguments (``q_idx``, ``q_row`` as ``(rows, 1)``, or ``(1, rows)`` in a transposed
+#: tile), and which rows are valid.
+Query = namedtuple("Query", ["b", "h", "q_idx", "q_row", "row_ok"])
+#: The key tile at ``n0``: its first key, key offsets and the key count ``Sk``.
+Keys = namedtuple("Keys", ["n0", "offs", "Sk"])
+#: What scoring a tile reads besides ``q``, ``k`` and its rows: the softmax scale, the
+#: plan's :class:`PlanStates` and the mods' run-time arguments (score arrays, score
+#: constants, mask arrays, mask constants).
+ScoreEnv = namedtuple("ScoreEnv", ["scale", "states", "mod_args"])
 
 
 def default_tiles(n_q: int, n_kv: int, group: int, masked: bool) -> tuple[int, int]:
@@ -82,64 +110,18 @@ def default_tiles(n_q: int, n_kv: int, group: int, masked: bool) -> tuple[int, i
 
 
 @triton.jit
-def _tile_scores(
-    a,
-    c,
-    b,
-    h,
-    q_idx,
-    q_row,
-    n0,
-    offs_n,
-    row_ok,
-    Sk,
-    scale,
-    state,
-    states_base,
-    stride_si,
-    plan_tm,
-    plan_tn,
-    score_arrs,
-    score_consts,
-    mask_arrs,
-    mask_consts,
-    SCORE_FN: tl.constexpr,
-    MASK_FN: tl.constexpr,
-    HAS_SCORE: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    EXACT: tl.constexpr,
-    PRECISION: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
-):
-    """``(s, s_mod, keep)`` of the key tile at ``n0``: raw and modified natural scores, kept pairs.
-
-    ``s = a c^T * scale``: ``a = q``, ``c = k`` give ``(queries, keys)`` tiles; with
-    ``TRANSPOSED``, ``a = k``, ``c = q`` give ``(keys, queries)`` tiles, and ``q_idx``,
-    ``q_row`` come as ``(1, BLOCK_M)``.
-    """
-    s = tl.dot(a, tl.trans(c), input_precision=PRECISION) * scale
-    keys = n0 + offs_n
-    if TRANSPOSED:
-        kv_idx = keys.to(tl.int64)[:, None]
-        keep = (keys < Sk)[:, None] & row_ok[None, :]
-    else:
-        kv_idx = keys.to(tl.int64)[None, :]
-        keep = row_ok[:, None] & (keys < Sk)[None, :]
-    s_mod = s
-    if HAS_SCORE:
-        s_mod = SCORE_FN(s, b, h, q_idx, kv_idx, q_row, score_arrs, score_consts)
-    if HAS_MASK:
-        if state == PARTIAL_CONST:
-            inside = MASK_FN(b, h, q_idx, kv_idx, q_row, mask_arrs, mask_consts)
-            if not EXACT:
-                plan_state = tl.load(
-                    states_base + (q_row // plan_tm) * stride_si + kv_idx // plan_tn,
-                    mask=keep,
-                    other=0,
-                )
-                inside = tl.where(plan_state == PARTIAL_CONST, inside, plan_state == FULL_CONST)
-            keep = tl.where(inside, keep, False)  # a select: a mask may not span the tile
-    return s, s_mod, keep, kv_idx
+def _tile_list(plan, b, h, i):
+    """``(count, first entry, states)`` of list ``i`` of (batch ``b``, head ``h``) in ``plan``
+    (``(counts, lists, states, tile_m, tile_n)``, the first three ``(pointer, strides...)``):
+    the tiles listed, a pointer to the entries, and the plan's :class:`PlanStates`."""
+    counts, entries, states, tile_m, tile_n = plan
+    count_ptr, stride_cb, stride_ch = counts
+    list_ptr, stride_eb, stride_eh, stride_ei = entries
+    states_ptr, stride_sb, stride_sh, stride_si = states
+    count = tl.load(count_ptr + b * stride_cb + h * stride_ch + i)
+    list_base = list_ptr + b * stride_eb + h * stride_eh + i * stride_ei
+    states_base = states_ptr + b * stride_sb + h * stride_sh
+    return count, list_base, PlanStates(states_base, stride_si, tile_m, tile_n)
 
 
 @triton.jit
@@ -150,174 +132,113 @@ def _entry(list_base, t):
 
 
 @triton.jit
+def _tile_scores(
+    a,
+    c,
+    query,
+    keys,
+    state,
+    env,
+    MODS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+):
+    """``(s, s_mod, keep, kv_idx)`` of a tile in list state ``state``: raw and modified natural
+    scores, kept pairs, and the mods' ``kv_idx``.
+
+    ``s = a c^T * scale``: ``a = q``, ``c = k`` give ``(queries, keys)`` tiles; with
+    ``TRANSPOSED``, ``a = k``, ``c = q`` give ``(keys, queries)`` tiles, and the
+    :class:`Query` holds ``q_idx``, ``q_row`` as ``(1, BLOCK_M)``.
+    """
+    score_arrs, score_consts, mask_arrs, mask_consts = env.mod_args
+    s = tl.dot(a, tl.trans(c), input_precision=PRECISION) * env.scale
+    key = keys.n0 + keys.offs
+    if TRANSPOSED:
+        kv_idx = key.to(tl.int64)[:, None]
+        keep = (key < keys.Sk)[:, None] & query.row_ok[None, :]
+    else:
+        kv_idx = key.to(tl.int64)[None, :]
+        keep = query.row_ok[:, None] & (key < keys.Sk)[None, :]
+    b, h, q_idx, q_row = query.b, query.h, query.q_idx, query.q_row
+    s_mod = s
+    if MODS.HAS_SCORE:
+        s_mod = MODS.score(s, b, h, q_idx, kv_idx, q_row, score_arrs, score_consts)
+    if MODS.HAS_MASK:
+        if state == PARTIAL_CONST:
+            inside = MODS.mask(b, h, q_idx, kv_idx, q_row, mask_arrs, mask_consts)
+            if not MODS.EXACT:
+                states = env.states
+                cell = (q_row // states.tile_m) * states.stride + kv_idx // states.tile_n
+                plan_state = tl.load(states.base + cell, mask=keep, other=0)
+                inside = tl.where(plan_state == PARTIAL_CONST, inside, plan_state == FULL_CONST)
+            keep = tl.where(inside, keep, False)  # a select: a mask may not span the tile
+    return s, s_mod, keep, kv_idx
+
+
+@triton.jit
 def _forward_step(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k_base,
-    v_base,
-    list_base,
+    carry,
     t,
-    b,
-    h,
-    q_idx,
-    q_row,
-    row_ok,
-    offs_n,
-    offs_d,
-    offs_dv,
-    stride_kn,
-    stride_vn,
-    Sk,
-    scale,
-    D,
-    DV,
-    states_base,
-    stride_si,
-    plan_tm,
-    plan_tn,
-    score_arrs,
-    score_consts,
-    mask_arrs,
-    mask_consts,
-    SCORE_FN: tl.constexpr,
-    MASK_FN: tl.constexpr,
-    HAS_SCORE: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    EXACT: tl.constexpr,
+    ctx,
+    MODS: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_TYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Online-softmax update of ``acc, m_i, l_i`` by the ``t``-th key tile of the list."""
+    """Online-softmax update of ``carry = (acc, m_i, l_i)`` by the ``t``-th key tile of the list.
+
+    ``ctx``: the query tile, the :data:`~._attn_common.KV`, the
+    :data:`~._attn_common.Cols`, the list's first entry, the :class:`Query`,
+    the key offsets of a tile, ``Sk`` and the :class:`ScoreEnv`.
+    """
+    acc, m_i, l_i = carry
+    q, kv, cols, list_base, query, offs_n, Sk, env = ctx
     j, state = _entry(list_base, t)
     n0 = j * BLOCK_N
-    k, v = kv_tile(
-        k_base,
-        v_base,
-        n0,
-        stride_kn,
-        stride_vn,
-        offs_n,
-        offs_d,
-        offs_dv,
-        Sk,
-        D,
-        DV,
-        True,
-        EVEN_D,
-        EVEN_DV,
-    )
-    _, s, keep, _ = _tile_scores(
-        q,
-        k.to(DOT_TYPE),
-        b,
-        h,
-        q_idx,
-        q_row,
-        n0,
-        offs_n,
-        row_ok,
-        Sk,
-        scale,
-        state,
-        states_base,
-        stride_si,
-        plan_tm,
-        plan_tn,
-        score_arrs,
-        score_consts,
-        mask_arrs,
-        mask_consts,
-        SCORE_FN,
-        MASK_FN,
-        HAS_SCORE,
-        HAS_MASK,
-        EXACT,
-        PRECISION,
-        False,
-    )
+    k, v = kv_tile(kv, n0, offs_n, cols, Sk, True, EVEN_D, EVEN_DV)
+    keys = Keys(n0, offs_n, Sk)
+    _, s, keep, _ = _tile_scores(q, k.to(DOT_TYPE), query, keys, state, env, MODS, PRECISION, False)
     s = tl.where(keep, s * LOG2E_CONST, float("-inf"))
-    m_new = tl.maximum(m_i, row_max(s))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
+    p, acc, m_i, l_i = softmax_update(acc, m_i, l_i, s)
     acc = tl.dot(p.to(DOT_TYPE), v.to(DOT_TYPE), acc, input_precision=PRECISION)
-    return acc, m_new, l_i
+    return acc, m_i, l_i
 
 
 @triton.jit
 def _forward_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    m_ptr,
-    l_ptr,
-    pos_ptr,
-    count_ptr,
-    list_ptr,
-    states_ptr,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_mb,
-    stride_mh,
-    stride_mm,
-    stride_lb,
-    stride_lh,
-    stride_lm,
-    stride_cb,
-    stride_ch,
-    stride_eb,
-    stride_eh,
-    stride_ei,
-    stride_sb,
-    stride_sh,
-    stride_si,
-    plan_tm,
-    plan_tn,
-    H,
-    GROUP,
-    Sq,
-    Sk,
-    scale,
-    D,
-    DV,
-    score_arrs,
-    score_consts,
-    mask_arrs,
-    mask_consts,
-    SCORE_FN: tl.constexpr,
-    MASK_FN: tl.constexpr,
-    HAS_SCORE: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    EXACT: tl.constexpr,
-    STORE_STATS: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
-    DOT_TYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, o_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    m_ptr, l_ptr,  # (B,H,Sq) float32 checkpoints; unused unless STORE_STATS
+    pos_ptr,  # (B,) int64 position of each batch's query 0
+    count_ptr, list_ptr, states_ptr,  # tile counts and lists, plan states (_plan_arguments)
+    stride_qb, stride_qh, stride_qm,  # q strides (batch, head, row)
+    stride_kb, stride_kh, stride_kn,  # k strides
+    stride_vb, stride_vh, stride_vn,  # v strides
+    stride_ob, stride_oh, stride_om,  # o strides
+    stride_mb, stride_mh, stride_mm,  # m strides
+    stride_lb, stride_lh, stride_lm,  # l strides
+    stride_cb, stride_ch,  # tile count strides (batch, head)
+    stride_eb, stride_eh, stride_ei,  # list strides (batch, head, tile)
+    stride_sb, stride_sh, stride_si,  # plan state strides (batch, head, query tile)
+    plan_tm, plan_tn,  # the plan's tile
+    H, GROUP, Sq, Sk,  # query heads, query heads per kv head, query and key lengths
+    scale,  # softmax scale
+    D, DV,  # head dims of q/k and v/o
+    score_arrs, score_consts, mask_arrs, mask_consts,  # the mods' run-time arguments
+    MODS: tl.constexpr,  # ModFns
+    STORE_STATS: tl.constexpr,  # write the m, l checkpoints
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
+    PRECISION: tl.constexpr,  # tl.dot input precision
+    DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query and key tile
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
+):  # fmt: skip
     """``o`` (and ``m``, ``l``) of one (query tile, batch, head) over its listed key tiles."""
+    counts = (count_ptr, stride_cb, stride_ch)
+    lists = (list_ptr, stride_eb, stride_eh, stride_ei)
+    plan = (counts, lists, (states_ptr, stride_sb, stride_sh, stride_si), plan_tm, plan_tn)
+    mod_args = (score_arrs, score_consts, mask_arrs, mask_consts)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -325,135 +246,43 @@ def _forward_kernel(
     g = h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    cols = Cols(tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), D, DV)
     rows = start_m + offs_m
     row_ok = rows < Sq
     q_row = rows.to(tl.int64)[:, None]
     q_idx = tl.load(pos_ptr + b).to(tl.int64) + q_row
     row_off = start_m.to(tl.int64)
-    q = _load_rows(
-        q_ptr + b * stride_qb + h * stride_qh,
-        row_off,
-        stride_qm,
-        offs_m,
-        offs_d,
-        row_ok,
-        D,
-        EVEN_D,
-    ).to(DOT_TYPE)
-    k_base = k_ptr + b * stride_kb + g * stride_kh
-    v_base = v_ptr + b * stride_vb + g * stride_vh
-    count = tl.load(count_ptr + b * stride_cb + h * stride_ch + pid_m)
-    list_base = list_ptr + b * stride_eb + h * stride_eh + pid_m * stride_ei
-    states_base = states_ptr + b * stride_sb + h * stride_sh
+    q_rows = head_rows(Strided(q_ptr, stride_qb, stride_qh, stride_qm), b, h)
+    q_tile = load_rows(q_rows, row_off, offs_m, row_ok, cols.d, D, True, EVEN_D).to(DOT_TYPE)
+    kv = KV(
+        head_rows(Strided(k_ptr, stride_kb, stride_kh, stride_kn), b, g),
+        head_rows(Strided(v_ptr, stride_vb, stride_vh, stride_vn), b, g),
+    )
+    count, list_base, states = _tile_list(plan, b, h, pid_m)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if RANGE_LOOPS:
-        for t in range(0, count):
-            acc, m_i, l_i = _forward_step(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k_base,
-                v_base,
-                list_base,
-                t,
-                b,
-                h,
-                q_idx,
-                q_row,
-                row_ok,
-                offs_n,
-                offs_d,
-                offs_dv,
-                stride_kn,
-                stride_vn,
-                Sk,
-                scale,
-                D,
-                DV,
-                states_base,
-                stride_si,
-                plan_tm,
-                plan_tn,
-                score_arrs,
-                score_consts,
-                mask_arrs,
-                mask_consts,
-                SCORE_FN,
-                MASK_FN,
-                HAS_SCORE,
-                HAS_MASK,
-                EXACT,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-                DOT_TYPE,
-                BLOCK_N,
-            )
-    else:
-        t = 0
-        while t < count:
-            acc, m_i, l_i = _forward_step(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k_base,
-                v_base,
-                list_base,
-                t,
-                b,
-                h,
-                q_idx,
-                q_row,
-                row_ok,
-                offs_n,
-                offs_d,
-                offs_dv,
-                stride_kn,
-                stride_vn,
-                Sk,
-                scale,
-                D,
-                DV,
-                states_base,
-                stride_si,
-                plan_tm,
-                plan_tn,
-                score_arrs,
-                score_consts,
-                mask_arrs,
-                mask_consts,
-                SCORE_FN,
-                MASK_FN,
-                HAS_SCORE,
-                HAS_MASK,
-                EXACT,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-                DOT_TYPE,
-                BLOCK_N,
-            )
-            t += 1
+    query = Query(b, h, q_idx, q_row, row_ok)
+    env = ScoreEnv(scale, states, mod_args)
+    ctx = (q_tile, kv, cols, list_base, query, tl.arange(0, BLOCK_N), Sk, env)
+    carry = (acc, m_i, l_i)
+    acc, m_i, l_i = tile_loop(
+        _forward_step,
+        carry,
+        0,
+        count,
+        1,
+        ctx,
+        (MODS, EVEN_D, EVEN_DV, PRECISION, DOT_TYPE, BLOCK_N),
+    )
     live = l_i != 0.0  # a NaN sum (a row that saw NaN) stays live: o, m, l NaN
-    o = acc / tl.where(live, l_i, 1.0)[:, None]
-    o = tl.where(live[:, None], o, 0.0)
-    o_base = o_ptr + b * stride_ob + h * stride_oh + row_off * stride_om
-    _store_rows(o_base, stride_om, offs_m, offs_dv, row_ok, DV, o, EVEN_DV)
-    if STORE_STATS:
-        m_out = tl.where(live, m_i * LN2_CONST, float("-inf"))
-        m_out = tl.where(l_i == l_i, m_out, float("nan"))
-        l_out = tl.where(live, l_i, 0.0)
-        m_base = m_ptr + b * stride_mb + h * stride_mh + row_off * stride_mm
-        l_base = l_ptr + b * stride_lb + h * stride_lh + row_off * stride_lm
-        tl.store(m_base + offs_m * stride_mm, m_out, mask=row_ok)
-        tl.store(l_base + offs_m * stride_lm, l_out, mask=row_ok)
+    out = (
+        head_rows(Strided(o_ptr, stride_ob, stride_oh, stride_om), b, h),
+        head_rows(Strided(m_ptr, stride_mb, stride_mh, stride_mm), b, h),
+        head_rows(Strided(l_ptr, stride_lb, stride_lh, stride_lm), b, h),
+    )
+    state = (acc, m_i, l_i)
+    store_output(out, row_off, state, live, offs_m, row_ok, cols, EVEN_DV, STORE_STATS)
 
 
 @triton.jit
@@ -464,218 +293,72 @@ def _probabilities(
     do,
     lse2,
     delta,
-    b,
-    h,
-    q_idx,
-    q_row,
-    n0,
-    offs_n,
-    row_ok,
-    Sk,
-    scale,
+    query,
+    keys,
     state,
-    states_base,
-    stride_si,
-    plan_tm,
-    plan_tn,
-    score_arrs,
-    score_consts,
-    mask_arrs,
-    mask_consts,
+    env,
     grads,
-    SCORE_FN: tl.constexpr,
-    MASK_FN: tl.constexpr,
-    VJP_FN: tl.constexpr,
-    HAS_SCORE: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    EXACT: tl.constexpr,
+    MODS: tl.constexpr,
     PRECISION: tl.constexpr,
     TRANSPOSED: tl.constexpr,
 ):
     """``(p, ds)`` of a tile: probabilities and d loss / d (raw natural score).
 
     ``(queries, keys)`` tiles, or ``(keys, queries)`` with ``TRANSPOSED`` (the dK/dV
-    pass, whose products then take ``p`` and ``ds`` as their left operand unchanged).
+    pass, whose products then take ``p`` and ``ds`` as their left operand unchanged);
+    ``grads``: the score mod's array-gradient accumulators (the dK/dV pass).
     """
     if TRANSPOSED:
-        s, s_mod, keep, kv_idx = _tile_scores(
-            k,
-            q,
-            b,
-            h,
-            q_idx,
-            q_row,
-            n0,
-            offs_n,
-            row_ok,
-            Sk,
-            scale,
-            state,
-            states_base,
-            stride_si,
-            plan_tm,
-            plan_tn,
-            score_arrs,
-            score_consts,
-            mask_arrs,
-            mask_consts,
-            SCORE_FN,
-            MASK_FN,
-            HAS_SCORE,
-            HAS_MASK,
-            EXACT,
-            PRECISION,
-            True,
-        )
+        s, s_mod, keep, kv_idx = _tile_scores(k, q, query, keys, state, env, MODS, PRECISION, True)
         p = tl.where(keep, tl.exp2(s_mod * LOG2E_CONST - lse2[None, :]), 0.0)
         dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         ds = tl.where(keep, p * (dp - delta[None, :]), 0.0)
     else:
-        s, s_mod, keep, kv_idx = _tile_scores(
-            q,
-            k,
-            b,
-            h,
-            q_idx,
-            q_row,
-            n0,
-            offs_n,
-            row_ok,
-            Sk,
-            scale,
-            state,
-            states_base,
-            stride_si,
-            plan_tm,
-            plan_tn,
-            score_arrs,
-            score_consts,
-            mask_arrs,
-            mask_consts,
-            SCORE_FN,
-            MASK_FN,
-            HAS_SCORE,
-            HAS_MASK,
-            EXACT,
-            PRECISION,
-            False,
-        )
+        s, s_mod, keep, kv_idx = _tile_scores(q, k, query, keys, state, env, MODS, PRECISION, False)
         p = tl.where(keep, tl.exp2(s_mod * LOG2E_CONST - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = tl.where(keep, p * (dp - delta[:, None]), 0.0)
-    if HAS_SCORE:
-        ds = VJP_FN(s, b, h, q_idx, kv_idx, q_row, ds, keep, score_arrs, score_consts, grads)
+    if MODS.HAS_SCORE:
+        score_arrs, score_consts, _, _ = env.mod_args
+        b, h, q_idx, q_row = query.b, query.h, query.q_idx, query.q_row
+        ds = MODS.vjp(s, b, h, q_idx, kv_idx, q_row, ds, keep, score_arrs, score_consts, grads)
         ds = tl.where(keep, ds, 0.0)
     return p, ds
 
 
 @triton.jit
 def _dkdv_step(
-    dk,
-    dv,
-    k,
-    v,
-    q_base,
-    do_base,
-    m_base,
-    l_base,
-    delta_base,
-    pos,
-    list_base,
+    carry,
     t,
-    b,
-    h,
-    n0,
-    offs_m,
-    offs_n,
-    offs_d,
-    offs_dv,
-    stride_qm,
-    stride_dom,
-    stride_mm,
-    stride_lm,
-    stride_dem,
-    Sq,
-    Sk,
-    scale,
-    D,
-    DV,
-    states_base,
-    stride_si,
-    plan_tm,
-    plan_tn,
-    score_arrs,
-    score_consts,
-    mask_arrs,
-    mask_consts,
-    grads,
-    SCORE_FN: tl.constexpr,
-    MASK_FN: tl.constexpr,
-    VJP_FN: tl.constexpr,
-    HAS_SCORE: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    EXACT: tl.constexpr,
+    ctx,
+    MODS: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_TYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """dK, dV contributions of the ``t``-th query tile of the list (one query head)."""
+    """dK, dV contributions (``carry = (dk, dv)``) of the ``t``-th query tile of the list (one
+    query head).
+
+    ``ctx``: the key tile's ``k``, ``v`` and :class:`Keys`, the head's
+    :data:`~._attn_common.BackwardRows`, the list's first entry, ``b``, ``h``,
+    the position of query 0, the query row offsets of a tile, the
+    :data:`~._attn_common.Cols`, ``Sq``, the :class:`ScoreEnv` and the score
+    mod's array-gradient accumulators.
+    """
+    dk, dv = carry
+    k, v, keys, head, list_base, b, h, pos, offs_m, cols, Sq, env, grads = ctx
     i, state = _entry(list_base, t)
     start_m = i * BLOCK_M
     rows = start_m + offs_m
     row_ok = rows < Sq
     row_off = start_m.to(tl.int64)
     q_row = rows.to(tl.int64)[None, :]
-    q_idx = pos + q_row
-    q = _load_rows(q_base, row_off, stride_qm, offs_m, offs_d, row_ok, D, EVEN_D).to(DOT_TYPE)
-    do = _load_rows(do_base, row_off, stride_dom, offs_m, offs_dv, row_ok, DV, EVEN_DV)
-    do = do.to(DOT_TYPE)
-    lse2, delta = _row_stats(
-        m_base + row_off * stride_mm,
-        l_base + row_off * stride_lm,
-        delta_base + row_off * stride_dem,
-        stride_mm,
-        stride_lm,
-        stride_dem,
-        offs_m,
-        row_ok,
-    )
+    query = Query(b, h, pos + q_row, q_row, row_ok)
+    q, do, lse2, delta = query_tile(head, row_off, offs_m, row_ok, cols, EVEN_D, EVEN_DV, DOT_TYPE)
     p, ds = _probabilities(
-        q,
-        k,
-        v,
-        do,
-        lse2,
-        delta,
-        b,
-        h,
-        q_idx,
-        q_row,
-        n0,
-        offs_n,
-        row_ok,
-        Sk,
-        scale,
-        state,
-        states_base,
-        stride_si,
-        plan_tm,
-        plan_tn,
-        score_arrs,
-        score_consts,
-        mask_arrs,
-        mask_consts,
-        grads,
-        SCORE_FN,
-        MASK_FN,
-        VJP_FN,
-        HAS_SCORE,
-        HAS_MASK,
-        EXACT,
-        PRECISION,
-        True,
+        q, k, v, do, lse2, delta, query, keys, state, env, grads, MODS, PRECISION, True
     )
     dv = tl.dot(p.to(DOT_TYPE), do, dv, input_precision=PRECISION)
     dk = tl.dot(ds.to(DOT_TYPE), q, dk, input_precision=PRECISION)
@@ -684,84 +367,41 @@ def _dkdv_step(
 
 @triton.jit
 def _dkdv_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    do_ptr,
-    m_ptr,
-    l_ptr,
-    delta_ptr,
-    dk_ptr,
-    dv_ptr,
-    pos_ptr,
-    count_ptr,
-    list_ptr,
-    states_ptr,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_mb,
-    stride_mh,
-    stride_mm,
-    stride_lb,
-    stride_lh,
-    stride_lm,
-    stride_deb,
-    stride_deh,
-    stride_dem,
-    stride_dkb,
-    stride_dkh,
-    stride_dkn,
-    stride_dvb,
-    stride_dvh,
-    stride_dvn,
-    stride_cb,
-    stride_ch,
-    stride_eb,
-    stride_eh,
-    stride_ei,
-    stride_sb,
-    stride_sh,
-    stride_si,
-    plan_tm,
-    plan_tn,
-    HKV,
-    GROUP,
-    Sq,
-    Sk,
-    scale,
-    D,
-    DV,
-    score_arrs,
-    score_consts,
-    mask_arrs,
-    mask_consts,
-    grads,
-    SCORE_FN: tl.constexpr,
-    MASK_FN: tl.constexpr,
-    VJP_FN: tl.constexpr,
-    HAS_SCORE: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    EXACT: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
-    DOT_TYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    m_ptr, l_ptr, delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
+    dk_ptr, dv_ptr,  # (B,Hkv,Sk,D), (B,Hkv,Sk,DV) shadows, overwritten
+    pos_ptr,  # (B,) int64 position of each batch's query 0
+    count_ptr, list_ptr, states_ptr,  # tile counts and lists, plan states (_plan_arguments)
+    stride_qb, stride_qh, stride_qm,  # q strides (batch, head, row)
+    stride_kb, stride_kh, stride_kn,  # k strides
+    stride_vb, stride_vh, stride_vn,  # v strides
+    stride_dob, stride_doh, stride_dom,  # do strides
+    stride_mb, stride_mh, stride_mm,  # m strides
+    stride_lb, stride_lh, stride_lm,  # l strides
+    stride_deb, stride_deh, stride_dem,  # delta strides
+    stride_dkb, stride_dkh, stride_dkn,  # dk strides
+    stride_dvb, stride_dvh, stride_dvn,  # dv strides
+    stride_cb, stride_ch,  # tile count strides (batch, head)
+    stride_eb, stride_eh, stride_ei,  # list strides (batch, head, tile)
+    stride_sb, stride_sh, stride_si,  # plan state strides (batch, head, query tile)
+    plan_tm, plan_tn,  # the plan's tile
+    HKV, GROUP, Sq, Sk,  # kv heads, query heads per kv head, query and key lengths
+    scale,  # softmax scale
+    D, DV,  # head dims
+    score_arrs, score_consts, mask_arrs, mask_consts,  # the mods' run-time arguments
+    grads,  # the score mod's array-gradient accumulators (see _flex_host.Mods)
+    MODS: tl.constexpr,  # ModFns (vjp: the reverse mode adding the array gradients)
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
+    PRECISION: tl.constexpr,  # tl.dot input precision
+    DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query and key tile
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
+):  # fmt: skip
     """dK, dV of one (key tile, batch, kv head), summed over the group's heads and query tiles."""
+    counts = (count_ptr, stride_cb, stride_ch)
+    lists = (list_ptr, stride_eb, stride_eh, stride_ei)
+    plan = (counts, lists, (states_ptr, stride_sb, stride_sh, stride_si), plan_tm, plan_tn)
+    mod_args = (score_arrs, score_consts, mask_arrs, mask_consts)
     pid_n = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = (pid_bg // HKV).to(tl.int64)
@@ -769,334 +409,108 @@ def _dkdv_kernel(
     n0 = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    k, v = kv_tile(
-        k_ptr + b * stride_kb + g * stride_kh,
-        v_ptr + b * stride_vb + g * stride_vh,
-        n0,
-        stride_kn,
-        stride_vn,
-        offs_n,
-        offs_d,
-        offs_dv,
-        Sk,
-        D,
-        DV,
-        True,
-        EVEN_D,
-        EVEN_DV,
+    cols = Cols(tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), D, DV)
+    kv = KV(
+        head_rows(Strided(k_ptr, stride_kb, stride_kh, stride_kn), b, g),
+        head_rows(Strided(v_ptr, stride_vb, stride_vh, stride_vn), b, g),
     )
-    k = k.to(DOT_TYPE)
-    v = v.to(DOT_TYPE)
-    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
+    k_tile, v_tile = kv_tile(kv, n0, offs_n, cols, Sk, True, EVEN_D, EVEN_DV)
+    k_tile = k_tile.to(DOT_TYPE)
+    v_tile = v_tile.to(DOT_TYPE)
+    dk_acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv_acc = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
     pos = tl.load(pos_ptr + b).to(tl.int64)
+    keys = Keys(n0, offs_n, Sk)
+    tensors = BackwardRows(
+        Strided(q_ptr, stride_qb, stride_qh, stride_qm),
+        Strided(do_ptr, stride_dob, stride_doh, stride_dom),
+        Strided(m_ptr, stride_mb, stride_mh, stride_mm),
+        Strided(l_ptr, stride_lb, stride_lh, stride_lm),
+        Strided(delta_ptr, stride_deb, stride_deh, stride_dem),
+    )
     h = g * GROUP
     while h < (g + 1) * GROUP:
-        count = tl.load(count_ptr + b * stride_cb + h * stride_ch + pid_n)
-        list_base = list_ptr + b * stride_eb + h * stride_eh + pid_n * stride_ei
-        q_base = q_ptr + b * stride_qb + h * stride_qh
-        do_base = do_ptr + b * stride_dob + h * stride_doh
-        m_base = m_ptr + b * stride_mb + h * stride_mh
-        l_base = l_ptr + b * stride_lb + h * stride_lh
-        delta_base = delta_ptr + b * stride_deb + h * stride_deh
-        states_base = states_ptr + b * stride_sb + h * stride_sh
-        if RANGE_LOOPS:
-            for t in range(0, count):
-                dk, dv = _dkdv_step(
-                    dk,
-                    dv,
-                    k,
-                    v,
-                    q_base,
-                    do_base,
-                    m_base,
-                    l_base,
-                    delta_base,
-                    pos,
-                    list_base,
-                    t,
-                    b,
-                    h,
-                    n0,
-                    offs_m,
-                    offs_n,
-                    offs_d,
-                    offs_dv,
-                    stride_qm,
-                    stride_dom,
-                    stride_mm,
-                    stride_lm,
-                    stride_dem,
-                    Sq,
-                    Sk,
-                    scale,
-                    D,
-                    DV,
-                    states_base,
-                    stride_si,
-                    plan_tm,
-                    plan_tn,
-                    score_arrs,
-                    score_consts,
-                    mask_arrs,
-                    mask_consts,
-                    grads,
-                    SCORE_FN,
-                    MASK_FN,
-                    VJP_FN,
-                    HAS_SCORE,
-                    HAS_MASK,
-                    EXACT,
-                    EVEN_D,
-                    EVEN_DV,
-                    PRECISION,
-                    DOT_TYPE,
-                    BLOCK_M,
-                )
-        else:
-            t = 0
-            while t < count:
-                dk, dv = _dkdv_step(
-                    dk,
-                    dv,
-                    k,
-                    v,
-                    q_base,
-                    do_base,
-                    m_base,
-                    l_base,
-                    delta_base,
-                    pos,
-                    list_base,
-                    t,
-                    b,
-                    h,
-                    n0,
-                    offs_m,
-                    offs_n,
-                    offs_d,
-                    offs_dv,
-                    stride_qm,
-                    stride_dom,
-                    stride_mm,
-                    stride_lm,
-                    stride_dem,
-                    Sq,
-                    Sk,
-                    scale,
-                    D,
-                    DV,
-                    states_base,
-                    stride_si,
-                    plan_tm,
-                    plan_tn,
-                    score_arrs,
-                    score_consts,
-                    mask_arrs,
-                    mask_consts,
-                    grads,
-                    SCORE_FN,
-                    MASK_FN,
-                    VJP_FN,
-                    HAS_SCORE,
-                    HAS_MASK,
-                    EXACT,
-                    EVEN_D,
-                    EVEN_DV,
-                    PRECISION,
-                    DOT_TYPE,
-                    BLOCK_M,
-                )
-                t += 1
+        count, list_base, states = _tile_list(plan, b, h, pid_n)
+        head = backward_heads(tensors, b, h)
+        env = ScoreEnv(scale, states, mod_args)
+        ctx = (k_tile, v_tile, keys, head, list_base, b, h, pos, offs_m, cols, Sq, env, grads)
+        dk_acc, dv_acc = tile_loop(
+            _dkdv_step, (dk_acc, dv_acc), 0, count, 1, ctx,
+            (MODS, EVEN_D, EVEN_DV, PRECISION, DOT_TYPE, BLOCK_M),
+        )  # fmt: skip
         h += 1
     key_ok = (n0 + offs_n) < Sk
     key_off = n0.to(tl.int64)
-    dk_base = dk_ptr + b * stride_dkb + g * stride_dkh + key_off * stride_dkn
-    dv_base = dv_ptr + b * stride_dvb + g * stride_dvh + key_off * stride_dvn
-    _store_rows(dk_base, stride_dkn, offs_n, offs_d, key_ok, D, dk * scale, EVEN_D)
-    _store_rows(dv_base, stride_dvn, offs_n, offs_dv, key_ok, DV, dv, EVEN_DV)
+    dk_rows = head_rows(Strided(dk_ptr, stride_dkb, stride_dkh, stride_dkn), b, g)
+    dv_rows = head_rows(Strided(dv_ptr, stride_dvb, stride_dvh, stride_dvn), b, g)
+    store_rows(dk_rows, key_off, offs_n, key_ok, cols.d, D, dk_acc * scale, EVEN_D)
+    store_rows(dv_rows, key_off, offs_n, key_ok, cols.dv, DV, dv_acc, EVEN_DV)
 
 
 @triton.jit
 def _dq_step(
     dq,
-    q,
-    do,
-    lse2,
-    delta,
-    k_base,
-    v_base,
-    list_base,
     t,
-    b,
-    h,
-    q_idx,
-    q_row,
-    row_ok,
-    offs_n,
-    offs_d,
-    offs_dv,
-    stride_kn,
-    stride_vn,
-    Sk,
-    scale,
-    D,
-    DV,
-    states_base,
-    stride_si,
-    plan_tm,
-    plan_tn,
-    score_arrs,
-    score_consts,
-    mask_arrs,
-    mask_consts,
-    SCORE_FN: tl.constexpr,
-    MASK_FN: tl.constexpr,
-    VJP_FN: tl.constexpr,
-    HAS_SCORE: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    EXACT: tl.constexpr,
+    ctx,
+    MODS: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_TYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """dQ contribution of the ``t``-th key tile of the list."""
+    """dQ contribution of the ``t``-th key tile of the list.
+
+    ``ctx``: the query tile's ``q``, ``do``, ``lse2`` and ``delta``, then as
+    :func:`_forward_step`'s from the :data:`~._attn_common.KV` on.
+    """
+    q, do, lse2, delta, kv, cols, list_base, query, offs_n, Sk, env = ctx
     j, state = _entry(list_base, t)
     n0 = j * BLOCK_N
-    k, v = kv_tile(
-        k_base,
-        v_base,
-        n0,
-        stride_kn,
-        stride_vn,
-        offs_n,
-        offs_d,
-        offs_dv,
-        Sk,
-        D,
-        DV,
-        True,
-        EVEN_D,
-        EVEN_DV,
-    )
+    k, v = kv_tile(kv, n0, offs_n, cols, Sk, True, EVEN_D, EVEN_DV)
     k = k.to(DOT_TYPE)
+    keys = Keys(n0, offs_n, Sk)
     _, ds = _probabilities(
-        q,
-        k,
-        v.to(DOT_TYPE),
-        do,
-        lse2,
-        delta,
-        b,
-        h,
-        q_idx,
-        q_row,
-        n0,
-        offs_n,
-        row_ok,
-        Sk,
-        scale,
-        state,
-        states_base,
-        stride_si,
-        plan_tm,
-        plan_tn,
-        score_arrs,
-        score_consts,
-        mask_arrs,
-        mask_consts,
-        0,
-        SCORE_FN,
-        MASK_FN,
-        VJP_FN,
-        HAS_SCORE,
-        HAS_MASK,
-        EXACT,
-        PRECISION,
-        False,
+        q, k, v.to(DOT_TYPE), do, lse2, delta, query, keys, state, env, 0, MODS, PRECISION, False
     )
     return tl.dot(ds.to(DOT_TYPE), k, dq, input_precision=PRECISION)
 
 
 @triton.jit
 def _dq_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    do_ptr,
-    m_ptr,
-    l_ptr,
-    delta_ptr,
-    dq_ptr,
-    pos_ptr,
-    count_ptr,
-    list_ptr,
-    states_ptr,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_mb,
-    stride_mh,
-    stride_mm,
-    stride_lb,
-    stride_lh,
-    stride_lm,
-    stride_deb,
-    stride_deh,
-    stride_dem,
-    stride_dqb,
-    stride_dqh,
-    stride_dqm,
-    stride_cb,
-    stride_ch,
-    stride_eb,
-    stride_eh,
-    stride_ei,
-    stride_sb,
-    stride_sh,
-    stride_si,
-    plan_tm,
-    plan_tn,
-    H,
-    GROUP,
-    Sq,
-    Sk,
-    scale,
-    D,
-    DV,
-    score_arrs,
-    score_consts,
-    mask_arrs,
-    mask_consts,
-    SCORE_FN: tl.constexpr,
-    MASK_FN: tl.constexpr,
-    VJP_FN: tl.constexpr,
-    HAS_SCORE: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    EXACT: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    EVEN_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
-    DOT_TYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, do_ptr,  # (B,H,Sq,D), (B,Hkv,Sk,D), (B,Hkv,Sk,DV), (B,H,Sq,DV)
+    m_ptr, l_ptr, delta_ptr,  # (B,H,Sq) float32 checkpoints and delta
+    dq_ptr,  # (B,H,Sq,D) shadow, overwritten
+    pos_ptr,  # (B,) int64 position of each batch's query 0
+    count_ptr, list_ptr, states_ptr,  # tile counts and lists, plan states (_plan_arguments)
+    stride_qb, stride_qh, stride_qm,  # q strides (batch, head, row)
+    stride_kb, stride_kh, stride_kn,  # k strides
+    stride_vb, stride_vh, stride_vn,  # v strides
+    stride_dob, stride_doh, stride_dom,  # do strides
+    stride_mb, stride_mh, stride_mm,  # m strides
+    stride_lb, stride_lh, stride_lm,  # l strides
+    stride_deb, stride_deh, stride_dem,  # delta strides
+    stride_dqb, stride_dqh, stride_dqm,  # dq strides
+    stride_cb, stride_ch,  # tile count strides (batch, head)
+    stride_eb, stride_eh, stride_ei,  # list strides (batch, head, tile)
+    stride_sb, stride_sh, stride_si,  # plan state strides (batch, head, query tile)
+    plan_tm, plan_tn,  # the plan's tile
+    H, GROUP, Sq, Sk,  # query heads, query heads per kv head, query and key lengths
+    scale,  # softmax scale
+    D, DV,  # head dims
+    score_arrs, score_consts, mask_arrs, mask_consts,  # the mods' run-time arguments
+    MODS: tl.constexpr,  # ModFns (vjp: the reverse mode without array gradients)
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,  # D == BLOCK_D, DV == BLOCK_DV
+    PRECISION: tl.constexpr,  # tl.dot input precision
+    DOT_TYPE: tl.constexpr,  # dtype of tl.dot operands (see dot_type)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # query and key tile
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,  # padded head dims
+):  # fmt: skip
     """dQ of one (query tile, batch, head) over its listed key tiles."""
+    counts = (count_ptr, stride_cb, stride_ch)
+    lists = (list_ptr, stride_eb, stride_eh, stride_ei)
+    plan = (counts, lists, (states_ptr, stride_sb, stride_sh, stride_si), plan_tm, plan_tn)
+    mod_args = (score_arrs, score_consts, mask_arrs, mask_consts)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -1104,146 +518,38 @@ def _dq_kernel(
     g = h // GROUP
     start_m = pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    cols = Cols(tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), D, DV)
     rows = start_m + offs_m
     row_ok = rows < Sq
     row_off = start_m.to(tl.int64)
     q_row = rows.to(tl.int64)[:, None]
     q_idx = tl.load(pos_ptr + b).to(tl.int64) + q_row
-    q = _load_rows(
-        q_ptr + b * stride_qb + h * stride_qh,
-        row_off,
-        stride_qm,
-        offs_m,
-        offs_d,
-        row_ok,
-        D,
-        EVEN_D,
-    ).to(DOT_TYPE)
-    do = _load_rows(
-        do_ptr + b * stride_dob + h * stride_doh,
-        row_off,
-        stride_dom,
-        offs_m,
-        offs_dv,
-        row_ok,
-        DV,
-        EVEN_DV,
-    ).to(DOT_TYPE)
-    lse2, delta = _row_stats(
-        m_ptr + b * stride_mb + h * stride_mh + row_off * stride_mm,
-        l_ptr + b * stride_lb + h * stride_lh + row_off * stride_lm,
-        delta_ptr + b * stride_deb + h * stride_deh + row_off * stride_dem,
-        stride_mm,
-        stride_lm,
-        stride_dem,
-        offs_m,
-        row_ok,
+    tensors = BackwardRows(
+        Strided(q_ptr, stride_qb, stride_qh, stride_qm),
+        Strided(do_ptr, stride_dob, stride_doh, stride_dom),
+        Strided(m_ptr, stride_mb, stride_mh, stride_mm),
+        Strided(l_ptr, stride_lb, stride_lh, stride_lm),
+        Strided(delta_ptr, stride_deb, stride_deh, stride_dem),
     )
-    k_base = k_ptr + b * stride_kb + g * stride_kh
-    v_base = v_ptr + b * stride_vb + g * stride_vh
-    count = tl.load(count_ptr + b * stride_cb + h * stride_ch + pid_m)
-    list_base = list_ptr + b * stride_eb + h * stride_eh + pid_m * stride_ei
-    states_base = states_ptr + b * stride_sb + h * stride_sh
-    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    if RANGE_LOOPS:
-        for t in range(0, count):
-            dq = _dq_step(
-                dq,
-                q,
-                do,
-                lse2,
-                delta,
-                k_base,
-                v_base,
-                list_base,
-                t,
-                b,
-                h,
-                q_idx,
-                q_row,
-                row_ok,
-                offs_n,
-                offs_d,
-                offs_dv,
-                stride_kn,
-                stride_vn,
-                Sk,
-                scale,
-                D,
-                DV,
-                states_base,
-                stride_si,
-                plan_tm,
-                plan_tn,
-                score_arrs,
-                score_consts,
-                mask_arrs,
-                mask_consts,
-                SCORE_FN,
-                MASK_FN,
-                VJP_FN,
-                HAS_SCORE,
-                HAS_MASK,
-                EXACT,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-                DOT_TYPE,
-                BLOCK_N,
-            )
-    else:
-        t = 0
-        while t < count:
-            dq = _dq_step(
-                dq,
-                q,
-                do,
-                lse2,
-                delta,
-                k_base,
-                v_base,
-                list_base,
-                t,
-                b,
-                h,
-                q_idx,
-                q_row,
-                row_ok,
-                offs_n,
-                offs_d,
-                offs_dv,
-                stride_kn,
-                stride_vn,
-                Sk,
-                scale,
-                D,
-                DV,
-                states_base,
-                stride_si,
-                plan_tm,
-                plan_tn,
-                score_arrs,
-                score_consts,
-                mask_arrs,
-                mask_consts,
-                SCORE_FN,
-                MASK_FN,
-                VJP_FN,
-                HAS_SCORE,
-                HAS_MASK,
-                EXACT,
-                EVEN_D,
-                EVEN_DV,
-                PRECISION,
-                DOT_TYPE,
-                BLOCK_N,
-            )
-            t += 1
-    dq_base = dq_ptr + b * stride_dqb + h * stride_dqh + row_off * stride_dqm
-    _store_rows(dq_base, stride_dqm, offs_m, offs_d, row_ok, D, dq * scale, EVEN_D)
+    head = backward_heads(tensors, b, h)
+    q_tile, do_tile, lse2, delta_row = query_tile(
+        head, row_off, offs_m, row_ok, cols, EVEN_D, EVEN_DV, DOT_TYPE
+    )
+    kv = KV(
+        head_rows(Strided(k_ptr, stride_kb, stride_kh, stride_kn), b, g),
+        head_rows(Strided(v_ptr, stride_vb, stride_vh, stride_vn), b, g),
+    )
+    count, list_base, states = _tile_list(plan, b, h, pid_m)
+    dq_acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    query = Query(b, h, q_idx, q_row, row_ok)
+    env = ScoreEnv(scale, states, mod_args)
+    offs_n = tl.arange(0, BLOCK_N)
+    ctx = (q_tile, do_tile, lse2, delta_row, kv, cols, list_base, query, offs_n, Sk, env)
+    dq_acc = tile_loop(
+        _dq_step, dq_acc, 0, count, 1, ctx, (MODS, EVEN_D, EVEN_DV, PRECISION, DOT_TYPE, BLOCK_N)
+    )
+    dq_rows = head_rows(Strided(dq_ptr, stride_dqb, stride_dqh, stride_dqm), b, h)
+    store_rows(dq_rows, row_off, offs_m, row_ok, cols.d, D, dq_acc * scale, EVEN_D)
 
 
 _POSITIONS: dict = {}
@@ -1269,46 +575,38 @@ def _fit(block: int, tile: int) -> int:
     return block
 
 
-def _tile(table, block_d, like, plan):
-    """``(BLOCK_M, BLOCK_N, warps, stages)``: the attention kernels' default tile for the head
-    dim and input width (16 x 16 under the interpreter), halved while that makes it divide the
-    plan's tiles (every kernel tile then lies in one plan tile)."""
+def _tile(table, block_d, like, plan) -> dict:
+    """``BLOCK_M``, ``BLOCK_N``, ``num_warps`` and ``num_stages`` of a launch: the attention
+    kernels' default tile for the head dim and input width (16 x 16 under the interpreter),
+    halved while that makes it divide the plan's tiles (every kernel tile then lies in one
+    plan tile)."""
     tile = table.choose(block_d, like.element_size())
-    return (
-        _fit(tile.block_m, plan.tile_m),
-        _fit(tile.block_n, plan.tile_n),
-        tile.num_warps,
-        tile.num_stages,
-    )
+    return {
+        "BLOCK_M": _fit(tile.block_m, plan.tile_m),
+        "BLOCK_N": _fit(tile.block_n, plan.tile_n),
+        "num_warps": tile.num_warps,
+        "num_stages": tile.num_stages,
+    }
 
 
-def _plan_arguments(lists, plan, forward_axis: bool) -> tuple:
+def _plan_arguments(lists, plan, forward_axis: bool) -> tuple[tuple, tuple]:
+    """``(pointers, integers)`` of the kernels' plan arguments: the tile counts, the lists and
+    the plan's own states; their strides and the plan's tile sizes."""
     count, entries = (
         (lists.forward_count, lists.forward)
         if forward_axis
         else (lists.backward_count, lists.backward)
     )
     cs, es, ss = strides(count), strides(entries), strides(lists.states)
-    return (
-        count,
-        entries,
-        lists.states,
-        *cs[:2],
-        *es[:3],
-        *ss[:3],
-        plan.tile_m,
-        plan.tile_n,
-    )
+    return (count, entries, lists.states), (*cs[:2], *es[:3], *ss[:3], plan.tile_m, plan.tile_n)
 
 
-def _meta(q, v, mods, score_mod, mask_mod, lists) -> dict:
+def _meta(q, v, mods, vjp, score_mod, mask_mod, lists) -> dict:
+    """The compile-time arguments of a launch whose score reverse mode is ``vjp``."""
     block_d, block_dv = dim_block(q.shape[-1]), dim_block(v.shape[-1])
+    has_score, has_mask = score_mod is not None, mask_mod is not None
     return {
-        "SCORE_FN": mods.score_fn,
-        "MASK_FN": mods.mask_fn,
-        "HAS_SCORE": score_mod is not None,
-        "HAS_MASK": mask_mod is not None,
-        "EXACT": lists.exact,
+        "MODS": ModFns(mods.score_fn, mods.mask_fn, vjp, has_score, has_mask, lists.exact),
         "EVEN_D": block_d == q.shape[-1],
         "EVEN_DV": block_dv == v.shape[-1],
         "PRECISION": dot_precision(q.dtype),
@@ -1343,46 +641,19 @@ def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) ->
             m.fill_(float("-inf"))
             l.zero_()
         return
-    block_m, block_n, warps, stages = _tile(_FORWARD_TILES, dim_block(q.shape[-1]), q, plan)
-    lists = tile_lists(plan, Sq, Sk, block_m, block_n, q.device)
+    tile = _tile(_FORWARD_TILES, dim_block(q.shape[-1]), q, plan)
+    lists = tile_lists(plan, Sq, Sk, tile["BLOCK_M"], tile["BLOCK_N"], q.device)
     mods = Mods.build(score_mod, mask_mod)
-    meta = _meta(q, v, mods, score_mod, mask_mod, lists)
-    plan_args = _plan_arguments(lists, plan, True)
+    plan_pointers, plan_integers = _plan_arguments(lists, plan, True)
+    stats = (o, o) if m is None else (m, l)  # o is never read without STORE_STATS
+    tensors = (q, k, v, o, *stats, _positions(input_pos, B, q), *plan_pointers)
+    integers = (*strides_of(q, k, v, o, m, l), *plan_integers)
+    sizes = (H, H // Hkv, Sq, Sk, scale, q.shape[-1], v.shape[-1])
+    args = (*tensors, *integers, *sizes, *mods.arguments)
+    meta = _meta(q, v, mods, None, score_mod, mask_mod, lists)
+    grid = (triton.cdiv(Sq, tile["BLOCK_M"]), B * H)
     with launch_context(_forward_kernel, q):
-        traced(_forward_kernel, q)[(triton.cdiv(Sq, block_m), B * H)](
-            q,
-            k,
-            v,
-            o,
-            m if store else o,
-            l if store else o,
-            _positions(input_pos, B, q),
-            *plan_args[:3],
-            *q.stride()[:3],
-            *k.stride()[:3],
-            *v.stride()[:3],
-            *o.stride()[:3],
-            *(m.stride() if store else (0, 0, 0)),
-            *(l.stride() if store else (0, 0, 0)),
-            *plan_args[3:],
-            H,
-            H // Hkv,
-            Sq,
-            Sk,
-            scale,
-            q.shape[-1],
-            v.shape[-1],
-            mods.score_arrs,
-            mods.score_consts,
-            mods.mask_arrs,
-            mods.mask_consts,
-            **meta,
-            STORE_STATS=store,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=warps,
-            num_stages=stages,
-        )
+        traced(_forward_kernel, q)[grid](*args, **meta, **tile, STORE_STATS=store)
 
 
 def score_mod_workspace(q, k, v, score_mod, plan, score_mod_grads, deterministic) -> int:
@@ -1398,7 +669,7 @@ def score_mod_workspace(q, k, v, score_mod, plan, score_mod_grads, deterministic
     B, H, Sq, D = q.shape
     if B == 0 or H == 0 or Sq == 0 or k.shape[2] == 0:
         return 0
-    block_n = _tile(_DKDV_TILES, dim_block(D), q, plan)[1]
+    block_n = _tile(_DKDV_TILES, dim_block(D), q, plan)["BLOCK_N"]
     programs = (triton.cdiv(k.shape[2], block_n), B, k.shape[1], H // k.shape[1])
     return workspace_layout(score_mod, score_mod_grads, deterministic, programs)[0]
 
@@ -1448,110 +719,32 @@ def backward(
         dv.zero_()
         return
     block_d = dim_block(D)
-    dkdv_tile = _tile(_DKDV_TILES, block_d, q, plan)
-    programs = (triton.cdiv(Sk, dkdv_tile[1]), B, Hkv, H // Hkv)
+    tile = _tile(_DKDV_TILES, block_d, q, plan)
+    programs = (triton.cdiv(Sk, tile["BLOCK_N"]), B, Hkv, H // Hkv)
     mods = Mods.build(
         score_mod, mask_mod, score_mod_grads, deterministic, programs, score_mod_workspace
     )
+    reads = (q, k, v, do, m, l, delta)
     positions = _positions(input_pos, B, q)
-    common = (
-        *q.stride()[:3],
-        *k.stride()[:3],
-        *v.stride()[:3],
-        *do.stride()[:3],
-        *m.stride(),
-        *l.stride(),
-        *delta.stride(),
-    )
+    sizes = (H // Hkv, Sq, Sk, scale, D, DV)
     with launch_context(_dq_kernel, q):
-        delta_rows = _DELTA_TILE // dim_block(DV)
-        traced(_delta_kernel, q)[(triton.cdiv(Sq, delta_rows) * B * H,)](
-            o,
-            do,
-            delta,
-            q,
-            *o.stride()[:3],
-            *do.stride()[:3],
-            *delta.stride(),
-            H,
-            Sq,
-            DV,
-            HAS_QLEN=False,
-            EVEN_DV=dim_block(DV) == DV,
-            BLOCK_M=delta_rows,
-            BLOCK_DV=dim_block(DV),
-        )
-        block_m, block_n, warps, stages = dkdv_tile
-        lists = tile_lists(plan, Sq, Sk, block_m, block_n, q.device)
-        args = _plan_arguments(lists, plan, False)
-        traced(_dkdv_kernel, q)[(triton.cdiv(Sk, block_n), B * Hkv)](
-            q,
-            k,
-            v,
-            do,
-            m,
-            l,
-            delta,
-            dk,
-            dv,
-            positions,
-            *args[:3],
-            *common,
-            *dk.stride()[:3],
-            *dv.stride()[:3],
-            *args[3:],
-            Hkv,
-            H // Hkv,
-            Sq,
-            Sk,
-            scale,
-            D,
-            DV,
-            mods.score_arrs,
-            mods.score_consts,
-            mods.mask_arrs,
-            mods.mask_consts,
-            mods.grads,
-            **_meta(q, v, mods, score_mod, mask_mod, lists),
-            VJP_FN=mods.vjp_grads,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=warps,
-            num_stages=stages,
-        )
-        block_m, block_n, warps, stages = _tile(_DQ_TILES, block_d, q, plan)
-        lists = tile_lists(plan, Sq, Sk, block_m, block_n, q.device)
-        args = _plan_arguments(lists, plan, True)
-        traced(_dq_kernel, q)[(triton.cdiv(Sq, block_m), B * H)](
-            q,
-            k,
-            v,
-            do,
-            m,
-            l,
-            delta,
-            dq,
-            positions,
-            *args[:3],
-            *common,
-            *dq.stride()[:3],
-            *args[3:],
-            H,
-            H // Hkv,
-            Sq,
-            Sk,
-            scale,
-            D,
-            DV,
-            mods.score_arrs,
-            mods.score_consts,
-            mods.mask_arrs,
-            mods.mask_consts,
-            **_meta(q, v, mods, score_mod, mask_mod, lists),
-            VJP_FN=mods.vjp,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=warps,
-            num_stages=stages,
-        )
+        args = (o, do, delta, q, *strides_of(o, do, delta), H, Sq, DV)
+        launch_delta(q, args, DV, Sq, B * H, has_qlen=False)
+        lists = tile_lists(plan, Sq, Sk, tile["BLOCK_M"], tile["BLOCK_N"], q.device)
+        plan_pointers, plan_integers = _plan_arguments(lists, plan, False)
+        tensors = (*reads, dk, dv, positions, *plan_pointers)
+        integers = (*strides_of(*reads, dk, dv), *plan_integers)
+        args = (*tensors, *integers, Hkv, *sizes, *mods.arguments)
+        meta = _meta(q, v, mods, mods.vjp_grads, score_mod, mask_mod, lists)
+        grid = (triton.cdiv(Sk, tile["BLOCK_N"]), B * Hkv)
+        traced(_dkdv_kernel, q)[grid](*args, mods.grads, **meta, **tile)
+        tile = _tile(_DQ_TILES, block_d, q, plan)
+        lists = tile_lists(plan, Sq, Sk, tile["BLOCK_M"], tile["BLOCK_N"], q.device)
+        plan_pointers, plan_integers = _plan_arguments(lists, plan, True)
+        tensors = (*reads, dq, positions, *plan_pointers)
+        integers = (*strides_of(*reads, dq), *plan_integers)
+        args = (*tensors, *integers, H, *sizes, *mods.arguments)
+        meta = _meta(q, v, mods, mods.vjp, score_mod, mask_mod, lists)
+        grid = (triton.cdiv(Sq, tile["BLOCK_M"]), B * H)
+        traced(_dq_kernel, q)[grid](*args, **meta, **tile)
     mods.finish()

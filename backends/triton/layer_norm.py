@@ -34,6 +34,7 @@ from ._common import (
     partial_programs,
     reduce_partials,
     row_config,
+    row_strides,
     traced,
 )
 
@@ -65,22 +66,15 @@ def _backward_config(m: int, itemsize: int) -> RowConfig:
 
 @triton.jit
 def _forward_fused(
-    y_ptr,  # (rows, M) output
-    x_ptr,  # (rows, M) input
-    w_ptr,  # (M,) weight, or None (no scale)
-    b_ptr,  # (M,) bias, or None (no shift)
-    mean_ptr,  # (rows,) float32 checkpoint, or None
-    rstd_ptr,  # (rows,) float32 checkpoint, or None
-    rows,  # number of rows
-    m,  # row length M
-    stride_y,  # elements between rows of y
-    stride_x,  # elements between rows of x
-    stride_mean,  # elements between entries of mean
-    stride_rstd,  # elements between entries of rstd
+    y_ptr, x_ptr,  # (rows, M) output and input
+    w_ptr, b_ptr,  # (M,) weight and bias, or None (no scale, no shift)
+    mean_ptr, rstd_ptr,  # (rows,) float32 checkpoints, or None
+    rows, m,  # number of rows, row length M
+    stride_y, stride_x, stride_mean, stride_rstd,  # elements between rows of y, x; mean, rstd
     eps,  # added to the variance
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # padded row length (>= M)
-):
+):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_M)
     row_ok = r < rows
@@ -107,23 +101,16 @@ def _forward_fused(
 
 @triton.jit
 def _forward_streaming(
-    y_ptr,  # (rows, M) output
-    x_ptr,  # (rows, M) input
-    w_ptr,  # (M,) weight, or None (no scale)
-    b_ptr,  # (M,) bias, or None (no shift)
-    mean_ptr,  # (rows,) float32 checkpoint, or None
-    rstd_ptr,  # (rows,) float32 checkpoint, or None
-    rows,  # number of rows
-    m,  # row length M
-    stride_y,  # elements between rows of y
-    stride_x,  # elements between rows of x
-    stride_mean,  # elements between entries of mean
-    stride_rstd,  # elements between entries of rstd
+    y_ptr, x_ptr,  # (rows, M) output and input
+    w_ptr, b_ptr,  # (M,) weight and bias, or None (no scale, no shift)
+    mean_ptr, rstd_ptr,  # (rows,) float32 checkpoints, or None
+    rows, m,  # number of rows, row length M
+    stride_y, stride_x, stride_mean, stride_rstd,  # elements between rows of y, x; mean, rstd
     eps,  # added to the variance
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # chunk length
     N_CHUNKS: tl.constexpr,  # chunks per row, cdiv(M, BLOCK_M)
-):
+):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = r < rows
     r64 = r.to(tl.int64)
@@ -183,54 +170,28 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
         return
     config = row_config(m, x.element_size(), "forward")
     kernel = _forward_streaming if config.streaming else _forward_fused
-    chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
+    args = (y, x, w, b, mean, rstd, rows, m, *row_strides(y, x, mean, rstd), eps)
     with launch_context(kernel, x):
-        traced(kernel, x)[(config.tiles(rows),)](
-            y,
-            x,
-            w,
-            b,
-            mean,
-            rstd,
-            rows,
-            m,
-            y.stride(0),
-            x.stride(0),
-            0 if mean is None else mean.stride(0),
-            0 if rstd is None else rstd.stride(0),
-            eps,
-            ROWS=config.rows,
-            BLOCK_M=config.block_m,
-            num_warps=config.num_warps,
-            **chunks,
-        )
+        traced(kernel, x)[(config.tiles(rows),)](*args, **config.meta)
 
 
 @triton.jit
 def _backward_fused(
-    dy_ptr,  # (rows, M) output gradient
-    x_ptr,  # (rows, M) forward input
+    dy_ptr, x_ptr,  # (rows, M) output gradient, forward input
     w_ptr,  # (M,) weight, or None (no scale)
-    mean_ptr,  # (rows,) float32 checkpoint
-    rstd_ptr,  # (rows,) float32 checkpoint
+    mean_ptr, rstd_ptr,  # (rows,) float32 checkpoints
     dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
     dw_partial_ptr,  # (P, M) float32 partial sums of dy * x_hat, one row per program, or None
     db_partial_ptr,  # (P, M) float32 partial sums of dy, one row per program, or None
-    rows,  # number of rows
-    m,  # row length M
-    stride_dy,  # elements between rows of dy
-    stride_x,  # elements between rows of x
-    stride_dx,  # elements between rows of dx
-    stride_mean,  # elements between entries of mean
-    stride_rstd,  # elements between entries of rstd
-    stride_dw_p,  # elements between rows of dw_partial
-    stride_dw_m,  # elements between columns of dw_partial
-    stride_db_p,  # elements between rows of db_partial
-    stride_db_m,  # elements between columns of db_partial
+    rows, m,  # number of rows, row length M
+    stride_dy, stride_x, stride_dx,  # elements between rows of dy, x, dx
+    stride_mean, stride_rstd,  # elements between entries of mean, rstd
+    stride_dw_p, stride_dw_m,  # elements between rows, columns of dw_partial
+    stride_db_p, stride_db_m,  # elements between rows, columns of db_partial
     ACCUMULATE: tl.constexpr,  # add to the partial sums instead of overwriting them
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # padded row length (>= M)
-):
+):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_M)
     col_ok = cols < m
@@ -283,30 +244,22 @@ def _backward_fused(
 
 @triton.jit
 def _backward_streaming(
-    dy_ptr,  # (rows, M) output gradient
-    x_ptr,  # (rows, M) forward input
+    dy_ptr, x_ptr,  # (rows, M) output gradient, forward input
     w_ptr,  # (M,) weight, or None (no scale)
-    mean_ptr,  # (rows,) float32 checkpoint
-    rstd_ptr,  # (rows,) float32 checkpoint
+    mean_ptr, rstd_ptr,  # (rows,) float32 checkpoints
     dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
     dw_partial_ptr,  # (P, M) float32 partial sums of dy * x_hat, one row per program, or None
     db_partial_ptr,  # (P, M) float32 partial sums of dy, one row per program, or None
-    rows,  # number of rows
-    m,  # row length M
-    stride_dy,  # elements between rows of dy
-    stride_x,  # elements between rows of x
-    stride_dx,  # elements between rows of dx
-    stride_mean,  # elements between entries of mean
-    stride_rstd,  # elements between entries of rstd
-    stride_dw_p,  # elements between rows of dw_partial
-    stride_dw_m,  # elements between columns of dw_partial
-    stride_db_p,  # elements between rows of db_partial
-    stride_db_m,  # elements between columns of db_partial
+    rows, m,  # number of rows, row length M
+    stride_dy, stride_x, stride_dx,  # elements between rows of dy, x, dx
+    stride_mean, stride_rstd,  # elements between entries of mean, rstd
+    stride_dw_p, stride_dw_m,  # elements between rows, columns of dw_partial
+    stride_db_p, stride_db_m,  # elements between rows, columns of db_partial
     ACCUMULATE: tl.constexpr,  # add to the partial sums instead of overwriting them
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # chunk length
     N_CHUNKS: tl.constexpr,  # chunks per row, cdiv(M, BLOCK_M)
-):
+):  # fmt: skip
     pid = tl.program_id(0)
     pid64 = pid.to(tl.int64)
     n_tiles = tl.cdiv(rows, ROWS)
@@ -411,31 +364,11 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
     dw_strides = (0, 0) if dw_partial is None else dw_partial.stride()
     db_strides = (0, 0) if db_partial is None else db_partial.stride()
     kernel = _backward_streaming if config.streaming else _backward_fused
-    chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
+    tensors = (dy, x, w, mean, rstd, dx, dw_partial, db_partial)
+    strides = (*row_strides(dy, x, dx, mean, rstd), *dw_strides, *db_strides)
     with launch_context(kernel, x):
         traced(kernel, x)[(programs,)](
-            dy,
-            x,
-            w,
-            mean,
-            rstd,
-            dx,
-            dw_partial,
-            db_partial,
-            rows,
-            m,
-            dy.stride(0),
-            x.stride(0),
-            dx.stride(0),
-            mean.stride(0),
-            rstd.stride(0),
-            *dw_strides,
-            *db_strides,
-            ACCUMULATE=accumulate,
-            ROWS=config.rows,
-            BLOCK_M=config.block_m,
-            num_warps=config.num_warps,
-            **chunks,
+            *tensors, rows, m, *strides, ACCUMULATE=accumulate, **config.meta
         )
 
 

@@ -27,6 +27,7 @@ from ._common import (
     partial_programs,
     reduce_partials,
     row_config,
+    row_strides,
     traced,
 )
 
@@ -60,20 +61,15 @@ def _weight_rows(w_ptr, cols, col_ok, offset, ROWS: tl.constexpr):
 
 @triton.jit
 def _forward_fused(
-    y_ptr,  # (rows, M) output
-    x_ptr,  # (rows, M) input
+    y_ptr, x_ptr,  # (rows, M) output and input
     w_ptr,  # (M,) weight, or None (no weight)
     rstd_ptr,  # (rows,) float32 checkpoint, or None (inference)
-    rows,  # number of rows
-    m,  # row length M
-    stride_y,  # elements between rows of y
-    stride_x,  # elements between rows of x
-    stride_rstd,  # elements between entries of rstd
-    eps,  # added to the mean square
-    offset,  # added to w
+    rows, m,  # number of rows, row length M
+    stride_y, stride_x, stride_rstd,  # elements between rows of y and of x, entries of rstd
+    eps, offset,  # added to the mean square, added to w
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # padded row length (>= M)
-):
+):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_M)
     row_ok = r < rows
@@ -93,21 +89,16 @@ def _forward_fused(
 
 @triton.jit
 def _forward_streaming(
-    y_ptr,  # (rows, M) output
-    x_ptr,  # (rows, M) input
+    y_ptr, x_ptr,  # (rows, M) output and input
     w_ptr,  # (M,) weight, or None (no weight)
     rstd_ptr,  # (rows,) float32 checkpoint, or None (inference)
-    rows,  # number of rows
-    m,  # row length M
-    stride_y,  # elements between rows of y
-    stride_x,  # elements between rows of x
-    stride_rstd,  # elements between entries of rstd
-    eps,  # added to the mean square
-    offset,  # added to w
+    rows, m,  # number of rows, row length M
+    stride_y, stride_x, stride_rstd,  # elements between rows of y and of x, entries of rstd
+    eps, offset,  # added to the mean square, added to w
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # chunk length
     N_CHUNKS: tl.constexpr,  # chunks per row, cdiv(M, BLOCK_M)
-):
+):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = r < rows
     r64 = r.to(tl.int64)
@@ -154,48 +145,26 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
         return
     config = row_config(m, x.element_size(), "forward")
     kernel = _forward_streaming if config.streaming else _forward_fused
-    chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
+    args = (y, x, w, rstd, rows, m, *row_strides(y, x, rstd), eps, offset)
     with launch_context(kernel, x):
-        traced(kernel, x)[(config.tiles(rows),)](
-            y,
-            x,
-            w,
-            rstd,
-            rows,
-            m,
-            y.stride(0),
-            x.stride(0),
-            0 if rstd is None else rstd.stride(0),
-            eps,
-            offset,
-            ROWS=config.rows,
-            BLOCK_M=config.block_m,
-            num_warps=config.num_warps,
-            **chunks,
-        )
+        traced(kernel, x)[(config.tiles(rows),)](*args, **config.meta)
 
 
 @triton.jit
 def _backward_fused(
-    dy_ptr,  # (rows, M) output gradient
-    x_ptr,  # (rows, M) forward input
+    dy_ptr, x_ptr,  # (rows, M) output gradient, forward input
     w_ptr,  # (M,) weight, or None (no weight)
     rstd_ptr,  # (rows,) float32 checkpoint
     dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
     dw_partial_ptr,  # (P, M) float32 partial sums of dy * x_hat, one row per program, or None
-    rows,  # number of rows
-    m,  # row length M
-    stride_dy,  # elements between rows of dy
-    stride_x,  # elements between rows of x
-    stride_dx,  # elements between rows of dx
-    stride_rstd,  # elements between entries of rstd
-    stride_partial_p,  # elements between rows of dw_partial
-    stride_partial_m,  # elements between columns of dw_partial
+    rows, m,  # number of rows, row length M
+    stride_dy, stride_x, stride_dx, stride_rstd,  # elements between rows of dy, x, dx; of rstd
+    stride_partial_p, stride_partial_m,  # elements between rows, columns of dw_partial
     offset,  # added to w
     ACCUMULATE: tl.constexpr,  # add to dw_partial instead of overwriting it
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # padded row length (>= M)
-):
+):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_M)
     col_ok = cols < m
@@ -232,26 +201,20 @@ def _backward_fused(
 
 @triton.jit
 def _backward_streaming(
-    dy_ptr,  # (rows, M) output gradient
-    x_ptr,  # (rows, M) forward input
+    dy_ptr, x_ptr,  # (rows, M) output gradient, forward input
     w_ptr,  # (M,) weight, or None (no weight)
     rstd_ptr,  # (rows,) float32 checkpoint
     dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
     dw_partial_ptr,  # (P, M) float32 partial sums of dy * x_hat, one row per program, or None
-    rows,  # number of rows
-    m,  # row length M
-    stride_dy,  # elements between rows of dy
-    stride_x,  # elements between rows of x
-    stride_dx,  # elements between rows of dx
-    stride_rstd,  # elements between entries of rstd
-    stride_partial_p,  # elements between rows of dw_partial
-    stride_partial_m,  # elements between columns of dw_partial
+    rows, m,  # number of rows, row length M
+    stride_dy, stride_x, stride_dx, stride_rstd,  # elements between rows of dy, x, dx; of rstd
+    stride_partial_p, stride_partial_m,  # elements between rows, columns of dw_partial
     offset,  # added to w
     ACCUMULATE: tl.constexpr,  # add to dw_partial instead of overwriting it
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # chunk length
     N_CHUNKS: tl.constexpr,  # chunks per row, cdiv(M, BLOCK_M)
-):
+):  # fmt: skip
     pid = tl.program_id(0)
     partial_row = pid.to(tl.int64) * stride_partial_p
     n_tiles = tl.cdiv(rows, ROWS)
@@ -336,29 +299,10 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     else:
         programs, partial_strides = dw_partial.shape[0], dw_partial.stride()
     kernel = _backward_streaming if config.streaming else _backward_fused
-    chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
+    tensors = (dy, x, w, rstd, dx, dw_partial)
+    args = (*tensors, rows, m, *row_strides(dy, x, dx, rstd), *partial_strides, offset)
     with launch_context(kernel, x):
-        traced(kernel, x)[(programs,)](
-            dy,
-            x,
-            w,
-            rstd,
-            dx,
-            dw_partial,
-            rows,
-            m,
-            dy.stride(0),
-            x.stride(0),
-            dx.stride(0),
-            rstd.stride(0),
-            *partial_strides,
-            offset,
-            ACCUMULATE=accumulate,
-            ROWS=config.rows,
-            BLOCK_M=config.block_m,
-            num_warps=config.num_warps,
-            **chunks,
-        )
+        traced(kernel, x)[(programs,)](*args, ACCUMULATE=accumulate, **config.meta)
 
 
 def partials(rows: int, m: int, like) -> int:

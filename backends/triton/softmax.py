@@ -17,22 +17,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import launch_context, row_config, traced
+from ._common import launch_context, row_config, row_strides, traced
 
 __all__ = ["backward", "forward"]
 
 
 @triton.jit
 def _forward_fused(
-    y_ptr,  # (rows, M) output
-    x_ptr,  # (rows, M) input
-    rows,  # number of rows
-    m,  # row length M
-    stride_y,  # elements between rows of y
-    stride_x,  # elements between rows of x
+    y_ptr, x_ptr,  # (rows, M) output and input
+    rows, m,  # number of rows, row length M
+    stride_y, stride_x,  # elements between rows of y and of x
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # padded row length (>= M)
-):
+):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_M)
     row_ok = r < rows
@@ -50,16 +47,13 @@ def _forward_fused(
 
 @triton.jit
 def _forward_streaming(
-    y_ptr,  # (rows, M) output
-    x_ptr,  # (rows, M) input
-    rows,  # number of rows
-    m,  # row length M
-    stride_y,  # elements between rows of y
-    stride_x,  # elements between rows of x
+    y_ptr, x_ptr,  # (rows, M) output and input
+    rows, m,  # number of rows, row length M
+    stride_y, stride_x,  # elements between rows of y and of x
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # chunk length
     N_CHUNKS: tl.constexpr,  # chunks per row, cdiv(M, BLOCK_M)
-):
+):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = r < rows
     r64 = tl.minimum(r, rows - 1).to(tl.int64)
@@ -109,35 +103,20 @@ def forward(y, x) -> None:
         return
     config = row_config(m, x.element_size(), "forward")
     kernel = _forward_streaming if config.streaming else _forward_fused
-    chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
+    args = (y, x, rows, m, *row_strides(y, x))
     with launch_context(kernel, x):
-        traced(kernel, x)[(config.tiles(rows),)](
-            y,
-            x,
-            rows,
-            m,
-            y.stride(0),
-            x.stride(0),
-            ROWS=config.rows,
-            BLOCK_M=config.block_m,
-            num_warps=config.num_warps,
-            **chunks,
-        )
+        traced(kernel, x)[(config.tiles(rows),)](*args, **config.meta)
 
 
 @triton.jit
 def _backward_fused(
-    y_ptr,  # (rows, M) forward output
-    dy_ptr,  # (rows, M) output gradient
+    y_ptr, dy_ptr,  # (rows, M) forward output, output gradient
     dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
-    rows,  # number of rows
-    m,  # row length M
-    stride_y,  # elements between rows of y
-    stride_dy,  # elements between rows of dy
-    stride_dx,  # elements between rows of dx
+    rows, m,  # number of rows, row length M
+    stride_y, stride_dy, stride_dx,  # elements between rows of y, dy, dx
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # padded row length (>= M)
-):
+):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_M)
     mask = (r < rows)[:, None] & (cols < m)[None, :]
@@ -154,18 +133,14 @@ def _backward_fused(
 
 @triton.jit
 def _backward_streaming(
-    y_ptr,  # (rows, M) forward output
-    dy_ptr,  # (rows, M) output gradient
+    y_ptr, dy_ptr,  # (rows, M) forward output, output gradient
     dx_ptr,  # (rows, M) input gradient, overwritten (may alias dy)
-    rows,  # number of rows
-    m,  # row length M
-    stride_y,  # elements between rows of y
-    stride_dy,  # elements between rows of dy
-    stride_dx,  # elements between rows of dx
+    rows, m,  # number of rows, row length M
+    stride_y, stride_dy, stride_dx,  # elements between rows of y, dy, dx
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # chunk length
     N_CHUNKS: tl.constexpr,  # chunks per row, cdiv(M, BLOCK_M)
-):
+):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = r < rows
     r64 = r.to(tl.int64)
@@ -203,19 +178,6 @@ def backward(y, dy, dx) -> None:
         return
     config = row_config(m, y.element_size(), "backward")
     kernel = _backward_streaming if config.streaming else _backward_fused
-    chunks = {"N_CHUNKS": config.n_chunks} if config.streaming else {}
+    args = (y, dy, dx, rows, m, *row_strides(y, dy, dx))
     with launch_context(kernel, y):
-        traced(kernel, y)[(config.tiles(rows),)](
-            y,
-            dy,
-            dx,
-            rows,
-            m,
-            y.stride(0),
-            dy.stride(0),
-            dx.stride(0),
-            ROWS=config.rows,
-            BLOCK_M=config.block_m,
-            num_warps=config.num_warps,
-            **chunks,
-        )
+        traced(kernel, y)[(config.tiles(rows),)](*args, **config.meta)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import VECTOR_BYTES, launch_context, traced
+from ._common import VECTOR_BYTES, launch_context, row_strides, traced
 
 __all__ = ["backward", "forward"]
 
@@ -74,16 +74,12 @@ def _sigmoid(a):
 @triton.jit
 def _forward_kernel(
     y_ptr,  # (rows, M) output; may be a_ptr or b_ptr
-    a_ptr,  # (rows, M) gate
-    b_ptr,  # (rows, M) gated values
-    rows,  # number of rows
-    m,  # row length M
-    stride_y,  # elements between rows of y
-    stride_a,  # elements between rows of a
-    stride_b,  # elements between rows of b
+    a_ptr, b_ptr,  # (rows, M) gate, gated values
+    rows, m,  # number of rows, row length M
+    stride_y, stride_a, stride_b,  # elements between rows of y, a, b
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # columns per tile
-):
+):  # fmt: skip
     col_tiles = tl.cdiv(m, BLOCK_M)
     pid = tl.program_id(0)
     r = (pid // col_tiles).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -117,9 +113,7 @@ def forward(y, a, b) -> None:
             b,
             rows,
             m,
-            y.stride(0),
-            a.stride(0),
-            b.stride(0),
+            *row_strides(y, a, b),
             ROWS=tile_rows,
             BLOCK_M=block_m,
             num_warps=warps,
@@ -129,20 +123,13 @@ def forward(y, a, b) -> None:
 @triton.jit
 def _backward_kernel(
     dy_ptr,  # (rows, M) output gradient
-    a_ptr,  # (rows, M) gate
-    b_ptr,  # (rows, M) gated values
-    da_ptr,  # (rows, M) gate gradient, overwritten; may be dy_ptr
-    db_ptr,  # (rows, M) gated-value gradient, overwritten; may be dy_ptr
-    rows,  # number of rows
-    m,  # row length M
-    stride_dy,  # elements between rows of dy
-    stride_a,  # elements between rows of a
-    stride_b,  # elements between rows of b
-    stride_da,  # elements between rows of da
-    stride_db,  # elements between rows of db
+    a_ptr, b_ptr,  # (rows, M) gate, gated values
+    da_ptr, db_ptr,  # (rows, M) their gradients, overwritten; either may be dy_ptr
+    rows, m,  # number of rows, row length M
+    stride_dy, stride_a, stride_b, stride_da, stride_db,  # elements between rows of each
     ROWS: tl.constexpr,  # rows per tile
     BLOCK_M: tl.constexpr,  # columns per tile
-):
+):  # fmt: skip
     col_tiles = tl.cdiv(m, BLOCK_M)
     pid = tl.program_id(0)
     r = (pid // col_tiles).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -178,20 +165,5 @@ def backward(dy, a, b, da, db) -> None:
     tile_rows, block_m, warps = tile_config(m, a.element_size(), "backward")
     grid = (triton.cdiv(rows, tile_rows) * triton.cdiv(m, block_m),)
     with launch_context(_backward_kernel, a):
-        traced(_backward_kernel, a)[grid](
-            dy,
-            a,
-            b,
-            da,
-            db,
-            rows,
-            m,
-            dy.stride(0),
-            a.stride(0),
-            b.stride(0),
-            da.stride(0),
-            db.stride(0),
-            ROWS=tile_rows,
-            BLOCK_M=block_m,
-            num_warps=warps,
-        )
+        args = (dy, a, b, da, db, rows, m, *row_strides(dy, a, b, da, db))
+        traced(_backward_kernel, a)[grid](*args, ROWS=tile_rows, BLOCK_M=block_m, num_warps=warps)
