@@ -148,24 +148,6 @@ _BAD_ROWS = {
 }
 _NAMES = ("o_a", "m_a", "l_a", "o_b", "m_b", "l_b")
 
-_TRITON_MERGE = pytest.mark.xfail(
-    reason="the triton merge kernel (backends/triton/merge_attention_states.py, outside this "
-    "change) selects 0 where a weight is NaN (w > 0), takes 1 / l only where l > 0 and takes "
-    "m with tl.maximum, which drops NaN: NaN in the statistics leaves o, do_a, do_b, dlse_a "
-    "and dlse_b finite",
-    strict=True,
-)
-
-
-def _with_triton_mark(params):
-    return [
-        pytest.param(*p.values, marks=[*p.marks, _TRITON_MERGE], id=p.id)
-        if p.values[0].backend == "triton"
-        else p
-        for p in params
-    ]
-
-
 def _run_merge(target, states, do, dlse):
     arrays = [target.asarray(a, "float32") for a in states]
     o, m, lse_sum = xk.merge_attention_states(*arrays, backend=target.backend)
@@ -181,7 +163,7 @@ def _run_merge(target, states, do, dlse):
     return [target.to_numpy(a) for a in (o, m, lse_sum, *grads)]
 
 
-@pytest.mark.parametrize("target", _with_triton_mark(_targets("merge_attention_states")))
+@pytest.mark.parametrize("target", _targets("merge_attention_states"))
 def test_nan_in_merged_statistics_reaches_exactly_its_rows(target):
     """A NaN (or a state no attention produces) in ``m_a``, ``l_a``, ``m_b`` or ``l_b`` makes
     that row's ``o`` and ``l`` NaN (``m`` where it is in an ``m``), and that row's ``do_a``,

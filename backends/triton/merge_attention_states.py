@@ -12,7 +12,13 @@ offsets are computed in int64. A program loads everything it reads before it
 stores, and each stored element depends only on its own row, so an output
 may be the very same tensor as an input (``o is o_a``, ``do_a is do``).
 Empty rows (``m = -inf``) are shifted by 0 before ``exp``, and ``1 / l`` is
-taken only where ``l > 0``: no ``-inf - -inf`` and no ``0 / 0``.
+taken only where ``l != 0``: no ``-inf - -inf`` and no ``0 / 0``. A side of
+weight exactly 0 contributes exactly 0 (selected, never multiplied). NaN in
+a row's statistics reaches that row's results, as on the other backends: a
+NaN weight is not 0, so it is multiplied in; the row max propagates NaN
+(``tl.maximum`` would drop it, as the GPU's ``max.f32`` does); an ``l`` that
+is negative or ``+inf`` counts as NaN (no attention state has one), and
+``m = +inf`` gives NaN through ``exp(inf - inf)``.
 """
 
 from __future__ import annotations
@@ -39,16 +45,28 @@ def _row_offsets(r, rows, heads, seq, stride_b, stride_h, stride_s):
 
 
 @triton.jit
+def _valid_sum(l):
+    """A row sum as read: NaN where it is negative or ``+inf``."""
+    return tl.where((l >= 0) & (l < float("inf")), l, float("nan"))
+
+
+@triton.jit
+def _row_max(m_a, m_b):
+    """``max(m_a, m_b)``, NaN where either is NaN."""
+    return tl.maximum(m_a, m_b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _weight(m_side, l_side, m, inv_l):
     """``l_side exp(m_side - m) / l`` with empty merged rows (``m = -inf``) shifted by 0."""
     shift = tl.where(m == float("-inf"), 0.0, m)
-    return l_side * tl.exp(m_side - shift) * inv_l
+    return _valid_sum(l_side) * tl.exp(m_side - shift) * inv_l
 
 
 @triton.jit
 def _inverse(l):
-    """``1 / l``, and 0 where ``l == 0``."""
-    return tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)
+    """``1 / l``, and 0 where ``l == 0`` (NaN stays NaN)."""
+    return tl.where(l == 0, 0.0, 1.0 / tl.where(l == 0, 1.0, l))
 
 
 @triton.jit
@@ -90,17 +108,17 @@ def _forward_kernel(
     ob_rows = _row_offsets(r, rows, heads, seq, ob_sb, ob_sh, ob_ss)
     o_a = tl.load(oa_ptr + oa_rows[:, None] + cols[None, :], mask=col_ok[None, :], other=0.0)
     o_b = tl.load(ob_ptr + ob_rows[:, None] + cols[None, :], mask=col_ok[None, :], other=0.0)
-    m = tl.maximum(m_a, m_b)
+    m = _row_max(m_a, m_b)
     shift = tl.where(m == float("-inf"), 0.0, m)
-    scaled_a = l_a * tl.exp(m_a - shift)
-    scaled_b = l_b * tl.exp(m_b - shift)
+    scaled_a = _valid_sum(l_a) * tl.exp(m_a - shift)
+    scaled_b = _valid_sum(l_b) * tl.exp(m_b - shift)
     l = scaled_a + scaled_b
     inv_l = _inverse(l)
     w_a = scaled_a * inv_l
     w_b = scaled_b * inv_l
     # An empty side contributes exactly 0, whatever its o holds.
-    o = tl.where(w_a[:, None] > 0, w_a[:, None] * o_a.to(tl.float32), 0.0)
-    o += tl.where(w_b[:, None] > 0, w_b[:, None] * o_b.to(tl.float32), 0.0)
+    o = tl.where(w_a[:, None] != 0, w_a[:, None] * o_a.to(tl.float32), 0.0)
+    o += tl.where(w_b[:, None] != 0, w_b[:, None] * o_b.to(tl.float32), 0.0)
     o_rows = _row_offsets(r, rows, heads, seq, o_sb, o_sh, o_ss)
     tile_ok = row_ok[:, None] & col_ok[None, :]
     tl.store(o_ptr + o_rows[:, None] + cols[None, :], o.to(o_ptr.dtype.element_ty), mask=tile_ok)
@@ -123,8 +141,8 @@ def _side_backward(
 ):
     """``(w do, w (rowsum(do * (o_side - o)) + d_lse))``, 0 on an empty side."""
     w = _weight(m_side, l_side, m, inv_l)
-    dot = tl.sum(tl.where(w[:, None] > 0, do * (o_side - o), 0.0), axis=1)
-    return w[:, None] * do, tl.where(w > 0, w * (dot + d_lse), 0.0)
+    dot = tl.sum(tl.where(w[:, None] != 0, do * (o_side - o), 0.0), axis=1)
+    return w[:, None] * do, tl.where(w != 0, w * (dot + d_lse), 0.0)
 
 
 @triton.jit
@@ -183,7 +201,7 @@ def _backward_kernel(
     o = tl.load(o_ptr + o_rows[:, None] + cols, mask=col_ok, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + _row_offsets(r, rows, heads, seq, m_sb, m_sh, m_ss)).to(tl.float32)
     l = tl.load(l_ptr + _row_offsets(r, rows, heads, seq, l_sb, l_sh, l_ss)).to(tl.float32)
-    inv_l = _inverse(l)
+    inv_l = _inverse(_valid_sum(l))
     oa_rows = _row_offsets(r, rows, heads, seq, oa_sb, oa_sh, oa_ss)
     o_a = tl.load(oa_ptr + oa_rows[:, None] + cols, mask=col_ok, other=0.0).to(tl.float32)
     m_a = tl.load(ma_ptr + _row_offsets(r, rows, heads, seq, ma_sb, ma_sh, ma_ss)).to(tl.float32)
