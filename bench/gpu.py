@@ -44,7 +44,7 @@ Measures, in order:
 
 The cases -- shapes (``GPU_SHAPES``: the ones above, and the dry run's), the
 primitives and flex mods, the byte and FLOP counts, the inputs and the xpkernels
-calls -- are declared in :mod:`xpkernels.cli.bench_cases`, which ``python -m
+calls -- are declared in :mod:`xpkernels.cli.bench_work`, which ``python -m
 xpkernels bench`` times on CPU; this script keeps what only a GPU run has: the
 timing (``triton.testing.do_bench``), the ceilings, PyTorch's CUDA baselines,
 the targets and the summary.
@@ -70,7 +70,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from xpkernels.cli import bench_cases as cases
+from xpkernels.cli import bench_work as cases
 
 
 @dataclass
@@ -231,7 +231,7 @@ class CompileBudget:
         return compiled
 
 
-class DeviceArrays(cases._Arrays):
+class DeviceArrays(cases.Arrays):
     """The cases' inputs (torch tensors on the run's device) as one backend's arrays: the
     tensors themselves for ``triton``; for ``cupy``, ``wrap``'s zero-copy views of them
     (:class:`CupyViews`). Every xpkernels call gets ``backend=``."""
@@ -280,7 +280,7 @@ def rows_case(bench: Bench, compiler: CompileBudget, rows: int, m: int, dtype_na
 
 def row_op_case(bench: Bench, compiler: CompileBudget, op: str, inputs, dtype_name: str) -> None:
     """Row primitive ``op`` forward and backward on ``inputs`` (:func:`~xpkernels.cli.
-    bench_cases.row_inputs`), against PyTorch's op and (norms) ``torch.compile`` of it."""
+    bench_work.row_inputs`), against PyTorch's op and (norms) ``torch.compile`` of it."""
     torch = bench.torch
     x, dy, w, b = (inputs[n] for n in ("x", "dy", "w", "b"))
     rows, m = x.shape
@@ -425,7 +425,7 @@ def flex_section(bench: Bench, compiler: CompileBudget) -> None:
 
 def flex_case(bench: Bench, compiler: CompileBudget, B, H, S, D, name) -> None:
     """FlexAttention forward and backward with the mods ``name`` declares
-    (:func:`xpkernels.cli.bench_cases.flex_mods`), bfloat16, ``(B, H, S, D)``."""
+    (:func:`xpkernels.cli.bench_work.flex_mods`), bfloat16, ``(B, H, S, D)``."""
     torch = bench.torch
     documents = cases.GPU_SHAPES[bench.dry]["flex"]["documents"]
     mods = cases.flex_mods(name, S, documents)
@@ -628,7 +628,7 @@ def _cupy_entry(op, pass_, shape, unit, formula, amount, ceiling) -> Entry:
 
 
 def _both_backends(bench: Bench, views: CupyViews, build):
-    """``build(arrays)`` -- the :class:`~xpkernels.cli.bench_cases.Calls` of one case -- on the
+    """``build(arrays)`` -- the :class:`~xpkernels.cli.bench_work.Calls` of one case -- on the
     cupy backend's views (set up in its context, each call run in it) and on the triton
     backend's tensors."""
     with views.context():

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from xpkernels.cli import bench, bench_cases
+from xpkernels.cli import bench, bench_cases, bench_work
 from xpkernels.mods.bands import SKIP
 
 
@@ -247,12 +247,12 @@ def test_a_retiming_that_fails_is_reported_as_the_rows_error(monkeypatch, capsys
 
 
 def test_kept_pairs_of_each_flex_mask():
-    assert bench_cases._kept_pairs(4, "causal") == 10
-    assert bench_cases._kept_pairs(5, 1) == 1 + 2 + 2 + 2 + 2  # each query and the key before it
-    docs = bench_cases._document_ids(100, 4)
+    assert bench_work.kept_pairs(4, "causal") == 10
+    assert bench_work.kept_pairs(5, 1) == 1 + 2 + 2 + 2 + 2  # each query and the key before it
+    docs = bench_work.document_ids(100, 4)
     assert docs.shape == (100,) and list(np.unique(docs)) == [0, 1, 2, 3]
     assert (np.diff(docs) >= 0).all()
-    assert bench_cases._kept_pairs(100, docs) == sum(int(n) ** 2 for n in np.bincount(docs))
+    assert bench_work.kept_pairs(100, docs) == sum(int(n) ** 2 for n in np.bincount(docs))
 
 
 def test_varlen_pairs_count_each_sequence_alone():
@@ -275,7 +275,7 @@ def test_padded_batch_holds_the_packed_sequences_and_attends_alike():
     cu = starts.astype(np.int32)
     for causal in (False, True):
         (q, k, v, _), opts = bench_cases._padded_inputs(
-            bench_cases._Arrays("numpy"), packed, lengths, causal
+            bench_work.Arrays("numpy"), packed, lengths, causal
         )
         assert q.shape == (4, 2, 9, 8)
         want = xk.attention_varlen(*packed[:3], cu, cu, causal=causal)
@@ -342,8 +342,8 @@ def test_a_long_error_prints_its_first_line_and_keeps_the_rest_in_json(
 
 def test_torch_document_mask_keeps_the_pairs_of_each_document():
     torch = pytest.importorskip("torch")
-    docs = bench_cases._document_ids(100, 4)
-    keep = bench_cases._torch_document_mask(docs)(
+    docs = bench_work.document_ids(100, 4)
+    keep = bench_work.torch_document_mask(docs)(
         0, 0, torch.arange(100)[:, None], torch.arange(100)
     )
     np.testing.assert_array_equal(keep.numpy(), docs[:, None] == docs[None, :])
@@ -366,13 +366,13 @@ def test_block_sparse_document_rows_visit_only_the_tiles_of_each_document(monkey
         xm, "plan_tiles", lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1]
     )
     s = 1024
-    ids = bench_cases._document_ids(s, 4)
+    ids = bench_work.document_ids(s, 4)
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal((1, 1, s, 8), dtype=np.float32) for _ in range(4)]
 
     def run(library, sparse):
         call = bench_cases._xpk_flex_setup(
-            bench_cases._Arrays(library), inputs, "forward", ids, sparse
+            bench_work.Arrays(library), inputs, "forward", ids, sparse
         )()
         plans.clear()
         call()
@@ -526,12 +526,12 @@ def test_sm90_summary_keeps_each_kernels_latest_compile():
 def test_row_work_is_what_its_formula_says():
     """The bytes of each row pass evaluate from its printed formula (LayerNorm's backward
     moves w, dw and db: 3 vectors of M)."""
-    for op in bench_cases.ROW_OPS:
+    for op in bench_work.ROW_OPS:
         for pass_ in ("forward", "backward"):
-            work, formula = bench_cases.row_work(op, pass_, 96, 40, 2)
+            work, formula = bench_work.row_work(op, pass_, 96, 40, 2)
             expression = formula.removeprefix("bytes = ").split(" (")[0]
             assert eval(expression, {"R": 96, "M": 40, "s": 2}) == work, (op, pass_, formula)
-    assert bench_cases.row_work("layer_norm", "backward", 1, 1, 1)[0] == 3 + 3 + 8
+    assert bench_work.row_work("layer_norm", "backward", 1, 1, 1)[0] == 3 + 3 + 8
 
 
 def test_paged_cache_puts_each_page_where_its_table_says():
@@ -544,7 +544,7 @@ def test_paged_cache_puts_each_page_where_its_table_says():
 
         libraries.append(torch.from_numpy)
     for convert in libraries:
-        table, k_pages, v_pages = bench_cases.paged_cache(convert(k), convert(v), convert(order), 2)
+        table, k_pages, v_pages = bench_work.paged_cache(convert(k), convert(v), convert(order), 2)
         table, k_pages, v_pages = (np.asarray(a) for a in (table, k_pages, v_pages))
         assert table.dtype == np.int32 and table.shape == (2, 4)
         for b in range(2):
@@ -565,20 +565,20 @@ def test_flex_mods_declare_the_same_attention_for_xpkernels_and_torch():
     import xpkernels as xk
 
     b, h, s, d = 1, 2, 48, 16
-    inputs = bench_cases.attention_inputs(b, h, s, d, bench_cases.numpy_random(0))
+    inputs = bench_work.attention_inputs(b, h, s, d, bench_work.numpy_random(0))
     q, k, v = (torch.from_numpy(a) for a in inputs[:3])
-    for name in bench_cases.FLEX_MODS:
-        mods = bench_cases.flex_mods(name, s, 4)
+    for name in bench_work.FLEX_MODS:
+        mods = bench_work.flex_mods(name, s, 4)
         ours = xk.flex_attention(
-            *inputs[:3], **bench_cases.xpk_mods(mods, bench_cases._Arrays("numpy"), h)
+            *inputs[:3], **bench_work.xpk_mods(mods, bench_work.Arrays("numpy"), h)
         )
-        score, mask = bench_cases.torch_mods(mods, h)
+        score, mask = bench_work.torch_mods(mods, h)
         block = None if mask is None else flex.create_block_mask(mask, None, None, s, s, "cpu")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # eager flex_attention warns that it is not compiled
             theirs = flex.flex_attention(q, k, v, score_mod=score, block_mask=block)
         np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=1e-5, err_msg=name)
-        assert bench_cases.flex_work(b, h, s, d, mods.mask, "forward")[0] > 0
+        assert bench_work.flex_work(b, h, s, d, mods.mask, "forward")[0] > 0
 
 
 def test_torch_attention_rows_add_the_transformers_training_step():

@@ -8,7 +8,7 @@ entry (:func:`row_work`, :func:`attention_work`, :func:`decode_work`,
 :func:`flex_work`), its inputs (:func:`row_inputs`, :func:`attention_inputs`,
 :func:`decode_inputs`, :func:`paged_cache`, :func:`flex_mods`) and the
 xpkernels calls it times (:func:`row_calls`, :func:`attention_calls`,
-:func:`decode_call`, :func:`flex_calls`, on an :class:`_Arrays` that says
+:func:`decode_call`, :func:`flex_calls`, on an :class:`Arrays` that says
 where the arrays live and which backend runs) from here, and keeps its own
 timing, ceilings and targets.
 
@@ -33,6 +33,33 @@ import numpy as np
 
 from ..buffers import Duplicated, allocate_checkpoints, allocate_scratchspace
 from ..registry import OPS
+from .bench_work import (
+    PAGE_SIZE,
+    ROW_OPS,
+    ROW_PARAMS,
+    Arrays,
+    FlexMods,
+    attention_calls,
+    attention_inputs,
+    attention_work,
+    decode_call,
+    decode_inputs,
+    decode_work,
+    document_ids,
+    flex_calls,
+    flex_work,
+    hf_llama_config,
+    hf_llama_work,
+    numpy_random,
+    paged_cache,
+    row_calls,
+    row_inputs,
+    row_work,
+    torch_mods,
+    torch_row_op,
+    torch_tensor,
+    xpk_mods,
+)
 
 #: Shapes of a full run and of ``--quick``; ``large`` (S, D) repeats the attention and flex
 #: rows at a second shape (full runs only).
@@ -54,36 +81,6 @@ SHAPES: dict[bool, dict[str, Any]] = {
         "flex": {"B": 1, "H": 2, "S": 256, "D": 32, "window": 32, "documents": 3},
         "large": None,
         "hf_llama": {"B": 2, "S": 64, "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2},
-    },
-}
-
-#: The primitives whose inputs are ``(rows, M)`` arrays (:func:`row_inputs`).
-ROW_OPS = ("rms_norm", "layer_norm", "softmax")
-#: The primitives ``bench/gpu.py`` times on the triton backend, in its order (then each again
-#: on the cupy backend).
-GPU_OPS = (*ROW_OPS, "attention", "decode_attention", "flex_attention")
-#: Shapes of ``bench/gpu.py``: on a CUDA device (False) and in its dry run (True: CPU tensors,
-#: the Triton interpreter, tiny shapes). ``D`` lists the head dims each shape runs at; the
-#: cupy backend's entries run at ``cupy``'s rows and attention shape and at ``decode``.
-GPU_SHAPES: dict[bool, dict[str, Any]] = {
-    False: {
-        "rows": ((32768, 4096), (4096, 65536)),
-        "row_dtypes": ("bfloat16", "float32"),
-        "attention": {"B": 4, "H": 32, "S": 4096, "D": (64, 128)},
-        "decode": {"B": 16, "H": 32, "Hkv": 8, "S": 32768, "D": 128},
-        "flex": {"B": 4, "H": 16, "S": 4096, "D": (64, 128), "documents": 4},
-        "cupy": {"rows": (32768, 4096), "attention": {"B": 4, "H": 32, "S": 4096, "D": 128}},
-        # One decoder layer of a 1B-parameter Llama (Llama 3.2 1B's widths), small vocabulary.
-        "hf_llama": {"B": 1, "S": 4096, "hidden": 2048, "layers": 1, "heads": 32, "kv_heads": 8},
-    },
-    True: {
-        "rows": ((64, 256), (8, 2048)),
-        "row_dtypes": ("bfloat16", "float32"),
-        "attention": {"B": 1, "H": 2, "S": 48, "D": (16, 32)},
-        "decode": {"B": 2, "H": 8, "Hkv": 2, "S": 96, "D": 32},
-        "flex": {"B": 1, "H": 2, "S": 48, "D": (16,), "documents": 4},
-        "cupy": {"rows": (64, 256), "attention": {"B": 1, "H": 2, "S": 48, "D": 32}},
-        "hf_llama": {"B": 1, "S": 32, "hidden": 64, "layers": 1, "heads": 4, "kv_heads": 2},
     },
 }
 
@@ -186,411 +183,10 @@ def compare(
     return benches
 
 
-# --------------------------------------------------------------------------- arrays
-
-
-class _Arrays:
-    """Where a case's inputs go: the array library xpkernels is called on, and how.
-
-    ``convert`` takes one of a case's inputs (NumPy arrays here) to that library; ``host``
-    takes a small NumPy array (document ids, score-mod tables, a block table) there;
-    ``options`` are the keyword arguments of every xpkernels call (none here: the default
-    backend). ``bench/gpu.py`` subclasses it for CUDA tensors (``backend="triton"``) and
-    CuPy views of them (``backend="cupy"``).
-    """
-
-    options: dict[str, Any] = {}
-
-    def __init__(self, library: str):
-        self.library = library
-
-    def convert(self, a):
-        if self.library == "torch":
-            import torch
-
-            return torch.from_numpy(np.ascontiguousarray(a))
-        return np.ascontiguousarray(a)
-
-    def host(self, a: np.ndarray):
-        return self.convert(a)
-
-    def empty_like(self, a):
-        import array_api_compat
-
-        return array_api_compat.array_namespace(a).empty_like(a)
-
-    def integers(self, values):
-        return self.host(np.asarray(values, dtype=np.int64))
-
-
-def _torch_tensor(a: np.ndarray, grad: bool = False):
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(a)).requires_grad_(grad)
-
-
-#: Draws a random input of a shape: ``random(shape) -> array`` (NumPy float32 here, CUDA
-#: tensors of the entry's dtype in ``bench/gpu.py``).
-Random = Callable[[tuple[int, ...]], Any]
-
-
-def numpy_random(seed: int) -> Random:
-    """Standard normal float32 NumPy arrays from one seeded generator."""
-    rng = np.random.default_rng(seed)
-    return lambda shape: rng.standard_normal(shape, dtype=np.float32)
-
-
-# --------------------------------------------------------------------------- work
-
-#: What one pass of a row primitive must move: (arrays of R x M elements, arrays of M
-#: elements, float32 statistics per row) and which they are.
-_ROW_TRAFFIC = {
-    ("rms_norm", "forward"): (2, 1, 1, "read x, w; write y, rstd"),
-    ("rms_norm", "backward"): (3, 2, 1, "read x, dy, w, rstd; write dx, dw"),
-    ("layer_norm", "forward"): (2, 2, 2, "read x, w, b; write y, mean, rstd"),
-    ("layer_norm", "backward"): (3, 3, 2, "read x, dy, w, mean, rstd; write dx, dw, db"),
-    ("softmax", "forward"): (2, 0, 0, "read x; write y"),
-    ("softmax", "backward"): (3, 0, 0, "read y, dy; write dx"),
-}
-
-
-def row_work(op: str, pass_: str, rows: int, m: int, itemsize: int) -> tuple[int, str]:
-    """Bytes one ``pass_`` of row primitive ``op`` must move at ``(rows, m)`` with
-    ``itemsize``-byte elements (the least any implementation moves), and its formula."""
-    full, vectors, stats, what = _ROW_TRAFFIC[(op, pass_)]
-    work = (full * rows * m + vectors * m) * itemsize + 4 * stats * rows
-    if vectors:
-        formula = f"({full}*R*M + {'' if vectors == 1 else f'{vectors}*'}M)*s"
-    else:
-        formula = f"{full}*R*M*s"
-    if stats:
-        formula += f" + {4 * stats}*R"
-    return work, f"bytes = {formula} ({what}; R={rows}, M={m}, s={itemsize})"
-
-
-def _attention_flops(b, h, sq, sk, d, causal, pass_):
-    return (
-        4 * b * h * sq * sk * d * (0.5 if causal else 1.0) * (2.5 if pass_ == "backward" else 1.0)
-    )
-
-
-def _attention_formula(pass_, causal, where):
-    fwd = "4*B*H*Sq*Sk*D" + (" / 2 (causal)" if causal else "")
-    text = fwd if pass_ == "forward" else f"2.5 * {fwd}"
-    return f"FLOPs = {text} ({where})"
-
-
-def attention_work(b: int, h: int, s: int, d: int, causal: bool, pass_: str) -> tuple[float, str]:
-    """FLOPs of one ``pass_`` of attention at Sq = Sk = ``s`` (the two products forward, five
-    backward: 2.5 times the forward -- the FlashAttention papers' convention), and the formula."""
-    where = f"B={b}, H={h}, Sq=Sk={s}, D={d}"
-    return _attention_flops(b, h, s, s, d, causal, pass_), _attention_formula(pass_, causal, where)
-
-
-def decode_work(
-    b: int, h: int, hkv: int, s: int, d: int, itemsize: int, page_size: int | None = None
-) -> tuple[int, str]:
-    """Bytes of one decode step over full caches of ``s`` keys (K and V read once, q read,
-    o written; paged: the int32 block table too), and the formula."""
-    work = (2 * b * hkv * s * d + 2 * b * h * d) * itemsize
-    where = f"B={b}, H={h}, Hkv={hkv}, L={s} valid of Smax={s}, D={d}, s={itemsize}"
-    if page_size is None:
-        text = f"(2*B*Hkv*L*D + 2*B*H*D)*s (read the valid K and V cache, read q, write o; {where})"
-        return work, f"bytes = {text}"
-    work += b * (s // page_size) * 4
-    text = (
-        "(2*B*Hkv*L*D + 2*B*H*D)*s + 4*B*L/P (read the valid K and V pages, read q, write o, "
-        f"read the int32 block table; {where}, pages of P={page_size} keys, table shuffled)"
-    )
-    return work, f"bytes = {text}"
-
-
-def flex_work(b: int, h: int, s: int, d: int, mask, pass_: str) -> tuple[float, str]:
-    """FLOPs of one ``pass_`` of FlexAttention with ``mask`` (as in :func:`_kept_pairs`; None:
-    every pair, attention's count): the pairs the mask keeps, whatever tiles a path visits."""
-    if mask is None:
-        return attention_work(b, h, s, d, False, pass_)
-    pairs = _kept_pairs(s, mask)
-    work = 4 * b * h * d * pairs * (2.5 if pass_ == "backward" else 1.0)
-    formula = (
-        f"FLOPs = {'2.5 * ' if pass_ == 'backward' else ''}4*B*H*D*pairs, pairs = the "
-        f"(query, key) pairs the mask keeps = {pairs:,} (B={b}, H={h}, Sq=Sk={s}, D={d}; "
-        "the same for every path)"
-    )
-    return work, formula
-
-
-# --------------------------------------------------------------------------- inputs
-
-
-def row_inputs(rows: int, m: int, random: Random) -> dict[str, Any]:
-    """``x`` and ``dy`` of ``(rows, m)``, the weight ``w`` and bias ``b`` of ``(m,)``."""
-    x, dy = random((rows, m)), random((rows, m))
-    return {"x": x, "dy": dy, "w": random((m,)), "b": random((m,))}
-
-
-def attention_inputs(b: int, h: int, s: int, d: int, random: Random) -> tuple:
-    """``q, k, v, do`` of ``(b, h, s, d)``."""
-    return tuple(random((b, h, s, d)) for _ in range(4))
-
-
-def decode_inputs(b: int, h: int, hkv: int, s: int, d: int, random: Random) -> tuple:
-    """``q`` of ``(b, h, d)`` and full K and V caches of ``(b, hkv, s, d)``."""
-    q = random((b, h, d))
-    return q, random((b, hkv, s, d)), random((b, hkv, s, d))
-
-
-def paged_cache(k, v, order, page_size: int) -> tuple:
-    """The caches ``k``, ``v`` ``(B, Hkv, S, D)`` in ``page_size``-key pages: ``(table, k_pages,
-    v_pages)``, page ``table[b, j]`` holding keys ``j * page_size ...`` of batch ``b``, the
-    pages placed in the shuffled ``order`` (a permutation of ``B * S / page_size``, in the
-    caches' library, as the table: int32)."""
-    import array_api_compat
-
-    xp = array_api_compat.array_namespace(k)
-    b, hkv, s, d = k.shape
-    table = xp.astype(xp.reshape(order, (b, s // page_size)), xp.int32)
-    where = xp.astype(table, xp.int64)
-    pages = []
-    for cache in (k, v):
-        shape = (b * s // page_size, hkv, page_size, d)
-        into = xp.empty(shape, dtype=cache.dtype, device=array_api_compat.device(cache))
-        into[where] = xp.permute_dims(
-            xp.reshape(cache, (b, hkv, s // page_size, page_size, d)), (0, 2, 1, 3, 4)
-        )
-        pages.append(into)
-    return table, *pages
-
-
-#: The FlexAttention mods of ``bench/gpu.py``'s entries (see :func:`flex_mods`).
-FLEX_MODS = ("nomod", "causal", "sliding256", "document", "alibi", "relpos")
-
-
-@dataclass(frozen=True)
-class FlexMods:
-    """One FlexAttention case's mods, declared once for xpkernels and for PyTorch.
-
-    ``mask``: None, "causal", a window length or sorted document ids (as in
-    :func:`_kept_pairs`); ``score``: None, "alibi" (its slopes) or "relpos" (a learned
-    relative-position table ``(H, 257)``), both causal; ``attention``: whether xpkernels'
-    attention is a baseline of the case, and causal (None: it is not).
-    """
-
-    name: str
-    mask: Any = None
-    score: str | None = None
-    attention: bool | None = None
-
-
-def flex_mods(name: str, s: int, documents: int = 4) -> FlexMods:
-    """The mods :data:`FLEX_MODS` names, at ``s`` keys: ``sliding<W>`` a window of ``W`` keys,
-    ``document`` ``documents`` documents of uneven lengths (:func:`_document_ids`)."""
-    if name.startswith("sliding"):
-        return FlexMods(name, int(name[len("sliding") :]))
-    return {
-        "nomod": FlexMods(name, None, None, False),
-        "causal": FlexMods(name, "causal", None, True),
-        "document": FlexMods(name, _document_ids(s, documents)),
-        "alibi": FlexMods(name, "causal", "alibi"),
-        "relpos": FlexMods(name, "causal", "relpos"),
-    }[name]
-
-
-def score_tables(h: int) -> dict[str, np.ndarray]:
-    """The score mods' arrays: ALiBi's slopes ``2^(-8 i / H)`` and a relative-position table
-    ``(H, 257)`` (float32)."""
-    return {
-        "alibi": np.exp2(-8.0 * np.arange(1, h + 1) / h).astype(np.float32),
-        "relpos": np.linspace(-1.0, 1.0, h * 257, dtype=np.float32).reshape(h, 257),
-    }
-
-
-def xpk_mods(mods: FlexMods, arrays: _Arrays, h: int) -> dict[str, Any]:
-    """``score_mod`` and ``mask_mod`` of ``mods`` for xpkernels, their arrays on ``arrays``."""
-    from xpkernels import mods as xm
-
-    mask = mods.mask
-    mask_mod = (
-        None
-        if mask is None
-        else xm.DocumentMask(arrays.host(mask))
-        if isinstance(mask, np.ndarray)
-        else xm.CausalMask()
-        if mask == "causal"
-        else xm.SlidingWindowMask(mask)
-    )
-    score_mod: Any = None
-    if mods.score == "alibi":
-        score_mod = xm.AliBiScore(arrays.host(score_tables(h)["alibi"]))
-    elif mods.score == "relpos":  # indices repeat inside every tile
-
-        def relative(score, b, h, q_idx, kv_idx, *, table):
-            return score + table[h, xm.minimum(xm.maximum(q_idx - kv_idx, -128), 128) + 128]
-
-        score_mod = xm.ScoreMod(relative, table=arrays.host(score_tables(h)["relpos"]))
-    return {"score_mod": score_mod, "mask_mod": mask_mod}
-
-
-def torch_mods(mods: FlexMods, h: int, device="cpu") -> tuple:
-    """``(score_mod, mask_mod)`` of ``mods`` for PyTorch's ``flex_attention`` on ``device``."""
-    import torch
-
-    mask = mods.mask
-    mask_mod = None
-    if isinstance(mask, np.ndarray):
-        mask_mod = _torch_document_mask(mask)
-    elif mask == "causal":
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx <= q_idx
-    elif mask is not None:
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx) & (q_idx - kv_idx <= mask)
-
-    score_mod = None
-    tables = score_tables(h)
-    if mods.score == "alibi":
-        slopes = torch.from_numpy(tables["alibi"]).to(device)
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score + slopes[h] * (kv_idx - q_idx)
-    elif mods.score == "relpos":
-        table = torch.from_numpy(tables["relpos"]).to(device)
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return score + table[h, (q_idx - kv_idx).clamp(-128, 128) + 128]
-
-    return score_mod, mask_mod
-
-
-# --------------------------------------------------------------------------- xpkernels' calls
-
-
-@dataclass
-class Calls:
-    """The timed calls of one case, every buffer allocated once beforehand: ``forward``, the
-    ``backward`` (None for a forward-only primitive; the forward has run once, so it has its
-    checkpoints), the ``scratch`` they use, and ``backward_with(**options)``: the backward
-    with options changed (flex: atomics, no score-mod gradients)."""
-
-    forward: Callable[[], object]
-    backward: Callable[[], object] | None = None
-    scratch: Any = None
-    backward_with: Callable[..., Callable[[], object]] | None = None
-
-
-#: The parameters each row primitive takes after ``x`` (keys of :func:`row_inputs`).
-ROW_PARAMS = {"rms_norm": ("w",), "layer_norm": ("w", "b"), "softmax": ()}
-#: ``eps`` of each norm, on every side (xpkernels' defaults).
-ROW_EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5}
-
-
-def row_calls(op: str, arrays: _Arrays, inputs: dict[str, Any]) -> Calls:
-    """``op_`` and ``op_backward_`` over ``arrays``' copies of ``inputs`` (:func:`row_inputs`)."""
-    module = importlib.import_module(f"xpkernels.{op}")
-    forward_, backward_ = getattr(module, f"{op}_"), getattr(module, f"{op}_backward_")
-    x, dy = arrays.convert(inputs["x"]), arrays.convert(inputs["dy"])
-    params = tuple(arrays.convert(inputs[name]) for name in ROW_PARAMS[op])
-    options = arrays.options
-    eps = {"eps": ROW_EPS[op]} if op in ROW_EPS else {}
-    y = arrays.empty_like(x)
-    saved = {} if op == "softmax" else {"checkpoints": allocate_checkpoints(forward_, x, *params)}
-    forward_(y, x, *params, **saved, **eps, **options)
-    Y, X = Duplicated(y, dy), Duplicated(x)
-    P = tuple(Duplicated(p) for p in params)
-    scratch = None if op == "softmax" else allocate_scratchspace(backward_, Y, X, *P, **options)
-    held = {**saved, **({} if scratch is None else {"scratch": scratch})}
-    return Calls(
-        lambda: forward_(y, x, *params, **saved, **eps, **options),
-        lambda: backward_(Y, X, *P, **held, **options),
-        scratch,
-    )
-
-
-def attention_calls(arrays: _Arrays, inputs, causal: bool) -> Calls:
-    """``attention_`` and ``attention_backward_`` over ``arrays``' copies of ``q, k, v, do``."""
-    import xpkernels as xk
-
-    q, k, v, do = (arrays.convert(a) for a in inputs)
-    o = arrays.empty_like(q)
-    options = {"causal": causal, **arrays.options}
-    ck = allocate_checkpoints(xk.attention_, q, k, v)
-    xk.attention_(o, q, k, v, checkpoints=ck, **options)
-    O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
-    scratch = allocate_scratchspace(xk.attention_backward_, O, Q, K, V, **options)
-    return Calls(
-        lambda: xk.attention_(o, q, k, v, checkpoints=ck, **options),
-        lambda: xk.attention_backward_(O, Q, K, V, checkpoints=ck, scratch=scratch, **options),
-        scratch,
-    )
-
-
-def decode_call(arrays: _Arrays, q, k, v, length: int, block_table=None) -> Calls:
-    """``decode_attention_`` of ``q`` over the caches ``k``, ``v`` (or their pages, read
-    through ``block_table``), every sequence ``length`` keys long."""
-    import xpkernels as xk
-
-    q, k, v = (arrays.convert(a) for a in (q, k, v))
-    paged = {} if block_table is None else {"block_table": arrays.convert(block_table)}
-    lengths = arrays.integers([length] * q.shape[0])
-    o = arrays.empty_like(q)
-    options = {**paged, **arrays.options}
-    scratch = allocate_scratchspace(xk.decode_attention_, o, q, k, v, lengths, **options)
-    return Calls(
-        lambda: xk.decode_attention_(o, q, k, v, lengths, scratch=scratch, **options),
-        scratch=scratch,
-    )
-
-
-def flex_calls(arrays: _Arrays, inputs, mods: dict[str, Any], **options) -> Calls:
-    """``flex_attention_`` and its backward over ``arrays``' copies of ``q, k, v, do`` with
-    ``mods`` (:func:`xpk_mods`: ``score_mod``, ``mask_mod``, or a ``block_mask``) and
-    ``options`` (``block_sparse``); with a score mod the backward computes its gradients
-    (deterministic, the default), the scratch sized for them."""
-    import xpkernels as xk
-    from xpkernels.flex_attention import flex_attention_, flex_attention_backward_
-
-    q, k, v, do = (arrays.convert(a) for a in inputs)
-    o = arrays.empty_like(q)
-    options = {**mods, **options, **arrays.options}
-    ck = allocate_checkpoints(flex_attention_, q, k, v)
-    flex_attention_(o, q, k, v, checkpoints=ck, **options)
-    O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
-    score = options.get("score_mod")
-    grads = {} if score is None else {"score_mod_grad": xk.grad_shadow(score)}
-    scratch = allocate_scratchspace(flex_attention_backward_, O, Q, K, V, **grads, **options)
-
-    def backward_with(**changed):
-        final = {**options, **grads, **changed}
-        return lambda: flex_attention_backward_(
-            O, Q, K, V, checkpoints=ck, scratch=scratch, **final
-        )
-
-    return Calls(
-        lambda: flex_attention_(o, q, k, v, checkpoints=ck, **options),
-        backward_with(),
-        scratch,
-        backward_with,
-    )
-
-
-def torch_row_op(op: str, m: int) -> Callable:
-    """PyTorch's own ``op`` over rows of ``m``, as ``f(x, w, b)`` (parameters it lacks ignored)."""
-    import torch
-    import torch.nn.functional as F
-
-    if op == "rms_norm":
-        return lambda x, w, b: F.rms_norm(x, (m,), w, eps=ROW_EPS[op])
-    if op == "layer_norm":
-        return lambda x, w, b: F.layer_norm(x, (m,), w, b, eps=ROW_EPS[op])
-    return lambda x, w, b: torch.softmax(x, dim=-1)
-
-
 # --------------------------------------------------------------------------- norms and softmax
 
 
-def _row_benches(op: str, shape, arrays: _Arrays, repeats: int, with_torch: bool) -> list[Bench]:
+def _row_benches(op: str, shape, arrays: Arrays, repeats: int, with_torch: bool) -> list[Bench]:
     rows, m = shape
     inputs = row_inputs(rows, m, numpy_random(1))
     shape_text = f"{rows}x{m}"
@@ -613,7 +209,7 @@ def _row_benches(op: str, shape, arrays: _Arrays, repeats: int, with_torch: bool
     return benches
 
 
-def _xpk_row_setup(op, pass_, arrays: _Arrays, inputs):
+def _xpk_row_setup(op, pass_, arrays: Arrays, inputs):
     def setup():
         calls = row_calls(op, arrays, inputs)
         return calls.forward if pass_ == "forward" else calls.backward
@@ -627,7 +223,7 @@ def _torch_row_setup(op, pass_, inputs):
 
         m = inputs["x"].shape[-1]
         grad = pass_ == "backward"
-        x, w, b = (_torch_tensor(inputs[n], grad) for n in ("x", "w", "b"))
+        x, w, b = (torch_tensor(inputs[n], grad) for n in ("x", "w", "b"))
         wanted = (x, *(t for n, t in (("w", w), ("b", b)) if n in ROW_PARAMS[op]))
         call = torch_row_op(op, m)
         if not grad:
@@ -638,7 +234,7 @@ def _torch_row_setup(op, pass_, inputs):
 
             return forward
         y = call(x, w, b)
-        dy = _torch_tensor(inputs["dy"])
+        dy = torch_tensor(inputs["dy"])
         return lambda: torch.autograd.grad(y, wanted, dy, retain_graph=True)
 
     return setup
@@ -648,7 +244,7 @@ def _torch_row_setup(op, pass_, inputs):
 
 
 def _attention_benches(
-    shape, arrays: _Arrays, repeats: int, with_torch: bool, suffix: str = ""
+    shape, arrays: Arrays, repeats: int, with_torch: bool, suffix: str = ""
 ) -> list[Bench]:
     """Attention and causal attention, forward and backward, against SDPA; ``suffix`` ends
     the rows' primitive names (it tells the rows of a second shape apart)."""
@@ -676,7 +272,7 @@ def _attention_benches(
     return benches
 
 
-def _xpk_attention_setup(arrays: _Arrays, inputs, causal, pass_):
+def _xpk_attention_setup(arrays: Arrays, inputs, causal, pass_):
     def setup():
         calls = attention_calls(arrays, inputs, causal)
         return calls.forward if pass_ == "forward" else calls.backward
@@ -690,7 +286,7 @@ def _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_):
         import torch.nn.functional as F
 
         grad = pass_ == "backward"
-        q, k, v = (_torch_tensor(a, grad) for a in (q_np, k_np, v_np))
+        q, k, v = (torch_tensor(a, grad) for a in (q_np, k_np, v_np))
         if not grad:
 
             def forward():
@@ -699,7 +295,7 @@ def _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_):
 
             return forward
         o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        do = _torch_tensor(do_np)
+        do = torch_tensor(do_np)
         return lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
 
     return setup
@@ -707,11 +303,8 @@ def _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_):
 
 # --------------------------------------------------------------------------- decode
 
-#: Keys per page of the paged decode rows (DESIGN section 8's paged target is at 16).
-PAGE_SIZE = 16
 
-
-def _decode_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -> list[Bench]:
+def _decode_benches(shape, arrays: Arrays, repeats: int, with_torch: bool) -> list[Bench]:
     b, h, hkv, s, d = (shape[n] for n in ("B", "H", "Hkv", "S", "D"))
     rng = np.random.default_rng(3)
     q_np, k_np, v_np = decode_inputs(
@@ -727,8 +320,8 @@ def _decode_benches(shape, arrays: _Arrays, repeats: int, with_torch: bool) -> l
         import torch
         import torch.nn.functional as F
 
-        q = _torch_tensor(q_np[:, :, None, :])
-        k, v = _torch_tensor(k_np), _torch_tensor(v_np)
+        q = torch_tensor(q_np[:, :, None, :])
+        k, v = torch_tensor(k_np), torch_tensor(v_np)
 
         def forward():
             with torch.no_grad():
@@ -775,7 +368,7 @@ def _varlen_pairs(lengths, causal: bool) -> int:
     return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
 
 
-def _varlen_benches(shape, arrays: _Arrays, repeats: int) -> list[Bench]:
+def _varlen_benches(shape, arrays: Arrays, repeats: int) -> list[Bench]:
     """Packed sequences of mixed lengths against the same sequences padded to the longest and
     given to attention with ``q_lengths = k_lengths`` (the padding is masked, not computed):
     the same pairs, so the ratio is the cost of packing against padding. Both hold the tokens
@@ -811,7 +404,7 @@ def _varlen_benches(shape, arrays: _Arrays, repeats: int) -> list[Bench]:
     return benches
 
 
-def _flex_varlen_benches(shape, arrays: _Arrays, repeats: int) -> list[Bench]:
+def _flex_varlen_benches(shape, arrays: Arrays, repeats: int) -> list[Bench]:
     """``flex_attention_varlen`` with ``CausalMask()`` against ``attention_varlen(causal=True)``
     over the same packed sequences: the cost of running the mask graph (and skipping tiles from
     its band) instead of attention's built-in causal masking."""
@@ -842,7 +435,7 @@ def _flex_varlen_benches(shape, arrays: _Arrays, repeats: int) -> list[Bench]:
     return benches
 
 
-def _xpk_varlen_setup(arrays: _Arrays, packed, lengths, causal, pass_, flex=False):
+def _xpk_varlen_setup(arrays: Arrays, packed, lengths, causal, pass_, flex=False):
     """``attention_varlen_`` (or its backward) over the packed ``(T, H, D)`` q, k, v (and do);
     ``flex``: ``flex_attention_varlen_`` with ``CausalMask()`` (``causal`` must be True)."""
 
@@ -880,7 +473,7 @@ def _padded(packed: np.ndarray, lengths) -> np.ndarray:
     return out
 
 
-def _padded_inputs(arrays: _Arrays, packed, lengths, causal):
+def _padded_inputs(arrays: Arrays, packed, lengths, causal):
     """``(q, k, v, do)`` of the padded batch, ``(B, H, Smax, D)`` views, and attention's options
     for it (the padding masked by ``q_lengths = k_lengths = lengths``)."""
     import array_api_compat
@@ -892,7 +485,7 @@ def _padded_inputs(arrays: _Arrays, packed, lengths, causal):
     return views, {"causal": causal, "q_lengths": n, "k_lengths": n}
 
 
-def _xpk_padded_setup(arrays: _Arrays, packed, lengths, causal, pass_):
+def _xpk_padded_setup(arrays: Arrays, packed, lengths, causal, pass_):
     """``attention_`` (or its backward) over the padded batch of :func:`_padded_inputs`."""
 
     def setup():
@@ -914,27 +507,10 @@ def _xpk_padded_setup(arrays: _Arrays, packed, lengths, causal, pass_):
 # --------------------------------------------------------------------------- flex attention
 
 
-def _document_ids(s: int, documents: int) -> np.ndarray:
-    """Document id of each of ``s`` positions: ``documents`` documents of uneven lengths."""
-    cuts = np.sort(np.random.default_rng(5).choice(np.arange(1, s), documents - 1, replace=False))
-    return np.searchsorted(cuts, np.arange(s), side="right").astype(np.int64)
-
-
-def _kept_pairs(s: int, mask) -> int:
-    """(query, key) pairs ``mask`` keeps at Sq = Sk = s: "causal", a window length, or the
-    document ids of a document mask."""
-    if isinstance(mask, np.ndarray):
-        return int(np.sum(np.bincount(mask) ** 2))
-    if mask == "causal":
-        return s * (s + 1) // 2
-    full = min(s, mask + 1)
-    return full * (full + 1) // 2 + (s - full) * (mask + 1)
-
-
 def _flex_benches(
     shape,
     attention_shape,
-    arrays: _Arrays,
+    arrays: Arrays,
     repeats: int,
     compiled_torch: bool,
     suffix: str = "",
@@ -950,7 +526,7 @@ def _flex_benches(
     masks: tuple[tuple[str, Any], ...] = (
         ("flex causal mask" + suffix, "causal"),
         (f"flex window {w}" + suffix, w),
-        (f"flex {shape['documents']} documents" + suffix, _document_ids(s, shape["documents"])),
+        (f"flex {shape['documents']} documents" + suffix, document_ids(s, shape["documents"])),
     )
     for label, mask in masks:
         for pass_ in ("forward", "backward"):
@@ -988,24 +564,6 @@ def _flex_benches(
     return benches
 
 
-def _torch_document_mask(documents: np.ndarray):
-    """The ``mask_mod`` of contiguous ``documents`` (sorted ids) for ``flex_attention``: a query
-    and a key share a document when no document starts between them.
-
-    Written with the starts as Python ints rather than as a gather from a captured tensor of
-    ids: torch 2.13's CPU inductor fails to compile that gather in flex (a C++ compile error).
-    """
-    starts = [int(i) for i in np.flatnonzero(np.diff(documents)) + 1]
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        same = kv_idx >= 0
-        for start in starts:
-            same = same & ((q_idx >= start) == (kv_idx >= start))
-        return same
-
-    return mask_mod
-
-
 def _torch_flex_setup(inputs, mask):
     """``torch.compile(flex_attention)`` forward with the block mask of ``mask`` (as in
     :func:`_kept_pairs`); compiling happens in the setup and the warm-up run, never timed."""
@@ -1014,7 +572,7 @@ def _torch_flex_setup(inputs, mask):
         import torch
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        q, k, v = (_torch_tensor(a) for a in inputs[:3])
+        q, k, v = (torch_tensor(a) for a in inputs[:3])
         s = q.shape[2]
         _, mask_mod = torch_mods(FlexMods("mask", mask), q.shape[1])
         block_mask = create_block_mask(mask_mod, None, None, s, s, device="cpu")
@@ -1029,7 +587,7 @@ def _torch_flex_setup(inputs, mask):
     return setup
 
 
-def _xpk_flex_setup(arrays: _Arrays, inputs, pass_, mask=None, block_sparse=True):
+def _xpk_flex_setup(arrays: Arrays, inputs, pass_, mask=None, block_sparse=True):
     """Flex over ``inputs`` (q, k, v, do) with ``mask``: None, "causal", a window length or
     document ids.
 
@@ -1092,7 +650,7 @@ def benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[B
     shapes = SHAPES[quick]
     missing = torch_missing()
     with_torch = missing is None
-    arrays = _Arrays(library)
+    arrays = Arrays(library)
     row_repeats = repeats or (3 if quick else 5)
     attn_repeats = repeats or 3
     chosen = [op for op in OPS if not ops or op in ops]
@@ -1156,33 +714,6 @@ def benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[B
 
 
 # --------------------------------------------------------------------------- transformers
-
-
-def hf_llama_config(shape: dict[str, int], attn_implementation: str = "sdpa"):
-    """A transformers ``LlamaConfig`` of ``shape`` (hidden, layers, heads, kv_heads; S as
-    the longest position; the MLP 4x wide)."""
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=shape["hidden"],
-        intermediate_size=4 * shape["hidden"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=shape["S"],
-        use_cache=False,
-    )
-    config._attn_implementation = attn_implementation
-    return config
-
-
-def hf_llama_work(shape: dict[str, int], parameters: int) -> tuple[float, str]:
-    """FLOPs of one forward+backward step of a Llama: ``6 * parameters * tokens`` plus the
-    causal attention's ``6 * B * S^2 * hidden`` per layer (half of ``12 B S^2 hidden``)."""
-    b, s, hidden, layers = shape["B"], shape["S"], shape["hidden"], shape["layers"]
-    work = 6 * parameters * b * s + 6 * b * s * s * hidden * layers
-    return float(work), "6*params*B*S + 6*B*S^2*hidden*layers"
 
 
 def hf_llama_benches(shape: dict[str, int], repeats: int) -> list[Bench]:
