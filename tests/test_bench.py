@@ -343,9 +343,7 @@ def test_a_long_error_prints_its_first_line_and_keeps_the_rest_in_json(
 def test_torch_document_mask_keeps_the_pairs_of_each_document():
     torch = pytest.importorskip("torch")
     docs = bench_work.document_ids(100, 4)
-    keep = bench_work.torch_document_mask(docs)(
-        0, 0, torch.arange(100)[:, None], torch.arange(100)
-    )
+    keep = bench_work.torch_document_mask(docs)(0, 0, torch.arange(100)[:, None], torch.arange(100))
     np.testing.assert_array_equal(keep.numpy(), docs[:, None] == docs[None, :])
 
 
