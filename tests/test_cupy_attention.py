@@ -533,19 +533,22 @@ def test_device_lengths_and_positions_out_of_range_are_clamped(harness):
     np.testing.assert_array_equal(huge[0], _run(q, k, v, causal=False)[0])
 
 
-def _planted(tmp_path, monkeypatch, old: str, new: str):
-    """Point the launcher at a copy of attention.cu with ``old`` replaced by ``new`` (once)."""
-    source = A.SOURCE.read_text()
-    assert source.count(old) == 1, old
-    path = tmp_path / "attention.cu"
-    path.write_text(source.replace(old, new))
-    monkeypatch.setattr(A, "SOURCE", path)
+def _planted(tmp_path, monkeypatch, old: str, new: str, where: str = "attention.cu"):
+    """Point the launcher at a copy of attention.cu, beside a copy of ``where`` (it or the
+    header it includes) with ``old`` replaced by ``new`` (once)."""
+    for name in {A.SOURCE.name, where}:
+        source = A.SOURCE.with_name(name).read_text()
+        if name == where:
+            assert source.count(old) == 1, old
+            source = source.replace(old, new)
+        (tmp_path / name).write_text(source)
+    monkeypatch.setattr(A, "SOURCE", tmp_path / A.SOURCE.name)
 
 
 _BARRIER = """        __syncthreads();
         // A warp none of whose rows sees a key of this tile skips it (warp-uniform).
 """
-_RESCALE = "os[r * L::LD_O + c] *= alpha;"
+_RESCALE = "t.o[r * L::LD_O + c] *= alpha;"
 
 
 def _planted_case(schedule):
@@ -564,15 +567,18 @@ def _planted_case(schedule):
 
 
 @pytest.mark.parametrize(
-    ("old", "new", "schedule"),
-    [(_BARRIER, _BARRIER.replace("__syncthreads();", ""), "shuffled"), (_RESCALE, "", "default")],
+    ("old", "new", "schedule", "where"),
+    [
+        (_BARRIER, _BARRIER.replace("__syncthreads();", ""), "shuffled", "attention.cu"),
+        (_RESCALE, "", "default", "attention_tiles.cuh"),
+    ],
     ids=["missing-syncthreads", "missing-rescale"],
 )
-def test_planted_kernel_bugs_are_caught(tmp_path, monkeypatch, old, new, schedule):
+def test_planted_kernel_bugs_are_caught(tmp_path, monkeypatch, old, new, schedule, where):
     tol = _o_tolerance(np.float16, 4.0)
     intact = _planted_case(schedule)
     assert isinstance(intact, float) and intact <= tol, intact
-    _planted(tmp_path, monkeypatch, old, new)
+    _planted(tmp_path, monkeypatch, old, new, where)
     broken = _planted_case(schedule)
     assert isinstance(broken, str) or broken > 10 * tol, broken
 

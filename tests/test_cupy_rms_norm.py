@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 from _cuda_checks import assert_clean_under_sanitizer
+from xpkernels.backends.cupy import _rows as geometry
 from xpkernels.backends.cupy import rms_norm as R
 
 from xpkernels.testing import cudacpu
@@ -105,7 +106,8 @@ def test_forward_and_backward_match_float64(harness, dtype, rows, m, pad, with_w
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_wide_rows_stream_and_sum_dw_in_global_memory(harness, dtype, monkeypatch):
     # Few threads per block: most of each row is re-read (streaming); dw sums in dw_partial itself.
-    monkeypatch.setattr(R, "MAX_THREADS", 32)
+    monkeypatch.setattr(geometry, "MAX_THREADS", 32)
+    monkeypatch.setattr(geometry, "BACKWARD_MAX_THREADS", 32)
     monkeypatch.setattr(R, "SMEM_ACC_MAX_BYTES", 0)
     dt = DTYPES[dtype]
     rng = np.random.default_rng(7)

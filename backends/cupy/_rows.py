@@ -1,4 +1,5 @@
-"""Launch geometry shared by the row kernels (``rms_norm.cu``, ``layer_norm.cu``, ``softmax.cu``).
+"""Launch code shared by the row kernels (``rms_norm.cu``, ``layer_norm.cu``, ``softmax.cu``,
+``swiglu.cu``: ``rows.cuh``).
 
 Rows of up to ``WARP_MAX_M`` elements
 get a warp each (``WARP_ROWS`` rows per block), wider rows a block each;
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._loader import address
+from ._loader import address, loader_for
 
 CACHE_ELEMENTS = 16  #: elements of a row each thread keeps in registers (vector path)
 SCALAR_CACHE = 4  #: the same for the scalar path (unaligned rows), whose loads need more registers
@@ -34,6 +35,17 @@ def ctype(op: str, name: str, a) -> str:
         raise TypeError(
             f"cupy {op}: {name} has dtype {a.dtype}; supported: float32, float16, bfloat16"
         )
+    return t
+
+
+def same_type(op: str, first: str, lead, *others) -> str:
+    """The CUDA C type of ``lead`` (named ``first``), which every one of ``others`` must share."""
+    t = ctype(op, first, lead)
+    for other in others:
+        if other.dtype != lead.dtype:
+            raise TypeError(
+                f"cupy {op}: every array must have {first}'s dtype {lead.dtype}, got {other.dtype}"
+            )
     return t
 
 
@@ -76,6 +88,12 @@ def vectors(t: str) -> list[int]:
     return sorted({1, 16 // ITEMSIZE[t]})
 
 
+def expressions(op: str, kernels, *types: str) -> list[str]:
+    """Instantiations ``<op>_<kernel><types..., V, C>`` of each kernel for both access widths."""
+    t = ",".join(types)
+    return [f"{op}_{k}<{t},{v},{cache(v)}>" for v in vectors(types[0]) for k in kernels]
+
+
 def block_threads(m: int, v: int, limit: int) -> int:
     """Threads of a block-per-row kernel: enough to hold the row in registers, within [32, limit]."""
     threads = -(-m // (v * cache(v)))
@@ -86,3 +104,78 @@ def raise_shared_limit(kernel, shared: int) -> None:
     """Let ``kernel`` use ``shared`` bytes of dynamic shared memory (beyond the default 48 KiB)."""
     if shared > DEFAULT_SHARED and kernel.max_dynamic_shared_size_bytes < shared:
         kernel.max_dynamic_shared_size_bytes = shared
+
+
+def row_args(arrays, rows: int, m: int) -> tuple:
+    """``(*arrays, rows, M, row stride of each array)``: the arguments of the kernels that take
+    only same-shaped ``(rows, M)`` arrays (softmax, SwiGLU)."""
+    return (*arrays, np.int64(rows), np.int32(m), *(np.int64(stride(a)) for a in arrays))
+
+
+def launch(kernel_of, rows: int, m: int, v: int, args, threads_limit: int) -> None:
+    """Run ``kernel_of("warp")`` over ``rows`` rows of ``m`` elements (``v`` per access) when
+    they fit a warp, else ``kernel_of("block")`` (at most ``threads_limit`` threads)."""
+    if m <= warp_max(v):
+        kernel_of("warp")((-(-rows // WARP_ROWS),), (32, WARP_ROWS), args)
+    else:
+        kernel_of("block")((rows,), (block_threads(m, v, threads_limit),), args)
+
+
+def partial_rows(rows: int, m: int, like, per_sm: int) -> int:
+    """Rows of a backward's partial sums: ``per_sm`` per multiprocessor, at most one per row tile."""
+    tiles = -(-rows // WARP_ROWS) if m <= WARP_MAX_M else rows
+    return max(1, min(per_sm * loader_for(like).sm_count(like), tiles))
+
+
+def backward_grid(rows: int, m: int, v: int, partial, like, blocks_per_sm: int) -> int:
+    """Blocks of a backward: one per row of ``partial``, else one per row tile (a warp's rows or
+    a row), at most ``blocks_per_sm`` per multiprocessor."""
+    if partial is not None:
+        return partial.shape[0]
+    tiles = -(-rows // WARP_ROWS) if m <= warp_max(v) else rows
+    return min(tiles, blocks_per_sm * loader_for(like).sm_count(like))
+
+
+def launch_backward(kernel_of, grid: int, m: int, v: int, args, sums: int, smem_max: int) -> None:
+    """Run a norm's backward over ``grid`` blocks with ``sums`` column sums (dw, db) to keep.
+
+    ``kernel_of("warp")`` when the rows fit a warp (its warps' sums meet in shared memory),
+    else ``kernel_of("block")``, which takes one more argument: whether the sums are kept in
+    shared memory (when they fit ``smem_max`` bytes) rather than in the partial rows.
+    """
+    block: tuple[int, ...]
+    if m <= warp_max(v):
+        kernel, block, shared = kernel_of("warp"), (32, WARP_ROWS), sums * WARP_ROWS * m * 4
+    else:
+        in_smem = sums > 0 and sums * m * 4 <= smem_max
+        kernel, block = kernel_of("block"), (block_threads(m, v, BACKWARD_MAX_THREADS),)
+        shared, args = (sums * m * 4 if in_smem else 0), (*args, np.int32(1 if in_smem else 0))
+    raise_shared_limit(kernel, shared)
+    kernel((grid,), block, tuple(args), shared_mem=shared)
+
+
+def partial_strides(op: str, partial) -> tuple[np.int64, np.int64]:
+    """Row and column strides of a float32 ``(P, M)`` partial (zeros for None)."""
+    if partial is None:
+        return np.int64(0), np.int64(0)
+    if str(partial.dtype) != "float32":
+        raise TypeError(f"cupy {op}: the partials must be float32, got {partial.dtype}")
+    return np.int64(stride(partial, 0)), np.int64(stride(partial, 1))
+
+
+def reduce(kernel, partial, out) -> None:
+    """``out[:] = partial.sum(0)`` by a ``reduce_partials`` kernel (float32 sums in a fixed order)."""
+    p, m = partial.shape
+    kernel(
+        (-(-m // REDUCE_THREADS),),
+        (REDUCE_THREADS,),
+        (
+            partial,
+            out,
+            np.int32(p),
+            np.int32(m),
+            np.int64(stride(partial, 0)),
+            np.int64(stride(partial, 1)),
+            np.int64(stride(out)),
+        ),
+    )

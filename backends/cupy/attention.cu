@@ -62,13 +62,13 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_forward(
     long long stride_lb, long long stride_lh, long long stride_ls)
 {
     using L = Layout<T, BN, DMAX>;
-    if (shared_bytes < L::BYTES) __trap();  // the launcher's layout must match this one
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const ForwardTiles<T, BN, DMAX> t(block_smem<L>(shared_bytes), warp);
     // 32-bit index arithmetic (the grid stays below 2**31): 64-bit division is an ABI call.
     const int block = static_cast<int>(blockIdx.x);
     const int i0 = (q_tiles - 1 - block % q_tiles) * BM;  // the longest causal tiles first
     const int bh = block / q_tiles;
     const long long b = bh / heads, h = bh % heads, g = (bh % heads) / group;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
     const long long nk = clamp(batch_value(k_lengths, stride_klen, width_klen, b, sk), 0, sk);
     const long long nq = clamp(batch_value(q_lengths, stride_qlen, width_qlen, b, sq), 0, sq);
@@ -77,16 +77,6 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_forward(
     const int rows = static_cast<int>(clamp(nq - i0, 0, BM));  // valid query rows of the tile
     const int k_end =
         rows == 0 ? 0 : causal ? static_cast<int>(clamp(pos + i0 + rows, 0, nk)) : static_cast<int>(nk);
-
-    unsigned char* base = xk::dynamic_smem<unsigned char>();
-    base += (32 - reinterpret_cast<unsigned long long>(base) % 32) % 32;
-    T* qs = reinterpret_cast<T*>(base + L::Q);
-    T* ks = reinterpret_cast<T*>(base + L::K);
-    T* vs = reinterpret_cast<T*>(base + L::V);
-    float* ss = reinterpret_cast<float*>(base + L::S) + warp * 16 * L::LD_S;
-    T* ps = reinterpret_cast<T*>(base + L::P) + warp * 16 * L::LD_P;
-    float* os = reinterpret_cast<float*>(base + L::O) + warp * 16 * L::LD_O;
-    int* bad = reinterpret_cast<int*>(base + L::BAD);
 
     // Lane (r, half): row r of the warp's 16, columns half * BN/2 .. of S, half * DMAX/2 .. of O.
     const int r = lane & 15, half = lane >> 4;
@@ -97,10 +87,11 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_forward(
     const int warp_first = i0 + warp * 16;
     const long long warp_last_pos = pos + clamp(nq - 1, 0, warp_first + 15);
     float m = xk::neg_inf(), l = 0.0f;                 // base-2 running max and sum
+    int* bad = t.bad;
 
-    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) os[r * L::LD_O + c] = 0.0f;
+    zero_row<DMAX>(t.o, L::LD_O, r, half);
     for (int c = threadIdx.x; c < DMAX; c += blockDim.x) bad[c] = NO_BAD_KEY;
-    stage<T, BM, DMAX>(qs, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs, stride_qs,
+    stage<T, BM, DMAX>(t.q, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs, stride_qs,
                        rows, d, vec_q != 0, false, bad, 0);
 
     for (int j0 = 0; j0 < k_end; j0 += BN) {
@@ -108,58 +99,24 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_forward(
         const int keys = static_cast<int>(nk - j0 < BN ? nk - j0 : BN);
         // Some staged key is masked for some row: non-finite values of V are kept out of P V.
         const bool diagonal = causal && j0 + keys - 1 > pos + i0;
-        stage<T, BN, DMAX>(ks, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks,
+        stage<T, BN, DMAX>(t.k, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks,
                            stride_ks, keys, d, vec_k != 0, false, bad, j0);
-        stage<T, BN, DMAX>(vs, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs,
+        stage<T, BN, DMAX>(t.v, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs,
                            stride_vs, keys, dv, vec_v != 0, diagonal, bad, j0);
         __syncthreads();
         // A warp none of whose rows sees a key of this tile skips it (warp-uniform).
         if (warp_first >= nq || (causal && j0 > warp_last_pos)) continue;
-        WarpMma<T, BN, DMAX>::scores(ss, L::LD_S, qs + warp * 16 * L::LD_T, L::LD_T, ks, L::LD_T);
-        __syncwarp(xk::FULL_MASK);
-
-        float top = xk::neg_inf();
-        for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
-            const float s = j0 + c < limit ? ss[r * L::LD_S + c] * scale_log2 : xk::neg_inf();
-            ss[r * L::LD_S + c] = s;
-            top = fmaxf(top, s);
-        }
-        top = fmaxf(top, __shfl_xor_sync(xk::FULL_MASK, top, 16));
-        const float m_new = fmaxf(m, top);
-        const float shift = m_new == xk::neg_inf() ? 0.0f : m_new;  // no -inf - -inf
-        const float alpha = exp2f(m - shift);
-        float sum = 0.0f;
-        for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
-            const float p = exp2f(ss[r * L::LD_S + c] - shift);
-            sum += p;
-            ps[r * L::LD_P + c] = xk::from_float<T>(p);
-        }
-        sum += __shfl_xor_sync(xk::FULL_MASK, sum, 16);
-        l = l * alpha + sum;
-        m = m_new;
-        for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) os[r * L::LD_O + c] *= alpha;
-        __syncwarp(xk::FULL_MASK);
-        WarpMma<T, BN, DMAX>::accumulate(os, L::LD_O, ps, L::LD_P, vs, L::LD_T);
-        __syncwarp(xk::FULL_MASK);
+        forward_tile(t, warp, r, half, m, l, [&](int c, const float& s) {
+            return j0 + c < limit ? s * scale_log2 : xk::neg_inf();
+        });
     }
 
     if (row >= sq) return;
-    const bool nan = l != l;
-    // l >= 1 on a row that saw a key (its max contributes exp2(0)): the fast division is
-    // exact enough there, and IEEE division's slow path is an ABI call ptxas counts as spills.
-    const float inv = l == 0.0f ? 0.0f : __fdividef(1.0f, l);
-    const long long at = b * stride_ob + h * stride_oh + row * stride_os;
-    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2) && c < dv; ++c) {
-        const float value = l != 0.0f && bad[c] <= qpos ? __int_as_float(0x7fc00000)
-                                                        : os[r * L::LD_O + c] * inv;
-        store_out(o, o_kind, at + c, value);
-    }
-    if (m_out != nullptr && half == 0) {
-        const float nan_f = __int_as_float(0x7fc00000);
-        m_out[b * stride_mb + h * stride_mh + row * stride_ms] =
-            nan ? nan_f : l == 0.0f ? xk::neg_inf() : m * LN2;
-        l_out[b * stride_lb + h * stride_lh + row * stride_ls] = l;
-    }
+    // A row whose sum is NaN writes m NaN; a column whose first non-finite key it sees, NaN.
+    write_output(t, r, half, m, l, l != l, o, o_kind, b * stride_ob + h * stride_oh + row * stride_os,
+                 dv, m_out, b * stride_mb + h * stride_mh + row * stride_ms, l_out,
+                 b * stride_lb + h * stride_lh + row * stride_ls,
+                 [&](int c) { return l != 0.0f && bad[c] <= qpos; });
 }
 
 // ------------------------------------------------------------------------------------------
@@ -260,13 +217,13 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_backward_dkdv(
     long long stride_dkb, long long stride_dkh, long long stride_dks,
     long long stride_dvb, long long stride_dvh, long long stride_dvs)
 {
-    using L = BackwardLayout<T, BM, BQ, DMAX, 2, 2, 3>;
-    unsigned char* base = backward_smem<L>(shared_bytes);
+    using L = typename DkdvTiles<T, BQ, DMAX>::L;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const DkdvTiles<T, BQ, DMAX> t(block_smem<L>(shared_bytes), warp);
     const int block = static_cast<int>(blockIdx.x);
     const int j0 = block % kv_tiles * BM;  // the keys of the first tiles see the most queries
     const int bg = block / kv_tiles;
     const long long b = bg / kv_heads, g = bg % kv_heads;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
     const long long nk = clamp(batch_value(k_lengths, stride_klen, width_klen, b, sk), 0, sk);
     const long long nq = clamp(batch_value(q_lengths, stride_qlen, width_qlen, b, sq), 0, sq);
@@ -277,32 +234,18 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_backward_dkdv(
     const int q_first = keys == 0 ? static_cast<int>(nq)
                         : causal  ? static_cast<int>(clamp(j0 - pos, 0, nq))
                                   : 0;
-
-    T* ks = reinterpret_cast<T*>(base + L::OWN1);
-    T* vs = reinterpret_cast<T*>(base + L::OWN2);
-    T* qs = reinterpret_cast<T*>(base + L::WALK1);
-    T* dos = reinterpret_cast<T*>(base + L::WALK2);
-    float* ss = reinterpret_cast<float*>(base + L::S) + warp * 16 * L::LD_S;
-    float* dps = reinterpret_cast<float*>(base + L::DP) + warp * 16 * L::LD_S;
-    constexpr int LD_P = L::LD_PS;
-    T* ps = reinterpret_cast<T*>(base + L::tile(0)) + warp * 16 * LD_P;
-    T* dss = reinterpret_cast<T*>(base + L::tile(1)) + warp * 16 * LD_P;
-    float* dk_acc = reinterpret_cast<float*>(base + L::ACC) + warp * 16 * L::LD_O;
-    float* dv_acc = dk_acc + BM * L::LD_O;
-    int* lim = reinterpret_cast<int*>(base + L::ROWS);
-    float* lse2 = reinterpret_cast<float*>(lim + BQ);
-    float* dl = lse2 + BQ;
+    int* lim = t.limit;
+    float* lse2 = t.lse2;
+    float* dl = t.delta;
 
     // Lane (r, half): key row r of the warp's 16, half of the columns.
     const int r = lane & 15, half = lane >> 4;
     const int key = j0 + warp * 16 + r;
-    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) {
-        dk_acc[r * L::LD_O + c] = 0.0f;
-        dv_acc[r * L::LD_O + c] = 0.0f;
-    }
-    stage<T, BM, DMAX>(ks, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks, stride_ks,
+    zero_row<DMAX>(t.dk, L::LD_O, r, half);
+    zero_row<DMAX>(t.dv, L::LD_O, r, half);
+    stage<T, BM, DMAX>(t.k, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks, stride_ks,
                        keys, d, vec_k != 0, false, nullptr, 0);
-    stage<T, BM, DMAX>(vs, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs, stride_vs,
+    stage<T, BM, DMAX>(t.v, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs, stride_vs,
                        keys, d_v, vec_v != 0, false, nullptr, 0);
     const int q_start = q_first / BQ * BQ;
 
@@ -312,9 +255,9 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_backward_dkdv(
             __syncthreads();  // the previous tile's Q, dO and row values are no longer read
             const int rows = static_cast<int>(clamp(nq - i0, 0, BQ));
             const bool diagonal = causal && j0 + keys - 1 > pos + i0;
-            stage<T, BQ, DMAX>(qs, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs,
+            stage<T, BQ, DMAX>(t.q, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs,
                                stride_qs, rows, d, vec_q != 0, diagonal, nullptr, 0);
-            stage_kind<T, BQ, DMAX>(dos, L::LD_T, d_o, do_kind,
+            stage_kind<T, BQ, DMAX>(t.d_o, L::LD_T, d_o, do_kind,
                                     b * stride_dob + h * stride_doh + i0 * stride_dos, stride_dos,
                                     rows, d_v);
             for (int c = threadIdx.x; c < BQ; c += blockDim.x) {
@@ -330,22 +273,9 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_backward_dkdv(
                 dl[c] = di;
             }
             __syncthreads();
-            WarpMma<T, BQ, DMAX>::scores(ss, L::LD_S, ks + warp * 16 * L::LD_T, L::LD_T, qs,
-                                         L::LD_T);
-            WarpMma<T, BQ, DMAX>::scores(dps, L::LD_S, vs + warp * 16 * L::LD_T, L::LD_T, dos,
-                                         L::LD_T);
-            __syncwarp(xk::FULL_MASK);
-            for (int c = half * (BQ / 2); c < (half + 1) * (BQ / 2); ++c) {
-                float p, ds;
-                pair_grads(key < lim[c], ss[r * L::LD_S + c], dps[r * L::LD_S + c], lse2[c],
-                           dl[c], scale_log2, p, ds);
-                ps[r * LD_P + c] = xk::from_float<T>(p);
-                dss[r * LD_P + c] = xk::from_float<T>(ds);
-            }
-            __syncwarp(xk::FULL_MASK);
-            WarpMma<T, BQ, DMAX>::accumulate(dv_acc, L::LD_O, ps, LD_P, dos, L::LD_T);
-            WarpMma<T, BQ, DMAX>::accumulate(dk_acc, L::LD_O, dss, LD_P, qs, L::LD_T);
-            __syncwarp(xk::FULL_MASK);
+            dkdv_tile(t, warp, r, half, [&](int c, const float& s, const float& dp, float& p, float& ds) {
+                pair_grads(key < lim[c], s, dp, lse2[c], dl[c], scale_log2, p, ds);
+            });
         }
     }
 
@@ -353,8 +283,8 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_backward_dkdv(
     const long long at_k = b * stride_dkb + g * stride_dkh + key * stride_dks;
     const long long at_v = b * stride_dvb + g * stride_dvh + key * stride_dvs;
     for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) {
-        if (c < d) store_out(dk, dk_kind, at_k + c, key < nk ? dk_acc[r * L::LD_O + c] * scale : 0.0f);
-        if (c < d_v) store_out(dv, dv_kind, at_v + c, key < nk ? dv_acc[r * L::LD_O + c] : 0.0f);
+        if (c < d) store_out(dk, dk_kind, at_k + c, key < nk ? t.dk[r * L::LD_O + c] * scale : 0.0f);
+        if (c < d_v) store_out(dv, dv_kind, at_v + c, key < nk ? t.dv[r * L::LD_O + c] : 0.0f);
     }
 }
 
@@ -382,13 +312,13 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_backward_dq(
     long long stride_db, long long stride_dh, long long stride_ds,
     long long stride_dqb, long long stride_dqh, long long stride_dqs)
 {
-    using L = BackwardLayout<T, BM, BN, DMAX, 1, 1, 0>;
-    unsigned char* base = backward_smem<L>(shared_bytes);
+    using L = typename DqTiles<T, BN, DMAX>::L;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const DqTiles<T, BN, DMAX> t(block_smem<L>(shared_bytes), warp);
     const int block = static_cast<int>(blockIdx.x);
     const int i0 = (q_tiles - 1 - block % q_tiles) * BM;  // the longest causal tiles first
     const int bh = block / q_tiles;
     const long long b = bh / heads, h = bh % heads, g = (bh % heads) / group;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
     const long long nk = clamp(batch_value(k_lengths, stride_klen, width_klen, b, sk), 0, sk);
     const long long nq = clamp(batch_value(q_lengths, stride_qlen, width_qlen, b, sq), 0, sq);
@@ -397,16 +327,6 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_backward_dq(
     const int rows = static_cast<int>(clamp(nq - i0, 0, BM));
     const int k_end =
         rows == 0 ? 0 : causal ? static_cast<int>(clamp(pos + i0 + rows, 0, nk)) : static_cast<int>(nk);
-
-    T* qs = reinterpret_cast<T*>(base + L::OWN1);
-    T* dos = reinterpret_cast<T*>(base + L::OWN2);
-    T* ks = reinterpret_cast<T*>(base + L::WALK1);
-    T* vs = reinterpret_cast<T*>(base + L::WALK2);
-    float* ss = reinterpret_cast<float*>(base + L::S) + warp * 16 * L::LD_S;
-    float* dps = reinterpret_cast<float*>(base + L::DP) + warp * 16 * L::LD_S;
-    constexpr int LD_P = L::LD_PS;
-    T* dss = reinterpret_cast<T*>(base + L::tile(0)) + warp * 16 * LD_P;
-    float* dq_acc = reinterpret_cast<float*>(base + L::ACC) + warp * 16 * L::LD_O;
 
     // Lane (r, half): query row r of the warp's 16, half of the columns.
     const int r = lane & 15, half = lane >> 4;
@@ -422,10 +342,10 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_backward_dq(
     const int warp_first = i0 + warp * 16;
     const long long warp_last_pos = pos + clamp(nq - 1, 0, warp_first + 15);
 
-    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) dq_acc[r * L::LD_O + c] = 0.0f;
-    stage<T, BM, DMAX>(qs, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs, stride_qs,
+    zero_row<DMAX>(t.dq, L::LD_O, r, half);
+    stage<T, BM, DMAX>(t.q, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs, stride_qs,
                        rows, d, vec_q != 0, false, nullptr, 0);
-    stage_kind<T, BM, DMAX>(dos, L::LD_T, d_o, do_kind,
+    stage_kind<T, BM, DMAX>(t.d_o, L::LD_T, d_o, do_kind,
                             b * stride_dob + h * stride_doh + i0 * stride_dos, stride_dos, rows,
                             d_v);
 
@@ -433,29 +353,21 @@ __global__ void __launch_bounds__(32 * WARPS, 1) attention_backward_dq(
         __syncthreads();  // the previous tile's K and V are no longer read (Q, dO staged)
         const int keys = static_cast<int>(nk - j0 < BN ? nk - j0 : BN);
         const bool diagonal = causal && j0 + keys - 1 > pos + i0;
-        stage<T, BN, DMAX>(ks, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks,
+        stage<T, BN, DMAX>(t.k, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks,
                            stride_ks, keys, d, vec_k != 0, diagonal, nullptr, 0);
-        stage<T, BN, DMAX>(vs, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs,
+        stage<T, BN, DMAX>(t.v, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs,
                            stride_vs, keys, d_v, vec_v != 0, false, nullptr, 0);
         __syncthreads();
         if (warp_first >= nq || (causal && j0 > warp_last_pos)) continue;  // warp-uniform
-        WarpMma<T, BN, DMAX>::scores(ss, L::LD_S, qs + warp * 16 * L::LD_T, L::LD_T, ks, L::LD_T);
-        WarpMma<T, BN, DMAX>::scores(dps, L::LD_S, dos + warp * 16 * L::LD_T, L::LD_T, vs,
-                                     L::LD_T);
-        __syncwarp(xk::FULL_MASK);
-        for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
+        dq_tile(t, warp, r, half, [&](int c, const float& s, const float& dp) {
             float p, ds;
-            pair_grads(j0 + c < limit, ss[r * L::LD_S + c], dps[r * L::LD_S + c], lse2, delta_row,
-                       scale_log2, p, ds);
-            dss[r * LD_P + c] = xk::from_float<T>(ds);
-        }
-        __syncwarp(xk::FULL_MASK);
-        WarpMma<T, BN, DMAX>::accumulate(dq_acc, L::LD_O, dss, LD_P, ks, L::LD_T);
-        __syncwarp(xk::FULL_MASK);
+            pair_grads(j0 + c < limit, s, dp, lse2, delta_row, scale_log2, p, ds);
+            return ds;
+        });
     }
 
     if (row >= sq) return;
     const long long at = b * stride_dqb + h * stride_dqh + row * stride_dqs;
     for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2) && c < d; ++c)
-        store_out(dq, dq_kind, at + c, limit > 0 ? dq_acc[r * L::LD_O + c] * scale : 0.0f);
+        store_out(dq, dq_kind, at + c, limit > 0 ? t.dq[r * L::LD_O + c] * scale : 0.0f);
 }

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from ._loader import OPTIONS, address, loader_for
-from ._rows import CTYPES, ITEMSIZE, NULL, raise_shared_limit
+from ._rows import CTYPES, ITEMSIZE, NULL, ptr, raise_shared_limit
 
 __all__ = ["backward", "backward_shared_bytes", "forward", "name_expressions", "shared_bytes"]
 
@@ -131,8 +131,13 @@ def backward_shared_bytes(t: str, dmax: int, kernel: str) -> int:
     return sum(_round32(n) for n in regions) + 32
 
 
-def _strides(a, axes) -> list:
-    return [np.int64(a.strides[axis] // a.itemsize) for axis in axes]
+def strides(*arrays) -> list:
+    """Element strides (int64) of the first three axes of each array (zeros for None)."""
+    return [
+        np.int64(0 if a is None else a.strides[axis] // a.itemsize)
+        for a in arrays
+        for axis in range(3)
+    ]
 
 
 def _vector_ok(a, width: int) -> np.int32:
@@ -143,7 +148,20 @@ def _vector_ok(a, width: int) -> np.int32:
     return np.int32(1 if ok else 0)
 
 
-def _index(name: str, a, batch: int):
+def sizes(q, k, v) -> tuple:
+    """``(H / Hkv, Sq, Sk, D, Dv)`` as the kernels take them (int32)."""
+    return tuple(
+        np.int32(n)
+        for n in (q.shape[1] // k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3])
+    )
+
+
+def vector_flags(*arrays) -> list:
+    """The kernels' 16-byte load flags of each (B, H, S, D) array, over its whole head dim."""
+    return [_vector_ok(a, a.shape[3]) for a in arrays]
+
+
+def index(name: str, a, batch: int):
     """``(pointer, stride, width)`` of an optional ``(B,)`` int32/int64 array (width 0: absent)."""
     if a is None:
         return NULL, np.int64(0), np.int32(0)
@@ -156,6 +174,95 @@ def _index(name: str, a, batch: int):
     return a, np.int64(a.strides[0] // a.itemsize), np.int32(width)
 
 
+def input_type(what: str, q, k, v) -> str:
+    """The CUDA C type of ``q``, ``k`` and ``v``; TypeError unless they share a supported dtype."""
+    t = CTYPES.get(str(q.dtype))
+    if t is None or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"cupy {what}: q, k and v must share one of float32, float16, bfloat16; "
+            f"got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    return t
+
+
+def float_kind(what: str, name: str, a) -> np.int32:
+    """The kind (0: float32, 1: float16, 2: bfloat16) of an output, gradient or cotangent."""
+    kind = _OUT_KINDS.get(str(a.dtype))
+    if kind is None:
+        raise TypeError(f"cupy {what}: {name} must be float32, float16 or bfloat16, got {a.dtype}")
+    return np.int32(kind)
+
+
+def padded_head_dim(what: str, q, v) -> int:
+    """``DMAX`` of q's and v's head dims: the smallest of :data:`HEAD_DIMS` holding both."""
+    d, dv = q.shape[3], v.shape[3]
+    if max(d, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"cupy {what}: head dims up to {MAX_HEAD_DIM}, got {d}/{dv}")
+    return next(n for n in HEAD_DIMS if n >= max(d, dv))
+
+
+def check_backward_sizes(what: str, q, k) -> None:
+    """ValueError unless the backward's indices (and grids) stay below 2**31."""
+    batch, heads, sq, _ = q.shape
+    kv_heads, sk = k.shape[1], k.shape[2]
+    if (
+        max(sq, sk) > _INT32_MAX
+        or batch * heads * max(-(-sq // BLOCK_M) * BLOCK_M, sq) > _INT32_MAX
+        or batch * kv_heads * -(-sk // BLOCK_M) > _INT32_MAX
+    ):
+        raise ValueError(
+            f"cupy {what}: Sq, Sk, B * H * Sq and B * Hkv * ceil(Sk / {BLOCK_M}) must stay "
+            f"below 2**31, got B={batch}, H={heads}, Hkv={kv_heads}, Sq={sq}, Sk={sk}"
+        )
+
+
+def backward_kinds(what: str, do, o, dq, dk, dv, m, l, delta) -> dict:
+    """The kinds of ``do``, ``o``, ``dq``, ``dk``, ``dv``; TypeError unless m, l, delta are float32."""
+    if any(str(a.dtype) != "float32" for a in (m, l, delta)):
+        raise TypeError(f"cupy {what}: m, l and delta must be float32")
+    return {
+        name: float_kind(what, name, a) for name, a in dict(do=do, o=o, dq=dq, dk=dk, dv=dv).items()
+    }
+
+
+def launch(module, name: str, grid: int, shared: int, args) -> None:
+    """Run kernel ``name`` of ``module``: ``grid`` blocks of ``WARPS`` warps, ``shared`` bytes."""
+    kernel = module.get_function(name)
+    raise_shared_limit(kernel, shared)
+    kernel((grid,), (32 * WARPS,), tuple(args), shared_mem=shared)
+
+
+def launch_delta(module, delta, do, o, kinds, q_lengths) -> None:
+    """``delta = rowsum(do * o)`` of every (B, H, Sq) row (0 past ``q_lengths``, an
+    :func:`index` triple): the backward's first kernel, from ``module`` (of :data:`SOURCE`)."""
+    batch, heads, sq = delta.shape
+    rows = batch * heads * sq
+    module.get_function(DELTA_KERNEL)(
+        (-(-rows // DELTA_ROWS),),
+        (32 * DELTA_ROWS,),
+        (
+            delta,
+            do,
+            kinds["do"],
+            o,
+            kinds["o"],
+            *q_lengths,
+            np.int32(heads),
+            np.int32(sq),
+            np.int32(do.shape[3]),
+            np.int32(rows),
+            *strides(delta, do, o),
+        ),
+    )
+
+
+def _positions(input_pos, batch: int, sq: int, sk: int) -> tuple:
+    """``(pointer, stride, width, value)`` of ``input_pos`` (an int: clamped to [-Sq, Sk])."""
+    if isinstance(input_pos, int):
+        return (*index("input_pos", None, batch), np.int64(min(sk, max(-sq, input_pos))))
+    return (*index("input_pos", input_pos, batch), np.int64(0))
+
+
 def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths) -> None:
     """Write ``o`` (and the checkpoints ``m``, ``l`` unless None) for validated inputs.
 
@@ -164,23 +271,14 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
     an int or a (B,) integer array; ``q_lengths``/``k_lengths`` None or (B,)
     integer arrays; ``scale`` a float.
     """
-    t = CTYPES.get(str(q.dtype))
-    if t is None or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"cupy attention: q, k and v must share one of float32, float16, bfloat16; "
-            f"got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    o_kind = _OUT_KINDS.get(str(o.dtype))
-    if o_kind is None:
-        raise TypeError(f"cupy attention: o must be float32, float16 or bfloat16, got {o.dtype}")
+    t = input_type("attention", q, k, v)
+    o_kind = float_kind("attention", "o", o)
     if (m is None) != (l is None) or any(
         a is not None and str(a.dtype) != "float32" for a in (m, l)
     ):
         raise TypeError("cupy attention: the checkpoints m and l must both be float32 or None")
-    batch, heads, sq, d = q.shape
-    kv_heads, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    if max(d, dv) > MAX_HEAD_DIM:
-        raise ValueError(f"cupy attention: head dims up to {MAX_HEAD_DIM}, got {d}/{dv}")
+    dmax = padded_head_dim("attention", q, v)
+    (batch, heads, sq, _), sk = q.shape, k.shape[2]
     q_tiles = -(-sq // BLOCK_M)
     if max(sq, sk) > _INT32_MAX or batch * heads * q_tiles > _INT32_MAX:
         raise ValueError(
@@ -189,64 +287,34 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
         )
     if batch == 0 or heads == 0 or sq == 0:
         return
-    dmax = next(n for n in HEAD_DIMS if n >= max(d, dv))
     name = _kernel_name(t, dmax)
-    if isinstance(input_pos, int):
-        pos = _index("input_pos", None, batch)
-        pos_value = np.int64(min(sk, max(-sq, input_pos)))
-    else:
-        pos, pos_value = _index("input_pos", input_pos, batch), np.int64(0)
     shared = shared_bytes(t, dmax)
-    kernel = loader_for(q).module(SOURCE, [name], OPTIONS).get_function(name)
-    raise_shared_limit(kernel, shared)
-    zeros = [np.int64(0)] * 3
-    kernel(
-        (batch * heads * q_tiles,),
-        (32 * WARPS,),
+    launch(
+        loader_for(q).module(SOURCE, [name], OPTIONS),
+        name,
+        batch * heads * q_tiles,
+        shared,
         (
             o,
-            np.int32(o_kind),
-            NULL if m is None else m,
-            NULL if l is None else l,
+            o_kind,
+            ptr(m),
+            ptr(l),
             q,
             k,
             v,
-            *_index("q_lengths", q_lengths, batch),
-            *_index("k_lengths", k_lengths, batch),
-            *pos,
-            pos_value,
+            *index("q_lengths", q_lengths, batch),
+            *index("k_lengths", k_lengths, batch),
+            *_positions(input_pos, batch, sq, sk),
             np.int32(heads),
-            np.int32(heads // kv_heads),
-            np.int32(sq),
-            np.int32(sk),
-            np.int32(d),
-            np.int32(dv),
+            *sizes(q, k, v),
             np.int32(q_tiles),
             np.int32(1 if causal else 0),
             np.float32(scale * np.log2(np.e)),
-            _vector_ok(q, d),
-            _vector_ok(k, d),
-            _vector_ok(v, dv),
+            *vector_flags(q, k, v),
             np.uint64(shared),
-            *_strides(q, (0, 1, 2)),
-            *_strides(k, (0, 1, 2)),
-            *_strides(v, (0, 1, 2)),
-            *_strides(o, (0, 1, 2)),
-            *(zeros if m is None else _strides(m, (0, 1, 2))),
-            *(zeros if l is None else _strides(l, (0, 1, 2))),
+            *strides(q, k, v, o, m, l),
         ),
-        shared_mem=shared,
     )
-
-
-def _check_float(name: str, a) -> np.int32:
-    """The kind (0: float32, 1: float16, 2: bfloat16) of a gradient or cotangent array."""
-    kind = _OUT_KINDS.get(str(a.dtype))
-    if kind is None:
-        raise TypeError(
-            f"cupy attention backward: {name} must be float32, float16 or bfloat16, got {a.dtype}"
-        )
-    return np.int32(kind)
 
 
 def backward(
@@ -278,65 +346,19 @@ def backward(
     ``dq``, ``dk``, ``dv`` may each be float32, float16 or bfloat16. Shapes
     and options as :func:`forward`.
     """
-    t = CTYPES.get(str(q.dtype))
-    if t is None or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"cupy attention backward: q, k and v must share one of float32, float16, bfloat16; "
-            f"got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    kinds = {
-        name: _check_float(name, a) for name, a in dict(do=do, o=o, dq=dq, dk=dk, dv=dv).items()
-    }
-    if any(str(a.dtype) != "float32" for a in (m, l, delta)):
-        raise TypeError("cupy attention backward: m, l and delta must be float32")
-    batch, heads, sq, d = q.shape
-    kv_heads, sk, d_v = k.shape[1], k.shape[2], v.shape[3]
-    if max(d, d_v) > MAX_HEAD_DIM:
-        raise ValueError(f"cupy attention: head dims up to {MAX_HEAD_DIM}, got {d}/{d_v}")
-    q_tiles, kv_tiles = -(-sq // BLOCK_M), -(-sk // BLOCK_M)
-    if (
-        max(sq, sk) > _INT32_MAX
-        or batch * heads * max(q_tiles * BLOCK_M, sq) > _INT32_MAX
-        or batch * kv_heads * kv_tiles > _INT32_MAX
-    ):
-        raise ValueError(
-            "cupy attention backward: Sq, Sk, B * H * Sq and B * Hkv * ceil(Sk / "
-            f"{BLOCK_M}) must stay below 2**31, got B={batch}, H={heads}, Hkv={kv_heads}, "
-            f"Sq={sq}, Sk={sk}"
-        )
+    what = "attention backward"
+    t = input_type(what, q, k, v)
+    kinds = backward_kinds(what, do, o, dq, dk, dv, m, l, delta)
+    dmax = padded_head_dim(what, q, v)
+    check_backward_sizes(what, q, k)
+    (batch, heads, sq, _), (_, kv_heads, sk, _) = q.shape, k.shape
     if batch == 0 or kv_heads == 0 or (sk == 0 and sq == 0):
         return
-    dmax = next(n for n in HEAD_DIMS if n >= max(d, d_v))
     dkdv_name, dq_name = _backward_names(t, dmax)
     module = loader_for(q).module(SOURCE, [DELTA_KERNEL, dkdv_name, dq_name], OPTIONS)
-    if isinstance(input_pos, int):
-        pos = _index("input_pos", None, batch)
-        pos_value = np.int64(min(sk, max(-sq, input_pos)))
-    else:
-        pos, pos_value = _index("input_pos", input_pos, batch), np.int64(0)
-    q_len, k_len = _index("q_lengths", q_lengths, batch), _index("k_lengths", k_lengths, batch)
-    bhs = (0, 1, 2)
+    q_len = index("q_lengths", q_lengths, batch)
     if sq > 0:
-        rows = batch * heads * sq
-        module.get_function(DELTA_KERNEL)(
-            (-(-rows // DELTA_ROWS),),
-            (32 * DELTA_ROWS,),
-            (
-                delta,
-                do,
-                kinds["do"],
-                o,
-                kinds["o"],
-                *q_len,
-                np.int32(heads),
-                np.int32(sq),
-                np.int32(d_v),
-                np.int32(rows),
-                *_strides(delta, bhs),
-                *_strides(do, bhs),
-                *_strides(o, bhs),
-            ),
-        )
+        launch_delta(module, delta, do, o, kinds, q_len)
     common = (
         q,
         k,
@@ -347,77 +369,24 @@ def backward(
         l,
         delta,
         *q_len,
-        *k_len,
-        *pos,
-        pos_value,
+        *index("k_lengths", k_lengths, batch),
+        *_positions(input_pos, batch, sq, sk),
     )
-    dims = (
-        np.int32(sq),
-        np.int32(sk),
-        np.int32(d),
-        np.int32(d_v),
-    )
+    dims = sizes(q, k, v)
     flags = (
         np.int32(1 if causal else 0),
         np.float32(scale),
         np.float32(scale * np.log2(np.e)),
-        _vector_ok(q, d),
-        _vector_ok(k, d),
-        _vector_ok(v, d_v),
-    )
-    strides = (
-        *_strides(q, bhs),
-        *_strides(k, bhs),
-        *_strides(v, bhs),
-        *_strides(do, bhs),
-        *_strides(m, bhs),
-        *_strides(l, bhs),
-        *_strides(delta, bhs),
+        *vector_flags(q, k, v),
     )
     if sk > 0:
-        shared = backward_shared_bytes(t, dmax, "dkdv")
-        kernel = module.get_function(dkdv_name)
-        raise_shared_limit(kernel, shared)
-        kernel(
-            (batch * kv_heads * kv_tiles,),
-            (32 * WARPS,),
-            (
-                dk,
-                kinds["dk"],
-                dv,
-                kinds["dv"],
-                *common,
-                np.int32(kv_heads),
-                np.int32(heads // kv_heads),
-                *dims,
-                np.int32(kv_tiles),
-                *flags,
-                np.uint64(shared),
-                *strides,
-                *_strides(dk, bhs),
-                *_strides(dv, bhs),
-            ),
-            shared_mem=shared,
-        )
+        kv_tiles, shared = -(-sk // BLOCK_M), backward_shared_bytes(t, dmax, "dkdv")
+        args = (dk, kinds["dk"], dv, kinds["dv"], *common, np.int32(kv_heads), *dims)
+        args += (np.int32(kv_tiles), *flags, np.uint64(shared))
+        args += (*strides(q, k, v, do, m, l, delta, dk, dv),)
+        launch(module, dkdv_name, batch * kv_heads * kv_tiles, shared, args)
     if sq > 0 and heads > 0:
-        shared = backward_shared_bytes(t, dmax, "dq")
-        kernel = module.get_function(dq_name)
-        raise_shared_limit(kernel, shared)
-        kernel(
-            (batch * heads * q_tiles,),
-            (32 * WARPS,),
-            (
-                dq,
-                kinds["dq"],
-                *common,
-                np.int32(heads),
-                np.int32(heads // kv_heads),
-                *dims,
-                np.int32(q_tiles),
-                *flags,
-                np.uint64(shared),
-                *strides,
-                *_strides(dq, bhs),
-            ),
-            shared_mem=shared,
-        )
+        q_tiles, shared = -(-sq // BLOCK_M), backward_shared_bytes(t, dmax, "dq")
+        args = (dq, kinds["dq"], *common, np.int32(heads), *dims, np.int32(q_tiles), *flags)
+        args += (np.uint64(shared), *strides(q, k, v, do, m, l, delta, dq))
+        launch(module, dq_name, batch * heads * q_tiles, shared, args)

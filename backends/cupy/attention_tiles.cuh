@@ -1,10 +1,13 @@
 // Tiles, staging and warp-level products shared by the attention kernels (attention.cu) and
 // the FlexAttention kernels (flex_attention.cuh). NVRTC-clean; the rules of common.cuh hold.
 //
-// A block has WARPS warps; warp w owns rows 16w .. 16w + 15 of the block's BM-row tile.
-// Layout / BackwardLayout give the shared memory of the forward and backward blocks,
-// WarpMma the two products of a warp (wmma for __half / __nv_bfloat16, SIMT for float),
-// stage / stage_kind copy a tile of a global array into shared memory.
+// A block has WARPS warps; warp w owns rows 16w .. 16w + 15 of the block's BM-row tile, and
+// lane (r, half) of a warp row r of the warp's 16 and half `half` of its columns.
+// Layout / BackwardLayout give the shared memory of the forward and backward blocks
+// (ForwardTiles, DkdvTiles, DqTiles: its pointers), WarpMma the two products of a warp (wmma
+// for __half / __nv_bfloat16, SIMT for float), stage / stage_kind copy a tile of a global
+// array into shared memory; forward_tile, dkdv_tile and dq_tile are a warp's steps on one
+// staged tile, the mask and the score's function left to their caller.
 #pragma once
 #include "common.cuh"
 #include <mma.h>
@@ -14,6 +17,7 @@ namespace {
 constexpr int WARPS = 4;
 constexpr int BM = 16 * WARPS;
 constexpr float LN2 = 0.6931471805599453f;
+constexpr float LOG2E = 1.4426950408889634f;
 constexpr int NO_BAD_KEY = 0x7fffffff;
 
 // Shared memory of one block, in elements of each array (row strides padded by 16 bytes).
@@ -190,9 +194,6 @@ __device__ __forceinline__ void store_out(void* o, int kind, long long at, float
     }
 }
 
-
-constexpr float LOG2E = 1.4426950408889634f;
-
 __device__ __forceinline__ float load_kind(const void* p, int kind, long long at) {
     if (kind == 0) return static_cast<const float*>(p)[at];
     if (kind == 1) return xk::to_float(static_cast<const __half*>(p)[at]);
@@ -244,8 +245,9 @@ struct BackwardLayout {
     static constexpr unsigned long long BYTES = ROWS + round32(ROW_VALUES * sizeof(float) * N) + 32;
 };
 
+// The block's dynamic shared memory for layout L, aligned up to 32 bytes.
 template <typename L>
-__device__ __forceinline__ unsigned char* backward_smem(unsigned long long shared_bytes) {
+__device__ __forceinline__ unsigned char* block_smem(unsigned long long shared_bytes) {
     if (shared_bytes < L::BYTES) __trap();  // the launcher's layout must match this one
     unsigned char* base = xk::dynamic_smem<unsigned char>();
     return base + (32 - reinterpret_cast<unsigned long long>(base) % 32) % 32;
@@ -253,5 +255,179 @@ __device__ __forceinline__ unsigned char* backward_smem(unsigned long long share
 
 // lse_i = m_i + ln l_i of checkpoints (m, l), in base 2.
 __device__ __forceinline__ float lse2_of(float m, float l) { return m * LOG2E + log2f(l); }
+
+// Zeros the lane's half of row r of a 16 x DMAX float accumulator (row stride ld).
+template <int DMAX>
+__device__ __forceinline__ void zero_row(float* acc, int ld, int r, int half) {
+    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) acc[r * ld + c] = 0.0f;
+}
+
+// A forward block's shared memory (Layout): the Q, K and V tiles, the warp's 16 rows of S, P
+// and the output accumulator O, and bad: per V column its first non-finite key.
+template <typename T, int BN, int DMAX>
+struct ForwardTiles {
+    using L = Layout<T, BN, DMAX>;
+    T *q, *k, *v;
+    float* s;
+    T* p;
+    float* o;
+    int* bad;
+    __device__ __forceinline__ ForwardTiles(unsigned char* base, int warp)
+        : q(reinterpret_cast<T*>(base + L::Q)),
+          k(reinterpret_cast<T*>(base + L::K)),
+          v(reinterpret_cast<T*>(base + L::V)),
+          s(reinterpret_cast<float*>(base + L::S) + warp * 16 * L::LD_S),
+          p(reinterpret_cast<T*>(base + L::P) + warp * 16 * L::LD_P),
+          o(reinterpret_cast<float*>(base + L::O) + warp * 16 * L::LD_O),
+          bad(reinterpret_cast<int*>(base + L::BAD)) {}
+};
+
+// A forward warp's step on a staged key tile: S_w = Q_w K^T; lane (r, half) maps its half
+// row of S through score(c, s) (key j0 + c, raw score s: its base-2 score, -inf when masked),
+// runs the online softmax (m, l: the base-2 running max and sum), writes P_w = exp2(s - m)
+// and rescales its row of O_w; then O_w += P_w V.
+template <typename T, int BN, int DMAX, typename Score>
+__device__ __forceinline__ void forward_tile(
+    const ForwardTiles<T, BN, DMAX>& t, int warp, int r, int half, float& m, float& l, Score score) {
+    using L = Layout<T, BN, DMAX>;
+    WarpMma<T, BN, DMAX>::scores(t.s, L::LD_S, t.q + warp * 16 * L::LD_T, L::LD_T, t.k, L::LD_T);
+    __syncwarp(xk::FULL_MASK);
+    float top = xk::neg_inf();
+    for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
+        const float s = score(c, t.s[r * L::LD_S + c]);
+        t.s[r * L::LD_S + c] = s;
+        top = fmaxf(top, s);
+    }
+    top = fmaxf(top, __shfl_xor_sync(xk::FULL_MASK, top, 16));
+    const float m_new = fmaxf(m, top);
+    const float shift = m_new == xk::neg_inf() ? 0.0f : m_new;  // no -inf - -inf
+    const float alpha = exp2f(m - shift);
+    float sum = 0.0f;
+    for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
+        const float p = exp2f(t.s[r * L::LD_S + c] - shift);
+        sum += p;
+        t.p[r * L::LD_P + c] = xk::from_float<T>(p);
+    }
+    sum += __shfl_xor_sync(xk::FULL_MASK, sum, 16);
+    l = l * alpha + sum;
+    m = m_new;
+    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) t.o[r * L::LD_O + c] *= alpha;
+    __syncwarp(xk::FULL_MASK);
+    WarpMma<T, BN, DMAX>::accumulate(t.o, L::LD_O, t.p, L::LD_P, t.v, L::LD_T);
+    __syncwarp(xk::FULL_MASK);
+}
+
+// Row r of O_w / l into o at `at` (the lane's half of the columns below dv; NaN in those
+// where poisoned(c)) and, unless m_out is null, the checkpoints m (natural log; -inf when
+// l = 0, NaN when `nan`) and l at at_m, at_l.
+template <typename T, int BN, int DMAX, typename Poisoned>
+__device__ __forceinline__ void write_output(
+    const ForwardTiles<T, BN, DMAX>& t, int r, int half, float m, float l, bool nan, void* o,
+    int o_kind, long long at, int dv, float* m_out, long long at_m, float* l_out, long long at_l,
+    Poisoned poisoned) {
+    using L = Layout<T, BN, DMAX>;
+    // l >= 1 on a row that kept a key (its max contributes exp2(0)): the fast division is
+    // exact enough there, and IEEE division's slow path is an ABI call ptxas counts as spills.
+    const float inv = l == 0.0f ? 0.0f : __fdividef(1.0f, l);
+    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2) && c < dv; ++c) {
+        const float value = poisoned(c) ? __int_as_float(0x7fc00000) : t.o[r * L::LD_O + c] * inv;
+        store_out(o, o_kind, at + c, value);
+    }
+    if (m_out != nullptr && half == 0) {
+        m_out[at_m] = nan ? __int_as_float(0x7fc00000) : l == 0.0f ? xk::neg_inf() : m * LN2;
+        l_out[at_l] = l;
+    }
+}
+
+// A dK/dV block's shared memory (BackwardLayout): its K and V tiles, the walked Q and dO
+// tiles, the warp's 16 rows of S^T, dP^T, P^T, dS^T and of the dK and dV accumulators, and
+// per walked query its key limit (or whether it keeps a key), lse2 and delta.
+template <typename T, int BQ, int DMAX>
+struct DkdvTiles {
+    using L = BackwardLayout<T, BM, BQ, DMAX, 2, 2, 3>;
+    T *k, *v, *q, *d_o;
+    float *s, *dp;
+    T *p, *ds;
+    float *dk, *dv;
+    int* limit;
+    float *lse2, *delta;
+    __device__ __forceinline__ DkdvTiles(unsigned char* base, int warp)
+        : k(reinterpret_cast<T*>(base + L::OWN1)),
+          v(reinterpret_cast<T*>(base + L::OWN2)),
+          q(reinterpret_cast<T*>(base + L::WALK1)),
+          d_o(reinterpret_cast<T*>(base + L::WALK2)),
+          s(reinterpret_cast<float*>(base + L::S) + warp * 16 * L::LD_S),
+          dp(reinterpret_cast<float*>(base + L::DP) + warp * 16 * L::LD_S),
+          p(reinterpret_cast<T*>(base + L::tile(0)) + warp * 16 * L::LD_PS),
+          ds(reinterpret_cast<T*>(base + L::tile(1)) + warp * 16 * L::LD_PS),
+          dk(reinterpret_cast<float*>(base + L::ACC) + warp * 16 * L::LD_O),
+          dv(dk + BM * L::LD_O),
+          limit(reinterpret_cast<int*>(base + L::ROWS)),
+          lse2(reinterpret_cast<float*>(limit + BQ)),
+          delta(lse2 + BQ) {}
+};
+
+// A dK/dV warp's step on a staged query tile: S^T_w = K_w Q^T, dP^T_w = V_w dO^T; lane
+// (r, half) gets p and ds of its half row from grads(c, s, dp, p, ds) (query i0 + c, raw
+// score s, dp), rounded to T; then dV_w += P^T dO and dK_w += dS^T Q.
+template <typename T, int BQ, int DMAX, typename Grads>
+__device__ __forceinline__ void dkdv_tile(
+    const DkdvTiles<T, BQ, DMAX>& t, int warp, int r, int half, Grads grads) {
+    using L = BackwardLayout<T, BM, BQ, DMAX, 2, 2, 3>;
+    WarpMma<T, BQ, DMAX>::scores(t.s, L::LD_S, t.k + warp * 16 * L::LD_T, L::LD_T, t.q, L::LD_T);
+    WarpMma<T, BQ, DMAX>::scores(t.dp, L::LD_S, t.v + warp * 16 * L::LD_T, L::LD_T, t.d_o,
+                                 L::LD_T);
+    __syncwarp(xk::FULL_MASK);
+    for (int c = half * (BQ / 2); c < (half + 1) * (BQ / 2); ++c) {
+        float p, ds;
+        grads(c, t.s[r * L::LD_S + c], t.dp[r * L::LD_S + c], p, ds);
+        t.p[r * L::LD_PS + c] = xk::from_float<T>(p);
+        t.ds[r * L::LD_PS + c] = xk::from_float<T>(ds);
+    }
+    __syncwarp(xk::FULL_MASK);
+    WarpMma<T, BQ, DMAX>::accumulate(t.dv, L::LD_O, t.p, L::LD_PS, t.d_o, L::LD_T);
+    WarpMma<T, BQ, DMAX>::accumulate(t.dk, L::LD_O, t.ds, L::LD_PS, t.q, L::LD_T);
+    __syncwarp(xk::FULL_MASK);
+}
+
+// A dQ block's shared memory (BackwardLayout): its Q and dO tiles, the walked K and V tiles,
+// the warp's 16 rows of S, dP, dS and of the dQ accumulator.
+template <typename T, int BN, int DMAX>
+struct DqTiles {
+    using L = BackwardLayout<T, BM, BN, DMAX, 1, 1, 0>;
+    T *q, *d_o, *k, *v;
+    float *s, *dp;
+    T* ds;
+    float* dq;
+    __device__ __forceinline__ DqTiles(unsigned char* base, int warp)
+        : q(reinterpret_cast<T*>(base + L::OWN1)),
+          d_o(reinterpret_cast<T*>(base + L::OWN2)),
+          k(reinterpret_cast<T*>(base + L::WALK1)),
+          v(reinterpret_cast<T*>(base + L::WALK2)),
+          s(reinterpret_cast<float*>(base + L::S) + warp * 16 * L::LD_S),
+          dp(reinterpret_cast<float*>(base + L::DP) + warp * 16 * L::LD_S),
+          ds(reinterpret_cast<T*>(base + L::tile(0)) + warp * 16 * L::LD_PS),
+          dq(reinterpret_cast<float*>(base + L::ACC) + warp * 16 * L::LD_O) {}
+};
+
+// A dQ warp's step on a staged key tile: S_w = Q_w K^T, dP_w = dO_w V^T; lane (r, half)
+// gets ds of its half row from grads(c, s, dp) (key j0 + c, raw score s, dp), rounded to T;
+// then dQ_w += dS K.
+template <typename T, int BN, int DMAX, typename Grads>
+__device__ __forceinline__ void dq_tile(
+    const DqTiles<T, BN, DMAX>& t, int warp, int r, int half, Grads grads) {
+    using L = BackwardLayout<T, BM, BN, DMAX, 1, 1, 0>;
+    WarpMma<T, BN, DMAX>::scores(t.s, L::LD_S, t.q + warp * 16 * L::LD_T, L::LD_T, t.k, L::LD_T);
+    WarpMma<T, BN, DMAX>::scores(t.dp, L::LD_S, t.d_o + warp * 16 * L::LD_T, L::LD_T, t.v,
+                                 L::LD_T);
+    __syncwarp(xk::FULL_MASK);
+    // Two columns a step: unrolled in full, the float dQ kernel takes ~20 more registers.
+#pragma unroll 2
+    for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c)
+        t.ds[r * L::LD_PS + c] = xk::from_float<T>(grads(c, t.s[r * L::LD_S + c], t.dp[r * L::LD_S + c]));
+    __syncwarp(xk::FULL_MASK);
+    WarpMma<T, BN, DMAX>::accumulate(t.dq, L::LD_O, t.ds, L::LD_PS, t.k, L::LD_T);
+    __syncwarp(xk::FULL_MASK);
+}
 
 }  // namespace

@@ -87,6 +87,11 @@ __device__ __forceinline__ void block_sum2(float& a, float& b, float2* scratch) 
     b = warp_sum(mine.y);
 }
 
+// The row of the calling thread when a block (X, R) takes R rows: blockIdx.x * R + threadIdx.y.
+__device__ __forceinline__ long long thread_row() {
+    return (long long)blockIdx.x * blockDim.y + threadIdx.y;
+}
+
 // -infinity (NVRTC has no INFINITY macro).
 __device__ __forceinline__ float neg_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }
 

@@ -79,12 +79,12 @@ __global__ void __launch_bounds__(32 * WARPS, 1) flex_forward(
     long long stride_lb, long long stride_lh, long long stride_ls)
 {
     using L = Layout<T, BN, DMAX>;
-    if (shared_bytes < L::BYTES) __trap();  // the launcher's layout must match this one
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const ForwardTiles<T, BN, DMAX> t(block_smem<L>(shared_bytes), warp);
     const int block = static_cast<int>(blockIdx.x);
     const int qt = block % q_tiles, i0 = qt * BM;
     const int bh = block / q_tiles;
     const long long b = bh / heads, h = bh % heads, g = (bh % heads) / group;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long pos = batch_value(input_pos, stride_pos, width_pos, b, pos_value);
     const int rows = static_cast<int>(clamp(sq - i0, 0, BM));
     const FlexPlan plan{states, stride_sb, stride_sh, stride_si, tile_m, tile_n, exact};
@@ -93,15 +93,6 @@ __global__ void __launch_bounds__(32 * WARPS, 1) flex_forward(
     const int count = counts[b * stride_cb + h * stride_ch + qt];
     const int* list = entries + b * stride_eb + h * stride_eh + qt * stride_ei;
 
-    unsigned char* base = xk::dynamic_smem<unsigned char>();
-    base += (32 - reinterpret_cast<unsigned long long>(base) % 32) % 32;
-    T* qs = reinterpret_cast<T*>(base + L::Q);
-    T* ks = reinterpret_cast<T*>(base + L::K);
-    T* vs = reinterpret_cast<T*>(base + L::V);
-    float* ss = reinterpret_cast<float*>(base + L::S) + warp * 16 * L::LD_S;
-    T* ps = reinterpret_cast<T*>(base + L::P) + warp * 16 * L::LD_P;
-    float* os = reinterpret_cast<float*>(base + L::O) + warp * 16 * L::LD_O;
-
     // Lane (r, half): row r of the warp's 16, columns half * BN/2 .. of S, half * DMAX/2 .. of O.
     const int r = lane & 15, half = lane >> 4;
     const int row = i0 + warp * 16 + r;
@@ -109,63 +100,33 @@ __global__ void __launch_bounds__(32 * WARPS, 1) flex_forward(
     const bool warp_live = i0 + warp * 16 < sq;
     float m = xk::neg_inf(), l = 0.0f;  // base-2 running max and sum
 
-    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) os[r * L::LD_O + c] = 0.0f;
-    stage<T, BM, DMAX>(qs, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs, stride_qs,
+    zero_row<DMAX>(t.o, L::LD_O, r, half);
+    stage<T, BM, DMAX>(t.q, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs, stride_qs,
                        rows, d, vec_q != 0, false, nullptr, 0);
 
-    for (int t = 0; t < count; ++t) {
-        const int entry = list[t];
+    for (int n = 0; n < count; ++n) {
+        const int entry = list[n];
         const int j0 = (entry >> 2) * BN, state = entry & 3;
         __syncthreads();  // the previous tile's K and V are no longer read (Q staged)
         const int keys = sk - j0 < BN ? sk - j0 : BN;
-        stage<T, BN, DMAX>(ks, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks,
+        stage<T, BN, DMAX>(t.k, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks,
                            stride_ks, keys, d, vec_k != 0, false, nullptr, 0);
-        stage<T, BN, DMAX>(vs, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs,
+        stage<T, BN, DMAX>(t.v, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs,
                            stride_vs, keys, dv, vec_v != 0, false, nullptr, 0);
         __syncthreads();
         if (!warp_live) continue;  // warp-uniform
-        WarpMma<T, BN, DMAX>::scores(ss, L::LD_S, qs + warp * 16 * L::LD_T, L::LD_T, ks, L::LD_T);
-        __syncwarp(xk::FULL_MASK);
-
-        float top = xk::neg_inf();
-        for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
+        forward_tile(t, warp, r, half, m, l, [&](int c, const float& s) {
             const long long key = j0 + c;
-            float s = xk::neg_inf();
-            if (live && c < keys && flex_keep(state, plan, b, h, pos, row, key, mask_args))
-                s = flex_score(ss[r * L::LD_S + c] * scale, b, h, pos + row, key, row, score_args) *
-                    LOG2E;
-            ss[r * L::LD_S + c] = s;
-            top = fmaxf(top, s);
-        }
-        top = fmaxf(top, __shfl_xor_sync(xk::FULL_MASK, top, 16));
-        const float m_new = fmaxf(m, top);
-        const float shift = m_new == xk::neg_inf() ? 0.0f : m_new;  // no -inf - -inf
-        const float alpha = exp2f(m - shift);
-        float sum = 0.0f;
-        for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
-            const float p = exp2f(ss[r * L::LD_S + c] - shift);
-            sum += p;
-            ps[r * L::LD_P + c] = xk::from_float<T>(p);
-        }
-        sum += __shfl_xor_sync(xk::FULL_MASK, sum, 16);
-        l = l * alpha + sum;
-        m = m_new;
-        for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) os[r * L::LD_O + c] *= alpha;
-        __syncwarp(xk::FULL_MASK);
-        WarpMma<T, BN, DMAX>::accumulate(os, L::LD_O, ps, L::LD_P, vs, L::LD_T);
-        __syncwarp(xk::FULL_MASK);
+            if (!live || c >= keys || !flex_keep(state, plan, b, h, pos, row, key, mask_args))
+                return xk::neg_inf();
+            return flex_score(s * scale, b, h, pos + row, key, row, score_args) * LOG2E;
+        });
     }
 
     if (!live) return;
-    // l >= 1 on a row that kept a key (its max contributes exp2(0)).
-    const float inv = l == 0.0f ? 0.0f : __fdividef(1.0f, l);
-    const long long at = b * stride_ob + h * stride_oh + row * stride_os;
-    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2) && c < dv; ++c)
-        store_out(o, o_kind, at + c, os[r * L::LD_O + c] * inv);
-    if (m_out != nullptr && half == 0) {
-        m_out[b * stride_mb + h * stride_mh + row * stride_ms] = l == 0.0f ? xk::neg_inf() : m * LN2;
-        l_out[b * stride_lb + h * stride_lh + row * stride_ls] = l;
-    }
+    write_output(t, r, half, m, l, false, o, o_kind, b * stride_ob + h * stride_oh + row * stride_os,
+                 dv, m_out, b * stride_mb + h * stride_mh + row * stride_ms, l_out,
+                 b * stride_lb + h * stride_lh + row * stride_ls, [](int) { return false; });
 }
 
 template <typename T, int BQ, int DMAX>
@@ -199,58 +160,44 @@ __global__ void __launch_bounds__(32 * WARPS, 1) flex_backward_dkdv(
     long long stride_dkb, long long stride_dkh, long long stride_dks,
     long long stride_dvb, long long stride_dvh, long long stride_dvs)
 {
-    using L = BackwardLayout<T, BM, BQ, DMAX, 2, 2, 3>;
-    unsigned char* base = backward_smem<L>(shared_bytes);
+    using L = typename DkdvTiles<T, BQ, DMAX>::L;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const DkdvTiles<T, BQ, DMAX> t(block_smem<L>(shared_bytes), warp);
     const int block = static_cast<int>(blockIdx.x);
     const int kt = block % kv_tiles, j0 = kt * BM;
     const int bg = block / kv_tiles;
     const long long b = bg / kv_heads, g = bg % kv_heads;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long pos = batch_value(input_pos, stride_pos, width_pos, b, pos_value);
     const int keys = static_cast<int>(clamp(sk - j0, 0, BM));
     const FlexPlan plan{states, stride_sb, stride_sh, stride_si, tile_m, tile_n, exact};
     const ModArgs score_args{score_ptrs, score_ints, score_floats};
     const ModArgs mask_args{mask_ptrs, mask_ints, mask_floats};
-
-    T* ks = reinterpret_cast<T*>(base + L::OWN1);
-    T* vs = reinterpret_cast<T*>(base + L::OWN2);
-    T* qs = reinterpret_cast<T*>(base + L::WALK1);
-    T* dos = reinterpret_cast<T*>(base + L::WALK2);
-    float* ss = reinterpret_cast<float*>(base + L::S) + warp * 16 * L::LD_S;
-    float* dps = reinterpret_cast<float*>(base + L::DP) + warp * 16 * L::LD_S;
-    constexpr int LD_P = L::LD_PS;
-    T* ps = reinterpret_cast<T*>(base + L::tile(0)) + warp * 16 * LD_P;
-    T* dss = reinterpret_cast<T*>(base + L::tile(1)) + warp * 16 * LD_P;
-    float* dk_acc = reinterpret_cast<float*>(base + L::ACC) + warp * 16 * L::LD_O;
-    float* dv_acc = dk_acc + BM * L::LD_O;
-    int* alive = reinterpret_cast<int*>(base + L::ROWS);  // the query keeps some key
-    float* lse2 = reinterpret_cast<float*>(alive + BQ);
-    float* dl = lse2 + BQ;
+    int* alive = t.limit;  // the query keeps some key
+    float* lse2 = t.lse2;
+    float* dl = t.delta;
 
     // Lane (r, half): key row r of the warp's 16, half of the columns.
     const int r = lane & 15, half = lane >> 4;
     const int key = j0 + warp * 16 + r;
-    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) {
-        dk_acc[r * L::LD_O + c] = 0.0f;
-        dv_acc[r * L::LD_O + c] = 0.0f;
-    }
-    stage<T, BM, DMAX>(ks, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks, stride_ks,
+    zero_row<DMAX>(t.dk, L::LD_O, r, half);
+    zero_row<DMAX>(t.dv, L::LD_O, r, half);
+    stage<T, BM, DMAX>(t.k, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks, stride_ks,
                        keys, d, vec_k != 0, false, nullptr, 0);
-    stage<T, BM, DMAX>(vs, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs, stride_vs,
+    stage<T, BM, DMAX>(t.v, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs, stride_vs,
                        keys, d_v, vec_v != 0, false, nullptr, 0);
 
     for (int hh = 0; hh < group; ++hh) {
         const long long h = g * group + hh;
         const int count = counts[b * stride_cb + h * stride_ch + kt];
         const int* list = entries + b * stride_eb + h * stride_eh + kt * stride_ei;
-        for (int t = 0; t < count; ++t) {
-            const int entry = list[t];
+        for (int n = 0; n < count; ++n) {
+            const int entry = list[n];
             const int i0 = (entry >> 2) * BQ, state = entry & 3;
             __syncthreads();  // the previous tile's Q, dO and row values are no longer read
             const int rows = static_cast<int>(clamp(sq - i0, 0, BQ));
-            stage<T, BQ, DMAX>(qs, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs,
+            stage<T, BQ, DMAX>(t.q, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs,
                                stride_qs, rows, d, vec_q != 0, false, nullptr, 0);
-            stage_kind<T, BQ, DMAX>(dos, L::LD_T, d_o, do_kind,
+            stage_kind<T, BQ, DMAX>(t.d_o, L::LD_T, d_o, do_kind,
                                     b * stride_dob + h * stride_doh + i0 * stride_dos, stride_dos,
                                     rows, d_v);
             for (int c = threadIdx.x; c < BQ; c += blockDim.x) {
@@ -266,27 +213,15 @@ __global__ void __launch_bounds__(32 * WARPS, 1) flex_backward_dkdv(
                 dl[c] = di;
             }
             __syncthreads();
-            WarpMma<T, BQ, DMAX>::scores(ss, L::LD_S, ks + warp * 16 * L::LD_T, L::LD_T, qs,
-                                         L::LD_T);
-            WarpMma<T, BQ, DMAX>::scores(dps, L::LD_S, vs + warp * 16 * L::LD_T, L::LD_T, dos,
-                                         L::LD_T);
-            __syncwarp(xk::FULL_MASK);
-            for (int c = half * (BQ / 2); c < (half + 1) * (BQ / 2); ++c) {
+            dkdv_tile(t, warp, r, half, [&](int c, const float& s_raw, const float& dp, float& p, float& ds) {
                 const long long i = i0 + c;
-                float p = 0.0f, ds = 0.0f;
+                p = ds = 0.0f;
                 if (key < sk && alive[c] && flex_keep(state, plan, b, h, pos, i, key, mask_args)) {
-                    const float s = ss[r * L::LD_S + c] * scale;
+                    const float s = s_raw * scale;
                     p = exp2f(flex_score(s, b, h, pos + i, key, i, score_args) * LOG2E - lse2[c]);
-                    ds = flex_vjp(s, b, h, pos + i, key, i, p * (dps[r * L::LD_S + c] - dl[c]),
-                                  score_args);
+                    ds = flex_vjp(s, b, h, pos + i, key, i, p * (dp - dl[c]), score_args);
                 }
-                ps[r * LD_P + c] = xk::from_float<T>(p);
-                dss[r * LD_P + c] = xk::from_float<T>(ds);
-            }
-            __syncwarp(xk::FULL_MASK);
-            WarpMma<T, BQ, DMAX>::accumulate(dv_acc, L::LD_O, ps, LD_P, dos, L::LD_T);
-            WarpMma<T, BQ, DMAX>::accumulate(dk_acc, L::LD_O, dss, LD_P, qs, L::LD_T);
-            __syncwarp(xk::FULL_MASK);
+            });
         }
     }
 
@@ -294,8 +229,8 @@ __global__ void __launch_bounds__(32 * WARPS, 1) flex_backward_dkdv(
     const long long at_k = b * stride_dkb + g * stride_dkh + key * stride_dks;
     const long long at_v = b * stride_dvb + g * stride_dvh + key * stride_dvs;
     for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) {
-        if (c < d) store_out(dk, dk_kind, at_k + c, dk_acc[r * L::LD_O + c] * scale);
-        if (c < d_v) store_out(dv, dv_kind, at_v + c, dv_acc[r * L::LD_O + c]);
+        if (c < d) store_out(dk, dk_kind, at_k + c, t.dk[r * L::LD_O + c] * scale);
+        if (c < d_v) store_out(dv, dv_kind, at_v + c, t.dv[r * L::LD_O + c]);
     }
 }
 
@@ -328,13 +263,13 @@ __global__ void __launch_bounds__(32 * WARPS, 1) flex_backward_dq(
     long long stride_db, long long stride_dh, long long stride_ds,
     long long stride_dqb, long long stride_dqh, long long stride_dqs)
 {
-    using L = BackwardLayout<T, BM, BN, DMAX, 1, 1, 0>;
-    unsigned char* base = backward_smem<L>(shared_bytes);
+    using L = typename DqTiles<T, BN, DMAX>::L;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const DqTiles<T, BN, DMAX> t(block_smem<L>(shared_bytes), warp);
     const int block = static_cast<int>(blockIdx.x);
     const int qt = block % q_tiles, i0 = qt * BM;
     const int bh = block / q_tiles;
     const long long b = bh / heads, h = bh % heads, g = (bh % heads) / group;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long pos = batch_value(input_pos, stride_pos, width_pos, b, pos_value);
     const int rows = static_cast<int>(clamp(sq - i0, 0, BM));
     const FlexPlan plan{states, stride_sb, stride_sh, stride_si, tile_m, tile_n, exact};
@@ -342,16 +277,6 @@ __global__ void __launch_bounds__(32 * WARPS, 1) flex_backward_dq(
     const ModArgs mask_args{mask_ptrs, mask_ints, mask_floats};
     const int count = counts[b * stride_cb + h * stride_ch + qt];
     const int* list = entries + b * stride_eb + h * stride_eh + qt * stride_ei;
-
-    T* qs = reinterpret_cast<T*>(base + L::OWN1);
-    T* dos = reinterpret_cast<T*>(base + L::OWN2);
-    T* ks = reinterpret_cast<T*>(base + L::WALK1);
-    T* vs = reinterpret_cast<T*>(base + L::WALK2);
-    float* ss = reinterpret_cast<float*>(base + L::S) + warp * 16 * L::LD_S;
-    float* dps = reinterpret_cast<float*>(base + L::DP) + warp * 16 * L::LD_S;
-    constexpr int LD_P = L::LD_PS;
-    T* dss = reinterpret_cast<T*>(base + L::tile(0)) + warp * 16 * LD_P;
-    float* dq_acc = reinterpret_cast<float*>(base + L::ACC) + warp * 16 * L::LD_O;
 
     // Lane (r, half): query row r of the warp's 16, half of the columns.
     const int r = lane & 15, half = lane >> 4;
@@ -366,47 +291,36 @@ __global__ void __launch_bounds__(32 * WARPS, 1) flex_backward_dq(
     const float lse2 = lse2_of(m_row, l_row);
     const bool warp_live = i0 + warp * 16 < sq;
 
-    for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2); ++c) dq_acc[r * L::LD_O + c] = 0.0f;
-    stage<T, BM, DMAX>(qs, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs, stride_qs,
+    zero_row<DMAX>(t.dq, L::LD_O, r, half);
+    stage<T, BM, DMAX>(t.q, L::LD_T, q + b * stride_qb + h * stride_qh + i0 * stride_qs, stride_qs,
                        rows, d, vec_q != 0, false, nullptr, 0);
-    stage_kind<T, BM, DMAX>(dos, L::LD_T, d_o, do_kind,
+    stage_kind<T, BM, DMAX>(t.d_o, L::LD_T, d_o, do_kind,
                             b * stride_dob + h * stride_doh + i0 * stride_dos, stride_dos, rows,
                             d_v);
 
-    for (int t = 0; t < count; ++t) {
-        const int entry = list[t];
+    for (int n = 0; n < count; ++n) {
+        const int entry = list[n];
         const int j0 = (entry >> 2) * BN, state = entry & 3;
         __syncthreads();  // the previous tile's K and V are no longer read (Q, dO staged)
         const int keys = sk - j0 < BN ? sk - j0 : BN;
-        stage<T, BN, DMAX>(ks, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks,
+        stage<T, BN, DMAX>(t.k, L::LD_T, k + b * stride_kb + g * stride_kh + j0 * stride_ks,
                            stride_ks, keys, d, vec_k != 0, false, nullptr, 0);
-        stage<T, BN, DMAX>(vs, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs,
+        stage<T, BN, DMAX>(t.v, L::LD_T, v + b * stride_vb + g * stride_vh + j0 * stride_vs,
                            stride_vs, keys, d_v, vec_v != 0, false, nullptr, 0);
         __syncthreads();
         if (!warp_live) continue;  // warp-uniform
-        WarpMma<T, BN, DMAX>::scores(ss, L::LD_S, qs + warp * 16 * L::LD_T, L::LD_T, ks, L::LD_T);
-        WarpMma<T, BN, DMAX>::scores(dps, L::LD_S, dos + warp * 16 * L::LD_T, L::LD_T, vs,
-                                     L::LD_T);
-        __syncwarp(xk::FULL_MASK);
-        for (int c = half * (BN / 2); c < (half + 1) * (BN / 2); ++c) {
+        dq_tile(t, warp, r, half, [&](int c, const float& s_raw, const float& dp) {
             const long long key = j0 + c;
-            float ds = 0.0f;
-            if (live && c < keys && flex_keep(state, plan, b, h, pos, row, key, mask_args)) {
-                const float s = ss[r * L::LD_S + c] * scale;
-                const float p =
-                    exp2f(flex_score(s, b, h, pos + row, key, row, score_args) * LOG2E - lse2);
-                ds = flex_dscore(s, b, h, pos + row, key, row, p * (dps[r * L::LD_S + c] - delta_row),
-                                 score_args);
-            }
-            dss[r * LD_P + c] = xk::from_float<T>(ds);
-        }
-        __syncwarp(xk::FULL_MASK);
-        WarpMma<T, BN, DMAX>::accumulate(dq_acc, L::LD_O, dss, LD_P, ks, L::LD_T);
-        __syncwarp(xk::FULL_MASK);
+            if (!live || c >= keys || !flex_keep(state, plan, b, h, pos, row, key, mask_args))
+                return 0.0f;
+            const float s = s_raw * scale;
+            const float p = exp2f(flex_score(s, b, h, pos + row, key, row, score_args) * LOG2E - lse2);
+            return flex_dscore(s, b, h, pos + row, key, row, p * (dp - delta_row), score_args);
+        });
     }
 
     if (row >= sq) return;
     const long long at = b * stride_dqb + h * stride_dqh + row * stride_dqs;
     for (int c = half * (DMAX / 2); c < (half + 1) * (DMAX / 2) && c < d; ++c)
-        store_out(dq, dq_kind, at + c, live ? dq_acc[r * L::LD_O + c] * scale : 0.0f);
+        store_out(dq, dq_kind, at + c, live ? t.dq[r * L::LD_O + c] * scale : 0.0f);
 }

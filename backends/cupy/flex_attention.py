@@ -54,19 +54,16 @@ from xpkernels.mods.codegen_cuda import cuda_source, pack_arguments
 
 from . import attention as _attention
 from ._loader import OPTIONS, loader_for
-from ._rows import CTYPES, NULL, raise_shared_limit
+from ._rows import CTYPES, NULL, ptr
 
 __all__ = ["backward", "default_tiles", "forward", "name_expressions", "score_mod_workspace"]
 
 #: Plan tiles (queries x keys) when no BlockMask fixes them: every kernel tile divides them.
 PLAN_TILE = 64
-WARPS = _attention.WARPS
 BLOCK_M = _attention.BLOCK_M
 BLOCK_N = _attention.BLOCK_N
 BLOCK_Q = _attention.BLOCK_Q
 HEAD_DIMS = _attention.HEAD_DIMS
-MAX_HEAD_DIM = _attention.MAX_HEAD_DIM
-_INT32_MAX = 2**31 - 1
 #: Workspace carves start at multiples of this many float32 elements (64 bytes).
 _ALIGN = 16
 
@@ -206,31 +203,7 @@ def _positions(input_pos, batch, like) -> tuple:
             return NULL, np.int64(0), np.int32(0), np.int64(input_pos[0])
         values = _on_device(np.asarray(input_pos, dtype=np.int64), like)
         return values, np.int64(1), np.int32(8), np.int64(0)
-    return (*_attention._index("input_pos", input_pos, batch), np.int64(0))
-
-
-def _check_inputs(what: str, q, k, v) -> str:
-    t = CTYPES.get(str(q.dtype))
-    if t is None or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"cupy flex_attention{what}: q, k and v must share one of float32, float16, "
-            f"bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    batch, heads, sq, d = q.shape
-    kv_heads, sk, dv = k.shape[1], k.shape[2], v.shape[3]
-    if max(d, dv) > MAX_HEAD_DIM:
-        raise ValueError(f"cupy flex_attention: head dims up to {MAX_HEAD_DIM}, got {d}/{dv}")
-    kv_tiles = -(-sk // BLOCK_M)
-    if (
-        max(sq, sk) > _INT32_MAX
-        or batch * heads * max(-(-sq // BLOCK_M) * BLOCK_M, sq) > _INT32_MAX
-        or batch * kv_heads * kv_tiles > _INT32_MAX
-    ):
-        raise ValueError(
-            f"cupy flex_attention{what}: Sq, Sk, B * H * Sq and B * Hkv * ceil(Sk / {BLOCK_M}) "
-            f"must stay below 2**31, got B={batch}, H={heads}, Hkv={kv_heads}, Sq={sq}, Sk={sk}"
-        )
-    return t
+    return (*_attention.index("input_pos", input_pos, batch), np.int64(0))
 
 
 def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) -> None:
@@ -241,14 +214,11 @@ def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) ->
     a tuple of ints (one, or one per batch) or a (B,) integer array;
     ``score_mod``, ``mask_mod``: graphs or None; ``plan``: the tile plan.
     """
-    t = _check_inputs("", q, k, v)
-    o_kind = _attention._OUT_KINDS.get(str(o.dtype))
-    if o_kind is None:
-        raise TypeError(
-            f"cupy flex_attention: o must be float32, float16 or bfloat16, got {o.dtype}"
-        )
-    batch, heads, sq, d = q.shape
-    kv_heads, sk, dv = k.shape[1], k.shape[2], v.shape[3]
+    t = _attention.input_type("flex_attention", q, k, v)
+    o_kind = _attention.float_kind("flex_attention", "o", o)
+    dmax = _attention.padded_head_dim("flex_attention", q, v)
+    _attention.check_backward_sizes("flex_attention", q, k)
+    (batch, heads, sq, _), sk = q.shape, k.shape[2]
     if batch * heads * sq == 0:
         return
     if sk == 0:
@@ -257,52 +227,34 @@ def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) ->
             m[...] = -np.inf
             l[...] = 0
         return
-    dmax = next(n for n in HEAD_DIMS if n >= max(d, dv))
     name = _names(t, dmax)[0]
     q_tiles = -(-sq // BLOCK_M)
-    lists = _lists(plan, sq, sk, BLOCK_M, BLOCK_N[t], 2, q)
-    score_args = _mod_arguments(score_mod, q)
-    mask_args = _mod_arguments(mask_mod, q)
     shared = _attention.shared_bytes(t, dmax)
-    module = loader_for(q).module(unit(score_mod, mask_mod), [name], OPTIONS)
-    kernel = module.get_function(name)
-    raise_shared_limit(kernel, shared)
-    zeros = [np.int64(0)] * 3
-    kernel(
-        (batch * heads * q_tiles,),
-        (32 * WARPS,),
+    _attention.launch(
+        loader_for(q).module(unit(score_mod, mask_mod), [name], OPTIONS),
+        name,
+        batch * heads * q_tiles,
+        shared,
         (
             o,
-            np.int32(o_kind),
-            NULL if m is None else m,
-            NULL if l is None else l,
+            o_kind,
+            ptr(m),
+            ptr(l),
             q,
             k,
             v,
             *_positions(input_pos, batch, q),
-            *lists,
-            *score_args,
-            *mask_args,
+            *_lists(plan, sq, sk, BLOCK_M, BLOCK_N[t], 2, q),
+            *_mod_arguments(score_mod, q),
+            *_mod_arguments(mask_mod, q),
             np.int32(heads),
-            np.int32(heads // kv_heads),
-            np.int32(sq),
-            np.int32(sk),
-            np.int32(d),
-            np.int32(dv),
+            *_attention.sizes(q, k, v),
             np.int32(q_tiles),
             np.float32(scale),
-            _attention._vector_ok(q, d),
-            _attention._vector_ok(k, d),
-            _attention._vector_ok(v, dv),
+            *_attention.vector_flags(q, k, v),
             np.uint64(shared),
-            *_attention._strides(q, (0, 1, 2)),
-            *_attention._strides(k, (0, 1, 2)),
-            *_attention._strides(v, (0, 1, 2)),
-            *_attention._strides(o, (0, 1, 2)),
-            *(zeros if m is None else _attention._strides(m, (0, 1, 2))),
-            *(zeros if l is None else _attention._strides(l, (0, 1, 2))),
+            *_attention.strides(q, k, v, o, m, l),
         ),
-        shared_mem=shared,
     )
 
 
@@ -355,13 +307,11 @@ def backward(
     (routing never sends such a call here). ``score_mod_workspace``: float32
     scratch of at least :func:`score_mod_workspace` elements, or None.
     """
-    t = _check_inputs(" backward", q, k, v)
-    kinds = {
-        name: _attention._check_float(name, a)
-        for name, a in dict(do=do, o=o, dq=dq, dk=dk, dv=dv).items()
-    }
-    if any(str(a.dtype) != "float32" for a in (m, l, delta)):
-        raise TypeError("cupy flex_attention backward: m, l and delta must be float32")
+    what = "flex_attention backward"
+    t = _attention.input_type(what, q, k, v)
+    kinds = _attention.backward_kinds(what, do, o, dq, dk, dv, m, l, delta)
+    dmax = _attention.padded_head_dim(what, q, v)
+    _attention.check_backward_sizes(what, q, k)
     wanted = tuple(
         i for i, g in enumerate(score_mod_grads or ()) if g is not None and score_mod is not None
     )
@@ -370,8 +320,7 @@ def backward(
             "cupy flex_attention backward: score-mod gradients are summed with float32 atomics; "
             "deterministic=True cannot be honoured (route it to another backend)"
         )
-    batch, heads, sq, d = q.shape
-    kv_heads, sk, d_v = k.shape[1], k.shape[2], v.shape[3]
+    (batch, heads, sq, _), (_, kv_heads, sk, _) = q.shape, k.shape
     if batch == 0 or heads == 0:
         return
     if sk == 0 or sq == 0:
@@ -391,106 +340,29 @@ def backward(
         offset += _aligned(n)
         accumulators.append(acc)
         pending.append((target, acc))
-    dmax = next(n for n in HEAD_DIMS if n >= max(d, d_v))
     _, dkdv_name, dq_name = _names(t, dmax)
     module = loader_for(q).module(unit(score_mod, mask_mod, wanted), [dkdv_name, dq_name], OPTIONS)
-    delta_kernel = (
-        loader_for(q)
-        .module(_attention.SOURCE, [_attention.DELTA_KERNEL], OPTIONS)
-        .get_function(_attention.DELTA_KERNEL)
-    )
-    bhs = (0, 1, 2)
-    rows = batch * heads * sq
-    delta_kernel(
-        (-(-rows // _attention.DELTA_ROWS),),
-        (32 * _attention.DELTA_ROWS,),
-        (
-            delta,
-            do,
-            kinds["do"],
-            o,
-            kinds["o"],
-            *_attention._index("q_lengths", None, batch),
-            np.int32(heads),
-            np.int32(sq),
-            np.int32(d_v),
-            np.int32(rows),
-            *_attention._strides(delta, bhs),
-            *_attention._strides(do, bhs),
-            *_attention._strides(o, bhs),
-        ),
-    )
-    positions = _positions(input_pos, batch, q)
-    common = (q, k, v, do, kinds["do"], m, l, delta, *positions)
+    delta_module = loader_for(q).module(_attention.SOURCE, [_attention.DELTA_KERNEL], OPTIONS)
+    no_lengths = _attention.index("q_lengths", None, batch)
+    _attention.launch_delta(delta_module, delta, do, o, kinds, no_lengths)
+    common = (q, k, v, do, kinds["do"], m, l, delta, *_positions(input_pos, batch, q))
     mask_args = _mod_arguments(mask_mod, q)
-    flags = (
-        np.float32(scale),
-        _attention._vector_ok(q, d),
-        _attention._vector_ok(k, d),
-        _attention._vector_ok(v, d_v),
-    )
-    strides = (
-        *_attention._strides(q, bhs),
-        *_attention._strides(k, bhs),
-        *_attention._strides(v, bhs),
-        *_attention._strides(do, bhs),
-        *_attention._strides(m, bhs),
-        *_attention._strides(l, bhs),
-        *_attention._strides(delta, bhs),
-    )
-    dims = (np.int32(heads // kv_heads), np.int32(sq), np.int32(sk), np.int32(d), np.int32(d_v))
+    dims = _attention.sizes(q, k, v)
+    flags = (np.float32(scale), *_attention.vector_flags(q, k, v))
 
-    kv_tiles = -(-sk // BLOCK_M)
-    shared = _attention.backward_shared_bytes(t, dmax, "dkdv")
-    kernel = module.get_function(dkdv_name)
-    raise_shared_limit(kernel, shared)
-    kernel(
-        (batch * kv_heads * kv_tiles,),
-        (32 * WARPS,),
-        (
-            dk,
-            kinds["dk"],
-            dv,
-            kinds["dv"],
-            *common,
-            *_lists(plan, sq, sk, BLOCK_Q[t], BLOCK_M, 3, q),
-            *_mod_arguments(score_mod, q, wanted, accumulators),
-            *mask_args,
-            np.int32(kv_heads),
-            *dims,
-            np.int32(kv_tiles),
-            *flags,
-            np.uint64(shared),
-            *strides,
-            *_attention._strides(dk, bhs),
-            *_attention._strides(dv, bhs),
-        ),
-        shared_mem=shared,
-    )
+    kv_tiles, shared = -(-sk // BLOCK_M), _attention.backward_shared_bytes(t, dmax, "dkdv")
+    lists = _lists(plan, sq, sk, BLOCK_Q[t], BLOCK_M, 3, q)
+    args = (dk, kinds["dk"], dv, kinds["dv"], *common, *lists)
+    args += (*_mod_arguments(score_mod, q, wanted, accumulators), *mask_args, np.int32(kv_heads))
+    args += (*dims, np.int32(kv_tiles), *flags, np.uint64(shared))
+    args += (*_attention.strides(q, k, v, do, m, l, delta, dk, dv),)
+    _attention.launch(module, dkdv_name, batch * kv_heads * kv_tiles, shared, args)
 
-    q_tiles = -(-sq // BLOCK_M)
-    shared = _attention.backward_shared_bytes(t, dmax, "dq")
-    kernel = module.get_function(dq_name)
-    raise_shared_limit(kernel, shared)
-    kernel(
-        (batch * heads * q_tiles,),
-        (32 * WARPS,),
-        (
-            dq,
-            kinds["dq"],
-            *common,
-            *_lists(plan, sq, sk, BLOCK_M, BLOCK_N[t], 2, q),
-            *_mod_arguments(score_mod, q),
-            *mask_args,
-            np.int32(heads),
-            *dims,
-            np.int32(q_tiles),
-            *flags,
-            np.uint64(shared),
-            *strides,
-            *_attention._strides(dq, bhs),
-        ),
-        shared_mem=shared,
-    )
+    q_tiles, shared = -(-sq // BLOCK_M), _attention.backward_shared_bytes(t, dmax, "dq")
+    args = (dq, kinds["dq"], *common, *_lists(plan, sq, sk, BLOCK_M, BLOCK_N[t], 2, q))
+    args += (*_mod_arguments(score_mod, q), *mask_args, np.int32(heads), *dims)
+    args += (np.int32(q_tiles), *flags, np.uint64(shared))
+    args += (*_attention.strides(q, k, v, do, m, l, delta, dq),)
+    _attention.launch(module, dq_name, batch * heads * q_tiles, shared, args)
     for target, acc in pending:
         target += acc.astype(target.dtype)

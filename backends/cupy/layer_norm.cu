@@ -9,8 +9,8 @@
 // their spread lose nothing to cancellation.
 // T: the dtype of x, y, dy, dx; TW, TB: the dtypes of w, b. Accumulation in float32.
 // V: elements per vector access (16 bytes / sizeof(T) when aligned, else 1).
-// C: vectors per thread kept in registers between the passes over a row.
-#include "common.cuh"
+// C: vectors per thread kept in registers between the passes over a row (rows.cuh).
+#include "rows.cuh"
 
 namespace {
 
@@ -18,29 +18,45 @@ using xk::load_or;
 using xk::load_vec;
 using xk::store_vec;
 
-// y = (x - mean) * rstd * w + b for the V elements at col, with mean = mean0 + shift
-// subtracted in two steps: mean0 + shift rounded to float32 would cost a row of mean
-// 1e5 half an ulp of 1e5 in every x - mean.
-template <typename T, typename TW, typename TB, int V>
-__device__ __forceinline__ void store_normalised(T* yr, const TW* w, const TB* b, int col,
-                                                 const float (&xv)[V], float mean0, float shift,
-                                                 float r) {
-    float wv[V], bv[V];
-    load_or<TW, V>(w, col, 1.0f, wv);
-    load_or<TB, V>(b, col, 0.0f, bv);
+// y = (x - mean) * rstd * w + b over the share's columns of one row (read again in each of
+// the three passes where streamed); mean and rstd are returned. The mean mean0 + shift is
+// subtracted in two steps: rounded to float32 it would cost a row of mean 1e5 half an ulp
+// of 1e5 in every x - mean.
+template <typename T, typename TW, typename TB, typename Share>
+__device__ __forceinline__ void forward_row(
+    const Share& share, T* yr, const T* xr, const TW* w, const TB* b, float eps, float& mean,
+    float& rstd) {
+    constexpr int V = Share::V;
+    const float inv_m = 1.0f / (float)max(share.m, 1);
+    float v[Share::C][V];
+    float sum = 0.0f;
+    share.load(xr, v, [&](int, const float (&u)[V]) {
 #pragma unroll
-    for (int i = 0; i < V; ++i) wv[i] = ((xv[i] - mean0) - shift) * r * wv[i] + bv[i];
-    store_vec<T, V>(yr + col, wv);
-}
-
-// acc[(col + i) * stride] += add[i] for the V columns at col (acc null: nothing).
-template <int V>
-__device__ __forceinline__ void accumulate_at(float* acc, long long stride, int col,
-                                              const float (&add)[V]) {
-    if (acc == nullptr) return;
-    float* a = acc + col * stride;
+        for (int i = 0; i < V; ++i) sum += u[i];
+    });
+    const float mean0 = share.sum(sum) * inv_m;
+    float residual = 0.0f, sum_sq = 0.0f;
+    share.each(xr, v, [&](int, const float (&u)[V]) {
 #pragma unroll
-    for (int i = 0; i < V; ++i) a[i * stride] += add[i];
+        for (int i = 0; i < V; ++i) {
+            const float d = u[i] - mean0;
+            residual += d;
+            sum_sq += d * d;
+        }
+    });
+    share.sum2(residual, sum_sq);
+    const float shift = residual * inv_m;
+    const float r = rsqrtf(fmaxf(sum_sq * inv_m - shift * shift, 0.0f) + eps);
+    share.each(xr, v, [&](int col, const float (&u)[V]) {
+        float wv[V], bv[V];
+        load_or<TW, V>(w, col, 1.0f, wv);
+        load_or<TB, V>(b, col, 0.0f, bv);
+#pragma unroll
+        for (int i = 0; i < V; ++i) wv[i] = ((u[i] - mean0) - shift) * r * wv[i] + bv[i];
+        store_vec<T, V>(yr + col, wv);
+    });
+    mean = mean0 + shift;
+    rstd = r;
 }
 
 }  // namespace
@@ -62,46 +78,13 @@ __global__ void __launch_bounds__(256) layer_norm_forward_warp(
     long long stride_rstd,           // elements between entries of rstd
     float eps)                       // added to the variance
 {
-    const int lane = threadIdx.x;
-    const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+    const long long row = xk::thread_row();
     if (row >= rows) return;  // the whole warp leaves, before any collective
-    const T* xr = x + row * stride_x;
-    const float inv_m = 1.0f / (float)max(m, 1);
-    float v[C][V];
-    float sum = 0.0f;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) {
-            load_vec<T, V>(xr + col, v[k]);
-#pragma unroll
-            for (int i = 0; i < V; ++i) sum += v[k][i];
-        }
-    }
-    const float mean0 = xk::warp_sum(sum) * inv_m;
-    float residual = 0.0f, sum_sq = 0.0f;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) {
-#pragma unroll
-            for (int i = 0; i < V; ++i) {
-                const float d = v[k][i] - mean0;
-                residual += d;
-                sum_sq += d * d;
-            }
-        }
-    }
-    const float shift = xk::warp_sum(residual) * inv_m;
-    const float r = rsqrtf(fmaxf(xk::warp_sum(sum_sq) * inv_m - shift * shift, 0.0f) + eps);
-    T* yr = y + row * stride_y;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) store_normalised<T, TW, TB, V>(yr, w, b, col, v[k], mean0, shift, r);
-    }
-    if (lane == 0) {
-        if (mean != nullptr) mean[row * stride_mean] = mean0 + shift;
+    float mu, r;
+    forward_row<T, TW, TB>(xk::warp_row_share<V, C>(m), y + row * stride_y, x + row * stride_x,
+                           w, b, eps, mu, r);
+    if (threadIdx.x == 0) {
+        if (mean != nullptr) mean[row * stride_mean] = mu;
         if (rstd != nullptr) rstd[row * stride_rstd] = r;
     }
 }
@@ -124,69 +107,13 @@ __global__ void __launch_bounds__(1024, 1) layer_norm_forward_block(
     long long stride_rstd,           // elements between entries of rstd
     float eps)                       // added to the variance
 {
-    __shared__ float scratch[32];
-    __shared__ float2 scratch2[32];
+    __shared__ float2 scratch[32];
     const long long row = blockIdx.x;
-    const int t = threadIdx.x, nt = blockDim.x;
-    const T* xr = x + row * stride_x;
-    const float inv_m = 1.0f / (float)max(m, 1);
-    float v[C][V];
-    float sum = 0.0f;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (t + nt * k) * V;
-        if (col < m) {
-            load_vec<T, V>(xr + col, v[k]);
-#pragma unroll
-            for (int i = 0; i < V; ++i) sum += v[k][i];
-        }
-    }
-    for (int col = (t + nt * C) * V; col < m; col += nt * V) {
-        float u[V];
-        load_vec<T, V>(xr + col, u);
-#pragma unroll
-        for (int i = 0; i < V; ++i) sum += u[i];
-    }
-    const float mean0 = xk::block_sum(sum, scratch) * inv_m;
-    float residual = 0.0f, sum_sq = 0.0f;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (t + nt * k) * V;
-        if (col < m) {
-#pragma unroll
-            for (int i = 0; i < V; ++i) {
-                const float d = v[k][i] - mean0;
-                residual += d;
-                sum_sq += d * d;
-            }
-        }
-    }
-    for (int col = (t + nt * C) * V; col < m; col += nt * V) {
-        float u[V];
-        load_vec<T, V>(xr + col, u);
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-            const float d = u[i] - mean0;
-            residual += d;
-            sum_sq += d * d;
-        }
-    }
-    xk::block_sum2(residual, sum_sq, scratch2);
-    const float shift = residual * inv_m;
-    const float r = rsqrtf(fmaxf(sum_sq * inv_m - shift * shift, 0.0f) + eps);
-    T* yr = y + row * stride_y;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (t + nt * k) * V;
-        if (col < m) store_normalised<T, TW, TB, V>(yr, w, b, col, v[k], mean0, shift, r);
-    }
-    for (int col = (t + nt * C) * V; col < m; col += nt * V) {
-        float u[V];
-        load_vec<T, V>(xr + col, u);
-        store_normalised<T, TW, TB, V>(yr, w, b, col, u, mean0, shift, r);
-    }
-    if (t == 0) {
-        if (mean != nullptr) mean[row * stride_mean] = mean0 + shift;
+    float mu, r;
+    forward_row<T, TW, TB>(xk::block_row_share<V, C>(m, scratch), y + row * stride_y,
+                           x + row * stride_x, w, b, eps, mu, r);
+    if (threadIdx.x == 0) {
+        if (mean != nullptr) mean[row * stride_mean] = mu;
         if (rstd != nullptr) rstd[row * stride_rstd] = r;
     }
 }
@@ -218,88 +145,49 @@ __global__ void __launch_bounds__(256) layer_norm_backward_warp(
     long long stride_db_m,           // elements between columns of db_partial
     int accumulate)                  // 1: add to the partials, 0: overwrite them
 {
-    const int lane = threadIdx.x;
-    float wv[C][V], dw[C][V], db[C][V];
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) load_or<TW, V>(w, col, 1.0f, wv[k]);
-#pragma unroll
-        for (int i = 0; i < V; ++i) dw[k][i] = db[k][i] = 0.0f;
-    }
+    const auto share = xk::warp_row_share<V, C>(m);
+    float wv[C][V], dw[C][V] = {}, db[C][V] = {};
+    share.cached([&](int k, int col) { load_or<TW, V>(w, col, 1.0f, wv[k]); });
     const float inv_m = 1.0f / (float)max(m, 1);
-    for (long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y; row < rows;
-         row += (long long)gridDim.x * blockDim.y) {
+    for (long long row = xk::thread_row(); row < rows; row += (long long)gridDim.x * blockDim.y) {
         const float mu = mean[row * stride_mean];
         const float r = rstd[row * stride_rstd];
-        const T* xr = x + row * stride_x;
-        const T* dyr = dy + row * stride_dy;
         float xh[C][V], g[C][V];
         float sum_g = 0.0f, dot = 0.0f;
-#pragma unroll
-        for (int k = 0; k < C; ++k) {
-            const int col = (lane + 32 * k) * V;
-            if (col < m) {
-                float d[V];
-                load_vec<T, V>(xr + col, xh[k]);
-                load_vec<T, V>(dyr + col, d);
-#pragma unroll
-                for (int i = 0; i < V; ++i) {
-                    xh[k][i] = (xh[k][i] - mu) * r;
-                    g[k][i] = d[i] * wv[k][i];
-                    sum_g += g[k][i];
-                    dot += g[k][i] * xh[k][i];
-                    dw[k][i] += d[i] * xh[k][i];
-                    db[k][i] += d[i];
-                }
-            }
-        }
-        const float g_mean = xk::warp_sum(sum_g) * inv_m;
-        const float proj = xk::warp_sum(dot) * inv_m;
-        T* dxr = dx + row * stride_dx;
-#pragma unroll
-        for (int k = 0; k < C; ++k) {
-            const int col = (lane + 32 * k) * V;
-            if (col < m) {
-                float out[V];
-#pragma unroll
-                for (int i = 0; i < V; ++i) out[i] = r * (g[k][i] - g_mean - xh[k][i] * proj);
-                store_vec<T, V>(dxr + col, out);
-            }
-        }
-    }
-    if (dw_partial == nullptr && db_partial == nullptr) return;  // uniform over the block
-    const long long span = (long long)blockDim.y * m;  // floats of one partial's shared sums
-    float* part_w = xk::dynamic_smem<float>();
-    float* part_b = dw_partial == nullptr ? part_w : part_w + span;
-    float* mine_w = part_w + (long long)threadIdx.y * m;
-    float* mine_b = part_b + (long long)threadIdx.y * m;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) {
+        share.cached([&](int k, int col) {
+            load_vec<T, V>(x + row * stride_x + col, xh[k]);
+            load_vec<T, V>(dy + row * stride_dy + col, g[k]);
 #pragma unroll
             for (int i = 0; i < V; ++i) {
-                if (dw_partial != nullptr) mine_w[col + i] = dw[k][i];
-                if (db_partial != nullptr) mine_b[col + i] = db[k][i];
+                xh[k][i] = (xh[k][i] - mu) * r;
+                dw[k][i] += g[k][i] * xh[k][i];
+                db[k][i] += g[k][i];
+                g[k][i] *= wv[k][i];
+                sum_g += g[k][i];
+                dot += g[k][i] * xh[k][i];
             }
-        }
+        });
+        share.sum2(sum_g, dot);
+        const float g_mean = sum_g * inv_m, proj = dot * inv_m;
+        share.cached([&](int k, int col) {
+            float out[V];
+#pragma unroll
+            for (int i = 0; i < V; ++i) out[i] = r * (g[k][i] - g_mean - xh[k][i] * proj);
+            store_vec<T, V>(dx + row * stride_dx + col, out);
+        });
     }
+    if (dw_partial == nullptr && db_partial == nullptr) return;  // uniform over the block
+    float* part_w = xk::dynamic_smem<float>();
+    float* part_b = dw_partial == nullptr ? part_w : part_w + (long long)blockDim.y * m;
+    if (dw_partial != nullptr) xk::stash_warp_sums(share, part_w, dw);
+    if (db_partial != nullptr) xk::stash_warp_sums(share, part_b, db);
     __syncthreads();
-    for (int col = threadIdx.y * 32 + lane; col < m; col += 32 * blockDim.y) {
-        if (dw_partial != nullptr) {
-            float* out = dw_partial + blockIdx.x * stride_dw_p + col * stride_dw_m;
-            float s = accumulate ? *out : 0.0f;
-            for (int j = 0; j < (int)blockDim.y; ++j) s += part_w[(long long)j * m + col];
-            *out = s;
-        }
-        if (db_partial != nullptr) {
-            float* out = db_partial + blockIdx.x * stride_db_p + col * stride_db_m;
-            float s = accumulate ? *out : 0.0f;
-            for (int j = 0; j < (int)blockDim.y; ++j) s += part_b[(long long)j * m + col];
-            *out = s;
-        }
-    }
+    if (dw_partial != nullptr)
+        xk::flush_warp_sums(part_w, dw_partial + blockIdx.x * stride_dw_p, stride_dw_m, m,
+                            accumulate);
+    if (db_partial != nullptr)
+        xk::flush_warp_sums(part_b, db_partial + blockIdx.x * stride_db_p, stride_db_m, m,
+                            accumulate);
 }
 
 // Backward, one block per row: block b handles rows b, b + gridDim.x, ...;
@@ -332,7 +220,7 @@ __global__ void __launch_bounds__(512, 1) layer_norm_backward_block(
     int smem_acc)                    // 1: sum dw / db in M floats each of dynamic shared memory
 {
     __shared__ float2 scratch[32];
-    const int t = threadIdx.x, nt = blockDim.x;
+    const auto share = xk::block_row_share<V, C>(m, scratch);
     float* dw_row = dw_partial == nullptr ? nullptr : dw_partial + blockIdx.x * stride_dw_p;
     float* db_row = db_partial == nullptr ? nullptr : db_partial + blockIdx.x * stride_db_p;
     float* acc_w = dw_row;
@@ -350,44 +238,20 @@ __global__ void __launch_bounds__(512, 1) layer_norm_backward_block(
             acc_b_stride = 1;
         }
     }
-    for (int col = t * V; col < m; col += nt * V) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-            const long long j = (long long)(col + i);
-            if (acc_w != nullptr)
-                acc_w[j * acc_w_stride] = accumulate ? dw_row[j * stride_dw_m] : 0.0f;
-            if (acc_b != nullptr)
-                acc_b[j * acc_b_stride] = accumulate ? db_row[j * stride_db_m] : 0.0f;
-        }
-    }
+    const xk::ColumnSums dw{dw_row, stride_dw_m, acc_w, acc_w_stride};
+    const xk::ColumnSums db{db_row, stride_db_m, acc_b, acc_b_stride};
+    xk::start_sums(share, accumulate, dw, db);
     const float inv_m = 1.0f / (float)max(m, 1);
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const float mu = mean[row * stride_mean];
         const float r = rstd[row * stride_rstd];
         const T* xr = x + row * stride_x;
         const T* dyr = dy + row * stride_dy;
+        T* dxr = dx + row * stride_dx;
         float xv[C][V], dv[C][V];
         float sum_g = 0.0f, dot = 0.0f;
-#pragma unroll
-        for (int k = 0; k < C; ++k) {
-            const int col = (t + nt * k) * V;
-            if (col < m) {
-                float wv[V];
-                load_vec<T, V>(xr + col, xv[k]);
-                load_vec<T, V>(dyr + col, dv[k]);
-                load_or<TW, V>(w, col, 1.0f, wv);
-#pragma unroll
-                for (int i = 0; i < V; ++i) {
-                    const float g = dv[k][i] * wv[i];
-                    sum_g += g;
-                    dot += g * (xv[k][i] - mu);
-                }
-            }
-        }
-        for (int col = (t + nt * C) * V; col < m; col += nt * V) {
-            float xs[V], ds[V], wv[V];
-            load_vec<T, V>(xr + col, xs);
-            load_vec<T, V>(dyr + col, ds);
+        share.load2(xr, xv, dyr, dv, [&](int col, const float (&xs)[V], const float (&ds)[V]) {
+            float wv[V];
             load_or<TW, V>(w, col, 1.0f, wv);
 #pragma unroll
             for (int i = 0; i < V; ++i) {
@@ -395,54 +259,24 @@ __global__ void __launch_bounds__(512, 1) layer_norm_backward_block(
                 sum_g += g;
                 dot += g * (xs[i] - mu);
             }
-        }
-        xk::block_sum2(sum_g, dot, scratch);
+        });
+        share.sum2(sum_g, dot);
         const float g_mean = sum_g * inv_m;
         const float proj = dot * r * inv_m;  // sum(g * x_hat) / M
-        T* dxr = dx + row * stride_dx;
-#pragma unroll
-        for (int k = 0; k < C; ++k) {
-            const int col = (t + nt * k) * V;
-            if (col < m) {
-                float wv[V], out[V], xh[V];
-                load_or<TW, V>(w, col, 1.0f, wv);
-#pragma unroll
-                for (int i = 0; i < V; ++i) {
-                    xh[i] = (xv[k][i] - mu) * r;
-                    out[i] = r * (dv[k][i] * wv[i] - g_mean - xh[i] * proj);
-                }
-                store_vec<T, V>(dxr + col, out);
-#pragma unroll
-                for (int i = 0; i < V; ++i) xh[i] *= dv[k][i];
-                accumulate_at<V>(acc_w, acc_w_stride, col, xh);
-                accumulate_at<V>(acc_b, acc_b_stride, col, dv[k]);
-            }
-        }
-        for (int col = (t + nt * C) * V; col < m; col += nt * V) {
-            float xs[V], ds[V], wv[V], out[V];
-            load_vec<T, V>(xr + col, xs);
-            load_vec<T, V>(dyr + col, ds);
+        share.each2(xr, xv, dyr, dv, [&](int col, const float (&xs)[V], const float (&ds)[V]) {
+            float wv[V], out[V], xh[V];
             load_or<TW, V>(w, col, 1.0f, wv);
 #pragma unroll
             for (int i = 0; i < V; ++i) {
-                xs[i] = (xs[i] - mu) * r;
-                out[i] = r * (ds[i] * wv[i] - g_mean - xs[i] * proj);
-                xs[i] *= ds[i];
+                xh[i] = (xs[i] - mu) * r;
+                out[i] = r * (ds[i] * wv[i] - g_mean - xh[i] * proj);
             }
             store_vec<T, V>(dxr + col, out);
-            accumulate_at<V>(acc_w, acc_w_stride, col, xs);
-            accumulate_at<V>(acc_b, acc_b_stride, col, ds);
-        }
+            dw.add(col, ds, xh);
+            db.add(col, ds);
+        });
     }
-    if (!smem_acc) return;  // the sums are already in the partial rows
-    for (int col = t * V; col < m; col += nt * V) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-            const long long j = (long long)(col + i);
-            if (acc_w != nullptr) dw_row[j * stride_dw_m] = acc_w[j];
-            if (acc_b != nullptr) db_row[j * stride_db_m] = acc_b[j];
-        }
-    }
+    xk::finish_sums(share, dw, db);
 }
 
 // out[j] = sum over p of partial[p, j], in a fixed order (deterministic), in out's dtype.

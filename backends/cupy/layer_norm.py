@@ -55,20 +55,8 @@ def _types(x, w, b, *outs) -> tuple[str, str, str]:
     return t, tw, tb
 
 
-def _forward_expressions(t: str, tw: str, tb: str) -> list[str]:
-    return [
-        f"layer_norm_{kernel}<{t},{tw},{tb},{v},{_rows.cache(v)}>"
-        for v in _rows.vectors(t)
-        for kernel in ("forward_warp", "forward_block")
-    ]
-
-
-def _backward_expressions(t: str, tw: str) -> list[str]:
-    return [
-        f"layer_norm_{kernel}<{t},{tw},{v},{_rows.cache(v)}>"
-        for v in _rows.vectors(t)
-        for kernel in ("backward_warp", "backward_block")
-    ]
+_FORWARD = ("forward_warp", "forward_block")
+_BACKWARD = ("backward_warp", "backward_block")
 
 
 def _reduce_expressions() -> list[str]:
@@ -83,7 +71,9 @@ def _module(loader, t: str, tw: str, tb: str):
     dtype (or None), one module serves a whole training step.
     """
     expressions = (
-        _forward_expressions(t, tw, tb) + _backward_expressions(t, tw) + _reduce_expressions()
+        _rows.expressions(_OP, _FORWARD, t, tw, tb)
+        + _rows.expressions(_OP, _BACKWARD, t, tw)
+        + _reduce_expressions()
     )
     return loader.module(SOURCE, expressions, OPTIONS)
 
@@ -97,7 +87,9 @@ def name_expressions() -> list[str]:
     out = []
     for t in _rows.CTYPES.values():
         for tw in sorted({t, "float"}):
-            out += _forward_expressions(t, tw, tw) + _backward_expressions(t, tw)
+            out += _rows.expressions(_OP, _FORWARD, t, tw, tw) + _rows.expressions(
+                _OP, _BACKWARD, t, tw
+            )
     return out + _reduce_expressions()
 
 
@@ -118,9 +110,8 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
     rows, m = x.shape
     if rows == 0:
         return
-    loader = loader_for(x)
     v = _rows.vector((x, y), (w, b))
-    module = _module(loader, t, tw, tb)
+    module = _module(loader_for(x), t, tw, tb)
     args = (
         y,
         x,
@@ -137,20 +128,14 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
         np.float32(eps),
     )
     c = _rows.cache(v)
-    if m <= _rows.warp_max(v):
-        kernel = module.get_function(f"layer_norm_forward_warp<{t},{tw},{tb},{v},{c}>")
-        kernel((-(-rows // _rows.WARP_ROWS),), (32, _rows.WARP_ROWS), args)
-    else:
-        kernel = module.get_function(f"layer_norm_forward_block<{t},{tw},{tb},{v},{c}>")
-        kernel((rows,), (_rows.block_threads(m, v, _rows.MAX_THREADS),), args)
-
-
-def _partial_strides(partial) -> tuple[np.int64, np.int64]:
-    if partial is None:
-        return np.int64(0), np.int64(0)
-    if str(partial.dtype) != "float32":
-        raise TypeError(f"cupy layer_norm: the partials must be float32, got {partial.dtype}")
-    return np.int64(_rows.stride(partial, 0)), np.int64(_rows.stride(partial, 1))
+    _rows.launch(
+        lambda kind: module.get_function(f"layer_norm_forward_{kind}<{t},{tw},{tb},{v},{c}>"),
+        rows,
+        m,
+        v,
+        args,
+        _rows.MAX_THREADS,
+    )
 
 
 def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) -> None:
@@ -175,23 +160,16 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
     partial = dw_partial if dw_partial is not None else db_partial
     if m == 0 or (partial is None and rows == 0):
         return
-    dw_strides, db_strides = _partial_strides(dw_partial), _partial_strides(db_partial)
+    dw_strides = _rows.partial_strides(_OP, dw_partial)
+    db_strides = _rows.partial_strides(_OP, db_partial)
     if dw_partial is not None and db_partial is not None and dw_partial.shape != db_partial.shape:
         raise ValueError(
             f"cupy layer_norm: dw_partial {tuple(dw_partial.shape)} and db_partial "
             f"{tuple(db_partial.shape)} must have one shape"
         )
-    loader = loader_for(x)
     v = _rows.vector((dy, x, dx), (w,))
     c = _rows.cache(v)
-    warp = m <= _rows.warp_max(v)
-    if partial is None:
-        tiles = -(-rows // _rows.WARP_ROWS) if warp else rows
-        grid = min(tiles, BLOCKS_PER_SM * loader.sm_count(x))
-    else:
-        grid = partial.shape[0]
-    n_partials = (dw_partial is not None) + (db_partial is not None)
-    args = [
+    args = (
         dy,
         x,
         _rows.ptr(w),
@@ -210,31 +188,22 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
         *dw_strides,
         *db_strides,
         np.int32(1 if accumulate else 0),
-    ]
-    module = _module(loader, t, tw, tw)
-    if warp:
-        kernel = module.get_function(f"layer_norm_backward_warp<{t},{tw},{v},{c}>")
-        shared = n_partials * _rows.WARP_ROWS * m * 4
-        _rows.raise_shared_limit(kernel, shared)
-        kernel((grid,), (32, _rows.WARP_ROWS), tuple(args), shared_mem=shared)
-        return
-    smem_acc = n_partials > 0 and n_partials * m * 4 <= SMEM_ACC_MAX_BYTES
-    shared = n_partials * m * 4 if smem_acc else 0
-    kernel = module.get_function(f"layer_norm_backward_block<{t},{tw},{v},{c}>")
-    _rows.raise_shared_limit(kernel, shared)
-    args.append(np.int32(1 if smem_acc else 0))
-    kernel(
-        (grid,),
-        (_rows.block_threads(m, v, _rows.BACKWARD_MAX_THREADS),),
-        tuple(args),
-        shared_mem=shared,
+    )
+    module = _module(loader_for(x), t, tw, tw)
+    _rows.launch_backward(
+        lambda kind: module.get_function(f"layer_norm_backward_{kind}<{t},{tw},{v},{c}>"),
+        _rows.backward_grid(rows, m, v, partial, x, BLOCKS_PER_SM),
+        m,
+        v,
+        args,
+        (dw_partial is not None) + (db_partial is not None),
+        SMEM_ACC_MAX_BYTES,
     )
 
 
 def partials(rows: int, m: int, like) -> int:
     """Rows ``P`` of the partials: ``PARTIALS_PER_SM`` per multiprocessor, at most one per row tile."""
-    tiles = -(-rows // _rows.WARP_ROWS) if m <= _rows.WARP_MAX_M else rows
-    return max(1, min(PARTIALS_PER_SM * loader_for(like).sm_count(like), tiles))
+    return _rows.partial_rows(rows, m, like, PARTIALS_PER_SM)
 
 
 def reduce_partials(partial, out) -> None:
@@ -247,22 +216,8 @@ def reduce_partials(partial, out) -> None:
     out : array
         ``(M,)`` float32, float16 or bfloat16, any stride.
     """
-    p, m = partial.shape
     c = _rows.ctype(_OP, "dw/db", out)
-    if m == 0:
+    if partial.shape[1] == 0:
         return
     module = _module(loader_for(partial), c, c, c)
-    kernel = module.get_function(f"layer_norm_reduce_partials<{c}>")
-    kernel(
-        (-(-m // _rows.REDUCE_THREADS),),
-        (_rows.REDUCE_THREADS,),
-        (
-            partial,
-            out,
-            np.int32(p),
-            np.int32(m),
-            np.int64(_rows.stride(partial, 0)),
-            np.int64(_rows.stride(partial, 1)),
-            np.int64(_rows.stride(out)),
-        ),
-    )
+    _rows.reduce(module.get_function(f"layer_norm_reduce_partials<{c}>"), partial, out)

@@ -4,20 +4,41 @@
 //   dw = sum over rows of dy * x_hat   (per-block partials, reduced by reduce_partials)
 // T: the dtype of x, y, dy, dx; TW: the dtype of w. Accumulation in float32.
 // V: elements per vector access (16 bytes / sizeof(T) when aligned, else 1).
-// C: vectors per thread kept in registers between the two passes over a row.
-#include "common.cuh"
+// C: vectors per thread kept in registers between the two passes over a row (rows.cuh).
+#include "rows.cuh"
 
 namespace {
 
-using xk::load_or;
 using xk::load_vec;
 using xk::store_vec;
 
 template <typename TW, int V>
 __device__ __forceinline__ void load_weight(const TW* w, int col, float offset, float (&out)[V]) {
-    load_or<TW, V>(w, col, 1.0f, out);
+    xk::load_or<TW, V>(w, col, 1.0f, out);
 #pragma unroll
     for (int i = 0; i < V; ++i) out[i] += offset;
+}
+
+// y = x * rstd * w' over the share's columns of one row; returns rstd.
+template <typename T, typename TW, typename Share>
+__device__ __forceinline__ float forward_row(
+    const Share& share, T* yr, const T* xr, const TW* w, float eps, float offset) {
+    constexpr int V = Share::V;
+    float v[Share::C][V];
+    float sum_sq = 0.0f;
+    share.load(xr, v, [&](int, const float (&u)[V]) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) sum_sq += u[i] * u[i];
+    });
+    const float r = rsqrtf(share.sum(sum_sq) / (float)max(share.m, 1) + eps);
+    share.each(xr, v, [&](int col, const float (&u)[V]) {
+        float wv[V];
+        load_weight<TW, V>(w, col, offset, wv);
+#pragma unroll
+        for (int i = 0; i < V; ++i) wv[i] *= u[i] * r;
+        store_vec<T, V>(yr + col, wv);
+    });
+    return r;
 }
 
 }  // namespace
@@ -37,35 +58,11 @@ __global__ void __launch_bounds__(256) rms_norm_forward_warp(
     float eps,                       // added to the mean square
     float offset)                    // added to w
 {
-    const int lane = threadIdx.x;
-    const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+    const long long row = xk::thread_row();
     if (row >= rows) return;  // the whole warp leaves, before any collective
-    const T* xr = x + row * stride_x;
-    float v[C][V];
-    float sum_sq = 0.0f;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) {
-            load_vec<T, V>(xr + col, v[k]);
-#pragma unroll
-            for (int i = 0; i < V; ++i) sum_sq += v[k][i] * v[k][i];
-        }
-    }
-    const float r = rsqrtf(xk::warp_sum(sum_sq) / (float)max(m, 1) + eps);
-    T* yr = y + row * stride_y;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) {
-            float wv[V];
-            load_weight<TW, V>(w, col, offset, wv);
-#pragma unroll
-            for (int i = 0; i < V; ++i) wv[i] *= v[k][i] * r;
-            store_vec<T, V>(yr + col, wv);
-        }
-    }
-    if (rstd != nullptr && lane == 0) rstd[row * stride_rstd] = r;
+    const float r = forward_row<T, TW>(
+        xk::warp_row_share<V, C>(m), y + row * stride_y, x + row * stride_x, w, eps, offset);
+    if (rstd != nullptr && threadIdx.x == 0) rstd[row * stride_rstd] = r;
 }
 
 // Forward, one block per row: C vectors per thread stay in registers, the rest
@@ -86,47 +83,10 @@ __global__ void __launch_bounds__(1024, 1) rms_norm_forward_block(
 {
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
-    const int t = threadIdx.x, nt = blockDim.x;
-    const T* xr = x + row * stride_x;
-    float v[C][V];
-    float sum_sq = 0.0f;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (t + nt * k) * V;
-        if (col < m) {
-            load_vec<T, V>(xr + col, v[k]);
-#pragma unroll
-            for (int i = 0; i < V; ++i) sum_sq += v[k][i] * v[k][i];
-        }
-    }
-    for (int col = (t + nt * C) * V; col < m; col += nt * V) {
-        float u[V];
-        load_vec<T, V>(xr + col, u);
-#pragma unroll
-        for (int i = 0; i < V; ++i) sum_sq += u[i] * u[i];
-    }
-    const float r = rsqrtf(xk::block_sum(sum_sq, scratch) / (float)max(m, 1) + eps);
-    T* yr = y + row * stride_y;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (t + nt * k) * V;
-        if (col < m) {
-            float wv[V];
-            load_weight<TW, V>(w, col, offset, wv);
-#pragma unroll
-            for (int i = 0; i < V; ++i) wv[i] *= v[k][i] * r;
-            store_vec<T, V>(yr + col, wv);
-        }
-    }
-    for (int col = (t + nt * C) * V; col < m; col += nt * V) {
-        float u[V], wv[V];
-        load_vec<T, V>(xr + col, u);
-        load_weight<TW, V>(w, col, offset, wv);
-#pragma unroll
-        for (int i = 0; i < V; ++i) wv[i] *= u[i] * r;
-        store_vec<T, V>(yr + col, wv);
-    }
-    if (rstd != nullptr && t == 0) rstd[row * stride_rstd] = r;
+    const float r = forward_row<T, TW>(
+        xk::block_row_share<V, C>(m, scratch), y + row * stride_y, x + row * stride_x, w, eps,
+        offset);
+    if (rstd != nullptr && threadIdx.x == 0) rstd[row * stride_rstd] = r;
 }
 
 // Backward, one warp per row: block b of (32, R) threads handles rows
@@ -151,70 +111,39 @@ __global__ void __launch_bounds__(256) rms_norm_backward_warp(
     float offset,                    // added to w
     int accumulate)                  // 1: add to dw_partial, 0: overwrite it
 {
-    const int lane = threadIdx.x;
-    float wv[C][V], dw[C][V];
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) load_weight<TW, V>(w, col, offset, wv[k]);
-#pragma unroll
-        for (int i = 0; i < V; ++i) dw[k][i] = 0.0f;
-    }
+    const auto share = xk::warp_row_share<V, C>(m);
+    float wv[C][V], dw[C][V] = {};
+    share.cached([&](int k, int col) { load_weight<TW, V>(w, col, offset, wv[k]); });
     const float inv_m = 1.0f / (float)max(m, 1);
-    for (long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y; row < rows;
-         row += (long long)gridDim.x * blockDim.y) {
+    for (long long row = xk::thread_row(); row < rows; row += (long long)gridDim.x * blockDim.y) {
         const float r = rstd[row * stride_rstd];
-        const T* xr = x + row * stride_x;
-        const T* dyr = dy + row * stride_dy;
         float xh[C][V], g[C][V];
         float dot = 0.0f;
+        share.cached([&](int k, int col) {
+            load_vec<T, V>(x + row * stride_x + col, xh[k]);
+            load_vec<T, V>(dy + row * stride_dy + col, g[k]);
 #pragma unroll
-        for (int k = 0; k < C; ++k) {
-            const int col = (lane + 32 * k) * V;
-            if (col < m) {
-                float d[V];
-                load_vec<T, V>(xr + col, xh[k]);
-                load_vec<T, V>(dyr + col, d);
-#pragma unroll
-                for (int i = 0; i < V; ++i) {
-                    xh[k][i] *= r;
-                    g[k][i] = d[i] * wv[k][i];
-                    dot += g[k][i] * xh[k][i];
-                    dw[k][i] += d[i] * xh[k][i];
-                }
+            for (int i = 0; i < V; ++i) {
+                xh[k][i] *= r;
+                dw[k][i] += g[k][i] * xh[k][i];
+                g[k][i] *= wv[k][i];
+                dot += g[k][i] * xh[k][i];
             }
-        }
+        });
         const float proj = xk::warp_sum(dot) * inv_m;
-        T* dxr = dx + row * stride_dx;
+        share.cached([&](int k, int col) {
+            float out[V];
 #pragma unroll
-        for (int k = 0; k < C; ++k) {
-            const int col = (lane + 32 * k) * V;
-            if (col < m) {
-                float out[V];
-#pragma unroll
-                for (int i = 0; i < V; ++i) out[i] = r * (g[k][i] - xh[k][i] * proj);
-                store_vec<T, V>(dxr + col, out);
-            }
-        }
+            for (int i = 0; i < V; ++i) out[i] = r * (g[k][i] - xh[k][i] * proj);
+            store_vec<T, V>(dx + row * stride_dx + col, out);
+        });
     }
     if (dw_partial == nullptr) return;  // uniform over the block
     float* part = xk::dynamic_smem<float>();
-    float* mine = part + (long long)threadIdx.y * m;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) {
-#pragma unroll
-            for (int i = 0; i < V; ++i) mine[col + i] = dw[k][i];
-        }
-    }
+    xk::stash_warp_sums(share, part, dw);
     __syncthreads();
-    float* out = dw_partial + blockIdx.x * stride_partial_p;
-    for (int col = threadIdx.y * 32 + lane; col < m; col += 32 * blockDim.y) {
-        float s = accumulate ? out[col * stride_partial_m] : 0.0f;
-        for (int j = 0; j < (int)blockDim.y; ++j) s += part[(long long)j * m + col];
-        out[col * stride_partial_m] = s;
-    }
+    xk::flush_warp_sums(part, dw_partial + blockIdx.x * stride_partial_p, stride_partial_m, m,
+                        accumulate);
 }
 
 // Backward, one block per row: block b handles rows b, b + gridDim.x, ...;
@@ -243,7 +172,7 @@ __global__ void __launch_bounds__(512, 1) rms_norm_backward_block(
     int smem_acc)                    // 1: sum dw in M floats of dynamic shared memory
 {
     __shared__ float scratch[32];
-    const int t = threadIdx.x, nt = blockDim.x;
+    const auto share = xk::block_row_share<V, C>(m, scratch);
     float* partial_row = dw_partial == nullptr ? nullptr : dw_partial + blockIdx.x * stride_partial_p;
     float* acc = partial_row;
     long long acc_stride = stride_partial_m;
@@ -251,82 +180,36 @@ __global__ void __launch_bounds__(512, 1) rms_norm_backward_block(
         acc = xk::dynamic_smem<float>();
         acc_stride = 1;
     }
-    if (acc != nullptr) {
-        for (int col = t * V; col < m; col += nt * V) {
-#pragma unroll
-            for (int i = 0; i < V; ++i) {
-                const long long j = (long long)(col + i);
-                acc[j * acc_stride] = accumulate ? partial_row[j * stride_partial_m] : 0.0f;
-            }
-        }
-    }
+    const xk::ColumnSums dw{partial_row, stride_partial_m, acc, acc_stride};
+    xk::start_sums(share, accumulate, dw);
     const float inv_m = 1.0f / (float)max(m, 1);
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
         const float r = rstd[row * stride_rstd];
         const T* xr = x + row * stride_x;
         const T* dyr = dy + row * stride_dy;
+        T* dxr = dx + row * stride_dx;
         float xv[C][V], dv[C][V];
         float dot = 0.0f;
-#pragma unroll
-        for (int k = 0; k < C; ++k) {
-            const int col = (t + nt * k) * V;
-            if (col < m) {
-                float wv[V];
-                load_vec<T, V>(xr + col, xv[k]);
-                load_vec<T, V>(dyr + col, dv[k]);
-                load_weight<TW, V>(w, col, offset, wv);
-#pragma unroll
-                for (int i = 0; i < V; ++i) dot += dv[k][i] * wv[i] * xv[k][i];
-            }
-        }
-        for (int col = (t + nt * C) * V; col < m; col += nt * V) {
-            float xs[V], ds[V], wv[V];
-            load_vec<T, V>(xr + col, xs);
-            load_vec<T, V>(dyr + col, ds);
+        share.load2(xr, xv, dyr, dv, [&](int col, const float (&xs)[V], const float (&ds)[V]) {
+            float wv[V];
             load_weight<TW, V>(w, col, offset, wv);
 #pragma unroll
             for (int i = 0; i < V; ++i) dot += ds[i] * wv[i] * xs[i];
-        }
-        const float proj = xk::block_sum(dot, scratch) * r * inv_m;  // sum(g * x_hat) / M
-        T* dxr = dx + row * stride_dx;
-#pragma unroll
-        for (int k = 0; k < C; ++k) {
-            const int col = (t + nt * k) * V;
-            if (col < m) {
-                float wv[V], out[V];
-                load_weight<TW, V>(w, col, offset, wv);
-#pragma unroll
-                for (int i = 0; i < V; ++i) {
-                    const float xh = xv[k][i] * r;
-                    out[i] = r * (dv[k][i] * wv[i] - xh * proj);
-                    if (acc != nullptr) acc[(long long)(col + i) * acc_stride] += dv[k][i] * xh;
-                }
-                store_vec<T, V>(dxr + col, out);
-            }
-        }
-        for (int col = (t + nt * C) * V; col < m; col += nt * V) {
-            float xs[V], ds[V], wv[V], out[V];
-            load_vec<T, V>(xr + col, xs);
-            load_vec<T, V>(dyr + col, ds);
+        });
+        const float proj = share.sum(dot) * r * inv_m;  // sum(g * x_hat) / M
+        share.each2(xr, xv, dyr, dv, [&](int col, const float (&xs)[V], const float (&ds)[V]) {
+            float wv[V], out[V], xh[V];
             load_weight<TW, V>(w, col, offset, wv);
 #pragma unroll
             for (int i = 0; i < V; ++i) {
-                const float xh = xs[i] * r;
-                out[i] = r * (ds[i] * wv[i] - xh * proj);
-                if (acc != nullptr) acc[(long long)(col + i) * acc_stride] += ds[i] * xh;
+                xh[i] = xs[i] * r;
+                out[i] = r * (ds[i] * wv[i] - xh[i] * proj);
             }
+            dw.add(col, ds, xh);
             store_vec<T, V>(dxr + col, out);
-        }
+        });
     }
-    if (acc != nullptr && acc != partial_row) {
-        for (int col = t * V; col < m; col += nt * V) {
-#pragma unroll
-            for (int i = 0; i < V; ++i) {
-                const long long j = (long long)(col + i);
-                partial_row[j * stride_partial_m] = acc[j];
-            }
-        }
-    }
+    xk::finish_sums(share, dw);
 }
 
 // out[j] = sum over p of partial[p, j], in a fixed order (deterministic), in out's dtype.
@@ -342,7 +225,6 @@ __global__ void __launch_bounds__(256) rms_norm_reduce_partials(
 {
     const int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= m) return;
-    float s = 0.0f;
-    for (int i = 0; i < p; ++i) s += partial[i * stride_p + col * stride_m];
-    out[col * stride_out] = xk::from_float<TOut>(s);
+    out[col * stride_out] =
+        xk::from_float<TOut>(xk::sum_partial_column(partial, p, col, stride_p, stride_m));
 }

@@ -27,23 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _rows
 from ._loader import OPTIONS, loader_for
-from ._rows import (
-    BACKWARD_MAX_THREADS,
-    CTYPES,
-    MAX_THREADS,
-    REDUCE_THREADS,
-    WARP_MAX_M,
-    WARP_ROWS,
-    block_threads,
-    cache,
-    ptr,
-    raise_shared_limit,
-    stride,
-    vector,
-    vectors,
-    warp_max,
-)
+from ._rows import CTYPES, cache, ptr, stride, vector
 
 __all__ = ["backward", "forward", "name_expressions", "partials", "reduce_partials", "supports"]
 
@@ -77,27 +63,22 @@ def _check(x, w, *outs) -> None:
             raise TypeError(reason)
 
 
-def _expressions(t: str, tw: str) -> list[str]:
-    out = []
-    for v in vectors(t):
-        c = cache(v)
-        for kernel in ("forward_warp", "forward_block", "backward_warp", "backward_block"):
-            out.append(f"rms_norm_{kernel}<{t},{tw},{v},{c}>")
-    return out
+_KERNELS = ("forward_warp", "forward_block", "backward_warp", "backward_block")
 
 
 def name_expressions() -> list[str]:
     """Every template instantiation the launchers may compile (for offline compile reports)."""
     pairs = [(t, t) for t in CTYPES.values()] + [(t, "float") for t in ("__half", "__nv_bfloat16")]
-    out = [e for t, tw in pairs for e in _expressions(t, tw)]
+    out = [e for t, tw in pairs for e in _rows.expressions("rms_norm", _KERNELS, t, tw)]
     return out + [f"rms_norm_reduce_partials<{c}>" for c in CTYPES.values()]
 
 
-def _kernel(loader, x, w, kernel: str, v: int):
+def _kernels(loader, x, w, v: int):
+    """``kernel(name)``: the ``rms_norm_<name>`` kernel for x's and w's types and ``v``."""
     t = CTYPES[str(x.dtype)]
     tw = t if w is None else CTYPES[str(w.dtype)]
-    module = loader.module(SOURCE, _expressions(t, tw), OPTIONS)
-    return module.get_function(f"rms_norm_{kernel}<{t},{tw},{v},{cache(v)}>")
+    module = loader.module(SOURCE, _rows.expressions("rms_norm", _KERNELS, t, tw), OPTIONS)
+    return lambda name: module.get_function(f"rms_norm_{name}<{t},{tw},{v},{cache(v)}>")
 
 
 def forward(y, x, w, rstd, *, eps, offset) -> None:
@@ -117,7 +98,6 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
     rows, m = x.shape
     if rows == 0:
         return
-    loader = loader_for(x)
     v = vector((x, y), (w,))
     args = (
         y,
@@ -132,12 +112,8 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
         np.float32(eps),
         np.float32(offset),
     )
-    if m <= warp_max(v):
-        kernel = _kernel(loader, x, w, "forward_warp", v)
-        kernel((-(-rows // WARP_ROWS),), (32, WARP_ROWS), args)
-    else:
-        kernel = _kernel(loader, x, w, "forward_block", v)
-        kernel((rows,), (block_threads(m, v, MAX_THREADS),), args)
+    kernels = _kernels(loader_for(x), x, w, v)
+    _rows.launch(lambda kind: kernels(f"forward_{kind}"), rows, m, v, args, _rows.MAX_THREADS)
 
 
 def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
@@ -161,19 +137,9 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     rows, m = x.shape
     if m == 0 or (dw_partial is None and rows == 0):
         return
-    if dw_partial is not None and str(dw_partial.dtype) != "float32":
-        raise TypeError(f"cupy rms_norm: dw_partial must be float32, got {dw_partial.dtype}")
-    loader = loader_for(x)
+    partial_strides = _rows.partial_strides("rms_norm", dw_partial)
     v = vector((dy, x, dx), (w,))
-    if dw_partial is None:
-        tiles = -(-rows // WARP_ROWS) if m <= warp_max(v) else rows
-        grid, partial_strides = min(tiles, BLOCKS_PER_SM * loader.sm_count(x)), (0, 0)
-    else:
-        grid, partial_strides = (
-            dw_partial.shape[0],
-            (stride(dw_partial, 0), stride(dw_partial, 1)),
-        )
-    args = [
+    args = (
         dy,
         x,
         ptr(w),
@@ -186,33 +152,21 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
         np.int64(stride(x)),
         np.int64(stride(dx)),
         np.int64(stride(rstd)),
-        np.int64(partial_strides[0]),
-        np.int64(partial_strides[1]),
+        *partial_strides,
         np.float32(offset),
         np.int32(1 if accumulate else 0),
-    ]
-    if m <= warp_max(v):
-        kernel = _kernel(loader, x, w, "backward_warp", v)
-        shared = 0 if dw_partial is None else WARP_ROWS * m * 4
-        kernel((grid,), (32, WARP_ROWS), tuple(args), shared_mem=shared)
-        return
-    smem_acc = dw_partial is not None and m * 4 <= SMEM_ACC_MAX_BYTES
-    shared = m * 4 if smem_acc else 0
-    kernel = _kernel(loader, x, w, "backward_block", v)
-    raise_shared_limit(kernel, shared)
-    args.append(np.int32(1 if smem_acc else 0))
-    kernel(
-        (grid,),
-        (block_threads(m, v, min(MAX_THREADS, BACKWARD_MAX_THREADS)),),
-        tuple(args),
-        shared_mem=shared,
+    )
+    grid = _rows.backward_grid(rows, m, v, dw_partial, x, BLOCKS_PER_SM)
+    kernels = _kernels(loader_for(x), x, w, v)
+    sums = int(dw_partial is not None)
+    _rows.launch_backward(
+        lambda kind: kernels(f"backward_{kind}"), grid, m, v, args, sums, SMEM_ACC_MAX_BYTES
     )
 
 
 def partials(rows: int, m: int, like) -> int:
     """Rows ``P`` of ``dw_partial``: ``PARTIALS_PER_SM`` per multiprocessor, at most one per row tile."""
-    tiles = -(-rows // WARP_ROWS) if m <= WARP_MAX_M else rows
-    return max(1, min(PARTIALS_PER_SM * loader_for(like).sm_count(like), tiles))
+    return _rows.partial_rows(rows, m, like, PARTIALS_PER_SM)
 
 
 def reduce_partials(partial, out) -> None:
@@ -225,28 +179,9 @@ def reduce_partials(partial, out) -> None:
     out : array
         ``(M,)`` float32, float16 or bfloat16, any stride.
     """
-    p, m = partial.shape
-    if str(out.dtype) not in CTYPES:
-        raise TypeError(
-            f"cupy rms_norm: dw has dtype {out.dtype}; supported: float32, float16, bfloat16"
-        )
-    if m == 0:
+    c = _rows.ctype("rms_norm", "dw", out)
+    if partial.shape[1] == 0:
         return
-    loader = loader_for(partial)
-    module = loader.module(
-        SOURCE, [f"rms_norm_reduce_partials<{c}>" for c in CTYPES.values()], OPTIONS
-    )
-    kernel = module.get_function(f"rms_norm_reduce_partials<{CTYPES[str(out.dtype)]}>")
-    kernel(
-        (-(-m // REDUCE_THREADS),),
-        (REDUCE_THREADS,),
-        (
-            partial,
-            out,
-            np.int32(p),
-            np.int32(m),
-            np.int64(stride(partial, 0)),
-            np.int64(stride(partial, 1)),
-            np.int64(stride(out)),
-        ),
-    )
+    names = [f"rms_norm_reduce_partials<{t}>" for t in CTYPES.values()]
+    module = loader_for(partial).module(SOURCE, names, OPTIONS)
+    _rows.reduce(module.get_function(f"rms_norm_reduce_partials<{c}>"), partial, out)

@@ -5,8 +5,8 @@
 // streamed part of a wide row is read once for the statistics; the pairs are
 // merged over the warp or block. T: the dtype of x, y, dy, dx. Accumulation in
 // float32. V: elements per vector access (16 bytes / sizeof(T) when aligned, else 1).
-// C: vectors per thread kept in registers between the passes over a row.
-#include "common.cuh"
+// C: vectors per thread kept in registers between the passes over a row (rows.cuh).
+#include "rows.cuh"
 
 namespace {
 
@@ -28,6 +28,25 @@ __device__ __forceinline__ float rescaled(float mx, float s, float row_max) {
     return mx == xk::neg_inf() ? 0.0f : s * __expf(mx - row_max);
 }
 
+// dx = y * (dy - sum(y * dy)) over the share's columns of one row.
+template <typename T, typename Share>
+__device__ __forceinline__ void backward_row(const Share& share, T* dxr, const T* yr, const T* dyr) {
+    constexpr int V = Share::V;
+    float yv[Share::C][V], dv[Share::C][V];
+    float dot = 0.0f;
+    share.load2(yr, yv, dyr, dv, [&](int, const float (&ys)[V], const float (&ds)[V]) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) dot += ys[i] * ds[i];
+    });
+    dot = share.sum(dot);
+    share.each2(yr, yv, dyr, dv, [&](int col, const float (&ys)[V], const float (&ds)[V]) {
+        float out[V];
+#pragma unroll
+        for (int i = 0; i < V; ++i) out[i] = ys[i] * (ds[i] - dot);
+        store_vec<T, V>(dxr + col, out);
+    });
+}
+
 }  // namespace
 
 // Forward, one warp per row: block (32, R) handles R rows; rows with M <= 32 * V * C.
@@ -40,43 +59,28 @@ __global__ void __launch_bounds__(256) softmax_forward_warp(
     long long stride_y,              // elements between rows of y
     long long stride_x)              // elements between rows of x
 {
-    const int lane = threadIdx.x;
-    const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+    const long long row = xk::thread_row();
     if (row >= rows) return;  // the whole warp leaves, before any collective
-    const T* xr = x + row * stride_x;
+    const auto share = xk::warp_row_share<V, C>(m);
     float v[C][V];
     float mx = xk::neg_inf();
+    share.load(x + row * stride_x, v, [&](int, const float (&u)[V]) {
 #pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) {
-            load_vec<T, V>(xr + col, v[k]);
-#pragma unroll
-            for (int i = 0; i < V; ++i) mx = fmaxf(mx, v[k][i]);
-        }
-    }
-    mx = xk::warp_max(mx);
+        for (int i = 0; i < V; ++i) mx = fmaxf(mx, u[i]);
+    });
+    mx = share.maximum(mx);
     float s = 0.0f;
+    share.cached([&](int k, int) {
 #pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) {
+        for (int i = 0; i < V; ++i) s += __expf(v[k][i] - mx);
+    });
+    const float inv_sum = 1.0f / share.sum(s);
+    share.cached([&](int k, int col) {
+        float out[V];
 #pragma unroll
-            for (int i = 0; i < V; ++i) s += __expf(v[k][i] - mx);
-        }
-    }
-    const float inv_sum = 1.0f / xk::warp_sum(s);
-    T* yr = y + row * stride_y;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) {
-            float out[V];
-#pragma unroll
-            for (int i = 0; i < V; ++i) out[i] = __expf(v[k][i] - mx) * inv_sum;
-            store_vec<T, V>(yr + col, out);
-        }
-    }
+        for (int i = 0; i < V; ++i) out[i] = __expf(v[k][i] - mx) * inv_sum;
+        store_vec<T, V>(y + row * stride_y + col, out);
+    });
 }
 
 // Forward, one block per row: C vectors per thread stay in registers; the rest
@@ -92,56 +96,34 @@ __global__ void __launch_bounds__(1024, 1) softmax_forward_block(
     long long stride_x)              // elements between rows of x
 {
     __shared__ float scratch[32];
+    const auto share = xk::block_row_share<V, C>(m, scratch);
     const long long row = blockIdx.x;
-    const int t = threadIdx.x, nt = blockDim.x;
     const T* xr = x + row * stride_x;
     float v[C][V];
     float mx = xk::neg_inf(), s = 0.0f;
+    share.cached([&](int k, int col) {
+        load_vec<T, V>(xr + col, v[k]);
 #pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (t + nt * k) * V;
-        if (col < m) {
-            load_vec<T, V>(xr + col, v[k]);
-#pragma unroll
-            for (int i = 0; i < V; ++i) mx = fmaxf(mx, v[k][i]);
-        }
-    }
-    for (int col = (t + nt * C) * V; col < m; col += nt * V) {
-        float u[V];
-        load_vec<T, V>(xr + col, u);
+        for (int i = 0; i < V; ++i) mx = fmaxf(mx, v[k][i]);
+    });
+    share.streamed_loads(xr, [&](int, const float (&u)[V]) {
 #pragma unroll
         for (int i = 0; i < V; ++i) fold(u[i], mx, s);
-    }
+    });
     if (mx != xk::neg_inf()) {
+        share.cached([&](int k, int) {
 #pragma unroll
-        for (int k = 0; k < C; ++k) {
-            const int col = (t + nt * k) * V;
-            if (col < m) {
-#pragma unroll
-                for (int i = 0; i < V; ++i) s += __expf(v[k][i] - mx);
-            }
-        }
+            for (int i = 0; i < V; ++i) s += __expf(v[k][i] - mx);
+        });
     }
-    const float row_max = xk::block_max(mx, scratch);
-    const float inv_sum = 1.0f / xk::block_sum(rescaled(mx, s, row_max), scratch);
-    T* yr = y + row * stride_y;
+    const float row_max = share.maximum(mx);
+    const float inv_sum = 1.0f / share.sum(rescaled(mx, s, row_max));
+    share.each(xr, v, [&](int col, const float (&u)[V]) {
+        float out[V];
 #pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (t + nt * k) * V;
-        if (col < m) {
-            float out[V];
-#pragma unroll
-            for (int i = 0; i < V; ++i) out[i] = __expf(v[k][i] - row_max) * inv_sum;
-            store_vec<T, V>(yr + col, out);
-        }
-    }
-    for (int col = (t + nt * C) * V; col < m; col += nt * V) {
-        float u[V];
-        load_vec<T, V>(xr + col, u);
-#pragma unroll
-        for (int i = 0; i < V; ++i) u[i] = __expf(u[i] - row_max) * inv_sum;
-        store_vec<T, V>(yr + col, u);
-    }
+        for (int i = 0; i < V; ++i) out[i] = __expf(u[i] - row_max) * inv_sum;
+        store_vec<T, V>(y + row * stride_y + col, out);
+    });
 }
 
 // Backward, one warp per row: block (32, R) handles R rows; rows with M <= 32 * V * C.
@@ -156,35 +138,10 @@ __global__ void __launch_bounds__(256) softmax_backward_warp(
     long long stride_dy,             // elements between rows of dy
     long long stride_dx)             // elements between rows of dx
 {
-    const int lane = threadIdx.x;
-    const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+    const long long row = xk::thread_row();
     if (row >= rows) return;  // the whole warp leaves, before any collective
-    const T* yr = y + row * stride_y;
-    const T* dyr = dy + row * stride_dy;
-    float yv[C][V], dv[C][V];
-    float dot = 0.0f;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) {
-            load_vec<T, V>(yr + col, yv[k]);
-            load_vec<T, V>(dyr + col, dv[k]);
-#pragma unroll
-            for (int i = 0; i < V; ++i) dot += yv[k][i] * dv[k][i];
-        }
-    }
-    dot = xk::warp_sum(dot);
-    T* dxr = dx + row * stride_dx;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (lane + 32 * k) * V;
-        if (col < m) {
-            float out[V];
-#pragma unroll
-            for (int i = 0; i < V; ++i) out[i] = yv[k][i] * (dv[k][i] - dot);
-            store_vec<T, V>(dxr + col, out);
-        }
-    }
+    backward_row<T>(xk::warp_row_share<V, C>(m), dx + row * stride_dx, y + row * stride_y,
+                    dy + row * stride_dy);
 }
 
 // Backward, one block per row: C vectors of y and dy per thread stay in
@@ -202,46 +159,6 @@ __global__ void __launch_bounds__(512, 1) softmax_backward_block(
 {
     __shared__ float scratch[32];
     const long long row = blockIdx.x;
-    const int t = threadIdx.x, nt = blockDim.x;
-    const T* yr = y + row * stride_y;
-    const T* dyr = dy + row * stride_dy;
-    float yv[C][V], dv[C][V];
-    float dot = 0.0f;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (t + nt * k) * V;
-        if (col < m) {
-            load_vec<T, V>(yr + col, yv[k]);
-            load_vec<T, V>(dyr + col, dv[k]);
-#pragma unroll
-            for (int i = 0; i < V; ++i) dot += yv[k][i] * dv[k][i];
-        }
-    }
-    for (int col = (t + nt * C) * V; col < m; col += nt * V) {
-        float ys[V], ds[V];
-        load_vec<T, V>(yr + col, ys);
-        load_vec<T, V>(dyr + col, ds);
-#pragma unroll
-        for (int i = 0; i < V; ++i) dot += ys[i] * ds[i];
-    }
-    dot = xk::block_sum(dot, scratch);
-    T* dxr = dx + row * stride_dx;
-#pragma unroll
-    for (int k = 0; k < C; ++k) {
-        const int col = (t + nt * k) * V;
-        if (col < m) {
-            float out[V];
-#pragma unroll
-            for (int i = 0; i < V; ++i) out[i] = yv[k][i] * (dv[k][i] - dot);
-            store_vec<T, V>(dxr + col, out);
-        }
-    }
-    for (int col = (t + nt * C) * V; col < m; col += nt * V) {
-        float ys[V], ds[V];
-        load_vec<T, V>(yr + col, ys);
-        load_vec<T, V>(dyr + col, ds);
-#pragma unroll
-        for (int i = 0; i < V; ++i) ys[i] *= ds[i] - dot;
-        store_vec<T, V>(dxr + col, ys);
-    }
+    backward_row<T>(xk::block_row_share<V, C>(m, scratch), dx + row * stride_dx,
+                    y + row * stride_y, dy + row * stride_dy);
 }

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from . import _rows
 from ._loader import OPTIONS, loader_for
 
@@ -33,46 +31,28 @@ SOURCE = Path(__file__).with_name("softmax.cu")
 _KERNELS = ("forward_warp", "forward_block", "backward_warp", "backward_block")
 
 
-def _type(first: str, a, *outs) -> str:
-    t = _rows.ctype("softmax", first, a)
-    for out in outs:
-        if out.dtype != a.dtype:
-            raise TypeError(
-                f"cupy softmax: every array must have {first}'s dtype {a.dtype}, got {out.dtype}"
-            )
-    return t
-
-
-def _expressions(t: str) -> list[str]:
-    return [
-        f"softmax_{kernel}<{t},{v},{_rows.cache(v)}>"
-        for v in _rows.vectors(t)
-        for kernel in _KERNELS
-    ]
-
-
 def name_expressions() -> list[str]:
     """Every template instantiation the launchers may compile (for offline compile reports)."""
-    return [e for t in _rows.CTYPES.values() for e in _expressions(t)]
+    return [e for t in _rows.CTYPES.values() for e in _rows.expressions("softmax", _KERNELS, t)]
 
 
 def _launch(kind: str, lead, arrays, threads_limit: int) -> None:
     """Run ``softmax_<kind>_{warp,block}`` over the ``(rows, M)`` ``arrays`` (the kernel's order)."""
-    t = _type("x" if kind == "forward" else "y", lead, *arrays)
+    t = _rows.same_type("softmax", "x" if kind == "forward" else "y", lead, *arrays)
     rows, m = lead.shape
     if rows == 0 or m == 0:
         return
-    loader = loader_for(lead)
     v = _rows.vector(arrays)
     c = _rows.cache(v)
-    module = loader.module(SOURCE, _expressions(t), OPTIONS)
-    args = (*arrays, np.int64(rows), np.int32(m), *(np.int64(_rows.stride(a)) for a in arrays))
-    if m <= _rows.warp_max(v):
-        kernel = module.get_function(f"softmax_{kind}_warp<{t},{v},{c}>")
-        kernel((-(-rows // _rows.WARP_ROWS),), (32, _rows.WARP_ROWS), args)
-    else:
-        kernel = module.get_function(f"softmax_{kind}_block<{t},{v},{c}>")
-        kernel((rows,), (_rows.block_threads(m, v, threads_limit),), args)
+    module = loader_for(lead).module(SOURCE, _rows.expressions("softmax", _KERNELS, t), OPTIONS)
+    _rows.launch(
+        lambda shape: module.get_function(f"softmax_{kind}_{shape}<{t},{v},{c}>"),
+        rows,
+        m,
+        v,
+        _rows.row_args(arrays, rows, m),
+        threads_limit,
+    )
 
 
 def forward(y, x) -> None:

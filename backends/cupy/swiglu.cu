@@ -45,6 +45,26 @@ __device__ __forceinline__ void store_at(Vec<T, V>* row, long long j, const floa
     row[j] = r;
 }
 
+// The vectors j < n of a row this thread takes, U per step: load(k, j) for the step's
+// vectors k, then store(k, j) for the same (all loads before any store).
+template <int U, typename Load, typename Store>
+__device__ __forceinline__ void steps(long long n, Load load, Store store) {
+    const long long step = (long long)gridDim.y * blockDim.x * U;
+    for (long long base = (long long)blockIdx.y * blockDim.x * U + threadIdx.x; base < n;
+         base += step) {
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const long long j = base + (long long)k * blockDim.x;
+            if (j < n) load(k, j);
+        }
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+            const long long j = base + (long long)k * blockDim.x;
+            if (j < n) store(k, j);
+        }
+    }
+}
+
 }  // namespace
 
 template <typename T, int V, int U>
@@ -59,35 +79,24 @@ __global__ void __launch_bounds__(256) swiglu_forward(
     long long stride_b)              // elements between rows of b (a multiple of V)
 {
     using VecT = Vec<T, V>;
-    const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+    const long long row = xk::thread_row();
     if (row >= rows) return;
     const VecT* ar = reinterpret_cast<const VecT*>(a + row * stride_a);
     const VecT* br = reinterpret_cast<const VecT*>(b + row * stride_b);
     VecT* yr = reinterpret_cast<VecT*>(y + row * stride_y);
-    const long long n = m / V;  // vectors per row
-    const long long step = (long long)gridDim.y * blockDim.x * U;
-    for (long long base = (long long)blockIdx.y * blockDim.x * U + threadIdx.x; base < n;
-         base += step) {
-        float av[U][V], bv[U][V];
+    float av[U][V], bv[U][V];
+    steps<U>(
+        m / V,
+        [&](int k, long long j) {
+            load_at<T, V>(ar, j, av[k]);
+            load_at<T, V>(br, j, bv[k]);
+        },
+        [&](int k, long long j) {
+            float out[V];
 #pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const long long j = base + (long long)k * blockDim.x;
-            if (j < n) {
-                load_at<T, V>(ar, j, av[k]);
-                load_at<T, V>(br, j, bv[k]);
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const long long j = base + (long long)k * blockDim.x;
-            if (j < n) {
-                float out[V];
-#pragma unroll
-                for (int i = 0; i < V; ++i) out[i] = av[k][i] * sigmoid(av[k][i]) * bv[k][i];
-                store_at<T, V>(yr, j, out);
-            }
-        }
-    }
+            for (int i = 0; i < V; ++i) out[i] = av[k][i] * sigmoid(av[k][i]) * bv[k][i];
+            store_at<T, V>(yr, j, out);
+        });
 }
 
 template <typename T, int V, int U>
@@ -106,43 +115,32 @@ __global__ void __launch_bounds__(256) swiglu_backward(
     long long stride_db)             // elements between rows of db (a multiple of V)
 {
     using VecT = Vec<T, V>;
-    const long long row = (long long)blockIdx.x * blockDim.y + threadIdx.y;
+    const long long row = xk::thread_row();
     if (row >= rows) return;
     const VecT* dyr = reinterpret_cast<const VecT*>(dy + row * stride_dy);
     const VecT* ar = reinterpret_cast<const VecT*>(a + row * stride_a);
     const VecT* br = reinterpret_cast<const VecT*>(b + row * stride_b);
     VecT* dar = reinterpret_cast<VecT*>(da + row * stride_da);
     VecT* dbr = reinterpret_cast<VecT*>(db + row * stride_db);
-    const long long n = m / V;  // vectors per row
-    const long long step = (long long)gridDim.y * blockDim.x * U;
-    for (long long base = (long long)blockIdx.y * blockDim.x * U + threadIdx.x; base < n;
-         base += step) {
-        float dv[U][V], av[U][V], bv[U][V];
+    float dv[U][V], av[U][V], bv[U][V];
+    steps<U>(
+        m / V,
+        [&](int k, long long j) {
+            load_at<T, V>(dyr, j, dv[k]);
+            load_at<T, V>(ar, j, av[k]);
+            load_at<T, V>(br, j, bv[k]);
+        },
+        [&](int k, long long j) {
+            float ga[V], gb[V];
 #pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const long long j = base + (long long)k * blockDim.x;
-            if (j < n) {
-                load_at<T, V>(dyr, j, dv[k]);
-                load_at<T, V>(ar, j, av[k]);
-                load_at<T, V>(br, j, bv[k]);
+            for (int i = 0; i < V; ++i) {
+                const float s = sigmoid(av[k][i]);
+                const float silu = av[k][i] * s;
+                // s * (1 + a * (1 - s)) = s + silu * (1 - s)
+                ga[i] = dv[k][i] * bv[k][i] * (s + silu * (1.0f - s));
+                gb[i] = dv[k][i] * silu;
             }
-        }
-#pragma unroll
-        for (int k = 0; k < U; ++k) {
-            const long long j = base + (long long)k * blockDim.x;
-            if (j < n) {
-                float ga[V], gb[V];
-#pragma unroll
-                for (int i = 0; i < V; ++i) {
-                    const float s = sigmoid(av[k][i]);
-                    const float silu = av[k][i] * s;
-                    // s * (1 + a * (1 - s)) = s + silu * (1 - s)
-                    ga[i] = dv[k][i] * bv[k][i] * (s + silu * (1.0f - s));
-                    gb[i] = dv[k][i] * silu;
-                }
-                store_at<T, V>(dar, j, ga);
-                store_at<T, V>(dbr, j, gb);
-            }
-        }
-    }
+            store_at<T, V>(dar, j, ga);
+            store_at<T, V>(dbr, j, gb);
+        });
 }

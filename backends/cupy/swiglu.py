@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from . import _rows
 from ._loader import OPTIONS, loader_for
 
@@ -38,27 +36,9 @@ THREADS = 256  #: threads per block (the kernels' __launch_bounds__)
 MAX_COLUMN_BLOCKS = 65535  #: most blocks along a row (CUDA's grid y limit); they stride beyond
 
 
-def _type(first: str, lead, *others) -> str:
-    t = _rows.ctype("swiglu", first, lead)
-    for other in others:
-        if other.dtype != lead.dtype:
-            raise TypeError(
-                f"cupy swiglu: every array must have {first}'s dtype {lead.dtype}, got {other.dtype}"
-            )
-    return t
-
-
-def _expressions(t: str) -> list[str]:
-    return [
-        f"swiglu_{kernel}<{t},{v},{_rows.cache(v)}>"
-        for v in _rows.vectors(t)
-        for kernel in _KERNELS
-    ]
-
-
 def name_expressions() -> list[str]:
     """Every template instantiation the launchers may compile (for offline compile reports)."""
-    return [e for t in _rows.CTYPES.values() for e in _expressions(t)]
+    return [e for t in _rows.CTYPES.values() for e in _rows.expressions("swiglu", _KERNELS, t)]
 
 
 def _geometry(rows: int, m: int, v: int, u: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -73,18 +53,17 @@ def _geometry(rows: int, m: int, v: int, u: int) -> tuple[tuple[int, int], tuple
 
 def _launch(kind: str, lead, arrays) -> None:
     """Run ``swiglu_<kind>`` over the ``(rows, M)`` ``arrays`` (the kernel's order)."""
-    t = _type("a", lead, *arrays)
+    t = _rows.same_type("swiglu", "a", lead, *arrays)
     rows, m = lead.shape
     if rows == 0 or m == 0:
         return
     loader = loader_for(lead)
     v = _rows.vector(arrays)
     u = _rows.cache(v)
-    module = loader.module(SOURCE, _expressions(t), OPTIONS)
+    module = loader.module(SOURCE, _rows.expressions("swiglu", _KERNELS, t), OPTIONS)
     kernel = module.get_function(f"swiglu_{kind}<{t},{v},{u}>")
     grid, block = _geometry(rows, m, v, u)
-    args = (*arrays, np.int64(rows), np.int32(m), *(np.int64(_rows.stride(a)) for a in arrays))
-    kernel(grid, block, args)
+    kernel(grid, block, _rows.row_args(arrays, rows, m))
 
 
 def forward(y, a, b) -> None:
