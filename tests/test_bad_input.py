@@ -148,6 +148,7 @@ _BAD_ROWS = {
 }
 _NAMES = ("o_a", "m_a", "l_a", "o_b", "m_b", "l_b")
 
+
 def _run_merge(target, states, do, dlse):
     arrays = [target.asarray(a, "float32") for a in states]
     o, m, lse_sum = xk.merge_attention_states(*arrays, backend=target.backend)
