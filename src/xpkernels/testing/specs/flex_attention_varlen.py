@@ -30,13 +30,9 @@ from xpkernels.flex_attention_varlen import (
 from xpkernels.testing import references as ref
 from xpkernels.testing.declared_errors import declared_errors
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
+from xpkernels.testing.specs._flex_mods import namespace, write_params
 from xpkernels.testing.specs.attention_varlen import PREFIX_SUMS, _cu, _packed, _padded
-from xpkernels.testing.specs.flex_attention import (
-    _namespace,
-    _reshape,
-    deterministic_for,
-    write_params,
-)
+from xpkernels.testing.specs.flex_attention import _reshape, deterministic_for
 
 _BASE = {
     "H": 2,
@@ -387,7 +383,7 @@ def _backward(case, arrays, outs, cotangents, checkpoints, backend):
         **options,
         backend=backend,
     )
-    xp = _namespace(arrays["params"])
+    xp = namespace(arrays["params"])
     params = xp.empty_like(arrays["params"])
     write_params(_param_layout(case.params), mod_grad, params)
     return {"q": dq, "k": dk, "v": dv, "params": params}
