@@ -26,7 +26,8 @@ from xpkernels._memory import self_overlapping
 from xpkernels.buffers import Duplicated
 from xpkernels.testing import harness
 from xpkernels.testing import references as ref
-from xpkernels.testing.declared_errors import EXTENTS, SENTINEL, fronts, valid_call
+from xpkernels.testing.declared_errors import SENTINEL, valid_call
+from xpkernels.testing.declared_fronts import EXTENTS, fronts
 from xpkernels.testing.specs.attention_varlen import PREFIX_SUMS
 from xpkernels.testing.specs.merge_attention_states import EXTRA as MERGE_EXTRA
 

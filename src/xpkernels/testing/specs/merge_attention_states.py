@@ -20,7 +20,8 @@ import numpy as np
 import xpkernels as xk
 from xpkernels.buffers import Duplicated
 from xpkernels.testing import references as ref
-from xpkernels.testing.declared_errors import Extra, declared_errors
+from xpkernels.testing.declared_errors import declared_errors
+from xpkernels.testing.declared_fronts import Extra
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
 _STATES = ("m_a", "l_a", "m_b", "l_b")
