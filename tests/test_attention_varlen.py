@@ -275,6 +275,7 @@ def test_triton_reads_no_prefix_sum_on_the_host(monkeypatch):
     """With ``max_seqlen_*`` and every buffer given, the prefix sums reach the kernels unread."""
     torch = pytest.importorskip("torch")
     _torch_target("float32")
+    from xpkernels.backends.triton import attention as tri_attention
     from xpkernels.backends.triton import attention_varlen as tri_varlen
 
     from xpkernels.testing.host_reads import no_host_reads
@@ -290,7 +291,8 @@ def test_triton_reads_no_prefix_sum_on_the_host(monkeypatch):
         monkeypatch.setattr(
             tri_varlen, "launch", lambda k, t, tab, g, args, *_: launched.append(args)
         )
-        monkeypatch.setattr(tri_varlen, "_delta_kernel", Kernel())
+        # the delta pass is attention's own launch (launch_delta), shared with varlen
+        monkeypatch.setattr(tri_attention, "_delta_kernel", Kernel())
     rng = np.random.default_rng(18)
     q, k, v, do = (torch.from_numpy(a).float().to(device) for a in _inputs(rng)[:4])
     cq, ck = (no_host_reads(torch.from_numpy(c).to(device)) for c in (_cu(Q_LENS), _cu(K_LENS)))

@@ -20,6 +20,7 @@ unchecked prefix sums; they are left unwritten here.
 
 from __future__ import annotations
 
+from ._attention_kernels import _dkdv_kernel, _dq_kernel, _forward_kernel
 from ._attn_common import (
     LOG2E,
     dim_block,
@@ -33,10 +34,7 @@ from ._common import launch_context
 from .attention import (
     _DQ_TILES,
     _FORWARD_TILES,
-    _dkdv_kernel,
-    _dq_kernel,
     _dq_tuned,
-    _forward_kernel,
     _forward_tuned,
     dkdv_launch,
     launch_delta,
