@@ -23,6 +23,7 @@ from xpkernels.mods.codegen_cuda import cuda_source, layout, pack_arguments
 from xpkernels.mods.interpret import Grid
 from xpkernels.mods.ir import FLOAT
 from xpkernels.testing import cudacpu
+from xpkernels.testing.specs import _flex_mods as flex_mods
 from xpkernels.testing.specs import flex_attention as specs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +64,7 @@ def _mods() -> dict:
     doc_kv = np.repeat(np.arange(5, dtype=np.int64), 3)
     slopes = np.array([0.5, 0.25, 0.125], np.float32)
     bias16 = rng.standard_normal((2, 3, 12, 14)).astype(np.float16)
-    table = rng.standard_normal((3, 2 * specs._RELATIVE + 1)).astype(np.float32)
+    table = rng.standard_normal((3, 2 * flex_mods.RELATIVE + 1)).astype(np.float32)
     qf = rng.standard_normal((2, 12, 2)).astype(np.float32)
     kf = rng.standard_normal((2, 14, 2)).astype(np.float32)
     proj = rng.standard_normal((3, 3)).astype(np.float32)
@@ -82,8 +83,8 @@ def _mods() -> dict:
         "document-int8": xm.DocumentMask(doc.astype(np.int8)),
         "sliding&document": xm.SlidingWindowMask(5) & xm.DocumentMask(doc),
         "causal|prefix": xm.CausalMask() | xm.PrefixMask(2),
-        "spec-user-mask": xm.MaskMod(specs._user_mask),
-        "spec-late-mask": xm.MaskMod(specs._late),
+        "spec-user-mask": xm.MaskMod(flex_mods.user_mask),
+        "spec-late-mask": xm.MaskMod(flex_mods.late),
         "bool-table-mask": xm.MaskMod(lambda b, h, q, k, *, keep: keep[h, k], keep=keep),
         "int-edges-mask": xm.MaskMod(
             lambda b, h, q, k: xm.logical_or(
@@ -94,10 +95,10 @@ def _mods() -> dict:
         "softcap": xm.SoftCapScore(1.5),
         "alibi": xm.AliBiScore(slopes),
         "bias-float16": xm.BiasScore(bias16),
-        "pair": xm.PairFeatureScore(specs._pair_op, qf, kf, proj),
+        "pair": xm.PairFeatureScore(flex_mods.pair_op, qf, kf, proj),
         "alibi>>softcap": xm.AliBiScore(slopes) >> xm.SoftCapScore(2.0),
         "alibi>>bias>>noop": xm.AliBiScore(slopes) >> xm.BiasScore(bias16) >> xm.NoOpScore(),
-        "spec-relpos": xm.ScoreMod(specs._relative_bias, table=table),
+        "spec-relpos": xm.ScoreMod(flex_mods.relative_bias, table=table),
         "int-edges-score": xm.ScoreMod(
             lambda s, b, h, q, k: (
                 s
