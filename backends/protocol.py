@@ -47,6 +47,7 @@ __all__ = [
     "ANY",
     "FEATURES",
     "FLOAT_DTYPES",
+    "GELU_APPROXIMATIONS",
     "OPS",
     "PRIMITIVES",
     "Backend",
@@ -274,7 +275,8 @@ class Option:
         ``1/sqrt(D)``, or positive_finite), ``"position"`` (an int, or a
         ``(B,)`` integer array; flex also takes a list of B ints),
         ``"lengths"`` (None or a ``(B,)`` integer array), ``"int_or_none"``,
-        ``"float_or_none"``, ``"page_table"`` (None or a ``(B, pages)`` integer
+        ``"float_or_none"``, ``"gelu_approximate"`` (one of
+        :data:`GELU_APPROXIMATIONS`), ``"page_table"`` (None or a ``(B, pages)`` integer
         array), ``"score_mod"``, ``"mask_mod"``, ``"block_mask"``
         (mod objects, :mod:`xpkernels.mods`), ``"score_mod_grad"`` (a
         ScoreModGrad the backward adds into).
@@ -405,7 +407,18 @@ _SIGNATURES = {
         outputs=(Arg("y", ROWS, aliases=("a", "b")),),
         reads=("a", "b"),
     ),
+    "geglu": Signature(
+        title="GeGLU",
+        inputs=(Arg("a", ROWS, aliases=("y",)), Arg("b", ROWS)),
+        outputs=(Arg("y", ROWS, aliases=("a", "b")),),
+        options=(Option("approximate", "tanh", "gelu_approximate", backward=True),),
+        reads=("a", "b"),
+    ),
 }
+
+#: The values of a ``"gelu_approximate"`` option: GELU exactly (``"none"``, through erf) or
+#: its tanh form (``"tanh"``), as ``torch.nn.functional.gelu``'s ``approximate``.
+GELU_APPROXIMATIONS = ("none", "tanh")
 
 #: The attention family's arrays: padded ``(B, H, S, D)`` and packed ``(T, H, D)`` layouts.
 _PADDED = (Arg("q", "B H Sq D"), Arg("k", "B Hkv Sk D"), Arg("v", "B Hkv Sk Dv"))
@@ -658,6 +671,7 @@ PRIMITIVES: Mapping[str, Primitive] = {
         Primitive("layer_norm", _PARTIAL_HOOKS),
         Primitive("softmax"),
         Primitive("swiglu"),
+        Primitive("geglu"),
         Primitive("attention", {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
         Primitive("attention_varlen", {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
         Primitive(

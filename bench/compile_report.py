@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import hashlib
 import importlib.util
 import json
@@ -189,6 +190,17 @@ def _swiglu(pass_, R, M):
         swiglu.forward(t((R, M)), t((R, M)), t((R, M)))
     else:
         swiglu.backward(t((R, M)), t((R, M)), t((R, M)), t((R, M)), t((R, M)))
+
+
+def _geglu(pass_, R, M, approximate):
+    from xpkernels.backends.triton import geglu
+
+    t = spec.tensor
+    if pass_ == "fwd":
+        geglu.forward(t((R, M)), t((R, M)), t((R, M)), approximate=approximate)
+    else:
+        tensors = (t((R, M)) for _ in range(5))
+        geglu.backward(*tensors, approximate=approximate)
 
 
 def _rms_norm(pass_, R, M):
@@ -380,6 +392,8 @@ def cases():
         ("layer_norm", _layer_norm),
         ("softmax", _softmax),
         ("swiglu", _swiglu),
+        ("geglu.tanh", functools.partial(_geglu, approximate="tanh")),
+        ("geglu.none", functools.partial(_geglu, approximate="none")),
     ):
         for pass_ in ("fwd", "bwd"):
             for R, M in ((32768, 4096), (4096, 65536)):

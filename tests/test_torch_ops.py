@@ -119,6 +119,14 @@ def _cases(dtype):
         ("swiglu_", ops.swiglu_, (t(3, 8), d["x"], dy, None)),
         ("swiglu_backward", ops.swiglu_backward, (dy, d["x"], y, None)),
         ("swiglu_backward_", ops.swiglu_backward_, (dy, d["x"], y, t(3, 8), t(3, 8), None)),
+        ("geglu", ops.geglu, (x, t(3, 8, grad=True), "tanh", None)),
+        ("geglu_", ops.geglu_, (t(3, 8), d["x"], dy, "none", None)),
+        ("geglu_backward", ops.geglu_backward, (dy, d["x"], y, "none", None)),
+        (
+            "geglu_backward_",
+            ops.geglu_backward_,
+            (dy, d["x"], y, t(3, 8), t(3, 8), "tanh", None),
+        ),
         ("attention", ops.attention, (q, k, v, *att, *att_s)),
         (
             "attention_",
@@ -337,6 +345,17 @@ def test_gradcheck_norms_and_softmax():
     _gradcheck(lambda x, w, b: xk.layer_norm(x, w, b), x, w, b)
     _gradcheck(lambda x, b: xk.layer_norm(x, None, b), x, b)
     _gradcheck(xk.softmax, x)
+
+
+@pytest.mark.parametrize("approximate", [None, "none", "tanh"])
+def test_gradcheck_gated_activations(approximate):
+    """SwiGLU (``approximate`` None) and GeGLU's two forms, through the ops' autograd."""
+    g = torch.Generator().manual_seed(2)
+    a, b = _f64(3, 2, 7, generator=g), _f64(3, 2, 7, generator=g)
+    if approximate is None:
+        _gradcheck(xk.swiglu, a, b)
+    else:
+        _gradcheck(lambda a, b: xk.geglu(a, b, approximate=approximate), a, b)
 
 
 def test_gradcheck_attention():

@@ -107,6 +107,7 @@ BACKEND = Backend(
         "layer_norm": _NORM,
         "softmax": Capability(dtypes=_DTYPES),
         "swiglu": Capability(dtypes=_DTYPES),
+        "geglu": Capability(dtypes=_DTYPES),
         # Forward and backward in CUDA C (wmma for float16/bfloat16, SIMT for float32; shared
         # memory per block: attention.shared_bytes and backward_shared_bytes, at most ~163 KiB);
         # the backward computes dQ in its own pass: no dq_accum scratch.

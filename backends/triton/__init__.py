@@ -55,6 +55,7 @@ BACKEND = Backend(
         "layer_norm": _NORM,
         "softmax": Capability(dtypes=_DTYPES),
         "swiglu": Capability(dtypes=_DTYPES),
+        "geglu": Capability(dtypes=_DTYPES),
         "attention": Capability(
             dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",)
         ),

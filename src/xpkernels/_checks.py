@@ -140,6 +140,15 @@ def positive_finite(fn: str, name: str, value) -> float:
     return v
 
 
+def one_of(fn: str, name: str, value, choices: tuple[str, ...]) -> str:
+    """``value`` itself; ValueError unless it is one of the strings ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(
+            f"{fn}: {name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+        )
+    return value
+
+
 def finite(fn: str, name: str, value) -> float:
     """``value`` as a float; ValueError unless it is finite."""
     try:

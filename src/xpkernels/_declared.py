@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import namedtuple
 from typing import Any
 
-from xpkernels.backends.protocol import PRIMITIVES, ROWS, Arg, Option
+from xpkernels.backends.protocol import GELU_APPROXIMATIONS, PRIMITIVES, ROWS, Arg, Option
 
 from . import _autograd
 from . import _checks as check
@@ -47,7 +47,11 @@ __all__ = ["RowPrimitive"]
 #: The layout the row primitives' messages quote for a ``... M`` array.
 _LAYOUT = "(..., M)"
 
-_RULES = {"positive_finite": check.positive_finite, "finite": check.finite}
+_RULES = {
+    "positive_finite": check.positive_finite,
+    "finite": check.finite,
+    "gelu_approximate": lambda fn, name, v: check.one_of(fn, name, v, GELU_APPROXIMATIONS),
+}
 
 
 def _upper(name: str) -> str:
@@ -139,7 +143,7 @@ class RowPrimitive:
             out[opt.name] = self._option(fn, opt, options[opt.name], present)
         return out
 
-    def _option(self, fn: str, opt: Option, value, present: dict) -> float:
+    def _option(self, fn: str, opt: Option, value, present: dict):
         value = _RULES[opt.rule](fn, opt.name, value)
         target = opt.applies_to
         if target is not None and present[target][1] is None and value != opt.default:

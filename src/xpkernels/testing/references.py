@@ -15,6 +15,8 @@ with the leading shape (``(...,)``), not flattened.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 __all__ = [
@@ -28,6 +30,8 @@ __all__ = [
     "softmax_backward",
     "swiglu",
     "swiglu_backward",
+    "geglu",
+    "geglu_backward",
     "attention_keep",
     "repeat_kv",
     "group_sum",
@@ -137,6 +141,36 @@ def swiglu_backward(a: np.ndarray, b: np.ndarray, dy: np.ndarray) -> tuple[np.nd
     """``(da, db)`` of :func:`swiglu`: ``da = dy * b * s * (1 + a * (1 - s))``, ``db = dy * a * s``."""
     s = _sigmoid(a)
     return dy * b * s * (1 + a * (1 - s)), dy * a * s
+
+
+_ERF = np.vectorize(math.erf, otypes=[np.float64])
+#: GELU's tanh form: ``tanh(sqrt(2 / pi) * (a + 0.044715 a^3))``.
+_TANH_SCALE, _TANH_CUBE = math.sqrt(2.0 / math.pi), 0.044715
+
+
+def _gelu(a: np.ndarray, approximate: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(gelu(a), gelu'(a))``, exactly (``"none"``: ``a Phi(a)``, ``erf`` rounded to ``a``'s
+    dtype) or in the tanh form."""
+    if approximate == "none":
+        phi = 0.5 * (1.0 + _ERF(a / math.sqrt(2.0)).astype(a.dtype))
+        density = np.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi)
+        return a * phi, phi + a * density
+    t = np.tanh(_TANH_SCALE * (a + _TANH_CUBE * a**3))
+    slope = 0.5 * a * (1.0 - t * t) * _TANH_SCALE * (1.0 + 3.0 * _TANH_CUBE * a * a)
+    return 0.5 * a * (1.0 + t), 0.5 * (1.0 + t) + slope
+
+
+def geglu(a: np.ndarray, b: np.ndarray, approximate: str) -> np.ndarray:
+    """``y = gelu(a) * b`` elementwise (``approximate``: ``"none"`` or ``"tanh"``)."""
+    return _gelu(a, approximate)[0] * b
+
+
+def geglu_backward(
+    a: np.ndarray, b: np.ndarray, dy: np.ndarray, approximate: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(da, db)`` of :func:`geglu`: ``da = dy * b * gelu'(a)``, ``db = dy * gelu(a)``."""
+    value, slope = _gelu(a, approximate)
+    return dy * b * slope, dy * value
 
 
 # --------------------------------------------------------------------------- attention

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from xpkernels.backends.protocol import PRIMITIVES, Arg, Option
+from xpkernels.backends.protocol import GELU_APPROXIMATIONS, PRIMITIVES, Arg, Option
 
 from .. import _checks as check
 from ..buffers import Duplicated, allocate_checkpoints, primal
@@ -258,6 +258,9 @@ def _itself(value):
 RULES: dict[str, Rule] = {
     "positive_finite": Rule(float, check.positive_finite),
     "finite": Rule(float, check.finite),
+    "gelu_approximate": Rule(
+        str, lambda fn, name, v: check.one_of(fn, name, v, GELU_APPROXIMATIONS)
+    ),
     "bool": Rule(bool, _boolean),
     "scale": Rule(float | None, _or_none(check.positive_finite)),
     "position": _Position(),

@@ -1,0 +1,63 @@
+r"""GeGLU in CUDA C (``geglu.cu``: the gated kernels of ``gated.cuh`` with a GELU).
+
+.. math::
+
+    y = \mathrm{gelu}(a)\,b,\qquad
+    da = dy\,b\,\mathrm{gelu}'(a),\qquad db = dy\,\mathrm{gelu}(a),
+
+GELU exactly (``approximate="none"``: :math:`a\,\Phi(a)`, :math:`\Phi(a) =
+\tfrac12\,\mathrm{erfc}(-a/\sqrt2)`) or in its tanh form (``"tanh"``:
+:math:`a\,\sigma(z)`, :math:`z = 2\sqrt{2/\pi}\,(a + 0.044715\,a^3)`),
+recomputed by the backward. Computation in float32; geometry and launch as
+:mod:`._gated` says.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import _gated
+
+__all__ = ["backward", "forward", "name_expressions"]
+
+SOURCE = Path(__file__).with_name("geglu.cu")
+#: The activation type ``geglu.cu`` defines for each ``approximate``.
+_ACTIVATION = {"none": "Gelu", "tanh": "GeluTanh"}
+_ACTIVATIONS = tuple(_ACTIVATION.values())
+
+
+def name_expressions() -> list[str]:
+    """Every template instantiation the launchers may compile (for offline compile reports)."""
+    return _gated.name_expressions(_ACTIVATIONS)
+
+
+def forward(y, a, b, *, approximate: str) -> None:
+    """``y = gelu(a) * b`` over 2-D ``(rows, M)`` views.
+
+    Parameters
+    ----------
+    y, a, b : array
+        ``(rows, M)`` of one dtype, last axis contiguous, any row stride;
+        ``y`` may be the very same array as ``a`` or ``b``.
+    approximate : {"none", "tanh"}
+        The GELU form.
+    """
+    activation = _ACTIVATION[approximate]
+    _gated.launch("geglu", SOURCE, _ACTIVATIONS, activation, "forward", (y, a, b))
+
+
+def backward(dy, a, b, da, db, *, approximate: str) -> None:
+    """``da = dy * b * gelu'(a)``, ``db = dy * gelu(a)`` over ``(rows, M)`` views.
+
+    Parameters
+    ----------
+    dy, a, b : array
+        ``(rows, M)`` inputs of one dtype, last axis contiguous, any row stride.
+    da, db : array
+        ``(rows, M)`` gradients, overwritten; one of them may be the very same
+        array as ``dy``.
+    approximate : {"none", "tanh"}
+        The forward's GELU form.
+    """
+    activation = _ACTIVATION[approximate]
+    _gated.launch("geglu", SOURCE, _ACTIVATIONS, activation, "backward", (dy, a, b, da, db))
