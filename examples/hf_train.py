@@ -2,8 +2,8 @@
 
 Both models start from the same random weights (built from a config: nothing
 is downloaded) and see the same batches of random tokens, left-padded; one
-line, ``apply_xpkernels(model)``, puts the other on xpkernels' attention and
-RMSNorm. The two loss curves are printed side by side; they agree to float32
+line, ``apply_xpkernels(model)``, puts the other on xpkernels' attention,
+RMSNorm and SwiGLU. The two loss curves are printed side by side; they agree to float32
 rounding.
 
 Run: ``python examples/hf_train.py [--steps N]`` (needs ``pip install

@@ -2,7 +2,8 @@
 
 Tiny random-weight models are built from configs (nothing is downloaded):
 Llama, Qwen3, Mistral (sliding window), Gemma 2 (softcap, sliding window,
-``1 + weight`` norms) and Gemma 3 (sliding and full layers). Each runs
+``1 + weight`` norms) and Gemma 3 (sliding and full layers); the SiLU MLPs
+run on ``swiglu``, Gemma's ``gelu_pytorch_tanh`` ones on ``geglu``. Each runs
 twice, once as transformers' ``attn_implementation="eager"`` and once after
 ``apply_xpkernels``, from the same weights; the array_api backend serves the
 CPU tensors, the Triton interpreter one smallest case.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import types
 import warnings
 
 import pytest
@@ -56,6 +58,9 @@ FAMILIES = {
     ),
 }
 SEQ = 16
+#: Each family's gated MLP activation as apply_xpkernels fuses it: swiglu, or geglu's approximate.
+FUSED = {"llama": "silu", "qwen3": "silu", "mistral": "silu", "gemma2": "tanh", "gemma3": "tanh"}
+MLPS = ["model.layers.0.mlp", "model.layers.1.mlp"]
 
 
 @pytest.fixture(autouse=True)
@@ -100,6 +105,19 @@ def _rel(got, want):
     return float((got - want).abs().max() / want.abs().max())
 
 
+def _float64_softmax(monkeypatch):
+    """Eager attention takes its softmax in float32 whatever the dtype: in float64 the
+    reference runs it in float64, the accuracy 1e-10 asks of it."""
+    softmax = torch.nn.functional.softmax
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "softmax",
+        lambda x, dim, dtype=None: softmax(
+            x, dim, dtype=x.dtype if x.dtype == torch.float64 else dtype
+        ),
+    )
+
+
 class _Calls:
     """Counts the xpkernels entry points the integration calls."""
 
@@ -132,16 +150,7 @@ def test_logits_match_eager(family, padding, dtype, tolerance, monkeypatch):
     ids, mask = _batch(padding)
     with torch.no_grad():
         got = ours(ids, attention_mask=mask).logits
-        # Eager attention takes its softmax in float32 whatever the dtype: in float64 the
-        # reference runs it in float64, the accuracy 1e-10 asks of it.
-        softmax = torch.nn.functional.softmax
-        monkeypatch.setattr(
-            torch.nn.functional,
-            "softmax",
-            lambda x, dim, dtype=None: softmax(
-                x, dim, dtype=x.dtype if x.dtype == torch.float64 else dtype
-            ),
-        )
+        _float64_softmax(monkeypatch)
         want = ref(ids, attention_mask=mask).logits
     real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
     assert _rel(got[real], want[real]) <= tolerance
@@ -265,6 +274,110 @@ def test_norms_are_replaced_with_their_weights_and_gemma_offset():
     assert ours.config._attn_implementation == "xpkernels"
 
 
+@pytest.mark.parametrize(
+    "family, config, fused",
+    [(family, {}, FUSED[family]) for family in FAMILIES]
+    + [
+        ("llama", dict(hidden_act="gelu"), "none"),
+        ("gemma2", dict(hidden_activation="gelu"), "none"),
+    ],
+    ids=[*FAMILIES, "llama-gelu", "gemma2-gelu"],
+)
+def test_gated_mlps_run_fused_with_their_weights(family, config, fused, monkeypatch):
+    """Each MLP's forward runs swiglu or geglu (the config's GELU form) through xpkernels'
+    backward, its class, weights and state_dict keys unchanged. Everything else left eager,
+    float64 logits and every gradient are eager's to 1e-10 (the model-wide tests above check
+    mlp=True beside xpkernels' norms and attention)."""
+    ref, _ = _models(family, torch.float64, **config)
+    ours = xt.apply_xpkernels(copy.deepcopy(ref), rms_norm=False, layer_norm=False, attention=False)
+    report = ours.xpkernels_report
+    assert report.mlp == MLPS and not report.skipped and "2 gated MLP fused" in str(report)
+    for name in MLPS:
+        module = ours.get_submodule(name)
+        assert type(module) is type(ref.get_submodule(name))
+        assert module.xpkernels_activation == fused
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    assert all(torch.equal(ours.state_dict()[k], v) for k, v in ref.state_dict().items())
+    kernel = "swiglu" if fused == "silu" else "geglu"
+    options, backward = [], []
+    front = getattr(xt, kernel)
+    monkeypatch.setattr(xt, kernel, lambda a, b, **kw: options.append(kw) or front(a, b, **kw))
+    for name in MLPS:
+        ours.get_submodule(name).down_proj.register_forward_pre_hook(
+            lambda _, args: backward.append(type(args[0].grad_fn).__name__)
+        )
+    _float64_softmax(monkeypatch)  # else eager's float32 softmax gives padded rows NaN
+    ids, mask = _batch("left")
+    real, labels = mask.bool(), _labels(ids, mask)
+    outputs = [model(ids, attention_mask=mask, labels=labels) for model in (ref, ours)]
+    got, want = (output.logits.detach()[real] for output in outputs[::-1])
+    assert _rel(got, want) <= 1e-10
+    assert options == [{} if fused == "silu" else {"approximate": fused}] * 2
+    assert len(backward) == 2 and all(f"xpkernels_{kernel}" in b for b in backward)
+    for output in outputs:
+        output.loss.backward()
+    ours_params = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert _rel(ours_params[name].grad, p.grad) <= 1e-10, name
+
+
+def test_unsupported_activations_keep_eagers_mlp():
+    """A ReLU-gated Llama keeps its MLPs, reported; mlp=False leaves them unreported."""
+    ref, ours = _models("llama", hidden_act="relu")
+    report = ours.xpkernels_report
+    assert report.mlp == [] and [name for name, _ in report.skipped] == MLPS
+    assert all("'relu'" in why for _, why in report.skipped)
+    assert f"skipped {MLPS[0]}: activation 'relu'" in str(report)
+    for name in MLPS:
+        assert "forward" not in vars(ours.get_submodule(name))
+    ids, mask = _batch("left")
+    with torch.no_grad():
+        got, want = (m(ids, attention_mask=mask).logits for m in (ours, ref))
+    assert _rel(got[mask.bool()], want[mask.bool()]) <= 1e-4
+    kept = xt.apply_xpkernels(copy.deepcopy(ref), mlp=False).xpkernels_report
+    assert kept.mlp == [] and kept.skipped == [] and len(kept.rms_norm) == 5
+
+
+def test_gated_mlp_is_found_by_structure_not_class():
+    """Any class with the four attributes is fused when its config and probes agree; another
+    forward, or an act_fn its config does not name, is left alone and reported."""
+
+    class Gated(torch.nn.Module):
+        def __init__(self, act, act_fn):
+            super().__init__()
+            self.config = types.SimpleNamespace(hidden_act=act)
+            self.gate_proj, self.up_proj = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
+            self.down_proj, self.act_fn = torch.nn.Linear(16, 8), act_fn
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    class ActAfterProduct(Gated):
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x) * self.up_proj(x)))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        Gated("silu", torch.nn.SiLU()),
+        ActAfterProduct("silu", torch.nn.SiLU()),
+        Gated("gelu_pytorch_tanh", torch.nn.GELU()),  # exact GELU, though the config says tanh
+    ).eval()
+    ref = copy.deepcopy(model)
+    xt.apply_xpkernels(model, attention=False)
+    report = model.xpkernels_report
+    assert report.mlp == ["0"] and [name for name, _ in report.skipped] == ["1", "2"]
+    assert "down_proj(act_fn(gate_proj(x)) * up_proj(x))" in report.skipped[0][1]
+    assert "act_fn does not compute" in report.skipped[1][1]
+    assert not any(m.training for m in model.modules())  # the probe's train mode undone
+    x = torch.randn(3, 8)
+    got, want = (m(x) for m in (model, ref))
+    assert _rel(got.detach(), want.detach()) <= 1e-6
+    for y in (got, want):
+        y.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert _rel(p.grad, q.grad) <= 1e-6, name
+
+
 def test_layer_norms_shared_and_unknown_norms_reported():
     class OddRMSNorm(torch.nn.Module):
         def __init__(self):
@@ -334,6 +447,7 @@ def test_register_makes_the_name_loadable():
 
 def test_compile_forward_backward_has_no_graph_break():
     ref, ours = _models("llama", use_cache=False)
+    assert ours.xpkernels_report.mlp == MLPS  # swiglu inside the graph too
     ids, _ = _batch("none", batch=2)
     compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")  # inductor adds 40 s
     with warnings.catch_warnings(record=True) as caught:
@@ -347,6 +461,30 @@ def test_compile_forward_backward_has_no_graph_break():
     ours_params = dict(ours.named_parameters())
     for name, p in ref.named_parameters():
         assert _rel(ours_params[name].grad, p.grad) <= 1e-4, name
+
+
+@pytest.mark.parametrize(
+    "family, config", [("gemma2", {}), ("llama", dict(hidden_act="gelu"))], ids=["tanh", "exact"]
+)
+def test_compiled_geglu_mlp_has_no_graph_break(family, config):
+    """geglu in a compiled MLP (the full-model compile test covers swiglu): one graph, eager's
+    output and gradients."""
+    ref, ours = (m.model.layers[0].mlp for m in _models(family, **config))
+    x = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(3))
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = compiled(xs[1])
+        got.sum().backward()
+    assert not [w for w in caught if os.path.abspath(w.filename).startswith(SOURCE)]
+    want = ref(xs[0])
+    want.sum().backward()
+    assert _rel(got.detach(), want.detach()) <= 1e-5
+    assert _rel(xs[1].grad, xs[0].grad) <= 1e-5
+    ours_params = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert _rel(ours_params[name].grad, p.grad) <= 1e-5, name
 
 
 def test_triton_interpreter_serves_the_smallest_model():

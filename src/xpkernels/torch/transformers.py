@@ -9,7 +9,9 @@ Two entry points, neither needing adapter code in the model:
   or ``config._attn_implementation = "xpkernels"`` run xpkernels' attention.
 - :func:`apply_xpkernels` also swaps the model's RMSNorm and LayerNorm modules
   for :mod:`xpkernels.torch.nn` ones that share their parameters (Gemma's
-  ``1 + weight`` scale included) and reports what it replaced.
+  ``1 + weight`` scale included), runs each gated MLP's ``act_fn(gate) * up``
+  on :func:`xpkernels.swiglu` or :func:`xpkernels.geglu` (SiLU; GELU, tanh
+  or exact), and reports what it replaced.
 
 How each call maps to xpkernels (the mask function reads transformers' mask
 recipe once per forward and hands every layer a :class:`KeyLayout`; no
@@ -47,6 +49,7 @@ Importing this module does not import transformers; :func:`register` and
 from __future__ import annotations
 
 import logging
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
@@ -60,7 +63,9 @@ from ..attention_varlen import attention_varlen
 from ..decode_attention import decode_attention
 from ..flex_attention import flex_attention
 from ..flex_attention_varlen import flex_attention_varlen
+from ..geglu import geglu
 from ..rms_norm import rms_norm
+from ..swiglu import swiglu
 from . import nn as xnn
 
 __all__ = ["NAME", "KeyLayout", "Report", "apply_xpkernels", "attention_forward", "register"]
@@ -534,21 +539,27 @@ class Report:
     rms_norm, layer_norm : list of str
         Modules now :class:`xpkernels.torch.nn.RMSNorm` (with ``offset=1`` for
         Gemma's) and :class:`xpkernels.torch.nn.LayerNorm`.
+    mlp : list of str
+        Gated MLP modules whose forward now runs ``act_fn(gate) * up`` on
+        :func:`xpkernels.swiglu` or :func:`xpkernels.geglu` (the module's
+        ``xpkernels_activation`` says which: ``"silu"``, or geglu's
+        ``approximate``, ``"tanh"`` or ``"none"``).
     skipped : list of (str, str)
-        Norm-like modules left alone, with the reason.
+        Norm-like and gated-MLP-like modules left alone, with the reason.
     attention : str or None
         The attention implementation set (``"xpkernels"``), or None.
     """
 
     rms_norm: list[str] = field(default_factory=list)
     layer_norm: list[str] = field(default_factory=list)
+    mlp: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     attention: str | None = None
 
     def __str__(self) -> str:
         lines = [
             f"xpkernels: {len(self.rms_norm)} RMSNorm, {len(self.layer_norm)} LayerNorm replaced; "
-            f"attention: {self.attention or 'unchanged'}"
+            f"{len(self.mlp)} gated MLP fused; attention: {self.attention or 'unchanged'}"
         ]
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
         return "\n".join(lines)
@@ -596,15 +607,145 @@ def _layer_norm_for(module: nn.LayerNorm) -> nn.Module:
     return new
 
 
+#: The config activations a gated MLP runs fused, by xpkernels' form: ``"silu"``
+#: (:func:`xpkernels.swiglu`; transformers' ``"swish"`` is the same function) or
+#: :func:`xpkernels.geglu`'s ``approximate``.
+_GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+_GATED_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _glu(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` on one xpkernels kernel: SwiGLU for ``"silu"``, else GeGLU with
+    ``approximate=activation``."""
+    if activation == "silu":
+        return swiglu(gate, up)
+    return geglu(gate, up, approximate=activation)
+
+
+def _gated_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """The forward :func:`apply_xpkernels` binds to a gated MLP:
+    ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, the product on :func:`_glu`."""
+    return self.down_proj(_glu(self.xpkernels_activation, self.gate_proj(x), self.up_proj(x)))
+
+
+def _fused(module: nn.Module) -> bool:
+    return getattr(vars(module).get("forward"), "__func__", None) is _gated_mlp_forward
+
+
+def _gated_mlp_like(module: nn.Module) -> bool:
+    return (
+        all(isinstance(getattr(module, part, None), nn.Module) for part in _GATED_PARTS)
+        and callable(getattr(module, "act_fn", None))
+        and not _fused(module)
+    )
+
+
+def _config_activation(module: nn.Module, model: Any) -> str | None:
+    """The activation string of the module's own ``config``, else of the model's text config:
+    ``hidden_activation`` (Gemma 2 and later), else ``hidden_act``."""
+    model_config = getattr(model, "config", None)
+    text_config = getattr(model_config, "get_text_config", None)
+    configs = (
+        getattr(module, "config", None),
+        model_config if text_config is None else text_config(),
+    )
+    for config in configs:
+        for attribute in ("hidden_activation", "hidden_act"):
+            value = getattr(config, attribute, None)
+            if isinstance(value, str):
+                return value
+    return None
+
+
+def _gated_structure(module: Any) -> str:
+    """Why one call of ``module`` on a probe is not ``down_proj(act_fn(gate_proj(x)) *
+    up_proj(x))``, compared exactly (each part called once, in train mode so dropout shows);
+    "" when it is."""
+    weight = getattr(module.gate_proj, "weight", None)
+    width = getattr(module.gate_proj, "in_features", None)
+    if (
+        not isinstance(weight, torch.Tensor)
+        or not weight.is_floating_point()
+        or not isinstance(width, int)
+    ):
+        return "gate_proj has no in_features or no floating-point weight"
+    probe = torch.randn(2, width, generator=torch.Generator().manual_seed(0))
+    probe = probe.to(device=weight.device, dtype=weight.dtype)
+    calls: dict[str, list] = {part: [] for part in _GATED_PARTS}
+    hooks = [
+        getattr(module, part).register_forward_hook(
+            lambda _, args, out, seen=calls[part]: seen.append((args, out))
+        )
+        for part in _GATED_PARTS
+    ]
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        module.train()
+        with torch.no_grad():
+            out = module(probe)
+            if any(len(seen) != 1 for seen in calls.values()):
+                return "its forward does not call gate_proj, up_proj and down_proj once each"
+            (gate_in, gate), (up_in, up), (down_in, down) = (seen[0] for seen in calls.values())
+            exact = (
+                all(len(args) == 1 and torch.equal(args[0], probe) for args in (gate_in, up_in))
+                and len(down_in) == 1
+                and torch.equal(down_in[0], module.act_fn(gate) * up)
+                and isinstance(out, torch.Tensor)
+                and torch.equal(out, down)
+            )
+    except Exception as error:  # another signature or return type: reported, not raised
+        return f"a probe call failed ({type(error).__name__}: {error})"
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for m, mode in modes:
+            m.training = mode
+    return "" if exact else "its output is not down_proj(act_fn(gate_proj(x)) * up_proj(x))"
+
+
+def _fuse_gated_mlp(module: Any, model: Any) -> str:
+    """Bind :func:`_gated_mlp_forward` to ``module`` (its config names an activation xpkernels
+    fuses, its ``act_fn`` computes it on a probe, its forward is the gated product); else why not."""
+    activation = _config_activation(module, model)
+    if activation is None:
+        return "no hidden_activation or hidden_act in its config or the model's"
+    fused = _GATED_ACTIVATIONS.get(activation)
+    if fused is None:
+        known = ", ".join(_GATED_ACTIVATIONS)
+        return f"activation {activation!r} has no fused xpkernels kernel (fused: {known})"
+    if "forward" in vars(module):
+        return "its forward is already replaced on the instance (by a hook?)"
+    why = _gated_structure(module)
+    if why:
+        return why
+    device = module.gate_proj.weight.device
+    gate = torch.linspace(-6.0, 6.0, 193, device=device)
+    up = torch.linspace(2.0, 0.5, 193, device=device)
+    with torch.no_grad():
+        want = module.act_fn(gate).float() * up
+        got = _glu(fused, gate, up)
+    tolerance = 64 * torch.finfo(torch.float32).eps
+    if not bool(((got - want).abs() <= tolerance * (1 + want.abs())).all()):
+        return f"its act_fn does not compute the config's {activation!r} on a probe"
+    module.xpkernels_activation = fused
+    module.forward = types.MethodType(_gated_mlp_forward, module)
+    return ""
+
+
 def apply_xpkernels(
-    model: Any, *, rms_norm: bool = True, layer_norm: bool = True, attention: bool = True
+    model: Any,
+    *,
+    rms_norm: bool = True,
+    layer_norm: bool = True,
+    mlp: bool = True,
+    attention: bool = True,
 ) -> Any:
     """Run a transformers model on xpkernels' kernels, in place.
 
     Parameters
     ----------
     model : torch.nn.Module
-        A transformers model (``PreTrainedModel``); any module for the norms.
+        A transformers model (``PreTrainedModel``); any module for the norms and MLPs.
     rms_norm : bool
         Replace every module whose class name ends in ``RMSNorm`` (one 1-D
         ``weight``, an ``eps`` or ``variance_epsilon``) by an xpkernels
@@ -614,6 +755,24 @@ def apply_xpkernels(
     layer_norm : bool
         Replace every ``torch.nn.LayerNorm`` by
         :class:`xpkernels.torch.nn.LayerNorm` sharing its parameters.
+    mlp : bool
+        Run each gated MLP's ``act_fn(gate_proj(x)) * up_proj(x)`` on one
+        xpkernels kernel: :func:`xpkernels.swiglu` for ``"silu"`` (or its
+        alias ``"swish"``: Llama, Qwen2/3, Mistral), :func:`xpkernels.geglu`
+        with ``approximate="tanh"`` for ``"gelu_pytorch_tanh"`` (Gemma) and
+        ``approximate="none"`` for ``"gelu"``. A gated MLP is any module with
+        ``gate_proj``, ``up_proj`` and ``down_proj`` submodules and an
+        ``act_fn``, whatever its class; its activation is the string its own
+        ``config`` (else the model's text config) names in
+        ``hidden_activation``, else ``hidden_act``. Two probes confirm it
+        first: one call of the module (train mode, no grad) is exactly
+        ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, and ``act_fn``
+        computes that activation (to 64 float32 eps). Only the instance's
+        ``forward`` is then replaced (its ``xpkernels_activation`` names the
+        form): class, submodules, weights and ``state_dict`` keys stay, and
+        ``torch.compile`` traces the kernel as one op. Another activation or
+        structure, or a ``forward`` already replaced on the instance (a
+        hook), leaves the module as it is, reported.
     attention : bool
         :func:`register` and set the model's attention implementation to
         ``"xpkernels"``.
@@ -626,6 +785,13 @@ def apply_xpkernels(
     """
     report = Report()
     for name, module in list(model.named_modules()):
+        if mlp and _gated_mlp_like(module):
+            why = _fuse_gated_mlp(module, model)
+            if why:
+                report.skipped.append((name, why))
+            else:
+                report.mlp.append(name)
+            continue
         if rms_norm and _rms_norm_like(module):
             new, why = _rms_norm_for(module)
         elif layer_norm and type(module) is nn.LayerNorm:
