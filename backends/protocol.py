@@ -7,8 +7,9 @@ one module ``<name>/<op>.py`` per op it declares, providing:
 
 - ``forward`` and, where the primitive has one, ``backward``, with the
   parameters :meth:`Primitive.functions` gives (derived from the op's
-  declared :class:`Signature`, or its Protocol class for the two irregular
-  ops, :class:`DecodeAttentionModule` and :class:`MergeAttentionStatesModule`);
+  declared :class:`Signature`, or its Protocol class for the three irregular
+  ops, :class:`DecodeAttentionModule`, :class:`MergeAttentionStatesModule` and
+  :class:`RopeModule`);
 - any of the op's optional hooks (:data:`PRIMITIVES`), each declared in the
   backend's :class:`Capability` ``hooks``; an undeclared hook is replaced by
   the default defined here, whose signature is the hook's contract;
@@ -121,7 +122,7 @@ FEATURES = {
 # Array arguments arrive validated (shapes, dtypes, a contiguous last axis);
 # outputs and shadows are overwritten in full. Checkpoint arguments are None
 # for inference. The row primitives and the attention family take the
-# parameters their Signature implies (:func:`module_functions`); the two
+# parameters their Signature implies (:func:`module_functions`); the three
 # irregular ones are written out as Protocol classes below.
 
 
@@ -156,6 +157,18 @@ class MergeAttentionStatesModule(Protocol):
         self, do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b
     ) -> None:
         """``dlse`` None means zero; ``do_a``/``do_b`` may be ``do``, ``dlse_a``/``dlse_b`` ``dlse``."""
+
+
+class RopeModule(Protocol):
+    """Rotary position embeddings of one ``(B, H, S, D)`` array (the front calls it for ``q``,
+    then for ``k``), with the tables ``cos``, ``sin`` as ``(B, P, R2)`` views (a broadcast
+    table has batch stride 0) and ``position_ids`` None or ``(B, S)`` integers in ``[0, P)``."""
+
+    def forward(self, out, x, cos, sin, position_ids, *, interleaved) -> None:
+        """``out`` may be the very same array as ``x``."""
+
+    def backward(self, dx, dout, cos, sin, position_ids, *, interleaved) -> None:
+        """The inverse rotation of ``dout``; ``dx`` may be the very same array as ``dout``."""
 
 
 # -- Optional hooks: each default below is also the hook's signature -------------------------
@@ -228,8 +241,9 @@ class Arg:
         Duplicated in the backward is the upper-case name (``X``, ``W``, ``Y``).
     shape : str
         Its shape pattern: ``"... M"`` (any leading axes, then the row
-        length), ``"M"``, ``"rows"`` (one per row of the ``... M`` arrays) or
-        ``"P M"`` (any ``P >= 1`` rows of partial sums).
+        length), ``"M"``, ``"rows"`` (one per row of the ``... M`` arrays),
+        ``"P M"`` (any ``P >= 1`` rows of partial sums), or symbols one per
+        axis (see :class:`Signature`).
     optional : bool
         None is accepted (an input the call does without: no weight).
     aliases : tuple of str
@@ -317,7 +331,9 @@ class Signature:
     share ``B`` and ``D``. ``"... M"`` is any leading axes then the row
     length (the row primitives), ``"rows"`` one entry per row of those,
     ``"P M"`` any ``P >= 1`` rows of partial sums, ``"B+1"`` the prefix
-    sums of ``B`` sequences, ``"N"`` a 1-D workspace of any length.
+    sums of ``B`` sequences, ``"N"`` a 1-D workspace of any length. RoPE's
+    tables ``"Pmax R2"`` hold ``R2`` rotated pairs at each of ``Pmax``
+    positions (its front also takes them per batch, ``(B, Pmax, R2)``).
 
     For the row primitives the backend modules receive, in this order:
     forward ``(outputs, inputs, checkpoints, **options)``; backward
@@ -347,9 +363,9 @@ class Signature:
         The primals the backward reads (inputs or outputs).
     kind : str
         ``"rows"`` (``... M`` arrays, fronts driven by ``xpkernels._declared``),
-        ``"attention"`` (the attention family's front core), ``"decode"`` or
-        ``"merge"`` (fronts written out, declaration used by the torch layer
-        and the conformance suite).
+        ``"attention"`` (the attention family's front core), ``"decode"``,
+        ``"merge"`` or ``"rope"`` (fronts written out, declaration used by the
+        torch layer and the conformance suite).
     """
 
     title: str
@@ -415,6 +431,21 @@ _SIGNATURES = {
         reads=("a", "b"),
     ),
 }
+
+_SIGNATURES["rope"] = Signature(
+    title="RoPE",
+    inputs=(
+        Arg("q", "B H S D", aliases=("q_out",)),
+        Arg("k", "B Hkv S D", aliases=("k_out",)),
+        Arg("cos", "Pmax R2", grad=False),
+        Arg("sin", "Pmax R2", grad=False),
+        Arg("position_ids", "B S", optional=True, dtype="index", grad=False),
+    ),
+    outputs=(Arg("q_out", "B H S D", aliases=("q",)), Arg("k_out", "B Hkv S D", aliases=("k",))),
+    options=(Option("interleaved", False, "bool", backward=True),),
+    reads=("cos", "sin"),
+    kind="rope",
+)
 
 #: The values of a ``"gelu_approximate"`` option: GELU exactly (``"none"``, through erf) or
 #: its tanh form (``"tanh"``), as ``torch.nn.functional.gelu``'s ``approximate``.
@@ -672,6 +703,7 @@ PRIMITIVES: Mapping[str, Primitive] = {
         Primitive("softmax"),
         Primitive("swiglu"),
         Primitive("geglu"),
+        Primitive("rope", module=RopeModule),
         Primitive("attention", {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
         Primitive("attention_varlen", {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
         Primitive(

@@ -203,6 +203,16 @@ def _geglu(pass_, R, M, approximate):
         geglu.backward(*tensors, approximate=approximate)
 
 
+def _rope(pass_, interleaved, B=4, H=32, S=4096, D=128, R2=64):
+    """One rotation of ``(B, H, S, D)`` by a ``(1, S, R2)`` table broadcast over the batch."""
+    from xpkernels.backends.triton import rope
+
+    t = spec.tensor
+    cos, sin = (t((1, S, R2)).expand(B, S, R2) for _ in range(2))
+    launch = rope.forward if pass_ == "fwd" else rope.backward
+    launch(t((B, H, S, D)), t((B, H, S, D)), cos, sin, None, interleaved=interleaved)
+
+
 def _rms_norm(pass_, R, M):
     from xpkernels.backends.triton import rms_norm
 
@@ -387,6 +397,13 @@ def cases():
                 )
     for pass_ in ("fwd", "bwd"):
         out[f"merge_attention_states.{pass_}.D128"] = ("rows", lambda p=pass_: _merge(p))
+    for pass_ in ("fwd", "bwd"):
+        for interleaved in (False, True):
+            layout = "interleaved" if interleaved else "half"
+            out[f"rope.{pass_}.D128.{layout}"] = (
+                "rows",
+                lambda p=pass_, i=interleaved: _rope(p, i),
+            )
     for name, fn in (
         ("rms_norm", _rms_norm),
         ("layer_norm", _layer_norm),

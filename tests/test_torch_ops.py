@@ -85,6 +85,9 @@ def _cases(dtype):
     mo, mm, ml = ops.merge_attention_states(*sd, None)
     dml = (torch.randn(1, 4, 5, generator=g), torch.randn(1, 4, 5, generator=g))
     d = {"x": x.detach(), "w": w.detach(), "b": b.detach()}
+    # RoPE: tables of 6 positions x 3 pairs (cos, sin), position ids of (B, S) = (1, 5)
+    tables = (t(6, 3), t(6, 3))
+    ids, q3, do8 = torch.tensor([[5, 0, 2, 2, 1]]), t(1, 2, 5, 8), t(1, 4, 5, 8)
     qkv = (q.detach(), k.detach(), v.detach())
     cases = [
         ("rms_norm", ops.rms_norm, (x, w, 1e-6, 0.5, None)),
@@ -126,6 +129,18 @@ def _cases(dtype):
             "geglu_backward_",
             ops.geglu_backward_,
             (dy, d["x"], y, t(3, 8), t(3, 8), "tanh", None),
+        ),
+        ("rope", ops.rope, (q, t(1, 2, 5, 8, grad=True), *tables, None, False, None)),
+        (
+            "rope_",
+            ops.rope_,
+            (t(1, 4, 5, 8), t(1, 2, 5, 8), q.detach(), q3, *tables, ids, True, None),
+        ),
+        ("rope_backward", ops.rope_backward, (do8, t(1, 2, 5, 8), *tables, ids, False, None)),
+        (
+            "rope_backward_",
+            ops.rope_backward_,
+            (do8, t(1, 2, 5, 8), *tables, None, t(1, 4, 5, 8), t(1, 2, 5, 8), True, None),
         ),
         ("attention", ops.attention, (q, k, v, *att, *att_s)),
         (
@@ -345,6 +360,16 @@ def test_gradcheck_norms_and_softmax():
     _gradcheck(lambda x, w, b: xk.layer_norm(x, w, b), x, w, b)
     _gradcheck(lambda x, b: xk.layer_norm(x, None, b), x, b)
     _gradcheck(xk.softmax, x)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gradcheck_rope(interleaved):
+    """RoPE through the ops' autograd, with position ids; the tables get no gradient."""
+    g = torch.Generator().manual_seed(3)
+    q, k = _f64(2, 3, 4, 8, generator=g), _f64(2, 1, 4, 8, generator=g)
+    cos, sin = _f64(6, 3, generator=g, grad=False), _f64(6, 3, generator=g, grad=False)
+    ids = torch.tensor([[0, 5, 2, 2], [1, 1, 4, 3]])
+    _gradcheck(lambda q, k: xk.rope(q, k, cos, sin, ids, interleaved=interleaved), q, k)
 
 
 @pytest.mark.parametrize("approximate", [None, "none", "tanh"])

@@ -5,7 +5,8 @@ interface of :mod:`._loader`, so the same launchers and ``.cu`` files run on
 a GPU through ``cupy.RawModule`` (NVRTC) and on the CPU through
 :mod:`xpkernels.testing.cudacpu` (``with cudacpu.emulate(): ...``). Only CuPy
 is imported on the GPU path: no torch, no triton. Every op has CUDA C
-kernels: ``rms_norm``, ``layer_norm``, ``softmax``, ``decode_attention``,
+kernels: ``rms_norm``, ``layer_norm``, ``softmax``, ``swiglu``, ``geglu``,
+``rope`` (forward and backward each), ``decode_attention``,
 ``attention`` (forward and backward; ``attention_varlen`` runs them per
 sequence), ``flex_attention`` (forward and backward, the mods' CUDA C
 generated per mod structure; ``flex_attention_varlen`` runs them per
@@ -108,6 +109,9 @@ BACKEND = Backend(
         "softmax": Capability(dtypes=_DTYPES),
         "swiglu": Capability(dtypes=_DTYPES),
         "geglu": Capability(dtypes=_DTYPES),
+        # Forward and backward in one CUDA C kernel (rope.cu): 128-bit rows where the pair
+        # layout allows; tables float32/float16/bfloat16/float64, shared or one per batch.
+        "rope": Capability(dtypes=_DTYPES),
         # Forward and backward in CUDA C (wmma for float16/bfloat16, SIMT for float32; shared
         # memory per block: attention.shared_bytes and backward_shared_bytes, at most ~163 KiB);
         # the backward computes dQ in its own pass: no dq_accum scratch.

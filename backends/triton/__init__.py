@@ -56,6 +56,7 @@ BACKEND = Backend(
         "softmax": Capability(dtypes=_DTYPES),
         "swiglu": Capability(dtypes=_DTYPES),
         "geglu": Capability(dtypes=_DTYPES),
+        "rope": Capability(dtypes=_DTYPES),
         "attention": Capability(
             dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",)
         ),

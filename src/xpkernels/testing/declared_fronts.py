@@ -50,11 +50,13 @@ EXTENTS = {
     "R": 3,
     "N": 2,
     "P": 1,
+    "Pmax": 5,
+    "R2": 2,
 }
 #: Symbols whose extent is free (any ``P >= 1`` partial rows, any number of splits or workspace).
 FREE = ("P", "N")
-#: Axes whose stride must be 1 (the row length and head dims); other strides are free.
-CONTIGUOUS = ("M", "D", "Dv")
+#: Axes whose stride must be 1 (the row length, head dims, RoPE's pairs); other strides are free.
+CONTIGUOUS = ("M", "D", "Dv", "R2")
 
 
 @dataclass(frozen=True)

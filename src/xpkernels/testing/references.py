@@ -32,6 +32,7 @@ __all__ = [
     "swiglu_backward",
     "geglu",
     "geglu_backward",
+    "rope",
     "attention_keep",
     "repeat_kv",
     "group_sum",
@@ -171,6 +172,45 @@ def geglu_backward(
     """``(da, db)`` of :func:`geglu`: ``da = dy * b * gelu'(a)``, ``db = dy * gelu(a)``."""
     value, slope = _gelu(a, approximate)
     return dy * b * slope, dy * value
+
+
+# --------------------------------------------------------------------------- rotary embeddings
+
+
+def rope(x, cos, sin, *, position_ids=None, interleaved=False, inverse=False):
+    """Rotary embedding of ``x`` ``(B, H, S, D)`` by the tables ``cos``, ``sin``.
+
+    The tables are ``(P, R2)`` or ``(B, P, R2)``: row ``p`` holds
+    :math:`\\cos(p\\,\\theta_i)` and :math:`\\sin(p\\,\\theta_i)` of the ``R2`` rotated
+    pairs (rotary dim ``R = 2 R2 <= D``). Query ``s`` of batch ``b`` takes row
+    ``position_ids[b, s]`` (``(B, S)`` integers), or row ``s`` when None. Pair
+    ``i`` is ``(x[i], x[i + R2])`` (the half-rotation layout of Hugging Face
+    models) or ``(x[2i], x[2i + 1])`` (``interleaved``, GPT-J); it becomes
+    ``(x1 c - x2 s, x2 c + x1 s)``, or with ``inverse`` (the backward, of the
+    output's gradient) ``(x1 c + x2 s, x2 c - x1 s)``. Elements past ``R``
+    are kept.
+    """
+    b, _, s, d = x.shape
+    r2 = cos.shape[-1]
+    if cos.ndim == 2:
+        cos, sin = (np.broadcast_to(t, (b, *t.shape)) for t in (cos, sin))
+    pos = np.broadcast_to(np.arange(s), (b, s)) if position_ids is None else position_ids
+    rows = np.arange(b)[:, None]
+    c = cos[rows, pos][:, None].astype(x.dtype)  # (B, 1, S, R2)
+    sn = sin[rows, pos][:, None].astype(x.dtype)
+    if inverse:
+        sn = -sn
+    if interleaved:
+        first, second = x[..., 0 : 2 * r2 : 2], x[..., 1 : 2 * r2 : 2]
+    else:
+        first, second = x[..., :r2], x[..., r2 : 2 * r2]
+    out = x.copy()
+    y1, y2 = first * c - second * sn, second * c + first * sn
+    if interleaved:
+        out[..., 0 : 2 * r2 : 2], out[..., 1 : 2 * r2 : 2] = y1, y2
+    else:
+        out[..., :r2], out[..., r2 : 2 * r2] = y1, y2
+    return out
 
 
 # --------------------------------------------------------------------------- attention
