@@ -11,6 +11,8 @@ from xpkernels.testing import references as ref
 from xpkernels.testing.declared_errors import declared_errors, other_device
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
+from ._gated import arrange, cotangents, inputs
+
 #: The shapes of every case, as SwiGLU's: ``(id, params, interpreter, quick)``.
 _SHAPES = (
     ("rows1-M1", {"shape": (1, 1)}, True, False),
@@ -58,33 +60,6 @@ def _cases():
         )
     )
     return cases
-
-
-#: Gate values of the large-gates cases, one of them every third element.
-_LARGE = np.array([60.0, -60.0, 1e4, -1e4, 20.0, -20.0, 88.0, -88.0])
-
-
-def _arrange(case, arrays, target):
-    if not case.params.get("permute_leading"):
-        return arrays
-    return {name: target.leading_transposed(a) for name, a in arrays.items()}
-
-
-def _inputs(case, rng):
-    shape = case.params["shape"]
-    if not case.params.get("large"):
-        return {"a": rng.standard_normal(shape) * 3, "b": rng.standard_normal(shape)}
-    a = rng.standard_normal(shape) * 30
-    flat = a.reshape(-1)
-    flat[::3] = np.resize(_LARGE, flat[::3].size)
-    return {"a": a, "b": rng.uniform(-1, 1, shape)}
-
-
-def _cotangents(case, rng):
-    shape = case.params["shape"]
-    if case.params.get("large"):
-        return {"y": rng.uniform(-1, 1, shape)}
-    return {"y": rng.standard_normal(shape)}
 
 
 def _reference(case, inputs):
@@ -184,16 +159,16 @@ SPEC = OpSpec(
     name="geglu",
     outputs=("y",),
     cases=tuple(_cases()),
-    inputs=_inputs,
+    inputs=inputs,
     reference=_reference,
     allocate_outputs=_allocate_outputs,
     forward_=_forward_,
     forward=_forward,
     errors=_errors,
-    arrange=_arrange,
+    arrange=arrange,
     backward=Backward(
         grad_names=("a", "b"),
-        cotangents=_cotangents,
+        cotangents=cotangents,
         reference=_reference_backward,
         inplace=_backward_,
         allocating=_backward,
