@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch", reason="the transformers integration needs 
 tf = pytest.importorskip("transformers", reason="transformers is not installed")
 
 import xpkernels as xk
+from xpkernels.torch import _hf_attention, _hf_rope
 from xpkernels.torch import nn as xnn
 from xpkernels.torch import transformers as xt
 
@@ -61,6 +62,7 @@ SEQ = 16
 #: Each family's gated MLP activation as apply_xpkernels fuses it: swiglu, or geglu's approximate.
 FUSED = {"llama": "silu", "qwen3": "silu", "mistral": "silu", "gemma2": "tanh", "gemma3": "tanh"}
 MLPS = ["model.layers.0.mlp", "model.layers.1.mlp"]
+ATTENTIONS = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +134,7 @@ class _Calls:
     def __init__(self, monkeypatch):
         self.seen: list[str] = []
         for name in self.NAMES:
-            monkeypatch.setattr(xt, name, self._spy(name, getattr(xt, name)))
+            monkeypatch.setattr(_hf_attention, name, self._spy(name, getattr(_hf_attention, name)))
 
     def _spy(self, name, fn):
         def spy(*args, **kwargs):
@@ -268,7 +270,7 @@ def test_norms_are_replaced_with_their_weights_and_gemma_offset():
     report = ours.xpkernels_report
     norms = [m for m in ours.modules() if isinstance(m, xnn.RMSNorm)]
     assert len(report.rms_norm) == len(norms) == 9 and report.attention == "xpkernels"
-    assert all(m.offset == 1.0 for m in norms)
+    assert all(m.offset == 1.0 for m in norms) and report.rope == ATTENTIONS
     _, llama = _models("llama")
     assert all(m.offset == 0.0 for m in llama.modules() if isinstance(m, xnn.RMSNorm))
     assert ours.config._attn_implementation == "xpkernels"
@@ -289,7 +291,9 @@ def test_gated_mlps_run_fused_with_their_weights(family, config, fused, monkeypa
     float64 logits and every gradient are eager's to 1e-10 (the model-wide tests above check
     mlp=True beside xpkernels' norms and attention)."""
     ref, _ = _models(family, torch.float64, **config)
-    ours = xt.apply_xpkernels(copy.deepcopy(ref), rms_norm=False, layer_norm=False, attention=False)
+    ours = xt.apply_xpkernels(
+        copy.deepcopy(ref), rms_norm=False, layer_norm=False, attention=False, rope=False
+    )
     report = ours.xpkernels_report
     assert report.mlp == MLPS and not report.skipped and "2 gated MLP fused" in str(report)
     for name in MLPS:
@@ -319,6 +323,158 @@ def test_gated_mlps_run_fused_with_their_weights(family, config, fused, monkeypa
     ours_params = dict(ours.named_parameters())
     for name, p in ref.named_parameters():
         assert _rel(ours_params[name].grad, p.grad) <= 1e-10, name
+
+
+class _RopeCalls:
+    """The backward each output of the integration's ``xpkernels.rope`` calls records (two
+    entries a call: q and k)."""
+
+    def __init__(self, monkeypatch):
+        self.backward: list[str] = []
+        front = _hf_rope.rope
+
+        def spy(*args, **kwargs):
+            out = front(*args, **kwargs)
+            self.backward += [type(o.grad_fn).__name__ for o in out]
+            return out
+
+        monkeypatch.setattr(_hf_rope, "rope", spy)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rope_runs_xpkernels_and_leaves_other_models_eager(family, monkeypatch):
+    """With rope alone, each attention module's apply_rotary_pos_emb call runs xpkernels.rope
+    (its backward too): float64 logits and every gradient are eager's to 1e-10. The eager
+    model of the same family, in the same process, still runs transformers' function (no
+    call reaches xpkernels.rope), and nothing of the modeling module is rebound."""
+    ref, _ = _models(family, torch.float64)
+    module = __import__(type(ref).__module__, fromlist=["_"])
+    original = module.apply_rotary_pos_emb
+    ours = xt.apply_xpkernels(
+        copy.deepcopy(ref), rms_norm=False, layer_norm=False, mlp=False, attention=False
+    )
+    report = ours.xpkernels_report
+    assert report.rope == ATTENTIONS and not report.skipped
+    assert "RoPE on xpkernels in 2 attention modules" in str(report)
+    assert module.apply_rotary_pos_emb is original
+    assert module._xpkernels_apply_rotary_pos_emb.xpkernels_original is original
+    for name in ATTENTIONS:
+        attn, eager_attn = ours.get_submodule(name), ref.get_submodule(name)
+        assert type(attn) is type(eager_attn) and "forward" not in vars(eager_attn)
+        assert attn.forward.__func__.xpkernels_rope is type(attn).forward
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    calls = _RopeCalls(monkeypatch)
+    _float64_softmax(monkeypatch)
+    ids, mask = _batch("left")
+    real, labels = mask.bool(), _labels(ids, mask)
+    want = ref(ids, attention_mask=mask, labels=labels)
+    assert calls.backward == []
+    got = ours(ids, attention_mask=mask, labels=labels)
+    assert len(calls.backward) == 4 and all("xpkernels_rope" in b for b in calls.backward)
+    assert _rel(got.logits.detach()[real], want.logits.detach()[real]) <= 1e-10
+    for output in (want, got):
+        output.loss.backward()
+    ours_params = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert _rel(ours_params[name].grad, p.grad) <= 1e-10, name
+
+
+def test_rope_replacement_falls_back_where_it_cannot_express(monkeypatch):
+    """Calls xpkernels.rope cannot express exactly run transformers' own function: the
+    (B, S, H, D) layout with unsqueeze_dim=2, mixed dtypes, a rotary width under D (which
+    transformers' Llama rejects as it would); an expressible call with a table broadcast
+    over the batch runs xpkernels."""
+    from transformers.models.llama import modeling_llama as ml
+
+    _models("llama")  # adds the replacement beside the original
+    patched, original = ml._xpkernels_apply_rotary_pos_emb, ml.apply_rotary_pos_emb
+    calls = _RopeCalls(monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 5, 4, 8, generator=g), torch.randn(2, 5, 2, 8, generator=g)
+    angles = torch.randn(1, 5, 4, generator=g)
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1) for f in (torch.cos, torch.sin))
+    for got, want in zip(patched(q, k, cos, sin, 2), original(q, k, cos, sin, 2)):
+        assert torch.equal(got, want)
+    qt, kt = q.transpose(1, 2).double(), k.transpose(1, 2).double()
+    for got, want in zip(patched(qt, kt, cos, sin), original(qt, kt, cos, sin)):
+        assert torch.equal(got, want) and got.dtype == torch.float64
+    assert calls.backward == []
+    with pytest.raises(RuntimeError):
+        patched(qt, kt, cos[..., :4].double(), sin[..., :4].double())
+    assert calls.backward == []
+    qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+    for got, want in zip(patched(qt, kt, cos, sin), original(qt, kt, cos, sin)):
+        assert _rel(got, want) <= 1e-6
+    assert len(calls.backward) == 2
+
+
+def _toy_attention(apply_source):
+    """An attention class defined in its own module namespace, calling that namespace's
+    ``apply_rotary_pos_emb`` (given as source) as a transformers family does."""
+    namespace = {"__name__": "toy_rope_family", "torch": torch}
+    exec(
+        apply_source
+        + """
+class ToyAttention(torch.nn.Module):
+    def forward(self, q, k, cos, sin):
+        return apply_rotary_pos_emb(q, k, cos, sin)
+""",
+        namespace,
+    )
+    return namespace["ToyAttention"]
+
+
+_HALF = """
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    r = cos.shape[-1]
+    def rotate(x):
+        x1, x2, rest = x[..., : r // 2], x[..., r // 2 : r], x[..., r:]
+        rot = torch.cat((-x2, x1), dim=-1)
+        c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return torch.cat((x[..., :r] * c + rot * s, rest), dim=-1)
+    return rotate(q), rotate(k)
+"""
+_INTERLEAVED = """
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    def rotate(x):
+        c = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
+        s = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, -1).unsqueeze(unsqueeze_dim)
+        rot = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+        return x * c + rot * s
+    return rotate(q), rotate(k)
+"""
+
+
+def test_rope_families_are_probed_and_unsupported_ones_reported(monkeypatch):
+    """A family whose apply_rotary_pos_emb rotates the first R < D features runs partial
+    rotary on xpkernels; an interleaved one, and attention with no RoPE (GPT-2), are reported
+    and keep their code. Applying twice changes nothing."""
+    model = torch.nn.ModuleDict(
+        {"partial": _toy_attention(_HALF)(), "interleaved": _toy_attention(_INTERLEAVED)()}
+    )
+    xt.apply_xpkernels(model, attention=False)
+    report = model.xpkernels_report
+    assert report.rope == ["partial"] and [name for name, _ in report.skipped] == ["interleaved"]
+    assert "not the half rotation" in report.skipped[0][1]
+    assert "forward" not in vars(model["interleaved"])
+    calls = _RopeCalls(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 4, 3, 8, generator=g), torch.randn(2, 2, 3, 8, generator=g)
+    angles = torch.randn(2, 3, 2, generator=g)
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1) for f in (torch.cos, torch.sin))
+    reference = type(model["partial"])()
+    for got, want in zip(model["partial"](q, k, cos, sin), reference(q, k, cos, sin)):
+        assert _rel(got, want) <= 1e-6
+    assert len(calls.backward) == 2  # one call: q and k
+    forward = model["partial"].forward
+    xt.apply_xpkernels(model, attention=False)
+    assert model["partial"].forward == forward and model.xpkernels_report.rope == []
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128))
+    xt.apply_xpkernels(gpt2, rms_norm=False, layer_norm=False, mlp=False, attention=False)
+    assert gpt2.xpkernels_report.rope == []
+    assert gpt2.xpkernels_report.skipped == [
+        ("transformer.h.0.attn", "its forward calls no module-level apply_rotary_pos_emb")
+    ]
 
 
 def test_unsupported_activations_keep_eagers_mlp():
@@ -403,7 +559,7 @@ def test_what_xpkernels_cannot_express_runs_sdpa_with_one_warning():
     ids, mask = _batch("left")
     keep = mask.bool()[:, None, None, :] & torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
     mask4 = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
-    xt._WARNED.clear()
+    _hf_attention._WARNED.clear()
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = ours(ids, attention_mask=mask4).logits
@@ -420,7 +576,7 @@ def test_custom_and_static_cache_recipes_get_sdpas_mask():
     def odd(b, h, q_idx, kv_idx):
         return kv_idx % 2 == 0
 
-    xt._WARNED.clear()
+    _hf_attention._WARNED.clear()
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         custom = xt.mask_function(2, 4, 4, mask_function=mu.and_masks(odd), use_vmap=True)
@@ -448,6 +604,7 @@ def test_register_makes_the_name_loadable():
 def test_compile_forward_backward_has_no_graph_break():
     ref, ours = _models("llama", use_cache=False)
     assert ours.xpkernels_report.mlp == MLPS  # swiglu inside the graph too
+    assert ours.xpkernels_report.rope == ATTENTIONS  # and rope
     ids, _ = _batch("none", batch=2)
     compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")  # inductor adds 40 s
     with warnings.catch_warnings(record=True) as caught:
