@@ -34,10 +34,16 @@ Measures, in order:
    backwards with score-mod gradients (ALiBi, the table: deterministic, the
    default) also next to the same call with ``deterministic=False`` (float32
    atomics) and to the same call computing no score-mod gradients;
-6. the cupy backend (CUDA C through ``cupy.RawModule``) on CuPy views of the same
-   CUDA tensors, float16: the norms and softmax at ``(32768, 4096)``, attention
-   at ``D=128`` causal and not, FlexAttention with a causal mask mod at the same
-   shape, decode attention, next to the same call on the
+6. SwiGLU and GeGLU (its tanh form and its exact one) at the norms' shapes and
+   dtypes, forward and backward: GB/s as a share of the copy bandwidth, next
+   to the PyTorch composition they replace (``F.silu(a) * b``,
+   ``F.gelu(a, approximate=...) * b``) and, where ``liger_kernel`` imports,
+   Liger-Kernel's ``LigerSiLUMulFunction`` / ``LigerGELUMulFunction`` (the
+   tanh form only);
+7. the cupy backend (CUDA C through ``cupy.RawModule``) on CuPy views of the same
+   CUDA tensors, float16: the norms, softmax, SwiGLU and GeGLU at ``(32768, 4096)``,
+   attention at ``D=128`` causal and not, FlexAttention with a causal mask mod at
+   the same shape, decode attention, next to the same call on the
    triton backend (target: at most 1.25x slower) and to PyTorch's op. In a dry
    run these calls run the same ``.cu`` on NumPy views through
    ``xpkernels.testing.cudacpu``.
@@ -50,7 +56,7 @@ timing (``triton.testing.do_bench``), the ceilings, PyTorch's CUDA baselines,
 the targets and the summary.
 
 Every xpkernels call is made through the public in-place functions with
-``backend="triton"`` (``"cupy"`` in section 6) and preallocated buffers (checkpoints, scratch), so a
+``backend="triton"`` (``"cupy"`` in section 7) and preallocated buffers (checkpoints, scratch), so a
 timing is the kernels alone. Writes ``gpu.json`` into ``--out`` and prints a
 table. An entry that raises is recorded with its traceback and the run goes
 on; the exit status is 1 if any entry failed or was skipped for time.
@@ -305,6 +311,72 @@ def row_op_case(bench: Bench, compiler: CompileBudget, op: str, inputs, dtype_na
     for pass_, kernel in (("forward", calls.forward), ("backward", calls.backward)):
         amount, formula = cases.row_work(op, pass_, rows, m, s)
         entry = Entry("rows", op, pass_, dtype_name, (rows, m), "GB/s", formula, amount, "copy")
+        bench.run(entry, kernel, baselines[pass_])
+
+
+#: The name of each gated activation's PyTorch baseline: the composition it replaces.
+TORCH_GATED_OPS = {"swiglu": "F.silu(a)*b", "geglu": "F.gelu(a)*b"}
+
+
+def gated_section(bench: Bench) -> None:
+    """SwiGLU and GeGLU at every ``GPU_SHAPES`` rows shape and dtype."""
+    import importlib.util
+
+    shapes = cases.GPU_SHAPES[bench.dry]
+    if importlib.util.find_spec("liger_kernel") is None:
+        print("  liger_kernel is not installed: no Liger-Kernel baselines", flush=True)
+    for rows, m in shapes["rows"]:
+        for dtype_name in shapes["row_dtypes"]:
+            inputs = cases.gated_inputs(rows, m, bench.random(getattr(bench.torch, dtype_name)))
+            for op in cases.GATED_OPS:
+                for name, options in cases.GATED_CASES[op]:
+                    gated_case(bench, op, name, options, inputs, dtype_name)
+            bench.free()
+
+
+def liger_gated(op: str, options: dict):
+    """Liger-Kernel's fused ``op`` at ``options`` as ``f(a, b)`` (an autograd function), or None
+    where ``liger_kernel`` is not installed or has none (its GeGLU is the tanh form only)."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    if op == "swiglu":
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+        return LigerSiLUMulFunction.apply
+    if options["approximate"] == "tanh":
+        from liger_kernel.ops.geglu import LigerGELUMulFunction
+
+        return LigerGELUMulFunction.apply
+    return None
+
+
+def gated_case(bench: Bench, op: str, name: str, options: dict, inputs, dtype_name: str) -> None:
+    """Gated activation ``op`` with ``options`` (the entries named ``name``), forward and
+    backward on ``inputs`` (:func:`~xpkernels.cli.bench_work.gated_inputs`), against the
+    PyTorch composition it replaces and Liger-Kernel's fused function where there is one."""
+    torch = bench.torch
+    a, b, dy = (inputs[n] for n in ("a", "b", "dy"))
+    rows, m = a.shape
+    s = torch.finfo(a.dtype).bits // 8
+    calls = cases.gated_calls(op, DeviceArrays(bench, "triton"), inputs, options)
+    torch_op = cases.torch_gated_op(op, options)
+    ar, br = (t.detach().requires_grad_() for t in (a, b))
+    eager = TORCH_GATED_OPS[op]
+    baselines = {
+        "forward": {eager: lambda: torch_op(a, b)},
+        "backward": {eager: _grad(torch, torch_op(ar, br), (ar, br), dy)},
+    }
+    liger = liger_gated(op, options)
+    if liger is not None:
+        # Liger's backward writes da and db over the a and b it saved: copies of its own
+        al, bl = (t.detach().clone().requires_grad_() for t in (a, b))
+        baselines["forward"]["liger"] = lambda: liger(a, b)
+        baselines["backward"]["liger"] = _grad(torch, liger(al, bl), (al, bl), dy)
+    for pass_, kernel in (("forward", calls.forward), ("backward", calls.backward)):
+        amount, formula = cases.row_work(op, pass_, rows, m, s)
+        entry = Entry("gated", name, pass_, dtype_name, (rows, m), "GB/s", formula, amount, "copy")
         bench.run(entry, kernel, baselines[pass_])
 
 
@@ -613,6 +685,11 @@ def cupy_section(bench: Bench) -> None:
     for op in cases.ROW_OPS:
         cupy_row_op_case(bench, views, op, inputs)
     bench.free()
+    inputs = cases.gated_inputs(rows, m, bench.random(bench.torch.float16))
+    for op in cases.GATED_OPS:
+        for name, options in cases.GATED_CASES[op]:
+            cupy_gated_case(bench, views, op, name, options, inputs)
+    bench.free()
     a = shapes["cupy"]["attention"]
     for causal in (False, True):
         cupy_attention_case(bench, views, a["B"], a["H"], a["S"], a["D"], causal)
@@ -659,6 +736,30 @@ def cupy_row_op_case(bench: Bench, views: CupyViews, op: str, inputs) -> None:
             _cupy_entry(op, pass_, (rows, m), "GB/s", formula, amount, "copy"),
             ours,
             {"xk triton": triton_call, f"torch {op}": torch_calls[pass_]},
+        )
+
+
+def cupy_gated_case(bench: Bench, views: CupyViews, op: str, name: str, options: dict, inputs):
+    """Gated activation ``op`` with ``options`` (the entries named ``name``) on ``(rows, m)``
+    float16 ``inputs``, forward and backward."""
+    torch = bench.torch
+    a, b, dy = (inputs[n] for n in ("a", "b", "dy"))
+    rows, m = a.shape
+    ar, br = (t.detach().requires_grad_() for t in (a, b))
+    torch_op = cases.torch_gated_op(op, options)
+    torch_calls = {
+        "forward": lambda: torch_op(a, b),
+        "backward": _grad(torch, torch_op(ar, br), (ar, br), dy),
+    }
+    passes = _both_backends(
+        bench, views, lambda arrays: cases.gated_calls(op, arrays, inputs, options)
+    )
+    for pass_, (ours, triton_call) in passes.items():
+        amount, formula = cases.row_work(op, pass_, rows, m, 2)
+        bench.run(
+            _cupy_entry(name, pass_, (rows, m), "GB/s", formula, amount, "copy"),
+            ours,
+            {"xk triton": triton_call, f"torch {name}": torch_calls[pass_]},
         )
 
 
@@ -930,6 +1031,8 @@ def main(argv=None) -> int:
     print("flex attention (TFLOP/s):", flush=True)
     flex_section(bench, compiler)
     bench.free()
+    print("SwiGLU and GeGLU (GB/s; baselines: the PyTorch composition, Liger-Kernel):", flush=True)
+    gated_section(bench)
     print("cupy backend (CUDA C; baselines: the triton backend and PyTorch's op):", flush=True)
     cupy_section(bench)
     print("transformers Llama layer (TFLOP/s, tokens/s, peak memory):", flush=True)

@@ -524,12 +524,146 @@ def test_sm90_summary_keeps_each_kernels_latest_compile():
 def test_row_work_is_what_its_formula_says():
     """The bytes of each row pass evaluate from its printed formula (LayerNorm's backward
     moves w, dw and db: 3 vectors of M)."""
-    for op in bench_work.ROW_OPS:
+    for op in (*bench_work.ROW_OPS, *bench_work.GATED_OPS):
         for pass_ in ("forward", "backward"):
             work, formula = bench_work.row_work(op, pass_, 96, 40, 2)
             expression = formula.removeprefix("bytes = ").split(" (")[0]
             assert eval(expression, {"R": 96, "M": 40, "s": 2}) == work, (op, pass_, formula)
     assert bench_work.row_work("layer_norm", "backward", 1, 1, 1)[0] == 3 + 3 + 8
+    assert bench_work.row_work("swiglu", "backward", 3, 5, 2)[0] == 5 * 3 * 5 * 2
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_gated_rows_time_each_case_against_the_torch_composition(library):
+    """SwiGLU and GeGLU (the tanh form under its own name, the exact one beside it), forward
+    and backward, each against the PyTorch composition it replaces at the same bytes: read
+    a and b, write y (3 arrays); read a, b and dy, write da and db (5)."""
+    pytest.importorskip("torch", reason="needs torch to be importable")
+    benches, skipped = bench_cases.benches(True, ["swiglu", "geglu"], library, 1)
+    rows = {b.row.key: b.row for b in benches}
+    r, m = bench_cases.SHAPES[True]["rows"]
+    names = ("swiglu", "geglu", "geglu (approximate=none)")
+    assert [b.row.op for b in benches] == [name for name in names for _ in range(4)]
+    for name in names:
+        for pass_, arrays in (("forward", 3), ("backward", 5)):
+            ours, theirs = rows[f"{name}/{pass_}/xpkernels"], rows[f"{name}/{pass_}/torch"]
+            assert ours.baseline == theirs.key and theirs.baseline is None
+            assert ours.work == theirs.work == arrays * r * m * 4 and ours.shape == f"{r}x{m}"
+    assert skipped == [] and len(rows) == 12
+    for b in benches:
+        assert bench.measure(b).error is None, b.row.key
+
+
+def test_gated_cases_compute_what_their_torch_composition_computes():
+    """Each gated case's xpkernels forward is the PyTorch composition it is timed against
+    (GeGLU's form passed alike to both sides)."""
+    torch = pytest.importorskip("torch")
+
+    class Kept(bench_work.Arrays):
+        def empty_like(self, a):
+            self.made = super().empty_like(a)
+            return self.made
+
+    inputs = bench_work.gated_inputs(8, 64, bench_work.numpy_random(0))
+    a, b = (torch.from_numpy(inputs[n]) for n in ("a", "b"))
+    for op in bench_work.GATED_OPS:
+        for name, options in bench_work.GATED_CASES[op]:
+            arrays = Kept("numpy")
+            bench_work.gated_calls(op, arrays, inputs, options).forward()
+            want = bench_work.torch_gated_op(op, options)(a, b).numpy()
+            np.testing.assert_allclose(arrays.made, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    geglu = dict(bench_work.GATED_CASES["geglu"])
+    assert geglu["geglu"] == {"approximate": "tanh"}  # Gemma's gelu_pytorch_tanh, the default
+
+
+#: Runs ``bench/gpu.py``'s SwiGLU and GeGLU entries as its dry run does (CPU tensors, the
+#: Triton interpreter; the cupy backend's CUDA C through cudacpu) at one small shape, with a
+#: planted Liger-Kernel whose backward writes da and db over the a and b it saved, as
+#: Liger's does. Prints the entries, and whether the inputs every side shares came through
+#: unchanged, as JSON on its last line.
+GPU_GATED = """
+import dataclasses, importlib.machinery, importlib.util, json, sys, types
+import torch
+
+
+class Fused(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, dc):
+        a, b = ctx.saved_tensors
+        da, db = dc * b, dc * a
+        a.data.copy_(da)
+        b.data.copy_(db)
+        return a, b
+
+
+for name in ("", ".ops", ".ops.swiglu", ".ops.geglu"):
+    name = "liger_kernel" + name
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.LigerSiLUMulFunction = module.LigerGELUMulFunction = Fused
+    sys.modules[name] = module
+spec = importlib.util.spec_from_file_location("gpu_bench", sys.argv[1])
+gpu = importlib.util.module_from_spec(spec)
+sys.modules["gpu_bench"] = gpu
+spec.loader.exec_module(gpu)
+bench = gpu.Bench(gpu.parse_args(["--out", sys.argv[2], "--dry-run"]))
+gpu.measure_ceilings(bench)
+unchanged = {}
+for dtype, views in (("bfloat16", None), ("float16", gpu.CupyViews(bench))):
+    inputs = gpu.cases.gated_inputs(64, 256, bench.random(getattr(torch, dtype)))
+    kept = {n: t.clone() for n, t in inputs.items()}
+    for op in gpu.cases.GATED_OPS:
+        for name, options in gpu.cases.GATED_CASES[op]:
+            if views is None:
+                gpu.gated_case(bench, op, name, options, inputs, dtype)
+            else:
+                gpu.cupy_gated_case(bench, views, op, name, options, inputs)
+    unchanged[dtype] = all(torch.equal(inputs[n], kept[n]) for n in kept)
+entries = [dataclasses.asdict(e) for e in bench.entries]
+print(json.dumps({"entries": entries, "unchanged": unchanged}))
+"""
+
+
+def test_gpu_dry_run_times_the_gated_entries_against_torch_and_liger(tmp_path):
+    """bench/gpu.py's SwiGLU and GeGLU entries run on the triton and cupy backends, each
+    against the PyTorch composition (and the triton call, on cupy), Liger-Kernel's fused
+    function where it has one (not the exact GeGLU), without writing over their inputs."""
+    import importlib.util
+    import os
+    import pathlib
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
+        pytest.skip("bench/gpu.py's dry run needs torch and triton")
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", GPU_GATED, str(repo / "bench" / "gpu.py"), str(tmp_path)],
+        cwd=repo,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["unchanged"] == {"bfloat16": True, "float16": True}
+    entries = {(e["section"], e["op"], e["pass_"]): e for e in report["entries"]}
+    names = ("swiglu", "geglu", "geglu (approximate=none)")
+    assert len(entries) == len(report["entries"]) == 2 * 2 * len(names)
+    for name in names:
+        for pass_ in ("forward", "backward"):
+            triton, cupy = entries[("gated", name, pass_)], entries[("cupy", f"cupy {name}", pass_)]
+            for e in (triton, cupy):
+                assert e["error"] is None and e["ms"] > 0 and e["ceiling"] == "copy", e["op"]
+                assert all("error" not in b for b in e["baselines"].values()), e["baselines"]
+            torch_op = "F.silu(a)*b" if name == "swiglu" else "F.gelu(a)*b"
+            liger = ["liger"] if name != "geglu (approximate=none)" else []
+            assert list(triton["baselines"]) == [torch_op, *liger]
+            assert list(cupy["baselines"]) == ["xk triton", f"torch {name}"]
 
 
 def test_paged_cache_puts_each_page_where_its_table_says():

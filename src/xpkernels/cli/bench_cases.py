@@ -3,11 +3,12 @@
 Both benchmarks declare their cases here: ``python -m xpkernels bench`` (CPU,
 :mod:`.bench` times the rows) and ``bench/gpu.py`` (a CUDA device, run by
 ``bench/device.sh``), which takes its shapes (:data:`GPU_SHAPES`), its
-primitives (:data:`GPU_OPS`, :data:`FLEX_MODS`), the bytes and FLOPs of each
-entry (:func:`row_work`, :func:`attention_work`, :func:`decode_work`,
-:func:`flex_work`), its inputs (:func:`row_inputs`, :func:`attention_inputs`,
-:func:`decode_inputs`, :func:`paged_cache`, :func:`flex_mods`) and the
-xpkernels calls it times (:func:`row_calls`, :func:`attention_calls`,
+primitives (:data:`GPU_OPS`, :data:`GATED_CASES`, :data:`FLEX_MODS`), the
+bytes and FLOPs of each entry (:func:`row_work`, :func:`attention_work`,
+:func:`decode_work`, :func:`flex_work`), its inputs (:func:`row_inputs`,
+:func:`gated_inputs`, :func:`attention_inputs`, :func:`decode_inputs`,
+:func:`paged_cache`, :func:`flex_mods`) and the xpkernels calls it times
+(:func:`row_calls`, :func:`gated_calls`, :func:`attention_calls`,
 :func:`decode_call`, :func:`flex_calls`, on an :class:`Arrays` that says
 where the arrays live and which backend runs) from here, and keeps its own
 timing, ceilings and targets.
@@ -34,6 +35,8 @@ import numpy as np
 from ..buffers import Duplicated, allocate_checkpoints, allocate_scratchspace
 from ..registry import OPS
 from .bench_work import (
+    GATED_CASES,
+    GATED_OPS,
     PAGE_SIZE,
     ROW_OPS,
     ROW_PARAMS,
@@ -48,6 +51,8 @@ from .bench_work import (
     document_ids,
     flex_calls,
     flex_work,
+    gated_calls,
+    gated_inputs,
     hf_llama_config,
     hf_llama_work,
     numpy_random,
@@ -55,6 +60,7 @@ from .bench_work import (
     row_calls,
     row_inputs,
     row_work,
+    torch_gated_op,
     torch_mods,
     torch_row_op,
     torch_tensor,
@@ -236,6 +242,64 @@ def _torch_row_setup(op, pass_, inputs):
         y = call(x, w, b)
         dy = torch_tensor(inputs["dy"])
         return lambda: torch.autograd.grad(y, wanted, dy, retain_graph=True)
+
+    return setup
+
+
+# --------------------------------------------------------------------------- gated activations
+
+
+def _gated_benches(op: str, shape, arrays: Arrays, repeats: int, with_torch: bool) -> list[Bench]:
+    """Each case of gated activation ``op`` (:data:`GATED_CASES`), forward and backward, against
+    the PyTorch composition it replaces (:func:`torch_gated_op`)."""
+    rows, m = shape
+    inputs = gated_inputs(rows, m, numpy_random(8))
+    shape_text = f"{rows}x{m}"
+    benches = []
+    for name, options in GATED_CASES[op]:
+        for pass_ in ("forward", "backward"):
+            work, formula = row_work(op, pass_, rows, m, 4)
+            ours = ("xpkernels", _xpk_gated_setup(op, options, pass_, arrays, inputs))
+            theirs = ("torch", _torch_gated_setup(op, options, pass_, inputs))
+            benches += compare(
+                name,
+                pass_,
+                shape_text,
+                "GB/s",
+                work,
+                formula,
+                repeats,
+                ours,
+                theirs if with_torch else None,
+            )
+    return benches
+
+
+def _xpk_gated_setup(op, options, pass_, arrays: Arrays, inputs):
+    def setup():
+        calls = gated_calls(op, arrays, inputs, options)
+        return calls.forward if pass_ == "forward" else calls.backward
+
+    return setup
+
+
+def _torch_gated_setup(op, options, pass_, inputs):
+    def setup():
+        import torch
+
+        grad = pass_ == "backward"
+        a, b = (torch_tensor(inputs[n], grad) for n in ("a", "b"))
+        call = torch_gated_op(op, options)
+        if not grad:
+
+            def forward():
+                with torch.no_grad():
+                    return call(a, b)
+
+            return forward
+        y = call(a, b)
+        dy = torch_tensor(inputs["dy"])
+        return lambda: torch.autograd.grad(y, (a, b), dy, retain_graph=True)
 
     return setup
 
@@ -626,6 +690,8 @@ _TORCH_OPS = {
     "rms_norm": "F.rms_norm",
     "layer_norm": "F.layer_norm",
     "softmax": "torch.softmax",
+    "swiglu": "F.silu(a) * b",
+    "geglu": "F.gelu(a, approximate=...) * b",
     "attention": "F.scaled_dot_product_attention",
     "decode_attention": "F.scaled_dot_product_attention (enable_gqa)",
     "flex_attention": "torch.compile(flex_attention)",
@@ -665,6 +731,8 @@ def benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[B
     for op in chosen:
         if op in ROW_OPS:
             benches += _row_benches(op, shapes["rows"], arrays, row_repeats, with_torch)
+        elif op in GATED_OPS:
+            benches += _gated_benches(op, shapes["rows"], arrays, row_repeats, with_torch)
         elif op == "attention":
             benches += _attention_benches(shapes["attention"], arrays, attn_repeats, with_torch)
             if large is not None:

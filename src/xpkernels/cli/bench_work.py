@@ -4,14 +4,16 @@
 ``bench/gpu.py`` (a CUDA device, run by ``bench/device.sh``) both take from
 here the bytes and FLOPs of each entry (:func:`row_work`,
 :func:`attention_work`, :func:`decode_work`, :func:`flex_work`,
-:func:`hf_llama_work`), its inputs (:func:`row_inputs`,
+:func:`hf_llama_work`), its inputs (:func:`row_inputs`, :func:`gated_inputs`,
 :func:`attention_inputs`, :func:`decode_inputs`, :func:`paged_cache`,
-:func:`flex_mods`) and the xpkernels calls they time (:func:`row_calls`,
-:func:`attention_calls`, :func:`decode_call`, :func:`flex_calls`, on an
-:class:`Arrays` that says where the arrays live and which backend runs);
+:func:`flex_mods`), the xpkernels calls they time (:func:`row_calls`,
+:func:`gated_calls`, :func:`attention_calls`, :func:`decode_call`,
+:func:`flex_calls`, on an :class:`Arrays` that says where the arrays live and
+which backend runs) and the PyTorch ops the row and gated primitives are
+compared with (:func:`torch_row_op`, :func:`torch_gated_op`);
 ``bench/gpu.py`` also its shapes (:data:`GPU_SHAPES`) and primitives
-(:data:`GPU_OPS`, :data:`FLEX_MODS`), and keeps its own timing, ceilings
-and targets.
+(:data:`GPU_OPS`, :data:`GATED_CASES`, :data:`FLEX_MODS`), and keeps its own
+timing, ceilings and targets.
 """
 
 from __future__ import annotations
@@ -27,9 +29,22 @@ from ..buffers import Duplicated, allocate_checkpoints, allocate_scratchspace
 
 #: The primitives whose inputs are ``(rows, M)`` arrays (:func:`row_inputs`).
 ROW_OPS = ("rms_norm", "layer_norm", "softmax")
+#: The gated activations ``y = act(a) * b``: elementwise over ``(rows, M)`` gates ``a`` and
+#: values ``b`` (:func:`gated_inputs`), each at the cases of :data:`GATED_CASES`.
+GATED_OPS = ("swiglu", "geglu")
+#: The cases of each gated activation: (row name, keyword options of every side's call).
+#: GeGLU runs at both GELU forms, the tanh one (Gemma's ``gelu_pytorch_tanh``, the default)
+#: under the primitive's own name.
+GATED_CASES: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
+    "swiglu": (("swiglu", {}),),
+    "geglu": (
+        ("geglu", {"approximate": "tanh"}),
+        ("geglu (approximate=none)", {"approximate": "none"}),
+    ),
+}
 #: The primitives ``bench/gpu.py`` times on the triton backend, in its order (then each again
 #: on the cupy backend).
-GPU_OPS = (*ROW_OPS, "attention", "decode_attention", "flex_attention")
+GPU_OPS = (*ROW_OPS, *GATED_OPS, "attention", "decode_attention", "flex_attention")
 #: Shapes of ``bench/gpu.py``: on a CUDA device (False) and in its dry run (True: CPU tensors,
 #: the Triton interpreter, tiny shapes). ``D`` lists the head dims each shape runs at; the
 #: cupy backend's entries run at ``cupy``'s rows and attention shape and at ``decode``.
@@ -121,11 +136,15 @@ _ROW_TRAFFIC = {
     ("layer_norm", "backward"): (3, 3, 2, "read x, dy, w, mean, rstd; write dx, dw, db"),
     ("softmax", "forward"): (2, 0, 0, "read x; write y"),
     ("softmax", "backward"): (3, 0, 0, "read y, dy; write dx"),
+    ("swiglu", "forward"): (3, 0, 0, "read a, b; write y"),
+    ("swiglu", "backward"): (5, 0, 0, "read a, b, dy; write da, db"),
+    ("geglu", "forward"): (3, 0, 0, "read a, b; write y"),
+    ("geglu", "backward"): (5, 0, 0, "read a, b, dy; write da, db"),
 }
 
 
 def row_work(op: str, pass_: str, rows: int, m: int, itemsize: int) -> tuple[int, str]:
-    """Bytes one ``pass_`` of row primitive ``op`` must move at ``(rows, m)`` with
+    """Bytes one ``pass_`` of row or gated primitive ``op`` must move at ``(rows, m)`` with
     ``itemsize``-byte elements (the least any implementation moves), and its formula."""
     full, vectors, stats, what = _ROW_TRAFFIC[(op, pass_)]
     work = (full * rows * m + vectors * m) * itemsize + 4 * stats * rows
@@ -197,6 +216,11 @@ def row_inputs(rows: int, m: int, random: Random) -> dict[str, Any]:
     """``x`` and ``dy`` of ``(rows, m)``, the weight ``w`` and bias ``b`` of ``(m,)``."""
     x, dy = random((rows, m)), random((rows, m))
     return {"x": x, "dy": dy, "w": random((m,)), "b": random((m,))}
+
+
+def gated_inputs(rows: int, m: int, random: Random) -> dict[str, Any]:
+    """The gate ``a``, the values ``b`` and ``dy``, each of ``(rows, m)``."""
+    return {name: random((rows, m)) for name in ("a", "b", "dy")}
 
 
 def attention_inputs(b: int, h: int, s: int, d: int, random: Random) -> tuple:
@@ -378,6 +402,18 @@ def row_calls(op: str, arrays: Arrays, inputs: dict[str, Any]) -> Calls:
     )
 
 
+def gated_calls(op: str, arrays: Arrays, inputs: dict[str, Any], options: dict[str, Any]) -> Calls:
+    """``op_`` and ``op_backward_`` over ``arrays``' copies of ``inputs`` (:func:`gated_inputs`)
+    with ``options`` (GeGLU's ``approximate``); nothing is checkpointed, no scratch."""
+    module = importlib.import_module(f"xpkernels.{op}")
+    forward_, backward_ = getattr(module, f"{op}_"), getattr(module, f"{op}_backward_")
+    a, b, dy = (arrays.convert(inputs[name]) for name in ("a", "b", "dy"))
+    keywords = {**options, **arrays.options}
+    y = arrays.empty_like(a)
+    Y, A, B = Duplicated(y, dy), Duplicated(a), Duplicated(b)
+    return Calls(lambda: forward_(y, a, b, **keywords), lambda: backward_(Y, A, B, **keywords))
+
+
 def attention_calls(arrays: Arrays, inputs, causal: bool) -> Calls:
     """``attention_`` and ``attention_backward_`` over ``arrays``' copies of ``q, k, v, do``."""
     import xpkernels as xk
@@ -455,6 +491,17 @@ def torch_row_op(op: str, m: int) -> Callable:
     if op == "layer_norm":
         return lambda x, w, b: F.layer_norm(x, (m,), w, b, eps=ROW_EPS[op])
     return lambda x, w, b: torch.softmax(x, dim=-1)
+
+
+def torch_gated_op(op: str, options: dict[str, Any]) -> Callable:
+    """The PyTorch composition gated activation ``op`` replaces, as ``f(a, b)``:
+    ``F.silu(a) * b`` (SwiGLU), ``F.gelu(a, approximate=...) * b`` (GeGLU, ``options``' form)."""
+    import torch.nn.functional as F
+
+    if op == "swiglu":
+        return lambda a, b: F.silu(a) * b
+    approximate = options["approximate"]
+    return lambda a, b: F.gelu(a, approximate=approximate) * b
 
 
 # --------------------------------------------------------------------------- decode pages
