@@ -372,6 +372,16 @@ def test_gradcheck_rope(interleaved):
     _gradcheck(lambda q, k: xk.rope(q, k, cos, sin, ids, interleaved=interleaved), q, k)
 
 
+def test_rope_refuses_tables_that_require_grad():
+    """The tables get no gradient: a table requiring grad is refused, not silently dropped."""
+    q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 1, 3, 4)
+    cos, sin = torch.randn(3, 2, requires_grad=True), torch.randn(3, 2)
+    with pytest.raises(ValueError, match=r"rope: cos requires grad, but a RoPE table gets no"):
+        xk.rope(q.requires_grad_(), k, cos, sin)
+    with torch.no_grad():
+        xk.rope(q, k, cos, sin)
+
+
 @pytest.mark.parametrize("approximate", [None, "none", "tanh"])
 def test_gradcheck_gated_activations(approximate):
     """SwiGLU (``approximate`` None) and GeGLU's two forms, through the ops' autograd."""

@@ -262,6 +262,16 @@ def self_overlap(fn: str, name: str, a) -> None:
         )
 
 
+def no_gradient(fn: str, name: str, a, what: str) -> None:
+    """ValueError when ``a`` is a torch tensor that requires grad in grad mode, for an argument
+    that gets no gradient (``what`` says which): autograd would silently give it none."""
+    if getattr(a, "requires_grad", False) and _torch_grad_enabled():
+        raise ValueError(
+            f"{fn}: {name} requires grad, but {what} gets no gradient; pass {name}.detach() "
+            "(or compute it under torch.no_grad())"
+        )
+
+
 def _torch_grad_enabled() -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and torch.is_grad_enabled()

@@ -239,7 +239,15 @@ def rope(q, k, cos, sin, position_ids=None, *, interleaved=False, backend=None):
     -------
     q_out, k_out : arrays of ``q``'s and ``k``'s shapes and dtypes. On torch tensors that
     require grad (grad mode on), autograd records xpkernels' backward (:mod:`xpkernels.torch`).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`rope_`, and when ``cos`` or ``sin`` requires grad (grad mode
+        on): the tables get no gradient.
     """
+    for name, table in (("cos", cos), ("sin", sin)):
+        check.no_gradient("rope", name, table, "a RoPE table")
     arrays = {"q": q, "k": k, "cos": cos, "sin": sin, "position_ids": position_ids}
     options = {"interleaved": interleaved, "backend": backend}
     if (out := _autograd.record("rope", arrays, options)) is not _autograd.NOT_RECORDED:
