@@ -40,10 +40,17 @@ Measures, in order:
    ``F.gelu(a, approximate=...) * b``) and, where ``liger_kernel`` imports,
    Liger-Kernel's ``LigerSiLUMulFunction`` / ``LigerGELUMulFunction`` (the
    tanh form only);
-7. the cupy backend (CUDA C through ``cupy.RawModule``) on CuPy views of the same
+7. RoPE (half rotation, full rotary) ``B=4, H=32, Hkv=8, S=4096, D=128``
+   bfloat16, q, k and their cotangents ``(B, H, S, D)`` views of ``(B, S, H, D)``
+   buffers (the projections' layout), forward and backward: GB/s of q and k
+   read and written plus the tables, as a share of the copy bandwidth (target:
+   85%), next to the eager composition it replaces (Hugging Face's
+   ``apply_rotary_pos_emb``: ``q * cos + rotate_half(q) * sin``, same for k) and,
+   where ``liger_kernel`` imports, Liger-Kernel's ``LigerRopeFunction``;
+8. the cupy backend (CUDA C through ``cupy.RawModule``) on CuPy views of the same
    CUDA tensors, float16: the norms, softmax, SwiGLU and GeGLU at ``(32768, 4096)``,
-   attention at ``D=128`` causal and not, FlexAttention with a causal mask mod at
-   the same shape, decode attention, next to the same call on the
+   RoPE at the shape of 7, attention at ``D=128`` causal and not, FlexAttention
+   with a causal mask mod at the same shape, decode attention, next to the same call on the
    triton backend (target: at most 1.25x slower) and to PyTorch's op. In a dry
    run these calls run the same ``.cu`` on NumPy views through
    ``xpkernels.testing.cudacpu``.
@@ -56,7 +63,7 @@ timing (``triton.testing.do_bench``), the ceilings, PyTorch's CUDA baselines,
 the targets and the summary.
 
 Every xpkernels call is made through the public in-place functions with
-``backend="triton"`` (``"cupy"`` in section 7) and preallocated buffers (checkpoints, scratch), so a
+``backend="triton"`` (``"cupy"`` in section 8) and preallocated buffers (checkpoints, scratch), so a
 timing is the kernels alone. Writes ``gpu.json`` into ``--out`` and prints a
 table. An entry that raises is recorded with its traceback and the run goes
 on; the exit status is 1 if any entry failed or was skipped for time.
@@ -380,6 +387,100 @@ def gated_case(bench: Bench, op: str, name: str, options: dict, inputs, dtype_na
         bench.run(entry, kernel, baselines[pass_])
 
 
+#: The name of RoPE's PyTorch baseline: Hugging Face's ``apply_rotary_pos_emb``, eager.
+TORCH_ROPE = "q*cos+rotate_half(q)*sin"
+
+
+def rope_section(bench: Bench) -> None:
+    """RoPE at ``GPU_SHAPES``' ``rope`` shape, bfloat16."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        print("  liger_kernel is not installed: no Liger-Kernel baseline", flush=True)
+    rope_case(bench, cases.GPU_SHAPES[bench.dry]["rope"], "bfloat16")
+    bench.free()
+
+
+def rope_tensors(bench: Bench, shape: dict, dtype_name: str) -> dict:
+    """:func:`~xpkernels.cli.bench_work.rope_inputs` at ``shape`` as tensors of ``dtype_name`` on
+    the run's device (the tables too, as Llama's rotary embedding casts them to q's dtype)."""
+    torch = bench.torch
+    dtype = getattr(torch, dtype_name)
+    b, h, hkv, s, d = (shape[n] for n in ("B", "H", "Hkv", "S", "D"))
+    return cases.rope_inputs(
+        b, h, hkv, s, d, bench.random(dtype), lambda t: torch.from_numpy(t).to(bench.device, dtype)
+    )
+
+
+def torch_rope_calls(bench: Bench, inputs, op=cases.torch_rope) -> dict:
+    """``op(q, k, cos, sin)`` (the eager composition; or Liger's) on the ``(B, H, S, D)`` views of
+    ``inputs``, forward and (autograd) backward, with Hugging Face's ``(B, S, D)`` tables. Each
+    call gets copies of q, k and the cotangents of its own: Liger rotates q and k in place in
+    its forward and the cotangents in its backward. The gradients are taken with respect to
+    the ``(B, S, H, D)`` buffers (Liger's outputs are views of its inputs' storage, which
+    autograd does not tie to the ``(B, H, S, D)`` views)."""
+    torch = bench.torch
+    cos, sin = cases.hf_rope_tables(inputs["cos"], inputs["sin"], inputs["q"].shape[0])
+    q, k, dq_out, dk_out = (cases.bhsd(inputs[n].clone()) for n in cases.ROPE_ROTATED)
+    qb, kb = (inputs[n].clone().requires_grad_() for n in ("q", "k"))
+    outs = op(cases.bhsd(qb), cases.bhsd(kb), cos, sin)[:2]
+    return {
+        "forward": lambda: op(q, k, cos, sin),
+        "backward": _grad(torch, outs, (qb, kb), (dq_out, dk_out)),
+    }
+
+
+def liger_rope():
+    """Liger-Kernel's ``LigerRopeFunction.apply`` as ``f(q, k, cos, sin)``, or None where
+    ``liger_kernel`` is not installed. Its signature is ``(q, k, cos, sin, position_ids=None,
+    unsqueeze_dim=1)``, q ``(B, H, S, D)`` over ``(B, S, H, D)`` storage (else it copies), cos
+    and sin ``(1 or B, S, D)``; it returns ``(q, k)`` or, in newer releases, ``(q, k, cos,
+    sin)`` -- :func:`torch_rope_calls` keeps the first two."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    from liger_kernel.ops.rope import LigerRopeFunction
+
+    return LigerRopeFunction.apply
+
+
+def _failing(exc: Exception):
+    """A baseline that raises ``exc`` when timed (one that could not be set up: recorded as its
+    error)."""
+
+    def call():
+        raise exc
+
+    return call
+
+
+def rope_case(bench: Bench, shape: dict, dtype_name: str) -> None:
+    """RoPE forward and backward at ``shape`` (``B, H, Hkv, S, D``), against the eager
+    composition and Liger-Kernel's ``LigerRopeFunction`` where it imports."""
+    torch = bench.torch
+    inputs = rope_tensors(bench, shape, dtype_name)
+    calls = cases.rope_calls(DeviceArrays(bench, "triton"), inputs)
+    eager = torch_rope_calls(bench, inputs)
+    baselines = {pass_: {TORCH_ROPE: eager[pass_]} for pass_ in ("forward", "backward")}
+    try:
+        liger = liger_rope()
+        theirs = None if liger is None else torch_rope_calls(bench, inputs, liger)
+    except Exception as exc:  # noqa: BLE001 - a Liger that will not run is a baseline's error
+        theirs = {"forward": _failing(exc), "backward": _failing(exc)}
+    if theirs is not None:
+        for pass_ in baselines:
+            baselines[pass_]["liger"] = theirs[pass_]
+    b, h, hkv, s, d = (shape[n] for n in ("B", "H", "Hkv", "S", "D"))
+    size = torch.finfo(inputs["q"].dtype).bits // 8
+    for pass_, kernel in (("forward", calls.forward), ("backward", calls.backward)):
+        amount, formula = cases.rope_work(pass_, b, h, hkv, s, d, size, size)
+        entry = Entry(
+            "rope", "rope", pass_, dtype_name, (b, h, hkv, s, d), "GB/s", formula, amount, "copy"
+        )
+        bench.run(entry, kernel, baselines[pass_])
+
+
 def attention_section(bench: Bench) -> None:
     shape = cases.GPU_SHAPES[bench.dry]["attention"]
     for D in shape["D"]:
@@ -690,6 +791,8 @@ def cupy_section(bench: Bench) -> None:
         for name, options in cases.GATED_CASES[op]:
             cupy_gated_case(bench, views, op, name, options, inputs)
     bench.free()
+    cupy_rope_case(bench, views, shapes["rope"])
+    bench.free()
     a = shapes["cupy"]["attention"]
     for causal in (False, True):
         cupy_attention_case(bench, views, a["B"], a["H"], a["S"], a["D"], causal)
@@ -763,6 +866,21 @@ def cupy_gated_case(bench: Bench, views: CupyViews, op: str, name: str, options:
         )
 
 
+def cupy_rope_case(bench: Bench, views: CupyViews, shape: dict) -> None:
+    """RoPE at ``shape``, float16, forward and backward."""
+    inputs = rope_tensors(bench, shape, "float16")
+    eager = torch_rope_calls(bench, inputs)
+    passes = _both_backends(bench, views, lambda arrays: cases.rope_calls(arrays, inputs))
+    b, h, hkv, s, d = (shape[n] for n in ("B", "H", "Hkv", "S", "D"))
+    for pass_, (ours, triton_call) in passes.items():
+        amount, formula = cases.rope_work(pass_, b, h, hkv, s, d, 2, 2)
+        bench.run(
+            _cupy_entry("rope", pass_, (b, h, hkv, s, d), "GB/s", formula, amount, "copy"),
+            ours,
+            {"xk triton": triton_call, "torch rope": eager[pass_]},
+        )
+
+
 def cupy_attention_case(
     bench: Bench, views: CupyViews, B, H, S, D, causal: bool, flex: bool = False
 ) -> None:
@@ -822,11 +940,14 @@ def cupy_decode_case(bench: Bench, views: CupyViews, B, H, Hkv, S, D) -> None:
     )
 
 
-#: DESIGN section 8 targets: (section, pass) -> minimum share of the copy bandwidth (%).
+#: DESIGN section 8 targets (RoPE's: its issue's), (section, pass) -> minimum share of the copy
+#: bandwidth (%).
 BANDWIDTH_TARGETS = {
     ("rows", "forward"): 90.0,
     ("rows", "backward"): 80.0,
     ("decode", "forward"): 85.0,
+    ("rope", "forward"): 85.0,
+    ("rope", "backward"): 85.0,
     ("paged", "forward"): 80.0,
 }
 #: Attention targets, bfloat16 at head dim 128 without a mask: pass -> minimum TFLOP/s.
@@ -1033,6 +1154,8 @@ def main(argv=None) -> int:
     bench.free()
     print("SwiGLU and GeGLU (GB/s; baselines: the PyTorch composition, Liger-Kernel):", flush=True)
     gated_section(bench)
+    print("RoPE (GB/s; baselines: the eager composition, Liger-Kernel):", flush=True)
+    rope_section(bench)
     print("cupy backend (CUDA C; baselines: the triton backend and PyTorch's op):", flush=True)
     cupy_section(bench)
     print("transformers Llama layer (TFLOP/s, tokens/s, peak memory):", flush=True)

@@ -666,6 +666,181 @@ def test_gpu_dry_run_times_the_gated_entries_against_torch_and_liger(tmp_path):
             assert list(cupy["baselines"]) == ["xk triton", f"torch {name}"]
 
 
+def test_rope_work_is_what_its_formula_says():
+    """RoPE's bytes evaluate from its printed formula: q and k read and written, the two tables
+    (S, D/2) read once."""
+    for pass_ in ("forward", "backward"):
+        work, formula = bench_work.rope_work(pass_, 2, 4, 2, 6, 8, 2, 4)
+        expression = formula.removeprefix("bytes = ").split(" (")[0]
+        names = {"B": 2, "H": 4, "Hkv": 2, "S": 6, "D": 8, "R2": 4, "s": 2, "t": 4}
+        assert eval(expression, names) == work == 2 * 6 * 2 * 6 * 8 * 2 + 2 * 6 * 4 * 4, formula
+        assert "plus the tables" in formula
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_rope_rows_time_both_passes_against_the_hf_composition(library):
+    """RoPE forward and backward, each against Hugging Face's apply_rotary_pos_emb composition
+    at the same bytes."""
+    pytest.importorskip("torch", reason="needs torch to be importable")
+    benches, skipped = bench_cases.benches(True, ["rope"], library, 1)
+    shape = bench_cases.SHAPES[True]["rope"]
+    b, h, hkv, s, d = (shape[n] for n in ("B", "H", "Hkv", "S", "D"))
+    rows = {x.row.key: x.row for x in benches}
+    assert skipped == [] and len(rows) == len(benches) == 4
+    for pass_ in ("forward", "backward"):
+        ours, theirs = rows[f"rope/{pass_}/xpkernels"], rows[f"rope/{pass_}/torch"]
+        assert ours.baseline == theirs.key and theirs.baseline is None
+        assert ours.work == theirs.work == 2 * (h + hkv) * b * s * d * 4 + s * d * 4
+        assert ours.shape == f"{b}x{h}/{hkv}x{s}x{d}" and ours.unit == "GB/s"
+    for x in benches:
+        assert bench.measure(x).error is None, x.row.key
+
+
+def test_rope_calls_compute_what_the_hf_composition_computes():
+    """The timed rope_ and rope_backward_ give Hugging Face's composition's outputs and its
+    autograd gradients, on (B, H, S, D) views of (B, S, H, D) buffers as both sides get them."""
+    torch = pytest.importorskip("torch")
+
+    class Kept(bench_work.Arrays):
+        made: list
+
+        def empty_like(self, a):
+            self.made.append(super().empty_like(a))
+            return self.made[-1]
+
+    inputs = bench_work.rope_inputs(2, 4, 2, 12, 16, bench_work.numpy_random(0))
+    arrays = Kept("numpy")
+    arrays.made = []
+    calls = bench_work.rope_calls(arrays, inputs)
+    calls.forward()
+    calls.backward()
+    q_out, k_out, dq, dk = arrays.made
+    assert q_out.shape == (2, 4, 12, 16) and q_out.strides == bench_work.bhsd(inputs["q"]).strides
+    cos, sin = bench_work.hf_rope_tables(
+        torch.from_numpy(inputs["cos"]), torch.from_numpy(inputs["sin"]), 2
+    )
+    q, k = (torch.from_numpy(inputs[n]).requires_grad_() for n in ("q", "k"))
+    outs = bench_work.torch_rope(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3), cos, sin)
+    douts = tuple(torch.from_numpy(inputs[n]).permute(0, 2, 1, 3) for n in ("dq_out", "dk_out"))
+    grads = torch.autograd.grad(outs, (q, k), douts)
+    for ours, want in zip((q_out, k_out), outs):
+        np.testing.assert_allclose(ours, want.detach().numpy(), rtol=1e-5, atol=1e-5)
+    for ours, want in zip((dq, dk), grads):
+        np.testing.assert_allclose(ours, want.permute(0, 2, 1, 3).numpy(), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(q_out, bench_work.bhsd(inputs["q"]))  # the rows rotate
+
+
+#: Runs ``bench/gpu.py``'s RoPE entries as its dry run does (CPU tensors, the Triton
+#: interpreter; the cupy backend's CUDA C through cudacpu) at the dry run's shape, with a
+#: planted Liger-Kernel that, as Liger's does, rotates the storage of q and k in place in its
+#: forward (returning views of it and of cos, sin, as its newer releases do) and the
+#: cotangents' in its backward. Prints the entries, and whether the inputs every side shares came through
+#: unchanged, as JSON on its last line.
+GPU_ROPE = """
+import dataclasses, importlib.machinery, importlib.util, json, sys, types
+import torch
+
+
+def turn(x, cos, sin, sign):
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sign * sin[..., :half]
+    x1, x2 = x[..., :half].clone(), x[..., half:].clone()
+    x[..., :half] = x1 * c - x2 * s
+    x[..., half:] = x2 * c + x1 * s
+    return x
+
+
+def turned(x, cos, sin, sign):
+    x = x.transpose(1, 2).contiguous()  # no copy over (B, S, H, D) storage
+    return turn(x, cos[:, :, None], sin[:, :, None], sign).transpose(1, 2)
+
+
+class Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        return turned(q, cos, sin, 1), turned(k, cos, sin, 1), cos.view_as(cos), sin.view_as(sin)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output[2], output[3])
+
+    @staticmethod
+    def backward(ctx, dq, dk, dcos, dsin):
+        cos, sin = ctx.saved_tensors
+        return turned(dq, cos, sin, -1), turned(dk, cos, sin, -1), None, None, None, None
+
+
+for name in ("", ".ops", ".ops.rope"):
+    name = "liger_kernel" + name
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.LigerRopeFunction = Rope
+    sys.modules[name] = module
+spec = importlib.util.spec_from_file_location("gpu_bench", sys.argv[1])
+gpu = importlib.util.module_from_spec(spec)
+sys.modules["gpu_bench"] = gpu
+spec.loader.exec_module(gpu)
+bench = gpu.Bench(gpu.parse_args(["--out", sys.argv[2], "--dry-run"]))
+gpu.measure_ceilings(bench)
+shape = gpu.cases.GPU_SHAPES[True]["rope"]
+unchanged = {}
+for dtype, views in (("bfloat16", None), ("float16", gpu.CupyViews(bench))):
+    made = gpu.rope_tensors
+    kept = {}
+
+    def keep(*args, made=made, kept=kept):
+        inputs = made(*args)
+        kept.update(inputs=inputs, copies={n: t.clone() for n, t in inputs.items()})
+        return inputs
+
+    gpu.rope_tensors = keep
+    if views is None:
+        gpu.rope_case(bench, shape, dtype)
+    else:
+        gpu.cupy_rope_case(bench, views, shape)
+    gpu.rope_tensors = made
+    unchanged[dtype] = all(torch.equal(kept["inputs"][n], t) for n, t in kept["copies"].items())
+entries = [dataclasses.asdict(e) for e in bench.entries]
+print(json.dumps({"entries": entries, "unchanged": unchanged}))
+"""
+
+
+def test_gpu_dry_run_times_rope_against_the_composition_and_liger(tmp_path):
+    """bench/gpu.py's RoPE entries run on the triton and cupy backends against the eager
+    composition (and the triton call, on cupy) and Liger-Kernel's LigerRopeFunction, which
+    rotates its arguments in place, without writing over the inputs the sides share."""
+    import importlib.util
+    import os
+    import pathlib
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
+        pytest.skip("bench/gpu.py's dry run needs torch and triton")
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", GPU_ROPE, str(repo / "bench" / "gpu.py"), str(tmp_path)],
+        cwd=repo,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["unchanged"] == {"bfloat16": True, "float16": True}
+    entries = {(e["section"], e["op"], e["pass_"]): e for e in report["entries"]}
+    assert len(entries) == len(report["entries"]) == 4
+    shape = bench_work.GPU_SHAPES[True]["rope"]
+    for pass_ in ("forward", "backward"):
+        triton, cupy = entries[("rope", "rope", pass_)], entries[("cupy", "cupy rope", pass_)]
+        for e in (triton, cupy):
+            assert e["error"] is None and e["ms"] > 0 and e["ceiling"] == "copy", e["op"]
+            assert all("error" not in b for b in e["baselines"].values()), e["baselines"]
+            assert e["shape"] == [shape[n] for n in ("B", "H", "Hkv", "S", "D")]
+        assert list(triton["baselines"]) == ["q*cos+rotate_half(q)*sin", "liger"]
+        assert list(cupy["baselines"]) == ["xk triton", "torch rope"]
+        assert triton["dtype"] == "bfloat16" and cupy["dtype"] == "float16"
+
+
 def test_paged_cache_puts_each_page_where_its_table_says():
     rng = np.random.default_rng(0)
     k, v = (rng.standard_normal((2, 3, 8, 4), dtype=np.float32) for _ in range(2))

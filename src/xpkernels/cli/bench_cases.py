@@ -4,11 +4,12 @@ Both benchmarks declare their cases here: ``python -m xpkernels bench`` (CPU,
 :mod:`.bench` times the rows) and ``bench/gpu.py`` (a CUDA device, run by
 ``bench/device.sh``), which takes its shapes (:data:`GPU_SHAPES`), its
 primitives (:data:`GPU_OPS`, :data:`GATED_CASES`, :data:`FLEX_MODS`), the
-bytes and FLOPs of each entry (:func:`row_work`, :func:`attention_work`,
-:func:`decode_work`, :func:`flex_work`), its inputs (:func:`row_inputs`,
-:func:`gated_inputs`, :func:`attention_inputs`, :func:`decode_inputs`,
-:func:`paged_cache`, :func:`flex_mods`) and the xpkernels calls it times
-(:func:`row_calls`, :func:`gated_calls`, :func:`attention_calls`,
+bytes and FLOPs of each entry (:func:`row_work`, :func:`rope_work`,
+:func:`attention_work`, :func:`decode_work`, :func:`flex_work`), its inputs
+(:func:`row_inputs`, :func:`gated_inputs`, :func:`rope_inputs`,
+:func:`attention_inputs`, :func:`decode_inputs`, :func:`paged_cache`,
+:func:`flex_mods`) and the xpkernels calls it times (:func:`row_calls`,
+:func:`gated_calls`, :func:`rope_calls`, :func:`attention_calls`,
 :func:`decode_call`, :func:`flex_calls`, on an :class:`Arrays` that says
 where the arrays live and which backend runs) from here, and keeps its own
 timing, ceilings and targets.
@@ -55,13 +56,18 @@ from .bench_work import (
     gated_inputs,
     hf_llama_config,
     hf_llama_work,
+    hf_rope_tables,
     numpy_random,
     paged_cache,
+    rope_calls,
+    rope_inputs,
+    rope_work,
     row_calls,
     row_inputs,
     row_work,
     torch_gated_op,
     torch_mods,
+    torch_rope,
     torch_row_op,
     torch_tensor,
     xpk_mods,
@@ -72,6 +78,7 @@ from .bench_work import (
 SHAPES: dict[bool, dict[str, Any]] = {
     False: {
         "rows": (8192, 4096),
+        "rope": {"B": 4, "H": 32, "Hkv": 8, "S": 512, "D": 128},
         "attention": {"B": 1, "H": 8, "S": 2048, "D": 64},
         "decode": {"B": 8, "H": 32, "Hkv": 8, "S": 4096, "D": 64},
         "varlen": {"H": 8, "D": 64, "lengths": (1900, 1100, 700, 300)},
@@ -81,6 +88,7 @@ SHAPES: dict[bool, dict[str, Any]] = {
     },
     True: {
         "rows": (256, 1024),
+        "rope": {"B": 2, "H": 4, "Hkv": 2, "S": 64, "D": 64},
         "attention": {"B": 1, "H": 2, "S": 256, "D": 64},
         "decode": {"B": 2, "H": 4, "Hkv": 2, "S": 512, "D": 64},
         "varlen": {"H": 2, "D": 32, "lengths": (200, 57, 129)},
@@ -300,6 +308,67 @@ def _torch_gated_setup(op, options, pass_, inputs):
         y = call(a, b)
         dy = torch_tensor(inputs["dy"])
         return lambda: torch.autograd.grad(y, (a, b), dy, retain_graph=True)
+
+    return setup
+
+
+# --------------------------------------------------------------------------- rope
+
+
+def _rope_benches(shape, arrays: Arrays, repeats: int, with_torch: bool) -> list[Bench]:
+    """RoPE (half rotation, full rotary, rows ``0 .. S-1``), forward and backward, against
+    Hugging Face's ``apply_rotary_pos_emb`` composition (:func:`torch_rope`; its backward by
+    autograd, to the q and k buffers); q, k and the cotangents are ``(B, H, S, D)`` views of
+    ``(B, S, H, D)`` buffers on both sides."""
+    b, h, hkv, s, d = (shape[n] for n in ("B", "H", "Hkv", "S", "D"))
+    inputs = rope_inputs(b, h, hkv, s, d, numpy_random(9))
+    shape_text = f"{b}x{h}/{hkv}x{s}x{d}"
+    benches = []
+    for pass_ in ("forward", "backward"):
+        work, formula = rope_work(pass_, b, h, hkv, s, d, 4, 4)
+        ours = ("xpkernels", _xpk_rope_setup(pass_, arrays, inputs))
+        theirs = ("torch", _torch_rope_setup(pass_, inputs))
+        benches += compare(
+            "rope",
+            pass_,
+            shape_text,
+            "GB/s",
+            work,
+            formula,
+            repeats,
+            ours,
+            theirs if with_torch else None,
+        )
+    return benches
+
+
+def _xpk_rope_setup(pass_, arrays: Arrays, inputs):
+    def setup():
+        calls = rope_calls(arrays, inputs)
+        return calls.forward if pass_ == "forward" else calls.backward
+
+    return setup
+
+
+def _torch_rope_setup(pass_, inputs):
+    def setup():
+        import torch
+
+        grad = pass_ == "backward"
+        batch = inputs["q"].shape[0]
+        cos, sin = hf_rope_tables(*(torch_tensor(inputs[n]) for n in ("cos", "sin")), batch)
+        buffers = tuple(torch_tensor(inputs[n], grad) for n in ("q", "k"))
+        q, k = (t.permute(0, 2, 1, 3) for t in buffers)
+        if not grad:
+
+            def forward():
+                with torch.no_grad():
+                    return torch_rope(q, k, cos, sin)
+
+            return forward
+        outs = torch_rope(q, k, cos, sin)
+        douts = tuple(torch_tensor(inputs[n]).permute(0, 2, 1, 3) for n in ("dq_out", "dk_out"))
+        return lambda: torch.autograd.grad(outs, buffers, douts, retain_graph=True)
 
     return setup
 
@@ -692,6 +761,7 @@ _TORCH_OPS = {
     "softmax": "torch.softmax",
     "swiglu": "F.silu(a) * b",
     "geglu": "F.gelu(a, approximate=...) * b",
+    "rope": "q * cos + rotate_half(q) * sin",
     "attention": "F.scaled_dot_product_attention",
     "decode_attention": "F.scaled_dot_product_attention (enable_gqa)",
     "flex_attention": "torch.compile(flex_attention)",
@@ -733,6 +803,8 @@ def benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[B
             benches += _row_benches(op, shapes["rows"], arrays, row_repeats, with_torch)
         elif op in GATED_OPS:
             benches += _gated_benches(op, shapes["rows"], arrays, row_repeats, with_torch)
+        elif op == "rope":
+            benches += _rope_benches(shapes["rope"], arrays, row_repeats, with_torch)
         elif op == "attention":
             benches += _attention_benches(shapes["attention"], arrays, attn_repeats, with_torch)
             if large is not None:

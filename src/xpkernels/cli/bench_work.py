@@ -2,15 +2,16 @@
 
 ``python -m xpkernels bench`` (CPU, rows in :mod:`.bench_cases`) and
 ``bench/gpu.py`` (a CUDA device, run by ``bench/device.sh``) both take from
-here the bytes and FLOPs of each entry (:func:`row_work`,
+here the bytes and FLOPs of each entry (:func:`row_work`, :func:`rope_work`,
 :func:`attention_work`, :func:`decode_work`, :func:`flex_work`,
 :func:`hf_llama_work`), its inputs (:func:`row_inputs`, :func:`gated_inputs`,
-:func:`attention_inputs`, :func:`decode_inputs`, :func:`paged_cache`,
-:func:`flex_mods`), the xpkernels calls they time (:func:`row_calls`,
-:func:`gated_calls`, :func:`attention_calls`, :func:`decode_call`,
-:func:`flex_calls`, on an :class:`Arrays` that says where the arrays live and
-which backend runs) and the PyTorch ops the row and gated primitives are
-compared with (:func:`torch_row_op`, :func:`torch_gated_op`);
+:func:`rope_inputs`, :func:`attention_inputs`, :func:`decode_inputs`,
+:func:`paged_cache`, :func:`flex_mods`), the xpkernels calls they time
+(:func:`row_calls`, :func:`gated_calls`, :func:`rope_calls`,
+:func:`attention_calls`, :func:`decode_call`, :func:`flex_calls`, on an
+:class:`Arrays` that says where the arrays live and which backend runs) and
+the PyTorch ops the row, gated and RoPE primitives are compared with
+(:func:`torch_row_op`, :func:`torch_gated_op`, :func:`torch_rope`);
 ``bench/gpu.py`` also its shapes (:data:`GPU_SHAPES`) and primitives
 (:data:`GPU_OPS`, :data:`GATED_CASES`, :data:`FLEX_MODS`), and keeps its own
 timing, ceilings and targets.
@@ -44,10 +45,11 @@ GATED_CASES: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
 }
 #: The primitives ``bench/gpu.py`` times on the triton backend, in its order (then each again
 #: on the cupy backend).
-GPU_OPS = (*ROW_OPS, *GATED_OPS, "attention", "decode_attention", "flex_attention")
+GPU_OPS = (*ROW_OPS, *GATED_OPS, "rope", "attention", "decode_attention", "flex_attention")
 #: Shapes of ``bench/gpu.py``: on a CUDA device (False) and in its dry run (True: CPU tensors,
 #: the Triton interpreter, tiny shapes). ``D`` lists the head dims each shape runs at; the
-#: cupy backend's entries run at ``cupy``'s rows and attention shape and at ``decode``.
+#: cupy backend's entries run at ``cupy``'s rows and attention shape, at ``rope`` and at
+#: ``decode``.
 GPU_SHAPES: dict[bool, dict[str, Any]] = {
     False: {
         "rows": ((32768, 4096), (4096, 65536)),
@@ -55,6 +57,7 @@ GPU_SHAPES: dict[bool, dict[str, Any]] = {
         "attention": {"B": 4, "H": 32, "S": 4096, "D": (64, 128)},
         "decode": {"B": 16, "H": 32, "Hkv": 8, "S": 32768, "D": 128},
         "flex": {"B": 4, "H": 16, "S": 4096, "D": (64, 128), "documents": 4},
+        "rope": {"B": 4, "H": 32, "Hkv": 8, "S": 4096, "D": 128},
         "cupy": {"rows": (32768, 4096), "attention": {"B": 4, "H": 32, "S": 4096, "D": 128}},
         # One decoder layer of a 1B-parameter Llama (Llama 3.2 1B's widths), small vocabulary.
         "hf_llama": {"B": 1, "S": 4096, "hidden": 2048, "layers": 1, "heads": 32, "kv_heads": 8},
@@ -65,6 +68,7 @@ GPU_SHAPES: dict[bool, dict[str, Any]] = {
         "attention": {"B": 1, "H": 2, "S": 48, "D": (16, 32)},
         "decode": {"B": 2, "H": 8, "Hkv": 2, "S": 96, "D": 32},
         "flex": {"B": 1, "H": 2, "S": 48, "D": (16,), "documents": 4},
+        "rope": {"B": 1, "H": 4, "Hkv": 2, "S": 16, "D": 32},
         "cupy": {"rows": (64, 256), "attention": {"B": 1, "H": 2, "S": 48, "D": 32}},
         "hf_llama": {"B": 1, "S": 32, "hidden": 64, "layers": 1, "heads": 4, "kv_heads": 2},
     },
@@ -157,6 +161,26 @@ def row_work(op: str, pass_: str, rows: int, m: int, itemsize: int) -> tuple[int
     return work, f"bytes = {formula} ({what}; R={rows}, M={m}, s={itemsize})"
 
 
+def rope_work(
+    pass_: str, b: int, h: int, hkv: int, s: int, d: int, itemsize: int, table_itemsize: int
+) -> tuple[int, str]:
+    """Bytes one ``pass_`` of RoPE must move over q ``(b, h, s, d)`` and k ``(b, hkv, s, d)``
+    (full rotary, tables ``(s, d / 2)`` of ``table_itemsize``-byte elements): q and k read and
+    their rotations written, each table read once; and the formula."""
+    r2 = d // 2
+    work = 2 * (h + hkv) * b * s * d * itemsize + 2 * s * r2 * table_itemsize
+    what = (
+        "read q, k; write q_out, k_out"
+        if pass_ == "forward"
+        else "read dq_out, dk_out; write dq, dk"
+    )
+    where = f"B={b}, H={h}, Hkv={hkv}, S={s}, D={d}, R2={r2}, s={itemsize}, t={table_itemsize}"
+    return work, (
+        f"bytes = 2*(H+Hkv)*B*S*D*s + 2*S*R2*t ({what}; plus the tables cos, sin (S, R2) "
+        f"read once; {where})"
+    )
+
+
 def _attention_flops(b, h, sq, sk, d, causal, pass_):
     return (
         4 * b * h * sq * sk * d * (0.5 if causal else 1.0) * (2.5 if pass_ == "backward" else 1.0)
@@ -221,6 +245,30 @@ def row_inputs(rows: int, m: int, random: Random) -> dict[str, Any]:
 def gated_inputs(rows: int, m: int, random: Random) -> dict[str, Any]:
     """The gate ``a``, the values ``b`` and ``dy``, each of ``(rows, m)``."""
     return {name: random((rows, m)) for name in ("a", "b", "dy")}
+
+
+def rope_inputs(
+    b: int, h: int, hkv: int, s: int, d: int, random: Random, table: Callable = np.asarray
+) -> dict[str, Any]:
+    """RoPE's inputs at ``(b, h / hkv, s, d)``, full rotary: ``q``, ``dq_out`` ``(b, s, h, d)``
+    and ``k``, ``dk_out`` ``(b, s, hkv, d)`` -- the layout of the projections, which attention
+    hands over as ``(B, H, S, D)`` views (:func:`bhsd`) -- and the tables ``cos``, ``sin``
+    ``(s, d / 2)`` of the angles ``p * 10000^(-2i / d)`` (float32, through ``table``)."""
+    theta = 10000.0 ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    angles = np.arange(s, dtype=np.float64)[:, None] * theta
+    out = {"q": random((b, s, h, d)), "k": random((b, s, hkv, d))}
+    out |= {"dq_out": random((b, s, h, d)), "dk_out": random((b, s, hkv, d))}
+    out |= {
+        name: table(f(angles).astype(np.float32)) for name, f in (("cos", np.cos), ("sin", np.sin))
+    }
+    return out
+
+
+def bhsd(a):
+    """A ``(B, S, H, D)`` array as the ``(B, H, S, D)`` view RoPE and attention take."""
+    import array_api_compat
+
+    return array_api_compat.array_namespace(a).permute_dims(a, (0, 2, 1, 3))
 
 
 def attention_inputs(b: int, h: int, s: int, d: int, random: Random) -> tuple:
@@ -414,6 +462,28 @@ def gated_calls(op: str, arrays: Arrays, inputs: dict[str, Any], options: dict[s
     return Calls(lambda: forward_(y, a, b, **keywords), lambda: backward_(Y, A, B, **keywords))
 
 
+#: The arrays of :func:`rope_inputs` that RoPE rotates (then their cotangents).
+ROPE_ROTATED = ("q", "k", "dq_out", "dk_out")
+
+
+def rope_calls(arrays: Arrays, inputs: dict[str, Any]) -> Calls:
+    """``rope_`` and ``rope_backward_`` (half rotation, rows ``0 .. S-1``) over ``arrays``'
+    copies of ``inputs`` (:func:`rope_inputs`), q, k and the cotangents as ``(B, H, S, D)``
+    views of their ``(B, S, H, D)`` buffers, each output laid out as its input."""
+    import xpkernels as xk
+
+    q, k, dq_out, dk_out = (bhsd(arrays.convert(inputs[name])) for name in ROPE_ROTATED)
+    cos, sin = arrays.convert(inputs["cos"]), arrays.convert(inputs["sin"])
+    q_out, k_out, dq, dk = (arrays.empty_like(a) for a in (q, k, q, k))
+    options = arrays.options
+    Q_out, K_out = Duplicated(q_out, dq_out), Duplicated(k_out, dk_out)
+    Q, K = Duplicated(q, dq), Duplicated(k, dk)
+    return Calls(
+        lambda: xk.rope_(q_out, k_out, q, k, cos, sin, **options),
+        lambda: xk.rope_backward_(Q_out, K_out, Q, K, cos, sin, **options),
+    )
+
+
 def attention_calls(arrays: Arrays, inputs, causal: bool) -> Calls:
     """``attention_`` and ``attention_backward_`` over ``arrays``' copies of ``q, k, v, do``."""
     import xpkernels as xk
@@ -502,6 +572,29 @@ def torch_gated_op(op: str, options: dict[str, Any]) -> Callable:
         return lambda a, b: F.silu(a) * b
     approximate = options["approximate"]
     return lambda a, b: F.gelu(a, approximate=approximate) * b
+
+
+def hf_rope_tables(cos, sin, batch: int) -> tuple:
+    """Hugging Face's ``cos``, ``sin`` ``(B, S, D)`` (torch) from the tables ``(S, D / 2)``: the
+    frequencies repeated over both halves, one materialized copy per batch, as Llama's rotary
+    embedding computes them."""
+    import torch
+
+    return tuple(torch.cat([t, t], -1)[None].expand(batch, -1, -1).contiguous() for t in (cos, sin))
+
+
+def torch_rope(q, k, cos, sin) -> tuple:
+    """The PyTorch composition RoPE replaces: Hugging Face's ``apply_rotary_pos_emb`` (half
+    rotation, ``unsqueeze_dim=1``) of q, k ``(B, H, S, D)`` by ``cos``, ``sin`` ``(B, S, D)``
+    (:func:`hf_rope_tables`)."""
+    import torch
+
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 # --------------------------------------------------------------------------- decode pages
