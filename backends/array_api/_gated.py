@@ -44,6 +44,7 @@ writes an output, so ``y`` may be ``a`` or ``b``, and ``da`` or ``db`` may be
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import array_api_compat
 
@@ -128,19 +129,18 @@ def _sigmoid_value_and_slope(ops, a, z, dz):
     return gate, slope
 
 
-class Activation:
+class Activation(Protocol):
     """A gated activation :math:`f(a) = a\\,g(a)` over row blocks.
 
-    ``value(xp, ops, a)`` is :math:`f(a)`, ``value_and_slope(xp, ops, a)``
-    is ``(f(a), f'(a))``: arrays of ``a``'s dtype made by ``ops`` (a
-    :class:`Scratch` evaluator); ``a`` is not written.
+    Arrays of ``a``'s dtype made by ``ops`` (a :class:`Scratch` evaluator);
+    ``a`` is not written.
     """
 
     def value(self, xp, ops, a):
-        raise NotImplementedError
+        """:math:`f(a)`."""
 
     def value_and_slope(self, xp, ops, a):
-        raise NotImplementedError
+        """``(f(a), f'(a))``."""
 
 
 class _Silu(Activation):
