@@ -131,6 +131,29 @@ def _activation(a, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _tile(rows, m, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's ``ROWS x BLOCK_M`` tile: its rows (int64, a column), its columns (a row)
+    and the mask of its elements inside ``(rows, m)``."""
+    col_tiles = tl.cdiv(m, BLOCK_M)
+    pid = tl.program_id(0)
+    r = (pid // col_tiles).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = (pid % col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return r[:, None], cols[None, :], (r < rows)[:, None] & (cols < m)[None, :]
+
+
+@triton.jit
+def _load(ptr, r, cols, stride, mask):
+    """The tile of the ``(rows, M)`` array at ``ptr`` (rows ``stride`` apart) in float32."""
+    return tl.load(ptr + r * stride + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, r, cols, stride, mask, value):
+    """Store the float32 tile ``value`` into the array at ``ptr``, in its dtype."""
+    tl.store(ptr + r * stride + cols, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _forward_kernel(
     y_ptr,  # (rows, M) output; may be a_ptr or b_ptr
     a_ptr, b_ptr,  # (rows, M) gate, gated values
@@ -140,16 +163,10 @@ def _forward_kernel(
     BLOCK_M: tl.constexpr,  # columns per tile
     ACTIVATION: tl.constexpr,  # SILU, GELU_TANH or GELU
 ):  # fmt: skip
-    col_tiles = tl.cdiv(m, BLOCK_M)
-    pid = tl.program_id(0)
-    r = (pid // col_tiles).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = (pid % col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = (r < rows)[:, None] & (cols < m)[None, :]
-    r64 = r[:, None]
-    a = tl.load(a_ptr + r64 * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + r64 * stride_b + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = _activation(a, ACTIVATION)[0] * b
-    tl.store(y_ptr + r64 * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    r, cols, mask = _tile(rows, m, ROWS, BLOCK_M)
+    a = _load(a_ptr, r, cols, stride_a, mask)
+    b = _load(b_ptr, r, cols, stride_b, mask)
+    _store(y_ptr, r, cols, stride_y, mask, _activation(a, ACTIVATION)[0] * b)
 
 
 def forward(activation: int, y, a, b) -> None:
@@ -194,20 +211,13 @@ def _backward_kernel(
     BLOCK_M: tl.constexpr,  # columns per tile
     ACTIVATION: tl.constexpr,  # SILU, GELU_TANH or GELU
 ):  # fmt: skip
-    col_tiles = tl.cdiv(m, BLOCK_M)
-    pid = tl.program_id(0)
-    r = (pid // col_tiles).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = (pid % col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = (r < rows)[:, None] & (cols < m)[None, :]
-    r64 = r[:, None]
-    dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + r64 * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + r64 * stride_b + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    r, cols, mask = _tile(rows, m, ROWS, BLOCK_M)
+    dy = _load(dy_ptr, r, cols, stride_dy, mask)
+    a = _load(a_ptr, r, cols, stride_a, mask)
+    b = _load(b_ptr, r, cols, stride_b, mask)
     f, df = _activation(a, ACTIVATION)
-    da = dy * b * df
-    db = dy * f
-    tl.store(da_ptr + r64 * stride_da + cols[None, :], da.to(da_ptr.dtype.element_ty), mask=mask)
-    tl.store(db_ptr + r64 * stride_db + cols[None, :], db.to(db_ptr.dtype.element_ty), mask=mask)
+    _store(da_ptr, r, cols, stride_da, mask, dy * b * df)
+    _store(db_ptr, r, cols, stride_db, mask, dy * f)
 
 
 def backward(activation: int, dy, a, b, da, db) -> None:
