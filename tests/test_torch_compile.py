@@ -76,6 +76,20 @@ def test_compiled_graph_calls_the_xpkernels_ops():
     assert inputs[0].grad is not None and norm.weight.grad is not None
 
 
+def test_a_mod_built_inside_the_compiled_function_is_refused_at_trace_time():
+    """torch.compile rebuilds an object made in the traced frame without the graph its
+    constructor traced: the call says so, naming where to build the mod, before any kernel."""
+    q = torch.randn(1, 2, 5, 4)
+
+    def f(q):
+        return xk.flex_attention(q, q, q, mask_mod=SlidingWindowMask(2))
+
+    with pytest.raises(
+        Exception, match=r"SlidingWindowMask of this torch.compile'd call was built"
+    ):
+        torch.compile(f, fullgraph=True, backend="eager")(q)
+
+
 def test_compile_fullgraph_flex_attention_with_a_learnable_score_mod():
     """The mods are filed once at trace time; the captured Parameter is a graph input and learns."""
     seen = []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..mods import MaskMod, ScoreMod
 from ..registry import _explicit_choice
 from . import _flex
 
@@ -32,5 +33,18 @@ def backend_choice(backend) -> str | None:
 
 @torch.compiler.assume_constant_result
 def file_key(convert, value) -> int:
-    """``convert(value)`` filed for the flex ops for the life of the process (the graph holds its key)."""
-    return _flex.file(convert(value), keep=True)
+    """``convert(value)`` filed for the flex ops for the life of the process (the graph holds its key).
+
+    A mod built inside the traced function reaches this call as the copy
+    ``torch.compile`` rebuilds of it, without the graph its constructor
+    traced: refused with a RuntimeError that says where to build it.
+    """
+    obj = convert(value)
+    if isinstance(obj, (MaskMod, ScoreMod)) and "graph" not in vars(obj):
+        raise RuntimeError(
+            f"xpkernels: the {type(obj).__name__} of this torch.compile'd call was built inside "
+            "the compiled function, and torch.compile hands xpkernels a copy of it without its "
+            "traced graph; build mods outside the compiled function (once, e.g. as attributes "
+            "of the module) and pass them in"
+        )
+    return _flex.file(obj, keep=True)
