@@ -45,9 +45,6 @@ from .registry import resolve
 
 __all__ = ["rope", "rope_", "rope_backward", "rope_backward_"]
 
-_LAYOUT = "(B, H, S, D)"
-
-
 #: Shape patterns of the arrays by role (a table's is its rank's).
 _PATTERNS = {"x_q": "B H S D", "x_k": "B Hkv S D", "position_ids": "B S"}
 _TABLE = {2: "Pmax R2", 3: "B Pmax R2"}
