@@ -197,6 +197,17 @@ def compare(
     return benches
 
 
+def _xpk_setup(pass_: str, make_calls, *args):
+    """The setup of one pass of xpkernels' calls: ``make_calls(*args)`` (a ``Calls``, its
+    buffers allocated) then its forward or backward to time."""
+
+    def setup():
+        calls = make_calls(*args)
+        return calls.forward if pass_ == "forward" else calls.backward
+
+    return setup
+
+
 # --------------------------------------------------------------------------- norms and softmax
 
 
@@ -207,7 +218,7 @@ def _row_benches(op: str, shape, arrays: Arrays, repeats: int, with_torch: bool)
     benches = []
     for pass_ in ("forward", "backward"):
         work, formula = row_work(op, pass_, rows, m, 4)
-        ours = ("xpkernels", _xpk_row_setup(op, pass_, arrays, inputs))
+        ours = ("xpkernels", _xpk_setup(pass_, row_calls, op, arrays, inputs))
         theirs = ("torch", _torch_row_setup(op, pass_, inputs))
         benches += compare(
             op,
@@ -221,14 +232,6 @@ def _row_benches(op: str, shape, arrays: Arrays, repeats: int, with_torch: bool)
             theirs if with_torch else None,
         )
     return benches
-
-
-def _xpk_row_setup(op, pass_, arrays: Arrays, inputs):
-    def setup():
-        calls = row_calls(op, arrays, inputs)
-        return calls.forward if pass_ == "forward" else calls.backward
-
-    return setup
 
 
 def _torch_row_setup(op, pass_, inputs):
@@ -267,7 +270,7 @@ def _gated_benches(op: str, shape, arrays: Arrays, repeats: int, with_torch: boo
     for name, options in GATED_CASES[op]:
         for pass_ in ("forward", "backward"):
             work, formula = row_work(op, pass_, rows, m, 4)
-            ours = ("xpkernels", _xpk_gated_setup(op, options, pass_, arrays, inputs))
+            ours = ("xpkernels", _xpk_setup(pass_, gated_calls, op, arrays, inputs, options))
             theirs = ("torch", _torch_gated_setup(op, options, pass_, inputs))
             benches += compare(
                 name,
@@ -281,14 +284,6 @@ def _gated_benches(op: str, shape, arrays: Arrays, repeats: int, with_torch: boo
                 theirs if with_torch else None,
             )
     return benches
-
-
-def _xpk_gated_setup(op, options, pass_, arrays: Arrays, inputs):
-    def setup():
-        calls = gated_calls(op, arrays, inputs, options)
-        return calls.forward if pass_ == "forward" else calls.backward
-
-    return setup
 
 
 def _torch_gated_setup(op, options, pass_, inputs):
@@ -326,7 +321,7 @@ def _rope_benches(shape, arrays: Arrays, repeats: int, with_torch: bool) -> list
     benches = []
     for pass_ in ("forward", "backward"):
         work, formula = rope_work(pass_, b, h, hkv, s, d, 4, 4)
-        ours = ("xpkernels", _xpk_rope_setup(pass_, arrays, inputs))
+        ours = ("xpkernels", _xpk_setup(pass_, rope_calls, arrays, inputs))
         theirs = ("torch", _torch_rope_setup(pass_, inputs))
         benches += compare(
             "rope",
@@ -340,14 +335,6 @@ def _rope_benches(shape, arrays: Arrays, repeats: int, with_torch: bool) -> list
             theirs if with_torch else None,
         )
     return benches
-
-
-def _xpk_rope_setup(pass_, arrays: Arrays, inputs):
-    def setup():
-        calls = rope_calls(arrays, inputs)
-        return calls.forward if pass_ == "forward" else calls.backward
-
-    return setup
 
 
 def _torch_rope_setup(pass_, inputs):
@@ -389,7 +376,7 @@ def _attention_benches(
         op = ("attention (causal)" if causal else "attention") + suffix
         for pass_ in ("forward", "backward"):
             work, formula = attention_work(b, h, s, d, causal, pass_)
-            ours = ("xpkernels", _xpk_attention_setup(arrays, inputs, causal, pass_))
+            ours = ("xpkernels", _xpk_setup(pass_, attention_calls, arrays, inputs, causal))
             theirs = ("torch", _torch_attention_setup(q, k, v, do, causal, pass_))
             benches += compare(
                 op,
@@ -403,14 +390,6 @@ def _attention_benches(
                 theirs if with_torch else None,
             )
     return benches
-
-
-def _xpk_attention_setup(arrays: Arrays, inputs, causal, pass_):
-    def setup():
-        calls = attention_calls(arrays, inputs, causal)
-        return calls.forward if pass_ == "forward" else calls.backward
-
-    return setup
 
 
 def _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_):
