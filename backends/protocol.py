@@ -8,8 +8,8 @@ one module ``<name>/<op>.py`` per op it declares, providing:
 - ``forward`` and, where the primitive has one, ``backward``, with the
   parameters :meth:`Primitive.functions` gives (derived from the op's
   declared :class:`Signature`, or its Protocol class for the three irregular
-  ops, :class:`DecodeAttentionModule`, :class:`MergeAttentionStatesModule` and
-  :class:`RopeModule`);
+  ops, :class:`DecodeAttentionModule`, :class:`MergeAttentionStatesModule`,
+  :class:`RopeModule` and :class:`CrossEntropyModule`);
 - any of the op's optional hooks (:data:`PRIMITIVES`), each declared in the
   backend's :class:`Capability` ``hooks``; an undeclared hook is replaced by
   the default defined here, whose signature is the hook's contract;
@@ -49,6 +49,7 @@ __all__ = [
     "FEATURES",
     "FLOAT_DTYPES",
     "GELU_APPROXIMATIONS",
+    "REDUCTIONS",
     "OPS",
     "PRIMITIVES",
     "Backend",
@@ -61,6 +62,8 @@ __all__ = [
     "Support",
     "DecodeAttentionModule",
     "MergeAttentionStatesModule",
+    "RopeModule",
+    "CrossEntropyModule",
     "default_splits",
     "module_functions",
     "default_tiles",
@@ -171,6 +174,33 @@ class RopeModule(Protocol):
         """The inverse rotation of ``dout``; ``dx`` may be the very same array as ``dout``."""
 
 
+class CrossEntropyModule(Protocol):
+    """Cross-entropy of ``(N, V)`` logit rows against ``(N,)`` integer targets, row by row.
+
+    Row ``r`` with target ``t`` (an int32 or int64 array, any stride) sees the
+    logits ``z = softcap * tanh(x / softcap)`` (``z = x`` when ``softcap`` is
+    None) and loses ``(1 - eps) (lse - z[t]) + eps (lse - mean(z)) + z_loss *
+    lse**2``, ``lse = log(sum(exp(z)))``, ``eps = label_smoothing``; a row whose
+    target is ``ignore_index`` loses 0 and gets a zero gradient. A target
+    outside ``[0, V)`` that is not ``ignore_index`` gives that row a NaN loss
+    and NaN gradient (the fronts refuse such targets first where their values
+    are on the host). ``loss``, ``lse`` and ``grad`` are ``(N,)`` float32
+    (float64 for float64 logits); computation in the same dtype.
+    """
+
+    def forward(
+        self, loss, lse, logits, targets, *, ignore_index, label_smoothing, softcap, z_loss
+    ) -> None:
+        """Each row's loss and ``lse`` (written on ignored rows too)."""
+
+    def backward(
+        self, dlogits, logits, targets, lse, grad, *, ignore_index, label_smoothing, softcap, z_loss
+    ) -> None:
+        """``dlogits[r] = grad[r] * d loss[r] / d logits[r]`` from the forward's ``lse``;
+        ``grad`` may have stride 0 (one weight for all rows); ``dlogits`` may be the very
+        same array as ``logits`` (the gradient replaces the logits)."""
+
+
 # -- Optional hooks: each default below is also the hook's signature -------------------------
 
 
@@ -248,7 +278,9 @@ class Arg:
         None is accepted (an input the call does without: no weight).
     aliases : tuple of str
         For an output: the inputs it may be the very same array as. For an
-        input: the outputs whose shadow its shadow may be, in the backward.
+        input: the outputs whose shadow its shadow may be, in the backward,
+        or its own name: its shadow may be its primal (the gradient written
+        over the input, as cross-entropy's over its logits).
     recorded : str or None
         For an optional input: the key under which checkpoints record whether
         the forward had it (a backward must match).
@@ -447,6 +479,44 @@ _SIGNATURES["rope"] = Signature(
     kind="rope",
 )
 
+_SIGNATURES["cross_entropy"] = Signature(
+    title="CrossEntropy",
+    inputs=(
+        Arg("logits", "T V", aliases=("logits",)),
+        Arg("targets", "T", dtype="index", grad=False),
+    ),
+    outputs=(Arg("loss", ""),),
+    checkpoints=(Arg("lse", "T"),),
+    options=(
+        Option("ignore_index", -100, "int", backward=True),
+        Option("label_smoothing", 0.0, "probability", backward=True),
+        Option("softcap", None, "positive_or_none", backward=True),
+        Option("reduction", "mean", "reduction", backward=True),
+        Option("z_loss", 0.0, "non_negative", backward=True),
+    ),
+    reads=("logits", "targets"),
+    kind="cross_entropy",
+)
+
+_SIGNATURES["linear_cross_entropy"] = Signature(
+    title="LinearCrossEntropy",
+    inputs=(
+        Arg("x", "T H"),
+        Arg("weight", "V H"),
+        Arg("targets", "T", dtype="index", grad=False),
+        Arg("bias", "V", optional=True, recorded="bias"),
+    ),
+    outputs=(Arg("loss", ""),),
+    checkpoints=(Arg("lse", "T"),),
+    options=_SIGNATURES["cross_entropy"].options,
+    reads=("x", "weight", "targets", "bias"),
+    kind="cross_entropy",
+)
+
+#: The values of a ``"reduction"`` option: per row, their sum, or their mean over the rows
+#: not ignored, as ``torch.nn.functional.cross_entropy``'s ``reduction``.
+REDUCTIONS = ("mean", "sum", "none")
+
 #: The values of a ``"gelu_approximate"`` option: GELU exactly (``"none"``, through erf) or
 #: its tanh form (``"tanh"``), as ``torch.nn.functional.gelu``'s ``approximate``.
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -599,6 +669,10 @@ class Primitive:
     module : type or None
         For an op whose backend functions do not follow from its Signature,
         the Protocol class they satisfy.
+    rows_of : str or None
+        The op whose backend modules run this one's kernels, for a primitive
+        the fronts compose from another's (linear cross-entropy: the products
+        on the arrays' library, the rows on ``cross_entropy``); None: its own.
     signature : Signature
         The declared arguments (``_SIGNATURES[name]``).
     """
@@ -608,6 +682,7 @@ class Primitive:
     scratch: tuple[str, ...] = ()
     optional_scratch: tuple[str, ...] = ()
     module: type | None = None
+    rows_of: str | None = None
     signature: Signature = field(init=False)
 
     def __post_init__(self):
@@ -704,6 +779,9 @@ PRIMITIVES: Mapping[str, Primitive] = {
         Primitive("swiglu"),
         Primitive("geglu"),
         Primitive("rope", module=RopeModule),
+        Primitive("cross_entropy", module=CrossEntropyModule),
+        # Products on the arrays' own library, the rows on the backends' cross_entropy.
+        Primitive("linear_cross_entropy", module=CrossEntropyModule, rows_of="cross_entropy"),
         Primitive("attention", {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
         Primitive("attention_varlen", {}, ("delta", "dq_accum"), ("delta", "dq_accum")),
         Primitive(

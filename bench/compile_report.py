@@ -11,7 +11,8 @@ what the compiler emitted and checks the offline targets of DESIGN section 8:
   Q, dO, O) is 128 bits wide in the PTX, and asynchronous (cp.async or TMA)
   when it sits inside a loop;
 - ``row_128bit``: every load and store of 16-bit data in a row kernel (norms,
-  softmax and their reductions) is 128 bits wide.
+  softmax and their reductions, cross-entropy) is 128 bits wide; a scalar access
+  (cross-entropy's target logit) is one element and is left out.
 
 A 16-bit tile access is a TTGIR ``tt.load``/``tt.store`` (or its asynchronous
 form) of bfloat16/float16 elements; its PTX instructions are those carrying
@@ -213,6 +214,26 @@ def _rope(pass_, interleaved, B=4, H=32, S=4096, D=128, R2=64):
     launch(t((B, H, S, D)), t((B, H, S, D)), cos, sin, None, interleaved=interleaved)
 
 
+def _cross_entropy(pass_, dtype, N=8192, V=128256, softcap=None, label_smoothing=0.0, z_loss=0.0):
+    """Per-row losses of ``(N, V)`` logits (a Llama 3 vocabulary by default); the backward
+    writes the gradient over the logits in place, as the fused linear-cross-entropy does."""
+    from xpkernels.backends.triton import cross_entropy
+
+    t = spec.tensor
+    logits, targets = t((N, V), dtype), t((N,), torch.int64)
+    options = {
+        "ignore_index": -100,
+        "label_smoothing": label_smoothing,
+        "softcap": softcap,
+        "z_loss": z_loss,
+    }
+    if pass_ == "fwd":
+        cross_entropy.forward(t((N,), F32), t((N,), F32), logits, targets, **options)
+    else:
+        grad = t((1,), F32).expand(N)
+        cross_entropy.backward(logits, logits, targets, t((N,), F32), grad, **options)
+
+
 def _rms_norm(pass_, R, M):
     from xpkernels.backends.triton import rms_norm
 
@@ -404,6 +425,19 @@ def cases():
                 "rows",
                 lambda p=pass_, i=interleaved: _rope(p, i),
             )
+    for pass_ in ("fwd", "bwd"):
+        for dtype, tag in ((BF16, "bf16"), (F32, "f32")):
+            out[f"cross_entropy.{pass_}.8192x128256.{tag}"] = (
+                "rows",
+                lambda p=pass_, d=dtype: _cross_entropy(p, d),
+            )
+        # Gemma's vocabulary and logit softcap, with label smoothing and the z-loss: every term
+        out[f"cross_entropy.{pass_}.8192x262144.bf16.softcap-smoothing-zloss"] = (
+            "rows",
+            lambda p=pass_: _cross_entropy(
+                p, BF16, V=262144, softcap=30.0, label_smoothing=0.1, z_loss=1e-4
+            ),
+        )
     for name, fn in (
         ("rms_norm", _rms_norm),
         ("layer_norm", _layer_norm),
@@ -494,8 +528,11 @@ def evaluate(family: str, facts: dict) -> dict:
         out["tile_loads_16B"] = verdict(
             all(op["all_128bit"] and (op["async"] or not op["in_loop"]) for op in loads)
         )
-    if family == "rows" and facts["tile_ops"]:
-        out["row_128bit"] = verdict(all(op["all_128bit"] for op in facts["tile_ops"]))
+    # A scalar (rank-0) access, such as cross-entropy's load of the target's logit, is one
+    # element: no vector to widen.
+    row_ops = [op for op in facts["tile_ops"] if op.get("rank", 1) != 0]
+    if family == "rows" and row_ops:
+        out["row_128bit"] = verdict(all(op["all_128bit"] for op in row_ops))
     return out
 
 

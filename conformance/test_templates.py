@@ -123,7 +123,7 @@ def _tol(spec, case, dtype, pass_, name):
 
 def _check_grads(spec, case, target, dtype, grads, exact, cot_exact):
     ref = spec.backward.reference(case, exact, cot_exact)
-    for name in spec.grad_names:
+    for name in ref:
         assert_close(
             target.to_numpy(grads[name]),
             ref[name],
@@ -212,7 +212,7 @@ def test_allocating_equals_inplace(spec, case, target, dtype):
     grads = harness.nan_grads(spec, arrays, target)
     spec.backward.inplace(case, arrays, outs, cot, grads, ck, target.backend)
     grads2 = spec.backward.allocating(case, arrays, outs, cot, ck2, target.backend)
-    for name in spec.grad_names:
+    for name in grads:
         np.testing.assert_array_equal(
             target.to_numpy(grads2[name]), target.to_numpy(grads[name]), err_msg=name
         )
@@ -341,7 +341,7 @@ def test_reference_matches_torch(spec, case):
         assert_close(ref_outs[name], torch_outs[name], 1e-9, f"output {name} vs torch")
     if spec.backward is not None:
         ref_grads = spec.backward.reference(case, inputs, cot)
-        for name in spec.grad_names:
+        for name in ref_grads:
             assert_close(ref_grads[name], torch_grads[name], 1e-9, f"gradient {name} vs torch")
 
 

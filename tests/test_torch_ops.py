@@ -89,7 +89,40 @@ def _cases(dtype):
     tables = (t(6, 3), t(6, 3))
     ids, q3, do8 = torch.tensor([[5, 0, 2, 2, 1]]), t(1, 2, 5, 8), t(1, 4, 5, 8)
     qkv = (q.detach(), k.detach(), v.detach())
+    # Cross-entropy of 3 rows of 8 logits, the second ignored: ignore_index, label_smoothing,
+    # softcap, reduction, z_loss, backend
+    targets, ce = torch.tensor([5, -100, 2]), (-100, 0.1, 4.0, "mean", 1e-3, None)
+    _, lse = ops.cross_entropy(d["x"], targets, *ce)
+    ce_none = (*ce[:3], "none", *ce[4:])
+    # Linear cross-entropy: x (3, 8) through a (6, 8) weight and a bias to 6 classes
+    head, bias = t(6, 8, grad=True), t(6, grad=True)
+    _, head_lse = ops.linear_cross_entropy(d["x"], head.detach(), targets, bias.detach(), *ce)
+    lin = (d["x"], head.detach(), targets, bias.detach())
     cases = [
+        ("linear_cross_entropy", ops.linear_cross_entropy, (x, head, targets, bias, *ce)),
+        ("linear_cross_entropy_", ops.linear_cross_entropy_, (t(3), *lin, None, *ce_none)),
+        (
+            "linear_cross_entropy_backward",
+            ops.linear_cross_entropy_backward,
+            (t(1).reshape(()), *lin, head_lse, *ce[:5], True, None),
+        ),
+        (
+            "linear_cross_entropy_backward_",
+            ops.linear_cross_entropy_backward_,
+            (t(3), *lin, head_lse, t(3, 8), t(6, 8), t(6), *ce_none),
+        ),
+        ("cross_entropy", ops.cross_entropy, (x, targets, *ce)),
+        ("cross_entropy_", ops.cross_entropy_, (t(3), d["x"], targets, None, *ce_none)),
+        (
+            "cross_entropy_backward",
+            ops.cross_entropy_backward,
+            (t(1).reshape(()), d["x"], targets, lse, *ce),
+        ),
+        (
+            "cross_entropy_backward_",
+            ops.cross_entropy_backward_,
+            (t(3), d["x"], targets, lse, t(3, 8), *ce_none),
+        ),
         ("rms_norm", ops.rms_norm, (x, w, 1e-6, 0.5, None)),
         ("rms_norm_", ops.rms_norm_, (t(3, 8), d["x"], d["w"], f32(3), 1e-6, 0.0, None)),
         ("rms_norm_backward", ops.rms_norm_backward, (dy, d["x"], d["w"], rstd, 0.0, True, None)),
@@ -380,6 +413,31 @@ def test_rope_refuses_tables_that_require_grad():
         xk.rope(q.requires_grad_(), k, cos, sin)
     with torch.no_grad():
         xk.rope(q, k, cos, sin)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gradcheck_cross_entropy(reduction):
+    """Cross-entropy through the ops' autograd with every option, an ignored row included."""
+    g = torch.Generator().manual_seed(4)
+    logits = _f64(4, 9, generator=g)
+    targets = torch.tensor([3, 8, -1, 0])
+    options = {"ignore_index": -1, "label_smoothing": 0.2, "softcap": 3.0, "z_loss": 0.01}
+    _gradcheck(lambda x: xk.cross_entropy(x, targets, reduction=reduction, **options), logits)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gradcheck_linear_cross_entropy(bias):
+    """Linear cross-entropy through the ops' autograd: x, the weight and the bias."""
+    g = torch.Generator().manual_seed(5)
+    x, weight, b = _f64(5, 4, generator=g), _f64(7, 4, generator=g), _f64(7, generator=g)
+    targets = torch.tensor([3, 6, -100, 0, 1])
+    options = {"label_smoothing": 0.1, "softcap": 3.0, "z_loss": 0.01}
+    if bias:
+        _gradcheck(
+            lambda *a: xk.linear_cross_entropy(*a[:2], targets, a[2], **options), x, weight, b
+        )
+    else:
+        _gradcheck(lambda *a: xk.linear_cross_entropy(*a, targets, **options), x, weight)
 
 
 @pytest.mark.parametrize("approximate", [None, "none", "tanh"])

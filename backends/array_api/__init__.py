@@ -22,6 +22,7 @@ BACKEND = Backend(
         "swiglu": Capability(dtypes=FLOAT_DTYPES),
         "geglu": Capability(dtypes=FLOAT_DTYPES),
         "rope": Capability(dtypes=FLOAT_DTYPES),
+        "cross_entropy": Capability(dtypes=FLOAT_DTYPES),
         "attention": Capability(dtypes=FLOAT_DTYPES),
         "attention_varlen": Capability(dtypes=FLOAT_DTYPES),
         "decode_attention": Capability(dtypes=FLOAT_DTYPES, hooks=("default_splits",)),

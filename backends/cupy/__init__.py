@@ -112,6 +112,8 @@ BACKEND = Backend(
         # Forward and backward in one CUDA C kernel (rope.cu): 128-bit rows where the pair
         # layout allows; tables float32/float16/bfloat16/float64, shared or one per batch.
         "rope": Capability(dtypes=_DTYPES),
+        # One block per logit row, looping over the vocabulary (cross_entropy.cu).
+        "cross_entropy": Capability(dtypes=_DTYPES),
         # Forward and backward in CUDA C (wmma for float16/bfloat16, SIMT for float32; shared
         # memory per block: attention.shared_bytes and backward_shared_bytes, at most ~163 KiB);
         # the backward computes dQ in its own pass: no dq_accum scratch.

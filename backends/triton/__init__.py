@@ -57,6 +57,7 @@ BACKEND = Backend(
         "swiglu": Capability(dtypes=_DTYPES),
         "geglu": Capability(dtypes=_DTYPES),
         "rope": Capability(dtypes=_DTYPES),
+        "cross_entropy": Capability(dtypes=_DTYPES),
         "attention": Capability(
             dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",)
         ),

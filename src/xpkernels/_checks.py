@@ -160,6 +160,22 @@ def finite(fn: str, name: str, value) -> float:
     return v
 
 
+def unit_interval(fn: str, name: str, value) -> float:
+    """``value`` as a float; ValueError unless it lies in ``[0, 1]``."""
+    v = finite(fn, name, value)
+    if not 0 <= v <= 1:
+        raise ValueError(f"{fn}: {name} must lie in [0, 1], got {value!r}")
+    return v
+
+
+def non_negative(fn: str, name: str, value) -> float:
+    """``value`` as a float; ValueError unless it is finite and >= 0."""
+    v = finite(fn, name, value)
+    if v < 0:
+        raise ValueError(f"{fn}: {name} must be >= 0, got {value!r}")
+    return v
+
+
 def same_namespace(fn, xp, arrays, reference=None) -> None:
     """TypeError unless every array of ``arrays`` (name -> array or None) is in namespace ``xp``.
 

@@ -43,7 +43,15 @@ from typing import Any
 
 import array_api_compat
 
-from xpkernels.backends.protocol import FLOAT_DTYPES, OPS, Backend, Call, Capability, Support
+from xpkernels.backends.protocol import (
+    FLOAT_DTYPES,
+    OPS,
+    PRIMITIVES,
+    Backend,
+    Call,
+    Capability,
+    Support,
+)
 
 __all__ = [
     "BackendError",
@@ -252,6 +260,7 @@ def resolve(
     BackendError
         An explicit choice that is unknown or cannot serve the call.
     """
+    kernels = PRIMITIVES[op].rows_of or op  # the op whose backend modules run the call
     named = [(k, v) for k, v in arrays.items() if v is not None]
     first_name, first = named[0]
     xp = array_api_compat.array_namespace(first)
@@ -283,19 +292,19 @@ def resolve(
             raise BackendError(
                 f"{op}: unknown backend {chosen!r} (from {source}); known: {', '.join(_BY_NAME)}"
             )
-        support = spec.supports(op, call)
+        support = spec.supports(kernels, call)
         if not support:
             raise BackendError(
                 f"{op}: backend {chosen!r} (from {source}) cannot serve {ns} arrays on {kind}: {support.reason}"
             )
-        return _route(spec, op, xp)
+        return _route(spec, kernels, xp)
 
     preferred = PREFERRED.get((ns, kind))
     if preferred is not None:
         spec = _BY_NAME[preferred]
-        support = spec.supports(op, call)
+        support = spec.supports(kernels, call)
         if support:
-            return _route(spec, op, xp)
+            return _route(spec, kernels, xp)
         key = (preferred, op, support.reason)
         if key not in _WARNED:
             _WARNED.add(key)
@@ -305,7 +314,7 @@ def resolve(
                 RuntimeWarning,
                 stacklevel=3,
             )
-    return _route(_BY_NAME[FALLBACK], op, xp)
+    return _route(_BY_NAME[FALLBACK], kernels, xp)
 
 
 def _route(spec: Backend, op: str, xp) -> Route:

@@ -261,7 +261,7 @@ def _other_namespace(target: Target, host: np.ndarray, dtype: str | None):
     if target.namespace == "numpy" and importlib.util.find_spec("torch") is not None:
         import torch
 
-        return torch.from_numpy(np.ascontiguousarray(cast))
+        return torch.from_numpy(np.ascontiguousarray(cast).reshape(cast.shape))  # 0-d stays
     if target.namespace == "numpy":
         import array_api_strict
 
@@ -515,7 +515,11 @@ def _rank_change(slot: Slot, group, slots) -> _Change:
         for s in group:
             host = _values(s, extents, values)
             rows = s.axes == axes(ROWS)
-            call.arrays[s.label] = _on(target, s, host.reshape(-1)[0, ...] if rows else host[0])
+            if rows:
+                host = host.reshape(-1)[0, ...]
+            else:
+                host = host[0] if host.ndim else host[None]  # a scalar gets an axis
+            call.arrays[s.label] = _on(target, s, host)
 
     names = _names(group)
     for sym in slot.axes:
@@ -527,14 +531,15 @@ def _rank_change(slot: Slot, group, slots) -> _Change:
 
 def _written_changes(slot: Slot, slots) -> list[_Change]:
     names = (slot.label,)
-    changes = [
-        _Change(
-            "self-overlapping",
-            _set(slot.label, lambda c, t, e, v: _self_overlapping(t, slot, e)),
-            ValueError,
-            names,
-            True,
-        ),
+    overlapping = _Change(
+        "self-overlapping",
+        _set(slot.label, lambda c, t, e, v: _self_overlapping(t, slot, e)),
+        ValueError,
+        names,
+        True,
+    )
+    changes = [overlapping] if slot.axes else []  # a scalar has one element
+    changes += [
         _Change(
             "read-only",
             _set(slot.label, lambda c, t, e, v: _read_only(t, slot, e)),

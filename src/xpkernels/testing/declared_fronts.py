@@ -52,6 +52,8 @@ EXTENTS = {
     "P": 1,
     "Pmax": 5,
     "R2": 2,
+    "T": 3,
+    "V": 5,
 }
 #: Symbols whose extent is free (any ``P >= 1`` partial rows, any number of splits or workspace).
 FREE = ("P", "N")
@@ -316,7 +318,10 @@ def _duplicated(name, arg: Arg, sig, outputs, keyword) -> Param:
         shadow = Slot(f"{name}.shadow", pattern, "cotangent")
     else:
         role = "input"
-        partners = tuple(f"{capital(o)}.shadow" for o in arg.aliases)
+        # an input aliased to itself: its shadow may be its primal (the gradient over it)
+        partners = tuple(
+            f"{name}.primal" if o == arg.name else f"{capital(o)}.shadow" for o in arg.aliases
+        )
         shadow = Slot(f"{name}.shadow", pattern, "written", partners=partners)
     primal = Slot(f"{name}.primal", pattern, role if arg.name in sig.reads else "unread", arg.dtype)
     return Param(name, "duplicated", (primal, shadow), keyword, optional=arg.optional)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from xpkernels.backends.protocol import PRIMITIVES
 from xpkernels.registry import BACKENDS, FLOAT_DTYPES
 
 
@@ -135,7 +136,9 @@ class Target:
         return None
 
     def dtypes(self, op: str) -> tuple[str, ...]:
-        """Dtypes this target runs ``op`` in: the namespace's floats the backend declares."""
+        """Dtypes this target runs ``op`` in: the namespace's floats the backend declares (for
+        ``op``, or for the op whose kernels it runs: ``Primitive.rows_of``)."""
+        op = PRIMITIVES[op].rows_of or op
         capability = next(b for b in BACKENDS if b.name == self.backend).ops.get(op)
         if capability is None:
             return ()
@@ -293,7 +296,8 @@ class Backward:
     Attributes
     ----------
     grad_names : tuple of str
-        The inputs that get gradients (keys of ``grads``).
+        The inputs that get gradients (keys of ``grads``); an optional input a
+        case does not give (a bias) has none there.
     cotangents : callable
         ``(case, rng) -> {output name: float64 array}``: the output shadows.
     reference : callable
@@ -462,7 +466,9 @@ def nan_checkpoints(spec: OpSpec, case: Case, arrays: dict):
 def nan_grads(spec: OpSpec, arrays: dict, target: Target) -> dict:
     """NaN-filled input shadows by gradient name: an element left unwritten shows as an infinite error."""
     xp = target.xp
-    return {name: xp.full_like(arrays[name], float("nan")) for name in spec.grad_names}
+    return {
+        name: xp.full_like(arrays[name], float("nan")) for name in spec.grad_names if name in arrays
+    }
 
 
 __all__ = [

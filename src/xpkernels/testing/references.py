@@ -33,6 +33,12 @@ __all__ = [
     "geglu",
     "geglu_backward",
     "rope",
+    "cross_entropy_rows",
+    "cross_entropy_rows_backward",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "linear_cross_entropy",
+    "linear_cross_entropy_backward",
     "attention_keep",
     "repeat_kv",
     "group_sum",
@@ -211,6 +217,105 @@ def rope(x, cos, sin, *, position_ids=None, interleaved=False, inverse=False):
     else:
         out[..., :r2], out[..., r2 : 2 * r2] = y1, y2
     return out
+
+
+# --------------------------------------------------------------------------- cross-entropy
+
+
+def _capped(logits, softcap):
+    """The logits the loss sees, ``c tanh(x / c)`` with a softcap ``c``, and ``dz/dx``."""
+    if softcap is None:
+        return logits, np.ones_like(logits)
+    t = np.tanh(logits / softcap)
+    return softcap * t, 1 - t * t
+
+
+def cross_entropy_rows(
+    logits, targets, *, ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0
+):
+    """Per-row loss and logsumexp of ``(N, V)`` logits against ``(N,)`` integer targets.
+
+    With ``z = softcap * tanh(logits / softcap)`` (``z = logits`` without a
+    softcap), ``lse = log(sum(exp(z)))`` and ``eps = label_smoothing``, row
+    ``r`` of target ``t`` loses ``(1 - eps) (lse - z[t]) + eps (lse - mean(z))
+    + z_loss * lse**2`` (PyTorch's label smoothing, plus the z-loss of PaLM);
+    a row whose target is ``ignore_index`` loses 0. Returns ``(loss, lse)``,
+    both ``(N,)``; ``lse`` is every row's, ignored or not.
+    """
+    z, _ = _capped(logits, softcap)
+    top = np.max(z, axis=-1, keepdims=True)
+    lse = (top + np.log(np.sum(np.exp(z - top), axis=-1, keepdims=True)))[:, 0]
+    kept = targets != ignore_index
+    safe = np.where(kept, targets, 0)
+    picked = np.take_along_axis(z, safe[:, None].astype(np.int64), axis=-1)[:, 0]
+    eps = label_smoothing
+    loss = (1 - eps) * (lse - picked)
+    if eps > 0:  # a -inf logit makes mean(z) -inf: no 0 * inf without smoothing
+        loss = loss + eps * (lse - np.mean(z, axis=-1))
+    if z_loss > 0:
+        loss = loss + z_loss * lse * lse
+    return np.where(kept, loss, 0).astype(logits.dtype), lse
+
+
+def cross_entropy_rows_backward(
+    logits, targets, grad, *, ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0
+):
+    """The gradient of ``sum(grad * loss)`` over the logits, ``(N, V)``, for the per-row
+    ``loss`` of :func:`cross_entropy_rows` and per-row weights ``grad`` ``(N,)``:
+    ``grad[r] (p (1 + 2 z_loss lse) - (1 - eps) onehot(t) - eps / V) dz/dx``, 0 on
+    ignored rows."""
+    z, dz = _capped(logits, softcap)
+    v = logits.shape[-1]
+    _, lse = cross_entropy_rows(logits, targets, ignore_index=ignore_index, softcap=softcap)
+    p = np.exp(z - lse[:, None])
+    kept = targets != ignore_index
+    onehot = np.zeros_like(z)
+    rows = np.nonzero(kept)[0]
+    onehot[rows, targets[rows]] = 1
+    eps = label_smoothing
+    g = p * (1 + 2 * z_loss * lse[:, None]) - (1 - eps) * onehot - eps / v
+    return np.where(kept[:, None], g * dz * grad[:, None], 0).astype(logits.dtype)
+
+
+def _reduction_weights(targets, ignore_index, reduction, dtype):
+    """Per-row weights of the reduced loss: 1 (sum, none) or 1 / max(kept rows, 1) (mean)."""
+    if reduction != "mean":
+        return np.ones(targets.shape, dtype)
+    kept = int(np.sum(targets != ignore_index))
+    return np.full(targets.shape, 1 / max(kept, 1), dtype)
+
+
+def cross_entropy(logits, targets, *, reduction="mean", ignore_index=-100, **options):
+    """The loss of :func:`cross_entropy_rows` reduced: ``"none"`` (per row, ``(N,)``),
+    ``"sum"``, or ``"mean"`` over the rows not ignored (0, not NaN, when all are)."""
+    loss, _ = cross_entropy_rows(logits, targets, ignore_index=ignore_index, **options)
+    if reduction == "none":
+        return loss
+    weights = _reduction_weights(targets, ignore_index, reduction, loss.dtype)
+    return np.sum(loss * weights)
+
+
+def cross_entropy_backward(
+    logits, targets, dloss, *, reduction="mean", ignore_index=-100, **options
+):
+    """The logits' gradient of :func:`cross_entropy` for the cotangent ``dloss`` (a scalar,
+    or ``(N,)`` for ``reduction="none"``)."""
+    weights = _reduction_weights(targets, ignore_index, reduction, logits.dtype)
+    grad = np.broadcast_to(np.asarray(dloss, logits.dtype), targets.shape) * weights
+    return cross_entropy_rows_backward(logits, targets, grad, ignore_index=ignore_index, **options)
+
+
+def linear_cross_entropy(x, weight, targets, bias=None, **options):
+    """:func:`cross_entropy` of the logits ``x @ weight.T + bias``."""
+    logits = x @ weight.T if bias is None else x @ weight.T + bias
+    return cross_entropy(logits, targets, **options)
+
+
+def linear_cross_entropy_backward(x, weight, targets, dloss, bias=None, **options):
+    """``(dx, dweight, dbias)`` of :func:`linear_cross_entropy` (``dbias`` None without a bias)."""
+    logits = x @ weight.T if bias is None else x @ weight.T + bias
+    dz = cross_entropy_backward(logits, targets, dloss, **options)
+    return dz @ weight, dz.T @ x, None if bias is None else np.sum(dz, axis=0)
 
 
 # --------------------------------------------------------------------------- attention

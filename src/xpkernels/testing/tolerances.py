@@ -64,7 +64,8 @@ def floor(op: str, pass_: str, dtype: str) -> float:
 
 def _round_bfloat16(a: np.ndarray) -> np.ndarray:
     """``a`` (float32) rounded to the nearest bfloat16 (ties to even), as float32."""
-    a = np.ascontiguousarray(a, dtype=np.float32)
+    shape = np.shape(a)
+    a = np.ascontiguousarray(a, dtype=np.float32).reshape(shape)  # 0-d stays 0-d
     bits = a.view(np.uint32).astype(np.uint64)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32)
     out = rounded.view(np.float32)
@@ -95,7 +96,7 @@ def straightforward(spec: OpSpec, case: Case, inputs: dict, cotangents: dict, dt
         )
         if spec.backward is not None:
             grads = spec.backward.reference(case, low, _in_dtype(cotangents, dtype))
-            results.update({("backward", n): _as_result(grads[n], dtype) for n in spec.grad_names})
+            results.update({("backward", n): _as_result(grads[n], dtype) for n in grads})
     return results
 
 
@@ -106,7 +107,7 @@ def references(spec: OpSpec, case: Case, inputs: dict, cotangents: dict) -> dict
     results.update({("checkpoints", n): ck[n] for n in spec.checkpoint_names})
     if spec.backward is not None:
         grads = spec.backward.reference(case, inputs, cotangents)
-        results.update({("backward", n): grads[n] for n in spec.grad_names})
+        results.update({("backward", n): grads[n] for n in grads})
     return results
 
 

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from xpkernels.backends.protocol import GELU_APPROXIMATIONS, PRIMITIVES, Arg, Option
+from xpkernels.backends.protocol import GELU_APPROXIMATIONS, PRIMITIVES, REDUCTIONS, Arg, Option
 
 from .. import _checks as check
 from ..buffers import Duplicated, allocate_checkpoints, primal
@@ -262,6 +262,11 @@ RULES: dict[str, Rule] = {
         str, lambda fn, name, v: check.one_of(fn, name, v, GELU_APPROXIMATIONS)
     ),
     "bool": Rule(bool, _boolean),
+    "int": Rule(int, check.index_int),
+    "probability": Rule(float, check.unit_interval),
+    "non_negative": Rule(float, check.non_negative),
+    "positive_or_none": Rule(float | None, _or_none(check.positive_finite)),
+    "reduction": Rule(str, lambda fn, name, v: check.one_of(fn, name, v, REDUCTIONS)),
     "scale": Rule(float | None, _or_none(check.positive_finite)),
     "position": _Position(),
     "lengths": Rule(Tensor | None),
@@ -560,7 +565,16 @@ class _Ops:
         for other in self.sig.inputs:
             if other.shape == arg.shape and isinstance(a.get(other.name), Tensor):
                 return torch.empty_like(a[other.name])
-        return a[self.lead.name].new_empty(_shape(dims, arg.shape))
+        lead = a[self.lead.name]
+        if self.sig.kind == "cross_entropy":  # the loss: a scalar or one per row, float32
+            shape = (dims["T"],) if a["reduction"] == "none" else ()
+            return lead.new_empty(shape, dtype=self._checkpoint_dtype(lead))
+        return lead.new_empty(_shape(dims, arg.shape))
+
+    def _checkpoint_dtype(self, lead: Tensor):
+        """Float32, or float64 for a cross-entropy's float64 inputs (its ``lse`` and loss)."""
+        wide = self.sig.kind == "cross_entropy" and lead.dtype == torch.float64
+        return torch.float64 if wide else torch.float32
 
     def _given(self, cls, names: list, a: dict):
         """``cls`` of the buffers ``names`` the caller gave, or None when it gave none."""
@@ -610,7 +624,8 @@ class _Ops:
         lead = a[self.lead.name]
         outputs = [self._new(arg, a, dims) for arg in self.sig.outputs]
         shapes = [_shape(dims, c.shape) for c in self.sig.checkpoints]
-        return _one([*outputs, *(lead.new_empty(s, dtype=torch.float32) for s in shapes)])
+        dtype = self._checkpoint_dtype(lead)
+        return _one([*outputs, *(lead.new_empty(s, dtype=dtype) for s in shapes)])
 
     # -- backward -----------------------------------------------------------------------------
 
