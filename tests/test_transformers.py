@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch", reason="the transformers integration needs 
 tf = pytest.importorskip("transformers", reason="transformers is not installed")
 
 import xpkernels as xk
-from xpkernels.torch import _hf_attention, _hf_rope
+from xpkernels.torch import _hf_attention, _hf_loss, _hf_rope
 from xpkernels.torch import nn as xnn
 from xpkernels.torch import transformers as xt
 
@@ -292,7 +292,12 @@ def test_gated_mlps_run_fused_with_their_weights(family, config, fused, monkeypa
     mlp=True beside xpkernels' norms and attention)."""
     ref, _ = _models(family, torch.float64, **config)
     ours = xt.apply_xpkernels(
-        copy.deepcopy(ref), rms_norm=False, layer_norm=False, attention=False, rope=False
+        copy.deepcopy(ref),
+        rms_norm=False,
+        layer_norm=False,
+        attention=False,
+        rope=False,
+        loss=False,
     )
     report = ours.xpkernels_report
     assert report.mlp == MLPS and not report.skipped and "2 gated MLP fused" in str(report)
@@ -325,6 +330,99 @@ def test_gated_mlps_run_fused_with_their_weights(family, config, fused, monkeypa
         assert _rel(ours_params[name].grad, p.grad) <= 1e-10, name
 
 
+def _float64_causal_loss(logits, labels, vocab_size, num_items_in_batch=None, **kwargs):
+    """transformers' ForCausalLMLoss without its float32 copy of the logits (the float64
+    reference the loss swap is held to)."""
+    targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    rows = logits.reshape(-1, vocab_size)
+    if num_items_in_batch is None:
+        return torch.nn.functional.cross_entropy(rows, targets)
+    return torch.nn.functional.cross_entropy(rows, targets, reduction="sum") / num_items_in_batch
+
+
+@pytest.mark.parametrize("logits", [True, False], ids=["loss-function", "logits-free"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_runs_xpkernels_to_float64(family, logits, monkeypatch):
+    """The causal-LM loss on xpkernels.cross_entropy (logits kept), or logits-free on
+    linear_cross_entropy from the hidden states and the LM head (Gemma 2's final softcap
+    included): float64 loss, with and without num_items_in_batch, and every gradient equal
+    eager's to 1e-10, left padding in the labels; logits-free outputs carry no logits with
+    labels and logits without them."""
+    ref, _ = _models(family, torch.float64)
+    ours = xt.apply_xpkernels(
+        copy.deepcopy(ref),
+        rms_norm=False,
+        layer_norm=False,
+        mlp=False,
+        attention=False,
+        rope=False,
+        logits=logits,
+    )
+    kernel = "cross_entropy" if logits else "linear_cross_entropy"
+    assert ours.xpkernels_report.loss == kernel and not ours.xpkernels_report.skipped
+    calls = []
+    front = getattr(_hf_loss, kernel)
+    monkeypatch.setattr(_hf_loss, kernel, lambda *a, **kw: calls.append(kw) or front(*a, **kw))
+    ref.loss_function = _float64_causal_loss
+    _float64_softmax(monkeypatch)
+    ids, mask = _batch("left")
+    labels = _labels(ids, mask)
+    outputs = [model(ids, attention_mask=mask, labels=labels) for model in (ref, ours)]
+    assert (outputs[1].logits is None) == (not logits) and len(calls) == 1
+    assert _rel(outputs[1].loss.detach(), outputs[0].loss.detach()) <= 1e-10
+    for output in outputs:
+        output.loss.backward()
+    ours_params = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert _rel(ours_params[name].grad, p.grad) <= 1e-10, name
+    items = torch.tensor(7)
+    with torch.no_grad():
+        got, want = (
+            model(ids, attention_mask=mask, labels=labels, num_items_in_batch=items).loss
+            for model in (ours, ref)
+        )
+        assert _rel(got, want) <= 1e-10
+        assert calls[-1]["reduction"] == "sum"
+        assert ours(ids, attention_mask=mask).logits.shape == (3, SEQ, 128)
+
+
+def test_loss_swap_reports_other_losses_and_a_replaced_forward():
+    """A classification head's loss is not the causal LM's: reported, left alone; a forward
+    already replaced on the instance keeps it (logits-free asked), reported."""
+    config = tf.LlamaConfig(**_COMMON, num_labels=3)
+    classifier = xt.apply_xpkernels(tf.LlamaForSequenceClassification(config), attention=False)
+    assert classifier.xpkernels_report.loss is None
+    assert ("loss", "its loss_type is 'ForSequenceClassification', not 'ForCausalLM'") in (
+        classifier.xpkernels_report.skipped
+    )
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**_COMMON))
+    hooked = model.forward
+    model.forward = hooked
+    xt.apply_xpkernels(model, attention=False, logits=False)
+    assert model.xpkernels_report.loss is None and model.forward == hooked
+    assert ("loss", "its forward is already replaced on the instance") in (
+        model.xpkernels_report.skipped
+    )
+
+
+def test_logits_free_training_compiles_without_graph_break():
+    """torch.compile(fullgraph=True) of a logits-free Llama: the loss and gradients of the
+    eager model in float32."""
+    ref, _ = _models("llama", use_cache=False)
+    ours = xt.apply_xpkernels(copy.deepcopy(ref), logits=False)
+    assert ours.xpkernels_report.loss == "linear_cross_entropy"
+    ids, _ = _batch("none", batch=2)
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    want = ref(ids, labels=ids).loss
+    want.backward()
+    assert _rel(loss.detach(), want.detach()) <= 1e-5
+    ours_params = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert _rel(ours_params[name].grad, p.grad) <= 1e-4, name
+
+
 class _RopeCalls:
     """The backward each output of the integration's ``xpkernels.rope`` calls records (two
     entries a call: q and k)."""
@@ -351,7 +449,7 @@ def test_rope_runs_xpkernels_and_leaves_other_models_eager(family, monkeypatch):
     module = __import__(type(ref).__module__, fromlist=["_"])
     original = module.apply_rotary_pos_emb
     ours = xt.apply_xpkernels(
-        copy.deepcopy(ref), rms_norm=False, layer_norm=False, mlp=False, attention=False
+        copy.deepcopy(ref), rms_norm=False, layer_norm=False, mlp=False, attention=False, loss=False
     )
     report = ours.xpkernels_report
     assert report.rope == ATTENTIONS and not report.skipped

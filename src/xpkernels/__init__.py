@@ -1,7 +1,8 @@
 """xpkernels: differentiable fused transformer kernels over caller-owned buffers.
 
-RMSNorm, LayerNorm, softmax, SwiGLU, fused attention, split-KV decode attention,
-FlexAttention and the merge of partial attention states, each with an
+RMSNorm, LayerNorm, softmax, SwiGLU, GeGLU, RoPE, fused attention, split-KV decode
+attention, FlexAttention, the merge of partial attention states, cross-entropy and
+linear cross-entropy, each with an
 in-place forward and an in-place backward, on NumPy, CuPy and PyTorch arrays
 (any Array API namespace). Importing this package imports no torch, cupy or
 triton: every name below is loaded lazily.

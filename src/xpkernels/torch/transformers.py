@@ -43,6 +43,7 @@ from ._hf_attention import (
     mask_function,
     register,
 )
+from ._hf_loss import swap_loss
 from ._hf_rope import attention_like, rope_attention
 
 __all__ = [
@@ -75,6 +76,10 @@ class Report:
     rope : list of str
         Attention modules whose forward now rotates queries and keys on
         :func:`xpkernels.rope` (their ``apply_rotary_pos_emb`` calls).
+    loss : str or None
+        ``"cross_entropy"`` (the model's ``loss_function`` on
+        :func:`xpkernels.cross_entropy`), ``"linear_cross_entropy"`` (also
+        its forward: the loss from the hidden states, no logits), or None.
     skipped : list of (str, str)
         Norm-like, gated-MLP-like and attention modules (class name ending in
         ``Attention``) left alone, with the reason.
@@ -86,6 +91,7 @@ class Report:
     layer_norm: list[str] = field(default_factory=list)
     mlp: list[str] = field(default_factory=list)
     rope: list[str] = field(default_factory=list)
+    loss: str | None = None
     skipped: list[tuple[str, str]] = field(default_factory=list)
     attention: str | None = None
 
@@ -93,7 +99,8 @@ class Report:
         lines = [
             f"xpkernels: {len(self.rms_norm)} RMSNorm, {len(self.layer_norm)} LayerNorm replaced; "
             f"{len(self.mlp)} gated MLP fused; RoPE on xpkernels in {len(self.rope)} attention "
-            f"modules; attention: {self.attention or 'unchanged'}"
+            f"modules; loss: {self.loss or 'unchanged'}; attention: "
+            f"{self.attention or 'unchanged'}"
         ]
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
         return "\n".join(lines)
@@ -274,6 +281,8 @@ def apply_xpkernels(
     mlp: bool = True,
     attention: bool = True,
     rope: bool = True,
+    loss: bool = True,
+    logits: bool = True,
 ) -> Any:
     """Run a transformers model on xpkernels' kernels, in place.
 
@@ -343,6 +352,23 @@ def apply_xpkernels(
         another signature), an attention forward calling no such global (no
         RoPE, or RoPE under another name) or one already replaced on the
         instance is left alone and reported under ``skipped``.
+    loss : bool
+        A model whose loss is transformers' ``ForCausalLMLoss`` (the causal-LM
+        families) computes it on :func:`xpkernels.cross_entropy`
+        (``model.loss_function``, this instance only): same label shift,
+        ``ignore_index``, ``num_items_in_batch`` and ``shift_labels``, a
+        float32 loss, without transformers' float32 copy of the logits.
+    logits : bool
+        With ``loss``, False makes training logits-free: a forward given
+        ``labels`` computes the loss from the last hidden states and the LM
+        head on :func:`xpkernels.linear_cross_entropy` (the family's
+        ``final_logit_softcapping`` included), chunk by chunk, so the ``N x
+        V`` logits never exist in the forward or the backward, and returns
+        ``logits=None``. Calls without labels (``generate``, evaluation)
+        return logits as before. The instance's ``forward`` is replaced; a
+        model whose forward does not call ``self.model``, ``self.lm_head``
+        and ``self.loss_function``, or whose config softcaps the logits where
+        its forward reads no cap, keeps its forward (reported).
 
     Returns
     -------
@@ -381,6 +407,10 @@ def apply_xpkernels(
                     report.skipped.append((name, why))
                 else:
                     report.rope.append(name)
+    if loss:
+        report.loss, why = swap_loss(model, linear=not logits)
+        if why:
+            report.skipped.append(("loss", why))
     if attention:
         register()
         constant_mods(model.config.get_text_config())
