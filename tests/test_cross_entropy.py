@@ -180,3 +180,40 @@ def test_bias_needs_its_forward():
             xk.Duplicated(b),
             checkpoints=ck,
         )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradients_in_the_forward_equal_the_backwards(reduction):
+    """Duplicated inputs to the forward get the gradients of a unit cotangent in the same chunk
+    loop (three products in all): bit for bit the backward's with dloss = 1."""
+    x, w, b, targets = _linear(23, 8, 61)
+    memory = 4 * 61 * 4
+    loss = np.empty((), np.float32)
+    X, W, B = xk.Duplicated(x), xk.Duplicated(w), xk.Duplicated(b)
+    scratch = xk.allocate_scratchspace(xk.linear_cross_entropy_, X, W, targets, B, memory=memory)
+    ck = xk.allocate_checkpoints(xk.linear_cross_entropy_, x, w, targets)
+    kw = {"reduction": reduction, "scratch": scratch, "checkpoints": ck, **OPTIONS}
+    xk.linear_cross_entropy_(loss, X, W, targets, B, **kw)
+    grads = [a.shadow.copy() for a in (X, W, B)]
+    xk.linear_cross_entropy_backward_(xk.Duplicated(loss, np.float32(1.0)), X, W, targets, B, **kw)
+    for got, want in zip(grads, (X.shadow, W.shadow, B.shadow)):
+        np.testing.assert_array_equal(got, want)
+    only_x = xk.Duplicated(x)
+    xk.linear_cross_entropy_(
+        np.empty((), np.float32), only_x, w, targets, b, reduction=reduction, **OPTIONS
+    )
+    np.testing.assert_array_equal(only_x.shadow, grads[0])
+
+
+def test_gradients_in_the_forward_need_a_reduced_loss():
+    x, w, _, targets = _linear(5, 4, 9)
+    loss = np.full(5, 7.0, np.float32)
+    X = xk.Duplicated(x, np.full_like(x, 7.0))
+    with pytest.raises(ValueError, match=r"need a reduced loss: with reduction='none'"):
+        xk.linear_cross_entropy_(loss, X, w, targets, reduction="none")
+    assert np.all(loss == 7.0) and np.all(X.shadow == 7.0)
+    scratch = xk.allocate_scratchspace(xk.linear_cross_entropy_, x, w, targets)
+    with pytest.raises(ValueError, match=r"scratch.bias_sum is None but the bias gets"):
+        xk.linear_cross_entropy_(
+            np.empty((), np.float32), x, w, targets, xk.Duplicated(w[:, 0].copy()), scratch=scratch
+        )

@@ -111,6 +111,11 @@ def _cases(dtype):
             ops.linear_cross_entropy_backward_,
             (t(3), *lin, head_lse, t(3, 8), t(6, 8), t(6), *ce_none),
         ),
+        (
+            "linear_cross_entropy_fused",
+            ops.linear_cross_entropy_fused,
+            (x, head, targets, bias, *ce[:5], True, True, True, None),
+        ),
         ("cross_entropy", ops.cross_entropy, (x, targets, *ce)),
         ("cross_entropy_", ops.cross_entropy_, (t(3), d["x"], targets, None, *ce_none)),
         (
@@ -423,6 +428,25 @@ def test_gradcheck_cross_entropy(reduction):
     targets = torch.tensor([3, 8, -1, 0])
     options = {"ignore_index": -1, "label_smoothing": 0.2, "softcap": 3.0, "z_loss": 0.01}
     _gradcheck(lambda x: xk.cross_entropy(x, targets, reduction=reduction, **options), logits)
+
+
+def test_reduced_linear_cross_entropy_forms_its_gradients_in_the_forward():
+    """A reduced loss runs the fused op (three products; the backward scales the gradients
+    it saved), reduction="none" the generated one; both give PyTorch's gradients."""
+    g = torch.Generator().manual_seed(6)
+    x, weight = _f64(6, 4, generator=g), _f64(9, 4, generator=g)
+    targets = torch.tensor([3, 8, -100, 0, 1, 2])
+    for reduction, op in (("mean", "linear_cross_entropy_fused"), ("none", "linear_cross_entropy")):
+        loss = xk.linear_cross_entropy(x, weight, targets, reduction=reduction)
+        assert type(loss.grad_fn).__name__.startswith(f"GeneratedBackwardFor_xpkernels_{op}_")
+        want = torch.nn.functional.cross_entropy(x @ weight.T, targets, reduction=reduction)
+        got_grads = torch.autograd.grad(2.5 * loss.sum(), (x, weight))
+        want_grads = torch.autograd.grad(2.5 * want.sum(), (x, weight))
+        for got, exact in zip(got_grads, want_grads):
+            assert torch.allclose(got, exact, rtol=1e-12, atol=1e-14)
+    frozen = weight.detach()
+    (dx,) = torch.autograd.grad(xk.linear_cross_entropy(x, frozen, targets), (x,))
+    assert dx.shape == x.shape
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -11,10 +11,14 @@ from ``lse``), then
 .. math::
 
     dx_{\text{chunk}} = dZ\,W, \qquad dW \mathrel{+}= dZ^T x_{\text{chunk}},
-    \qquad db \mathrel{+}= \textstyle\sum_{\text{rows}} dZ,
+    \qquad db \mathrel{+}= \textstyle\sum_{\text{rows}} dZ.
 
-so its extra memory is one chunk, plus on NumPy and CuPy (whose ``matmul``
-cannot add into its output) a product block of a quarter of a chunk's size;
+Given Duplicated inputs, the forward does the same in the same loop for a
+unit cotangent of a reduced loss (three products in all instead of four, as
+Liger-Kernel's fused linear cross-entropy; autograd takes this path,
+:mod:`xpkernels.torch._linear_ce`). Either way the extra memory is one
+chunk, plus on NumPy and CuPy (whose ``matmul`` cannot add into its output)
+a product block of a quarter of a chunk's size;
 :func:`xpkernels.allocate_scratchspace` sizes the chunk from a byte budget.
 ``dW`` is accumulated in the weight's dtype, one rounding per chunk (a
 16-bit weight's gradient carries about ``chunks`` roundings); ``db`` in
@@ -185,6 +189,20 @@ def _check_scratch(fn: str, xp, scratch, x, rows: int, vocab: int, hidden: int) 
         check.shape(fn, "scratch.bias_sum", scratch.bias_sum, (vocab,))
 
 
+def _shadows(fn: str, arrays: dict) -> dict:
+    """``{"X": dx, "Weight": dweight, "Bias": dbias}`` (None where not asked): each shadow of
+    its primal's dtype and shape."""
+    grads = {n: arrays.get(f"{n}.shadow") for n in ("X", "Weight", "Bias")}
+    for name, g in grads.items():
+        p = arrays[f"{name}.primal"]
+        if g is not None and (g.dtype != p.dtype or tuple(g.shape) != tuple(p.shape)):
+            raise TypeError(
+                f"{fn}: {name}.shadow must have {name}.primal's dtype {p.dtype} and shape "
+                f"{tuple(p.shape)}, got {g.dtype} {tuple(g.shape)}"
+            )
+    return grads
+
+
 def _fields(scratch) -> dict:
     return {f"scratch.{k}": v for k, v in scratch._asdict().items() if v is not None}
 
@@ -259,13 +277,17 @@ def linear_cross_entropy_(
         Output, overwritten: a scalar (``reduction`` ``"mean"``/``"sum"``) or
         ``(N,)`` (``"none"``), of any float dtype.
     x : array or Duplicated
-        Hidden states ``(N, H)``.
+        Hidden states ``(N, H)``. A Duplicated's shadow receives the loss's
+        gradient for a unit cotangent, formed in this pass (``reduction``
+        ``"mean"`` or ``"sum"`` only): the backward's work without forming
+        the logits again (three products in all instead of four); scale it
+        by the cotangent afterwards.
     weight : array or Duplicated
-        ``(V, H)``, ``x``'s dtype.
+        ``(V, H)``, ``x``'s dtype; a Duplicated's shadow as ``x``'s.
     targets : array
         ``(N,)`` int32 or int64, in ``[0, V)`` or ``ignore_index``.
     bias : array or Duplicated, optional
-        ``(V,)``, ``x``'s dtype.
+        ``(V,)``, ``x``'s dtype; a Duplicated's shadow as ``x``'s.
     ignore_index, label_smoothing, softcap, reduction, z_loss
         As :func:`xpkernels.cross_entropy_`.
     checkpoints : LinearCrossEntropyCheckpoints, optional
@@ -282,7 +304,9 @@ def linear_cross_entropy_(
     TypeError, ValueError
         As :func:`xpkernels.cross_entropy_`; ``weight`` or ``bias`` of another
         dtype than ``x``, an ``H`` or ``V`` that disagrees, a scratch of other
-        extents. Nothing is written when a check fails.
+        extents (or without ``bias_sum`` for a bias's gradient), shadows of
+        another dtype or shape than their primals, Duplicated inputs with
+        ``reduction="none"``. Nothing is written when a check fails.
 
     Shapes
     ------
@@ -293,19 +317,28 @@ def linear_cross_entropy_(
     opts = options(fn, locals())
     given = {"loss": loss, "x": x, "weight": weight, "targets": targets, "bias": bias}
     _autograd.check_inplace(fn, given)
+    duplicated = {n: d for n, d in (("X", x), ("Weight", weight), ("Bias", bias))}
+    duplicated = {n: d for n, d in duplicated.items() if isinstance(d, Duplicated)}
     x, weight, bias = primal(x), primal(weight), primal(bias)
-    arrays = {"x": x, "weight": weight, "bias": bias, "targets": targets, "loss": loss}
+    shadows = {f"{n}.shadow": d.shadow for n, d in duplicated.items()}
+    arrays = {"x": x, "weight": weight, "bias": bias, "targets": targets, "loss": loss, **shadows}
     names = {"x": "x", "weight": "weight", "bias": "bias"}
     xp, rows, vocab, hidden = _inputs(fn, arrays, names, bias)
+    primals = {"X.primal": x, "Weight.primal": weight, "Bias.primal": bias}
+    grads = _shadows(fn, {**primals, **shadows}) if duplicated else None
     check_loss(fn, "loss", xp, loss, opts["reduction"], rows)
+    if grads is not None and opts["reduction"] == "none":
+        raise ValueError(
+            f"{fn}: gradients in the forward (Duplicated {', '.join(duplicated)}) need a reduced "
+            "loss: with reduction='none' the rows' cotangents are not known yet"
+        )
     check_targets(fn, xp, targets, rows, vocab, opts["ignore_index"])
     if checkpoints is not None:
         _lse(fn, xp, checkpoints, rows, x.dtype)
-    if scratch is None:
-        scratch = _scratch(x, weight, None, bias_sum=False)
-    else:
-        _check_scratch(fn, xp, scratch, x, rows, vocab, hidden)
+    with_bias_sum = grads is not None and grads["Bias"] is not None
+    scratch = _given_scratch(fn, xp, scratch, x, weight, with_bias_sum)
     written = {"loss": loss, **_fields(scratch)}
+    written.update({f"{n}.shadow": g for n, g in (grads or {}).items() if g is not None})
     if checkpoints is not None:
         written["checkpoints.lse"] = checkpoints.lse
     check.writable(fn, written)
@@ -315,15 +348,64 @@ def linear_cross_entropy_(
     if checkpoints is not None:
         forget_forward(checkpoints)
     lse = empty_accumulator(x, (rows,)) if checkpoints is None else checkpoints.lse
-    step = int(scratch.logits.shape[0])
+    weights = None
+    if grads is not None:
+        one = xp.ones((), dtype=lse.dtype, device=array_api_compat.device(lse))
+        weights = row_weights(xp, one, targets, opts["reduction"], opts["ignore_index"], lse)
+    _chunks(route, xp, (x, weight, bias, targets), scratch, opts, lse, True, grads, weights)
+    reduce_rows(xp, loss, scratch.loss_rows, targets, opts["reduction"], opts["ignore_index"])
+    if checkpoints is not None:
+        record_forward(checkpoints, fn, {**opts, "bias": "none" if bias is None else "given"})
+
+
+def _given_scratch(fn: str, xp, scratch, x, weight, bias_sum: bool):
+    """The caller's scratch, checked, or a new one with the default chunk."""
+    if scratch is None:
+        return _scratch(x, weight, None, bias_sum=bias_sum)
+    rows, hidden = (int(n) for n in x.shape)
+    _check_scratch(fn, xp, scratch, x, rows, int(weight.shape[0]), hidden)
+    if bias_sum and scratch.bias_sum is None:
+        raise ValueError(f"{fn}: scratch.bias_sum is None but the bias gets a gradient")
+    return scratch
+
+
+def _chunks(route, xp, inputs, scratch, opts, lse, forward: bool, grads=None, weights=None):
+    """The loop over chunks of rows both passes run (see the module docstring).
+
+    Each chunk's logits are formed in ``scratch.logits``; ``forward`` runs the
+    rows' forward (``scratch.loss_rows``, ``lse``); with ``grads`` (``{"X": dx,
+    "Weight": dweight, "Bias": dbias}``, None where not wanted) the chunk then
+    becomes its gradient (row weights ``weights``, from ``lse``) and the products
+    are accumulated: ``dweight`` overwritten by the first chunk's, ``dbias``
+    summed in ``scratch.bias_sum`` then written.
+    """
+    x, weight, bias, targets = inputs
+    rows, step = x.shape[0], int(scratch.logits.shape[0])
+    dx, dweight, dbias = (None, None, None) if grads is None else grads.values()
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         z = scratch.logits[: r1 - r0, ...]
         _logits(xp, z, x[r0:r1, ...], weight, bias)
-        run_rows(route, scratch.loss_rows[r0:r1], lse[r0:r1], z, targets[r0:r1], opts)
-    reduce_rows(xp, loss, scratch.loss_rows, targets, opts["reduction"], opts["ignore_index"])
-    if checkpoints is not None:
-        record_forward(checkpoints, fn, {**opts, "bias": "none" if bias is None else "given"})
+        if forward:
+            run_rows(route, scratch.loss_rows[r0:r1], lse[r0:r1], z, targets[r0:r1], opts)
+        if grads is None:
+            continue
+        kernel = kernel_options(opts)
+        route.impl.backward(z, z, targets[r0:r1], lse[r0:r1], weights[r0:r1], **kernel)
+        if dx is not None:
+            _matmul(xp, z, weight, dx[r0:r1, ...])
+        if dweight is not None:
+            zt = xp.matrix_transpose(z)
+            _matmul(xp, zt, x[r0:r1, ...], dweight, r0 > 0, scratch.product)
+        if dbias is not None:
+            part = xp.sum(z, axis=0, dtype=scratch.bias_sum.dtype)
+            scratch.bias_sum[...] = part if r0 == 0 else scratch.bias_sum + part
+    if rows == 0 and dweight is not None:
+        dweight[...] = xp.zeros_like(dweight)
+    if dbias is not None:
+        if rows == 0:
+            scratch.bias_sum[...] = xp.zeros_like(scratch.bias_sum)
+        dbias[...] = xp.astype(scratch.bias_sum, dbias.dtype)
 
 
 @checkpoints_for(linear_cross_entropy_)
@@ -463,26 +545,14 @@ def linear_cross_entropy_backward_(
     }
     names = {"x": "X.primal", "weight": "Weight.primal", "bias": "Bias.primal"}
     xp, rows, vocab, hidden = _inputs(fn, arrays, names, bias)
-    grads = {n: arrays[f"{n}.shadow"] for n in ("X", "Weight", "Bias")}
-    for name, g in grads.items():
-        p = arrays[f"{name}.primal"]
-        if g is not None and (g.dtype != p.dtype or tuple(g.shape) != tuple(p.shape)):
-            raise TypeError(
-                f"{fn}: {name}.shadow must have {name}.primal's dtype {p.dtype} and shape "
-                f"{tuple(p.shape)}, got {g.dtype} {tuple(g.shape)}"
-            )
+    grads = _shadows(fn, arrays)
     check_loss(fn, "Loss.shadow", xp, Loss.shadow, opts["reduction"], rows)
     check_targets(fn, xp, targets, rows, vocab, opts["ignore_index"])
     if checkpoints is not None:
         _lse(fn, xp, checkpoints, rows, x.dtype)
         record = {**opts, "bias": "none" if bias is None else "given"}
         check_forward(fn, checkpoints, "linear_cross_entropy_", record)
-    if scratch is None:
-        scratch = _scratch(x, weight, None, bias_sum=bias is not None)
-    else:
-        _check_scratch(fn, xp, scratch, x, rows, vocab, hidden)
-        if bias is not None and scratch.bias_sum is None:
-            raise ValueError(f"{fn}: scratch.bias_sum is None but Bias is given")
+    scratch = _given_scratch(fn, xp, scratch, x, weight, bias is not None)
     written = {f"{n}.shadow": g for n, g in grads.items() if g is not None}
     written.update(_fields(scratch))
     check.writable(fn, written)
@@ -492,45 +562,14 @@ def linear_cross_entropy_backward_(
         reads["checkpoints.lse"] = checkpoints.lse
     check.no_overlap(fn, written, reads)
     route = resolve("linear_cross_entropy", {"x": x, "targets": targets}, backend=backend)
-    _backward_chunks(
-        route, xp, x, weight, bias, targets, grads, Loss.shadow, checkpoints, scratch, opts
-    )
-
-
-def _backward_chunks(route, xp, x, weight, bias, targets, grads, dloss, checkpoints, scratch, opts):
-    """The backward's chunk loop (see the module docstring)."""
-    rows = x.shape[0]
-    dx, dweight, dbias = grads["X"], grads["Weight"], grads["Bias"]
-    if rows == 0:
-        dweight[...] = xp.zeros_like(dweight)
-        if dbias is not None:
-            dbias[...] = xp.zeros_like(dbias)
-        return
-    step = int(scratch.logits.shape[0])
-    lse = None if checkpoints is None else checkpoints.lse
-    if lse is None:
+    inputs = (x, weight, bias, targets)
+    if checkpoints is None:
         lse = empty_accumulator(x, (rows,))
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            z = scratch.logits[: r1 - r0, ...]
-            _logits(xp, z, x[r0:r1, ...], weight, bias)
-            run_rows(route, scratch.loss_rows[r0:r1], lse[r0:r1], z, targets[r0:r1], opts)
-    weights = row_weights(xp, dloss, targets, opts["reduction"], opts["ignore_index"], lse)
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        z = scratch.logits[: r1 - r0, ...]
-        _logits(xp, z, x[r0:r1, ...], weight, bias)
-        route.impl.backward(
-            z, z, targets[r0:r1], lse[r0:r1], weights[r0:r1], **kernel_options(opts)
-        )
-        _matmul(xp, z, weight, dx[r0:r1, ...])
-        first = r0 == 0
-        _matmul(xp, xp.matrix_transpose(z), x[r0:r1, ...], dweight, not first, scratch.product)
-        if dbias is not None:
-            part = xp.sum(z, axis=0, dtype=scratch.bias_sum.dtype)
-            scratch.bias_sum[...] = part if first else scratch.bias_sum + part
-    if dbias is not None:
-        dbias[...] = xp.astype(scratch.bias_sum, dbias.dtype)
+        _chunks(route, xp, inputs, scratch, opts, lse, True)
+    else:
+        lse = checkpoints.lse
+    weights = row_weights(xp, Loss.shadow, targets, opts["reduction"], opts["ignore_index"], lse)
+    _chunks(route, xp, inputs, scratch, opts, lse, False, grads, weights)
 
 
 def linear_cross_entropy_backward(

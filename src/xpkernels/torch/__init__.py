@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _declared, nn
+from . import _declared, _linear_ce, nn
 from . import _fronts as _fronts  # files the autograd recorders in xpkernels._autograd
 
 __all__ = ["nn", "ops", "OPS"]
@@ -36,4 +36,4 @@ __all__ = ["nn", "ops", "OPS"]
 ops = torch.ops.xpkernels
 
 #: Every op this package registers, by its name in the namespace (``"rms_norm"``, ``"rms_norm_"``...).
-OPS = _declared.OPS
+OPS = tuple(sorted((*_declared.OPS, _linear_ce.FUSED)))

@@ -146,7 +146,8 @@ def _torch_reference(case, inputs, cotangents):
 def _allocate_outputs(case, arrays, target, dtype):
     n = arrays["logits"].shape[0]
     shape = (n,) if options(case)["reduction"] == "none" else ()
-    return {"loss": target.full(shape, np.nan, dtype)}
+    # float32 (float64 for float64 inputs): what the allocating forms return
+    return {"loss": target.full(shape, np.nan, "float64" if dtype == "float64" else "float32")}
 
 
 def _allocate_checkpoints(case, arrays):
