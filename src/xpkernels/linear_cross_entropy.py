@@ -445,9 +445,11 @@ def linear_cross_entropy(
 
     Returns
     -------
-    loss : float32 array (float64 for float64 inputs), a scalar or ``(N,)``. On torch tensors that require
-    grad (grad mode on), autograd records xpkernels' backward, which forms the logits again
-    chunk by chunk (no ``N x V`` array in either pass).
+    loss : float32 array (float64 for float64 inputs), a scalar or ``(N,)``. On torch
+    tensors that require grad (grad mode on), autograd records xpkernels' backward: for a
+    reduced loss the forward forms the gradients too and the backward scales them
+    (:mod:`xpkernels.torch._linear_ce`); for ``reduction="none"`` the backward forms the
+    logits again, chunk by chunk. No ``N x V`` array in either pass.
     """
     opts = {
         "ignore_index": ignore_index,
