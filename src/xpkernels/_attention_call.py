@@ -4,7 +4,7 @@
 :mod:`~xpkernels.attention`, :mod:`~xpkernels.attention_varlen`,
 :mod:`~xpkernels.flex_attention` or :mod:`~xpkernels.flex_attention_varlen`:
 the four differ only in two declared variants (their ``Signature`` in
-``backends/protocol.py``), which this class composes:
+``backends/signatures.py``), which this class composes:
 
 - **packing**: padded ``(B, H, S, D)`` arrays with optional ``q_lengths`` /
   ``k_lengths``, or packed ``(T, H, D)`` arrays with the ``(B + 1,)`` prefix

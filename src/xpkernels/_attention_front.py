@@ -2,7 +2,7 @@
 
 :mod:`~xpkernels.attention`, :mod:`~xpkernels.attention_varlen`,
 :mod:`~xpkernels.flex_attention` and :mod:`~xpkernels.flex_attention_varlen`
-each declare their arrays and options once (``backends/protocol.py``) and
+each declare their arrays and options once (``backends/signatures.py``) and
 keep only their math and documented public functions; each function hands
 its arguments (``locals()``) to its :class:`AttentionFront`, which does the
 rest the same way for all four:

@@ -2,7 +2,7 @@
 
 A row primitive (RMSNorm, LayerNorm, softmax, SwiGLU) declares its arrays,
 their shape patterns, what may alias what, its checkpoints, scratch and
-options once, in ``backends/protocol.py``. :class:`RowPrimitive` turns that
+options once, in ``backends/signatures.py``. :class:`RowPrimitive` turns that
 record into everything its front file would otherwise write out: the
 validation of both passes (every check before the first write, messages
 naming the function and the argument), the labelled arrays routing sees,

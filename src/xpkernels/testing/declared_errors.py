@@ -1,6 +1,6 @@
 """Error cases generated from the :class:`~xpkernels.backends.protocol.Signature` of a primitive.
 
-Every primitive declares its arrays once (``backends/protocol.py``): shape
+Every primitive declares its arrays once (``backends/signatures.py``): shape
 patterns over shared axis symbols, dtype rules, what each pass reads and
 writes, what may alias what. :func:`declared_errors` turns that record, and
 the parameter lists of the primitive's public functions, into the generic
