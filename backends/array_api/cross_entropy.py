@@ -18,8 +18,14 @@ the smoothing and z-loss terms only when their weights are positive (a
 and get zeros; a target outside ``[0, V)`` gives its row NaN. Computed in
 float32 (float64 for float64 logits) over blocks of rows of at most
 :data:`._blocks.ROW_BLOCK_ELEMENTS` elements; each block reads its logits
-before it writes its gradient, so ``dlogits`` may be ``logits``. PyTorch CPU
-tensors run the NumPy path through zero-copy views.
+before it writes its gradient, so ``dlogits`` may be ``logits``.
+
+On NumPy (and PyTorch CPU tensors, through zero-copy views) the blocks are
+shared among worker threads and every elementwise step writes into the
+worker's reused buffers or straight into the gradient's rows (``out=``):
+the forward reads a block twice (its max, then the exponentials summed by a
+product with a vector of ones), the backward writes each element once and
+reads it back once per step, and the target's column is corrected by index.
 """
 
 from __future__ import annotations
@@ -28,30 +34,39 @@ import math
 
 import array_api_compat
 
-from ._blocks import acc_dtype, block_rows, numpy_views, to
+from ._blocks import BlockBuffers, acc_dtype, for_each_block, numpy_views, ones, to, workers
 
 __all__ = ["backward", "forward"]
 
 
-def _capped(xp, x, softcap):
-    """``(z, dz/dx)`` of a block; ``dz/dx`` is None without a softcap."""
+def _op(xp, name: str, *args, out=None):
+    """The Array API elementwise function ``name`` of ``args``, into ``out`` when given (a
+    NumPy buffer: the ufunc writes there), else into a new array."""
+    if out is None:
+        return getattr(xp, name)(*args)
+    import numpy
+
+    return getattr(numpy, name)(*args, out=out)
+
+
+def _capped(xp, x, softcap, z_out, slope_out, slope: bool):
+    """``(z, dz/dx)`` of a block (``dz/dx`` None without a softcap or ``slope``), into the
+    buffers when given; ``z_out`` may be ``x``'s own memory (read first)."""
     if softcap is None:
         return x, None
-    t = xp.tanh(x / softcap)
-    return softcap * t, 1 - t * t
+    t = _op(xp, "tanh", _op(xp, "divide", x, softcap, out=slope_out), out=slope_out)
+    z = _op(xp, "multiply", t, softcap, out=z_out)
+    if not slope:
+        return z, None
+    return z, _op(xp, "subtract", 1.0, _op(xp, "multiply", t, t, out=slope_out), out=slope_out)
 
 
-def _targets(xp, targets, r0: int, r1: int, vocab: int):
-    """``(kept, valid, safe)`` of a block: rows not ignored, kept rows whose target lies in
-    ``[0, V)``, and the targets with every other row's set to 0 (int64)."""
+def _targets(xp, targets, r0: int, r1: int, vocab: int, ignore_index: int):
+    """``(kept, valid, safe)`` of a block: rows not ignored, rows whose target lies in ``[0,
+    V)``, and the targets with every other row's set to 0 (int64)."""
     t = xp.astype(targets[r0:r1], xp.int64)
     valid = xp.logical_and(t >= 0, t < vocab)
-    return t, valid, xp.where(valid, t, xp.zeros_like(t))
-
-
-def _blocks(rows: int, vocab: int):
-    step = block_rows(rows, vocab)
-    return ((r0, min(rows, r0 + step)) for r0 in range(0, rows, step))
+    return t != ignore_index, valid, xp.where(valid, t, xp.zeros_like(t))
 
 
 def forward(loss, lse, logits, targets, *, ignore_index, label_smoothing, softcap, z_loss) -> None:
@@ -63,23 +78,29 @@ def forward(loss, lse, logits, targets, *, ignore_index, label_smoothing, softca
     acc = acc_dtype(xp, logits.dtype)
     rows, vocab = logits.shape
     eps = label_smoothing
-    for r0, r1 in _blocks(rows, vocab):
-        z, _ = _capped(xp, to(xp, logits[r0:r1, :], acc), softcap)
-        top = xp.max(z, axis=1, keepdims=True)
+    n_workers = workers(xp, rows, vocab)
+    buffers = BlockBuffers(xp, n_workers, 2, rows, vocab, acc)
+    ones_v = ones(xp, vocab, acc, logits)
+
+    def block(worker, r0, r1):
+        e_buf, z_buf = (b if b is None else b[: r1 - r0] for b in buffers.get(worker))
+        z, _ = _capped(xp, to(xp, logits[r0:r1, :], acc), softcap, z_buf, e_buf, False)
+        top = xp.max(z, axis=1)
         top = xp.where(xp.isfinite(top), top, xp.zeros_like(top))
-        total = xp.sum(xp.exp(z - top), axis=1)
-        row_lse = xp.log(total) + top[:, 0]
-        t, valid, safe = _targets(xp, targets, r0, r1, vocab)
+        e = _op(xp, "exp", _op(xp, "subtract", z, top[:, None], out=e_buf), out=e_buf)
+        row_lse = xp.log(e @ ones_v) + top
+        kept, valid, safe = _targets(xp, targets, r0, r1, vocab, ignore_index)
         picked = xp.take_along_axis(z, safe[:, None], axis=1)[:, 0]
         row = (1 - eps) * (row_lse - picked)
         if eps > 0:
-            row = row + eps * (row_lse - xp.mean(z, axis=1))
+            row = row + eps * (row_lse - (z @ ones_v) / vocab)
         if z_loss > 0:
             row = row + z_loss * row_lse * row_lse
-        kept = t != ignore_index
         row = xp.where(kept, xp.where(valid, row, xp.full_like(row, math.nan)), 0)
         loss[r0:r1] = to(xp, row, loss.dtype)
         lse[r0:r1] = to(xp, row_lse, lse.dtype)
+
+    for_each_block(xp, block, rows, vocab, n_workers)
 
 
 def backward(
@@ -91,24 +112,43 @@ def backward(
     if views is not None:
         dlogits, logits, targets, lse, grad = views
     xp = array_api_compat.array_namespace(dlogits, logits, targets, lse, grad)
+    numpy = array_api_compat.is_numpy_namespace(xp)
     acc = acc_dtype(xp, logits.dtype)
     rows, vocab = logits.shape
     eps = label_smoothing
+    n_workers = workers(xp, rows, vocab)
+    buffers = BlockBuffers(xp, n_workers, 2, rows, vocab, acc)
     columns = xp.arange(vocab, dtype=xp.int64, device=array_api_compat.device(logits))
-    for r0, r1 in _blocks(rows, vocab):
-        z, slope = _capped(xp, to(xp, logits[r0:r1, :], acc), softcap)
-        row_lse = to(xp, lse[r0:r1], acc)[:, None]
-        g = xp.exp(z - row_lse)
-        if z_loss > 0:
-            g = g * (1 + 2 * z_loss * row_lse)
-        if eps > 0:
-            g = g - eps / vocab
-        t, valid, safe = _targets(xp, targets, r0, r1, vocab)
-        g = xp.where(columns[None, :] == safe[:, None], g - (1 - eps), g)
-        if slope is not None:
-            g = g * slope
+    direct = numpy and dlogits.dtype == acc  # the gradient's rows are the block's buffer
+
+    def block(worker, r0, r1):
+        g_buf, slope_buf = (b if b is None else b[: r1 - r0] for b in buffers.get(worker))
+        if direct:
+            g_buf = dlogits[r0:r1, :]
+        z, slope = _capped(xp, to(xp, logits[r0:r1, :], acc), softcap, g_buf, slope_buf, True)
+        row_lse = to(xp, lse[r0:r1], acc)
+        kept, valid, safe = _targets(xp, targets, r0, r1, vocab, ignore_index)
         weight = to(xp, grad[r0:r1], acc)
         weight = xp.where(valid, weight, xp.full_like(weight, math.nan))
-        weight = xp.where(t != ignore_index, weight, xp.zeros_like(weight))[:, None]
-        g = xp.where(weight != 0, g * weight, xp.zeros_like(g))
-        dlogits[r0:r1, :] = to(xp, g, dlogits.dtype)
+        weight = xp.where(kept, weight, xp.zeros_like(weight))
+        scale = weight * (1 + 2 * z_loss * row_lse) if z_loss > 0 else weight
+        g = _op(xp, "exp", _op(xp, "subtract", z, row_lse[:, None], out=g_buf), out=g_buf)
+        g = _op(xp, "multiply", g, scale[:, None], out=g_buf)
+        if eps > 0:
+            g = _op(xp, "subtract", g, (weight * (eps / vocab))[:, None], out=g_buf)
+        hit = weight * (1 - eps)
+        if numpy:
+            at = xp.nonzero(xp.logical_and(kept, valid))[0]
+            g[at, safe[at]] -= hit[at]
+        else:
+            g = xp.where(columns[None, :] == safe[:, None], g - hit[:, None], g)
+        if slope is not None:
+            g = _op(xp, "multiply", g, slope, out=g_buf)
+        if numpy:
+            g[~kept, :] = 0  # exact zeros, whatever the row's logits hold
+        else:
+            g = xp.where(kept[:, None], g, xp.zeros_like(g))
+        if not direct:
+            dlogits[r0:r1, :] = to(xp, g, dlogits.dtype)
+
+    for_each_block(xp, block, rows, vocab, n_workers)

@@ -72,6 +72,10 @@ __all__ = [
 ]
 
 
+#: Fewest rows of the default chunk: products of fewer rows run below BLAS's rate (measured on
+#: NumPy at N=2048, H=512, V=16000: the backward took 867 ms at 66 rows, 540 ms at 262).
+MIN_CHUNK_ROWS = 256
+
 #: The product block of ``dW`` (NumPy, CuPy) holds at most ``1 / PRODUCT_SHARE`` of a chunk's
 #: elements: the scratch is 1.25 chunks.
 PRODUCT_SHARE = 4
@@ -139,9 +143,10 @@ def _lse(fn: str, xp, checkpoints, rows: int, dtype) -> None:
 
 
 def _chunk_rows(rows: int, vocab: int, hidden: int, itemsize: int, memory) -> int:
-    """Rows per chunk: ``memory`` bytes of logits, or by default as many elements as ``x``."""
+    """Rows per chunk: ``memory`` bytes of logits, or by default as many elements as ``x`` and
+    at least :data:`MIN_CHUNK_ROWS` (all ``N`` when fewer)."""
     if memory is None:
-        return max(1, min(rows, math.ceil(rows * hidden / vocab)))
+        return max(1, min(rows, max(MIN_CHUNK_ROWS, math.ceil(rows * hidden / vocab))))
     memory = check.index_int("allocate_scratchspace", "memory", memory, low=1)
     return max(1, min(rows, memory // (vocab * itemsize)))
 
@@ -419,7 +424,8 @@ def _allocate_checkpoints(x, *args, **kwargs) -> LinearCrossEntropyCheckpoints:
 def _allocate_scratch(x, weight, targets=None, bias=None, *, memory=None, **options):
     """``allocate_scratchspace(linear_cross_entropy_ or linear_cross_entropy_backward_, x,
     weight, targets, bias, memory=None)``: ``memory`` is the chunk's budget in bytes (at
-    least one row of ``V`` logits); None gives chunks of as many elements as ``x``."""
+    least one row of ``V`` logits); None gives chunks of as many elements as ``x``, and at
+    least :data:`MIN_CHUNK_ROWS` rows."""
     x, weight = primal(x), primal(weight)
     fn = "allocate_scratchspace"
     check.rank(fn, "x", x, 2, "(N, H)")
