@@ -47,13 +47,30 @@ Measures, in order:
    85%), next to the eager composition it replaces (Hugging Face's
    ``apply_rotary_pos_emb``: ``q * cos + rotate_half(q) * sin``, same for k) and,
    where ``liger_kernel`` imports, Liger-Kernel's ``LigerRopeFunction``;
-8. the cupy backend (CUDA C through ``cupy.RawModule``) on CuPy views of the same
-   CUDA tensors, float16: the norms, softmax, SwiGLU and GeGLU at ``(32768, 4096)``,
-   RoPE at the shape of 7, attention at ``D=128`` causal and not, FlexAttention
-   with a causal mask mod at the same shape, decode attention, next to the same call on the
-   triton backend (target: at most 1.25x slower) and to PyTorch's op. In a dry
-   run these calls run the same ``.cu`` on NumPy views through
-   ``xpkernels.testing.cudacpu``.
+8. cross-entropy ``N=8192, V=128256`` (Llama 3's vocabulary) bfloat16, the mean over
+   the rows, forward, backward (the gradient into a buffer of its own) and the two in
+   turn: GB/s of the logits read (and the gradient written) as a share of the copy
+   bandwidth, next to ``F.cross_entropy`` and, forward+backward only, Liger-Kernel's
+   ``LigerCrossEntropyFunction`` where ``liger_kernel`` imports (its forward computes
+   the gradient too, over the logits in place; its backward only scales it);
+9. linear cross-entropy ``N=8192, H=4096, V=128256`` bfloat16, forward+backward:
+   TFLOP/s of the composition's three products (``x @ W.T``, ``dZ @ W``, ``dZ^T @
+   x``), next to that composition (``F.cross_entropy(x @ W.T, t)``), to the three
+   products alone (target: at most 1.1x their time; xpkernels' forward then
+   backward form the logits twice, four products against three, so about 1.33x is
+   their design floor) and to Liger-Kernel's
+   ``LigerFusedLinearCrossEntropyFunction``; then the fused forward (Duplicated
+   ``x`` and ``W``: the gradients in the same chunk loop, three products) against
+   the same target; then the peak memory each allocates beyond its inputs and
+   gradients (``torch.cuda``'s allocator; target: at most 1/10 of the
+   composition's);
+10. the cupy backend (CUDA C through ``cupy.RawModule``) on CuPy views of the same
+    CUDA tensors, float16: the norms, softmax, SwiGLU and GeGLU at ``(32768, 4096)``,
+    RoPE at the shape of 7, attention at ``D=128`` causal and not, FlexAttention
+    with a causal mask mod at the same shape, decode attention, next to the same call on
+    the triton backend (target: at most 1.25x slower) and to PyTorch's op. In a dry
+    run these calls run the same ``.cu`` on NumPy views through
+    ``xpkernels.testing.cudacpu``.
 
 The cases -- shapes (``GPU_SHAPES``: the ones above, and the dry run's), the
 primitives and flex mods, the byte and FLOP counts, the inputs and the xpkernels
@@ -63,15 +80,18 @@ timing (``triton.testing.do_bench``), the ceilings, PyTorch's CUDA baselines,
 the targets and the summary.
 
 Every xpkernels call is made through the public in-place functions with
-``backend="triton"`` (``"cupy"`` in section 8) and preallocated buffers (checkpoints, scratch), so a
-timing is the kernels alone. Writes ``gpu.json`` into ``--out`` and prints a
-table. An entry that raises is recorded with its traceback and the run goes
-on; the exit status is 1 if any entry failed or was skipped for time.
+``backend="triton"`` (``"cupy"`` in section 10) and preallocated buffers
+(checkpoints, scratch), so a timing is the kernels alone (linear
+cross-entropy's: its products through PyTorch's cuBLAS too). Writes
+``gpu.json`` into ``--out`` and prints a table. An entry that raises is
+recorded with its traceback and the run goes on; the exit status is 1 if any
+entry failed or was skipped for time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -79,6 +99,7 @@ import platform
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -120,6 +141,7 @@ class Bench:
         self.compile_budget = 0.0 if self.dry else args.compile_budget
         self.entries: list[Entry] = []
         self.ceilings: dict[str, float] = {}
+        self.ceiling_formulas: dict[str, str] = {}
         self.skipped: list[str] = []
         self.sections_skipped: dict[str, str] = {}  # a section that could not run here: why
 
@@ -171,6 +193,54 @@ class Bench:
                 entry.baselines[name] = {"error": f"{type(exc).__name__}: {exc}"}
         self.entries.append(entry)
         print(format_entry(entry), flush=True)
+
+    def peak_memory(self, entry: Entry, ours, baselines: dict) -> None:
+        """The peak memory of ``ours`` and of each of ``baselines`` (name -> callable) beyond
+        what each holds when it returns (:meth:`extra_bytes`): ``entry.rate`` ours in MiB, each
+        baseline's in ``entry.notes`` (``"<name> peak MiB"``). A dry run calls each once and
+        records no figure (no CUDA allocator to ask)."""
+        label = f"{entry.op} {entry.pass_} {entry.dtype} {entry.shape}"
+        self.entries.append(entry)
+        if self.out_of_time():
+            self.skipped.append(label)
+            entry.error = "skipped: the time budget ran out"
+            return
+        try:
+            ours_bytes = self.extra_bytes(ours)
+        except Exception:  # noqa: BLE001 - recorded, reported, and fails the run at the end
+            entry.error = traceback.format_exc()
+            return
+        if ours_bytes is not None:
+            entry.amount, entry.rate = ours_bytes, ours_bytes / 2**20
+        for name, fn in baselines.items():
+            try:
+                theirs = self.extra_bytes(fn)
+            except Exception as exc:  # noqa: BLE001 - a baseline failing is data, not our failure
+                entry.baselines[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            if theirs is not None:
+                entry.notes[f"{name} peak MiB"] = theirs / 2**20
+        ours_text = "none (CUDA only)" if entry.rate is None else f"{entry.rate:.4g}"
+        figures = [f"xpkernels peak MiB {ours_text}"]
+        figures += [f"{name} {value:.4g}" for name, value in entry.notes.items()]
+        print(f"  {label}: " + " | ".join(figures), flush=True)
+
+    def extra_bytes(self, run) -> int | None:
+        """The most bytes ``run()`` had allocated at once beyond what is allocated when it
+        returns, its results held (``torch.cuda.max_memory_allocated()`` minus
+        ``memory_allocated()``): its working memory, the results it returns not counted. None
+        in a dry run, after calling ``run()`` once."""
+        if self.dry:
+            run()
+            return None
+        torch = self.torch
+        self.free()
+        torch.cuda.reset_peak_memory_stats()
+        kept = run()
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        del kept  # held until the allocator was read
+        return extra
 
     def free(self) -> None:
         if not self.dry:
@@ -481,6 +551,213 @@ def rope_case(bench: Bench, shape: dict, dtype_name: str) -> None:
         bench.run(entry, kernel, baselines[pass_])
 
 
+#: The names of the losses' PyTorch baselines.
+TORCH_CROSS_ENTROPY = "F.cross_entropy"
+TORCH_LINEAR_CROSS_ENTROPY = "F.cross_entropy(x@W.T)"
+#: The baseline of linear cross-entropy's time target: the products its composition needs.
+PRODUCTS = "3 products"
+
+
+def loss_section(bench: Bench) -> None:
+    """Cross-entropy and linear cross-entropy at their ``GPU_SHAPES``, bfloat16."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        print("  liger_kernel is not installed: no Liger-Kernel baselines", flush=True)
+    shapes = cases.GPU_SHAPES[bench.dry]
+    cross_entropy_case(bench, shapes["cross_entropy"], "bfloat16")
+    bench.free()
+    linear_cross_entropy_case(bench, shapes["linear_cross_entropy"], "bfloat16")
+    bench.free()
+
+
+def liger_loss(op: str):
+    """Liger-Kernel's ``LigerCrossEntropyFunction.apply`` (``op`` ``cross_entropy``: ``f(logits,
+    targets)``) or ``LigerFusedLinearCrossEntropyFunction.apply`` (``f(x, weight, targets)``),
+    or None where ``liger_kernel`` is not installed; their other arguments keep their
+    defaults (mean, no smoothing), which every release has. :func:`liger_value` takes the loss
+    from what they return."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    if op == "cross_entropy":
+        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+
+        return LigerCrossEntropyFunction.apply
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    return LigerFusedLinearCrossEntropyFunction.apply
+
+
+def liger_value(out):
+    """The loss a Liger loss function returns: the tensor itself, or the first of the tuple
+    newer releases return (``loss, z_loss`` and more)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _liger_baseline(op: str, make) -> dict:
+    """``{"liger": make(liger_loss(op))}``, ``{}`` where Liger is not installed, or a baseline
+    that raises what setting it up raised (a Liger that will not run is a baseline's error)."""
+    try:
+        liger = liger_loss(op)
+        return {} if liger is None else {"liger": make(liger)}
+    except Exception as exc:  # noqa: BLE001
+        return {"liger": _failing(exc)}
+
+
+def _on_device(bench: Bench):
+    """NumPy arrays (the cases' targets) to tensors on the run's device."""
+    return lambda a: bench.torch.from_numpy(a).to(bench.device)
+
+
+def cross_entropy_case(bench: Bench, shape: dict, dtype_name: str) -> None:
+    """Cross-entropy forward, backward and both in turn at ``shape`` (``N, V``), against
+    ``F.cross_entropy`` and (forward+backward) Liger-Kernel's fused function."""
+    torch = bench.torch
+    n, v = shape["N"], shape["V"]
+    dtype = getattr(torch, dtype_name)
+    inputs = cases.cross_entropy_inputs(n, v, bench.random(dtype), _on_device(bench))
+    logits, targets = inputs["logits"], inputs["targets"]
+    calls = cases.cross_entropy_calls(DeviceArrays(bench, "triton"), inputs)
+    lr = logits.detach().requires_grad_()
+    baselines = {
+        "forward": {TORCH_CROSS_ENTROPY: lambda: cases.torch_cross_entropy(logits, targets)},
+        "backward": {
+            TORCH_CROSS_ENTROPY: _grad(torch, cases.torch_cross_entropy(lr, targets), lr, None)
+        },
+        "fwd+bwd": {
+            TORCH_CROSS_ENTROPY: lambda: torch.autograd.grad(
+                cases.torch_cross_entropy(lr, targets), lr
+            )
+        },
+    }
+
+    def liger_step(liger):
+        # Liger's forward writes the gradient over its input: logits of its own
+        ll = logits.detach().clone().requires_grad_()
+        return lambda: torch.autograd.grad(liger_value(liger(ll, targets)), ll)
+
+    baselines["fwd+bwd"].update(_liger_baseline("cross_entropy", liger_step))
+
+    def step():
+        calls.forward()
+        calls.backward()
+
+    s = torch.finfo(dtype).bits // 8
+    for pass_, kernel in (
+        ("forward", calls.forward),
+        ("backward", calls.backward),
+        ("fwd+bwd", step),
+    ):
+        amount, formula = cases.cross_entropy_work(pass_, n, v, s)
+        entry = Entry(
+            "cross_entropy",
+            "cross_entropy",
+            pass_,
+            dtype_name,
+            (n, v),
+            "GB/s",
+            formula,
+            amount,
+            "copy",
+        )
+        bench.run(entry, kernel, baselines[pass_])
+
+
+def three_products(bench: Bench, x, weight):
+    """The products linear cross-entropy's composition needs, as one call into buffers
+    allocated once: ``Z = x @ W.T``, then ``dx = Z @ W`` and ``dW = Z^T @ x`` (``Z`` standing
+    for the logits' gradient, of the same shape)."""
+    torch = bench.torch
+    z = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    dx, dweight = torch.empty_like(x), torch.empty_like(weight)
+
+    def call():
+        torch.matmul(x, weight.T, out=z)
+        torch.matmul(z, weight, out=dx)
+        torch.matmul(z.T, x, out=dweight)
+
+    return call
+
+
+def linear_cross_entropy_case(bench: Bench, shape: dict, dtype_name: str) -> None:
+    """Linear cross-entropy at ``shape`` (``N, H, V``): the forward then the backward
+    (``fwd+bwd``, four products) and the fused forward given Duplicated ``x`` and ``W``
+    (``fused``, three), each against the composition ``F.cross_entropy(x @ W.T, t)`` and its
+    three products alone (the forward+backward also against Liger-Kernel's fused function,
+    the fused one against our forward+backward); then the peak memory of each (beyond its
+    inputs and gradients)."""
+    torch = bench.torch
+    n, h, v = shape["N"], shape["H"], shape["V"]
+    dtype = getattr(torch, dtype_name)
+    inputs = cases.linear_cross_entropy_inputs(n, h, v, bench.random(dtype), _on_device(bench))
+    x, weight, targets = (inputs[name] for name in ("x", "weight", "targets"))
+    arrays = DeviceArrays(bench, "triton")
+    calls = cases.linear_cross_entropy_calls(arrays, inputs)
+    xr, wr = (t.detach().requires_grad_() for t in (x, weight))
+
+    def composition():
+        return torch.autograd.grad(cases.torch_linear_cross_entropy(xr, wr, targets), (xr, wr))
+
+    def liger_step(liger):
+        xl, wl = (t.detach().requires_grad_() for t in (x, weight))
+        return lambda: torch.autograd.grad(liger_value(liger(xl, wl, targets)), (xl, wl))
+
+    liger = _liger_baseline("linear_cross_entropy", liger_step)
+
+    def step():
+        calls.forward()
+        calls.backward()
+
+    amount, formula = cases.linear_cross_entropy_work("fwd+bwd", n, h, v)
+    floors = {"fwd+bwd": "4/3 = 1.33x: its backward forms the logits again", "fused": "1x"}
+    products = three_products(bench, x, weight)
+    fused = cases.linear_cross_entropy_fused(arrays, inputs)
+    for pass_, kernel, ours in (
+        ("fwd+bwd", step, {}),
+        ("fused", fused, {"xk fwd+bwd": step}),
+    ):
+        entry = Entry(
+            "linear_cross_entropy",
+            "linear_cross_entropy",
+            pass_,
+            dtype_name,
+            (n, h, v),
+            "TFLOP/s",
+            f"{formula}; target: at most 1.1x the time of the {PRODUCTS} (the issue's); "
+            f"design floor {floors[pass_]}",
+            amount,
+            "matmul",
+        )
+        theirs = {TORCH_LINEAR_CROSS_ENTROPY: composition, PRODUCTS: products}
+        bench.run(entry, kernel, {**theirs, **ours, **(liger if pass_ == "fwd+bwd" else {})})
+    dx, dweight = torch.empty_like(x), torch.empty_like(weight)
+    memory = Entry(
+        "linear_cross_entropy",
+        "linear_cross_entropy",
+        "peak memory",
+        dtype_name,
+        (n, h, v),
+        "MiB",
+        "peak bytes allocated beyond the inputs and the gradients dx, dW (xpkernels, forward "
+        "then backward: its checkpoints, scratch at the default chunk and loss allocated in "
+        "the step, dx and dW before it; xk fused likewise; the baselines: the gradients they "
+        "return not counted)",
+        0.0,
+        "-",
+    )
+    bench.peak_memory(
+        memory,
+        lambda: cases.linear_cross_entropy_step(arrays, inputs, dx, dweight),
+        {
+            "xk fused": lambda: cases.linear_cross_entropy_fused(arrays, inputs, dx, dweight)(),
+            TORCH_LINEAR_CROSS_ENTROPY: composition,
+            **liger,
+        },
+    )
+
+
 def attention_section(bench: Bench) -> None:
     shape = cases.GPU_SHAPES[bench.dry]["attention"]
     for D in shape["D"]:
@@ -745,13 +1022,12 @@ class CupyViews:
 
     def __init__(self, bench: Bench):
         self.dry = bench.dry
+        self.context: Callable[[], contextlib.AbstractContextManager]
         if self.dry:
             from xpkernels.testing import cudacpu
 
             self.context = cudacpu.emulate
         else:
-            import contextlib
-
             import cupy
 
             self.context = contextlib.nullcontext
@@ -961,10 +1237,25 @@ FLEX_TARGETS = {
     "flex-causal": ("torch flex (compiled)", 1.0),
     "flex-sliding256": ("torch flex (compiled)", 1.0),
 }
+#: Linear cross-entropy's targets (its issue's), (section, pass) -> (baseline, limit): its
+#: forward+backward at most 1.1x the time of the composition's three products (a minimum
+#: speed of 1 / 1.1 relative to them; the forward then the backward form the logits twice,
+#: four products against three, a floor near 1.33x; the fused forward does three), and its
+#: peak memory at most 1/10 of the composition's (``peak memory``: the most ours may be of
+#: the baseline's).
+LOSS_TARGETS = {
+    ("linear_cross_entropy", "fwd+bwd"): (PRODUCTS, 1 / 1.1),
+    ("linear_cross_entropy", "fused"): (PRODUCTS, 1 / 1.1),
+    ("linear_cross_entropy", "peak memory"): (TORCH_LINEAR_CROSS_ENTROPY, 0.1),
+}
 
 
 def target_of(e: Entry) -> tuple[str, float] | None:
-    """``("%copy", "TFLOP/s" or "x <baseline>", minimum)`` set for ``e``, or None."""
+    """``("%copy", "TFLOP/s" or "x <baseline>", minimum)`` set for ``e``, ``("peak x
+    <baseline>", maximum)`` for a peak-memory entry, or None."""
+    if (e.section, e.pass_) in LOSS_TARGETS:
+        baseline, limit = LOSS_TARGETS[(e.section, e.pass_)]
+        return f"{'peak ' if e.unit == 'MiB' else ''}x {baseline}", limit
     if e.op in FLEX_TARGETS:
         baseline, minimum = FLEX_TARGETS[e.op]
         return f"x {baseline}", minimum
@@ -988,6 +1279,11 @@ def verdict(e: Entry, dry: bool) -> str:
     if dry:
         return "dry"
     kind, minimum = target
+    if kind.startswith("peak x "):
+        theirs = e.notes.get(f"{kind[len('peak x ') :]} peak MiB")
+        if not theirs or e.rate is None:
+            return "no baseline"
+        return "PASS" if e.rate <= minimum * theirs else "FAIL"
     if kind.startswith("x "):
         base = e.baselines.get(kind[2:], {})
         if "rate" not in base or not e.rate:
@@ -1004,6 +1300,15 @@ def _speedup(e: Entry, name: str | None) -> str:
     if not b or "rate" not in b or not e.rate:
         return "-"
     return f"{e.rate / b['rate']:.2f}x"
+
+
+def _target_text(target: tuple[str, float]) -> str:
+    """``>= 90 %copy``, ``>= 0.909 x 3 products``; a peak-memory limit ``peak <= 0.1 x
+    <baseline>``."""
+    kind, limit = target
+    if kind.startswith("peak "):
+        return f"peak <= {limit:.3g} {kind[len('peak ') :]}"
+    return f">= {limit:.3g} {kind}"
 
 
 def summary_rows(entries: list[Entry], dry: bool) -> list[dict]:
@@ -1029,7 +1334,7 @@ def summary_rows(entries: list[Entry], dry: bool) -> list[dict]:
                 "torch_op": eager or "-",
                 "vs_compile": _speedup(e, "torch.compile"),
                 "vs_xk": "-" if ours is None else f"{_speedup(e, ours)} {ours[3:]}",
-                "target": "-" if target is None else f">= {target[1]:.3g} {target[0]}",
+                "target": "-" if target is None else _target_text(target),
                 "verdict": verdict(e, dry),
             }
         )
@@ -1156,6 +1461,12 @@ def main(argv=None) -> int:
     gated_section(bench)
     print("RoPE (GB/s; baselines: the eager composition, Liger-Kernel):", flush=True)
     rope_section(bench)
+    print(
+        "cross-entropy (GB/s) and linear cross-entropy (TFLOP/s, peak MiB; baselines: the "
+        "PyTorch composition, Liger-Kernel):",
+        flush=True,
+    )
+    loss_section(bench)
     print("cupy backend (CUDA C; baselines: the triton backend and PyTorch's op):", flush=True)
     cupy_section(bench)
     print("transformers Llama layer (TFLOP/s, tokens/s, peak memory):", flush=True)

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from xpkernels.cli import bench, bench_cases, bench_work
+from xpkernels.cli import bench, bench_cases, bench_loss, bench_work
 from xpkernels.mods.bands import SKIP
 
 
@@ -897,3 +897,310 @@ def test_torch_attention_rows_add_the_transformers_training_step():
     assert skipped == [] and {b.row.impl for b in llama} == {"xpkernels", "sdpa"}
     for b in llama:
         assert bench.measure(b).error is None, b.row.key
+
+
+def test_loss_work_is_what_its_formula_says():
+    """Cross-entropy's bytes (the logits read, and the gradient written backward, plus the
+    int64 targets and float32 lse of each row) and linear cross-entropy's FLOPs (the
+    composition's products) evaluate from their printed formulas."""
+    names = {"N": 6, "V": 10, "H": 4, "s": 2}
+    for pass_, logits, per_row in (("forward", 1, 12), ("backward", 2, 12), ("fwd+bwd", 3, 24)):
+        work, formula = bench_work.cross_entropy_work(pass_, 6, 10, 2)
+        expression = formula.removeprefix("bytes = ").split(" (")[0]
+        assert eval(expression, names) == work == logits * 6 * 10 * 2 + per_row * 6, formula
+    for pass_, products, done in (
+        ("forward", 1, None),
+        ("backward", 2, "forms the logits again: 3 products done"),
+        ("fwd+bwd", 3, "4 products done, fused: 3"),
+    ):
+        work, formula = bench_work.linear_cross_entropy_work(pass_, 6, 4, 10)
+        expression = formula.removeprefix("FLOPs = ").split(" (")[0]
+        assert eval(expression, names) == work == 2 * products * 6 * 4 * 10, formula
+        assert ("products done" in formula) is (done is not None) and (done or "") in formula
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_cross_entropy_rows_time_both_passes_against_f_cross_entropy(library):
+    """Cross-entropy forward and backward, each against F.cross_entropy at the same bytes."""
+    pytest.importorskip("torch", reason="needs torch to be importable")
+    benches, skipped = bench_cases.benches(True, ["cross_entropy"], library, 1)
+    n, v = (bench_cases.SHAPES[True]["cross_entropy"][k] for k in ("N", "V"))
+    rows = {x.row.key: x.row for x in benches}
+    assert skipped == [] and len(rows) == len(benches) == 4
+    for pass_, logits in (("forward", 1), ("backward", 2)):
+        ours, theirs = (
+            rows[f"cross_entropy/{pass_}/xpkernels"],
+            rows[f"cross_entropy/{pass_}/torch"],
+        )
+        assert ours.baseline == theirs.key and theirs.baseline is None
+        assert ours.work == theirs.work == logits * n * v * 4 + 12 * n
+        assert ours.shape == f"{n}x{v}" and ours.unit == "GB/s"
+    for x in benches:
+        assert bench.measure(x).error is None, x.row.key
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_linear_cross_entropy_rows_time_both_passes_and_numpy_memory(library):
+    """Linear cross-entropy forward and backward against F.cross_entropy(x @ W.T, t); a training
+    step by autograd on PyTorch tensors; on NumPy arrays forward+backward, unfused and fused,
+    against the NumPy composition, every side's peak memory written into the rows' formula
+    when they are measured."""
+    pytest.importorskip("torch", reason="needs torch to be importable")
+    benches, skipped = bench_cases.benches(True, ["linear_cross_entropy"], library, 1)
+    n, h, v = (bench_cases.SHAPES[True]["linear_cross_entropy"][k] for k in ("N", "H", "V"))
+    rows = {x.row.key: x.row for x in benches}
+    assert skipped == []
+    for pass_, products in (("forward", 1), ("backward", 2)):
+        ours = rows[f"linear_cross_entropy/{pass_}/xpkernels"]
+        theirs = rows[f"linear_cross_entropy/{pass_}/torch"]
+        assert ours.baseline == theirs.key and theirs.baseline is None
+        assert ours.work == theirs.work == 2 * products * n * h * v
+        assert ours.shape == f"{n}x{h}x{v}" and ours.unit == "TFLOP/s"
+    step = [x for x in benches if x.row.pass_ == "fwd+bwd"]
+    if library == "torch":  # a training step by autograd; tracemalloc does not see PyTorch's
+        ours, theirs = (x.row for x in step)
+        assert (ours.impl, theirs.impl) == ("xpkernels autograd", "torch")
+        assert ours.baseline == theirs.key and ours.work == theirs.work == 6 * n * h * v
+        assert len(rows) == 6
+    else:
+        ours, theirs, fused = (x.row for x in step)
+        assert (ours.impl, theirs.impl, fused.impl) == (
+            "xpkernels",
+            "numpy logits",
+            "xpkernels fused",
+        )
+        assert ours.baseline == fused.baseline == theirs.key and theirs.baseline is None
+        assert ours.work == theirs.work == fused.work == 6 * n * h * v
+        assert "peak extra memory" not in ours.formula  # measured by the first setup
+        assert len(rows) == 7
+    for x in benches:
+        assert bench.measure(x).error is None, x.row.key
+    for x in step if library == "numpy" else ():
+        assert "peak extra memory" in x.row.formula and "chunks of" in x.row.formula
+        assert x.row.formula.count("peak extra memory") == 1
+
+
+def test_loss_calls_compute_what_the_torch_compositions_compute():
+    """The timed cross_entropy_ / linear_cross_entropy_ calls and their backwards (and the fused
+    linear forward) give the PyTorch compositions' autograd gradients, and so does the NumPy
+    composition of the memory rows, with the loss."""
+    torch = pytest.importorskip("torch")
+
+    class Kept(bench_work.Arrays):
+        made: list
+
+        def empty_like(self, a):
+            self.made.append(super().empty_like(a))
+            return self.made[-1]
+
+    inputs = bench_work.cross_entropy_inputs(12, 50, bench_work.numpy_random(0))
+    arrays = Kept("numpy")
+    arrays.made = []
+    calls = bench_work.cross_entropy_calls(arrays, inputs)
+    calls.forward()
+    calls.backward()
+    (dlogits,) = arrays.made
+    logits = torch.from_numpy(inputs["logits"]).requires_grad_()
+    targets = torch.from_numpy(inputs["targets"])
+    (want,) = torch.autograd.grad(bench_work.torch_cross_entropy(logits, targets), logits)
+    np.testing.assert_allclose(dlogits, want.numpy(), rtol=1e-5, atol=1e-7)
+    assert (inputs["targets"] < 50).all() and inputs["targets"].dtype == np.int64
+
+    inputs = bench_work.linear_cross_entropy_inputs(12, 8, 50, bench_work.numpy_random(0))
+    arrays.made = []
+    calls = bench_work.linear_cross_entropy_calls(arrays, inputs)
+    calls.backward()
+    dx, dweight = arrays.made
+    x, weight = (torch.from_numpy(inputs[n]).requires_grad_() for n in ("x", "weight"))
+    targets = torch.from_numpy(inputs["targets"])
+    loss = bench_work.torch_linear_cross_entropy(x, weight, targets)
+    want_dx, want_dweight = torch.autograd.grad(loss, (x, weight))
+    np.testing.assert_allclose(dx, want_dx.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dweight, want_dweight.numpy(), rtol=1e-5, atol=1e-7)
+    fused_dx, fused_dweight = np.empty_like(dx), np.empty_like(dweight)
+    bench_work.linear_cross_entropy_fused(arrays, inputs, fused_dx, fused_dweight)()
+    np.testing.assert_allclose(fused_dx, want_dx.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(fused_dweight, want_dweight.numpy(), rtol=1e-5, atol=1e-7)
+    theirs_dx, theirs_dweight = np.empty_like(dx), np.empty_like(dweight)
+    value = bench_loss.numpy_linear_cross_entropy(
+        inputs["x"], inputs["weight"], inputs["targets"], theirs_dx, theirs_dweight
+    )
+    assert value == pytest.approx(float(loss.detach()), rel=1e-5)
+    np.testing.assert_allclose(theirs_dx, want_dx.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(theirs_dweight, want_dweight.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_peak_bytes_counts_what_a_call_holds_at_once():
+    """tracemalloc's peak of NumPy arrays: two 1 MB arrays alive together, then freed, count
+    2 MB whatever was allocated before; tracing someone else started is left on."""
+    import tracemalloc
+
+    held = np.ones(1 << 20, dtype=np.uint8)
+
+    def run():
+        a = np.ones(1 << 20, dtype=np.uint8)
+        b = np.ones(1 << 20, dtype=np.uint8)
+        return a.nbytes + b.nbytes
+
+    for tracing in (False, True):
+        if tracing:
+            tracemalloc.start()
+        try:
+            assert 2 << 20 <= bench_loss.peak_bytes(run) < (2 << 20) + (64 << 10)
+            assert tracemalloc.is_tracing() is tracing
+        finally:
+            tracemalloc.stop()
+    assert held.nbytes == 1 << 20
+
+
+def test_linear_memory_holds_chunks_where_the_composition_holds_the_logits():
+    """xpkernels' forward+backward, unfused or fused, holds a chunk of logits (not N x V); the
+    NumPy composition holds the N x V logits; the note gives each in MiB, chunks or N x V."""
+    inputs = bench_work.linear_cross_entropy_inputs(1024, 64, 8000, bench_work.numpy_random(0))
+    memory = bench_loss.linear_memory(inputs)
+    assert memory["rows"] == 256 and memory["logits"] == 1024 * 8000 * 4  # the default chunk
+    assert memory["chunk"] == memory["rows"] * 8000 * 4
+    for side in ("xpkernels", "fused"):
+        assert memory["chunk"] <= memory[side] < memory["logits"] / 2, side
+    assert memory["logits"] <= memory["composition"] < 1.1 * memory["logits"]
+    note = bench_loss.memory_note(memory)
+    assert f"chunks of {memory['rows']} x V rows" in note and "x the N x V logits" in note
+    assert "fused" in note
+
+
+#: Runs ``bench/gpu.py``'s loss entries as its dry run does (CPU tensors, the Triton
+#: interpreter) at the dry run's shapes, with a planted Liger-Kernel whose cross-entropy, as
+#: Liger's does, computes the gradient in its forward and writes it over the logits, returning
+#: ``(loss, z_loss)`` as newer releases do, and whose fused linear cross-entropy returns the
+#: loss alone, as older ones do. Prints the entries, how often each planted function ran, and
+#: whether the inputs every side shares came through unchanged, as JSON on its last line.
+GPU_LOSS = """
+import dataclasses, importlib.machinery, importlib.util, json, sys, types
+import torch
+import torch.nn.functional as F
+
+calls = {"cross_entropy": 0, "linear": 0}
+
+
+class CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index=-100, label_smoothing=0.0):
+        calls["cross_entropy"] += 1
+        with torch.enable_grad():
+            z = logits.detach().float().requires_grad_()
+            loss = F.cross_entropy(z, targets)
+            (grad,) = torch.autograd.grad(loss, z)
+        logits.copy_(grad)
+        ctx.save_for_backward(logits.detach())
+        return loss.detach(), None
+
+    @staticmethod
+    def backward(ctx, dloss, dz_loss):
+        (grad,) = ctx.saved_tensors
+        return grad, None, None, None
+
+
+class Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, targets, bias=None):
+        calls["linear"] += 1
+        with torch.enable_grad():
+            xs, ws = (t.detach().requires_grad_() for t in (x, weight))
+            loss = F.cross_entropy(xs @ ws.T, targets)
+            dx, dw = torch.autograd.grad(loss, (xs, ws))
+        ctx.save_for_backward(dx, dw)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, dloss):
+        dx, dw = ctx.saved_tensors
+        return dx * dloss, dw * dloss, None, None
+
+
+for name in ("", ".ops", ".ops.cross_entropy", ".ops.fused_linear_cross_entropy"):
+    name = "liger_kernel" + name
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.LigerCrossEntropyFunction = CrossEntropy
+    module.LigerFusedLinearCrossEntropyFunction = Linear
+    sys.modules[name] = module
+spec = importlib.util.spec_from_file_location("gpu_bench", sys.argv[1])
+gpu = importlib.util.module_from_spec(spec)
+sys.modules["gpu_bench"] = gpu
+spec.loader.exec_module(gpu)
+bench = gpu.Bench(gpu.parse_args(["--out", sys.argv[2], "--dry-run"]))
+gpu.measure_ceilings(bench)
+kept = []
+for name in ("cross_entropy_inputs", "linear_cross_entropy_inputs"):
+    made = getattr(gpu.cases, name)
+
+    def keep(*args, made=made):
+        inputs = made(*args)
+        kept.append((inputs, {n: t.clone() for n, t in inputs.items()}))
+        return inputs
+
+    setattr(gpu.cases, name, keep)
+gpu.loss_section(bench)
+unchanged = all(torch.equal(i[n], t) for i, copies in kept for n, t in copies.items())
+entries = [dataclasses.asdict(e) for e in bench.entries]
+summary = gpu.summary_rows(bench.entries, True)
+print(json.dumps({"entries": entries, "unchanged": unchanged, "calls": calls, "summary": summary}))
+"""
+
+
+def test_gpu_dry_run_times_the_losses_against_torch_the_products_and_liger(tmp_path):
+    """bench/gpu.py's cross-entropy entries (forward, backward, both) run against
+    F.cross_entropy and, forward+backward, Liger's cross-entropy, which writes over its own
+    copy of the logits; linear cross-entropy's forward+backward against the composition, the
+    three products and Liger's fused function, its fused forward against the composition, the
+    products and our forward+backward, then its peak-memory entry (no figures in a dry run),
+    each judged against its target."""
+    import importlib.util
+    import os
+    import pathlib
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
+        pytest.skip("bench/gpu.py's dry run needs torch and triton")
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", GPU_LOSS, str(repo / "bench" / "gpu.py"), str(tmp_path)],
+        cwd=repo,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["unchanged"] is True
+    assert report["calls"]["cross_entropy"] >= 2 and report["calls"]["linear"] >= 3
+    entries = {(e["section"], e["pass_"]): e for e in report["entries"]}
+    assert len(entries) == len(report["entries"]) == 6
+    shapes = bench_work.GPU_SHAPES[True]
+    for pass_, names in (
+        ("forward", ["F.cross_entropy"]),
+        ("backward", ["F.cross_entropy"]),
+        ("fwd+bwd", ["F.cross_entropy", "liger"]),
+    ):
+        e = entries[("cross_entropy", pass_)]
+        assert e["error"] is None and e["ms"] > 0 and e["ceiling"] == "copy", pass_
+        assert list(e["baselines"]) == names and e["dtype"] == "bfloat16"
+        assert all("error" not in b for b in e["baselines"].values()), e["baselines"]
+        assert e["shape"] == [shapes["cross_entropy"][k] for k in ("N", "V")]
+    for pass_, ours in (("fwd+bwd", "liger"), ("fused", "xk fwd+bwd")):
+        e = entries[("linear_cross_entropy", pass_)]
+        assert e["error"] is None and e["ms"] > 0 and e["ceiling"] == "matmul", pass_
+        assert list(e["baselines"]) == ["F.cross_entropy(x@W.T)", "3 products", ours]
+        assert all("error" not in b for b in e["baselines"].values()), e["baselines"]
+        assert e["shape"] == [shapes["linear_cross_entropy"][k] for k in ("N", "H", "V")]
+    memory = entries[("linear_cross_entropy", "peak memory")]
+    assert memory["error"] is None and memory["unit"] == "MiB" and memory["baselines"] == {}
+    assert memory["rate"] is None and memory["notes"] == {}  # CUDA's allocator only
+    targets = {(r["op"], r["pass"]): (r["target"], r["verdict"]) for r in report["summary"]}
+    assert targets[("linear_cross_entropy", "fwd+bwd")] == (">= 0.909 x 3 products", "dry")
+    assert targets[("linear_cross_entropy", "fused")] == (">= 0.909 x 3 products", "dry")
+    assert targets[("linear_cross_entropy", "peak memory")] == (
+        "peak <= 0.1 x F.cross_entropy(x@W.T)",
+        "dry",
+    )
+    assert targets[("cross_entropy", "forward")] == ("-", "-")

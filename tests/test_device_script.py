@@ -55,7 +55,14 @@ def test_device_script_dry_run_writes_every_entry(tmp_path):
             assert (f"cupy {op}", pass_, "float16") in seen
     assert ("cupy decode_attention", "forward", "float16") in seen
     assert ("llama-layer", "fwd+bwd", "bfloat16") in seen
+    for pass_ in ("forward", "backward", "fwd+bwd"):
+        assert ("cross_entropy", pass_, "bfloat16") in seen
+    for pass_ in ("fwd+bwd", "fused", "peak memory"):
+        assert ("linear_cross_entropy", pass_, "bfloat16") in seen
     for e in report["entries"]:
+        if e["pass_"] == "peak memory":  # CUDA's allocator only: no figure in a dry run
+            assert e["ms"] is None and e["rate"] is None and e["formula"], e["op"]
+            continue
         assert e["ms"] > 0 and e["rate"] > 0 and e["formula"], e["op"]
     assert len(report["summary"]) == len(report["entries"])
     assert {r["verdict"] for r in report["summary"]} <= {"dry", "-"}
@@ -203,3 +210,40 @@ def test_cupy_entries_are_judged_against_the_triton_backend():
     assert rows[0]["target"] == ">= 0.8 x xk triton"
     assert (rows[0]["vs_torch"], rows[0]["vs_xk"]) == ("2.00x", "0.83x triton")
     assert rows[2]["vs_torch"] == "-"
+
+
+def test_linear_cross_entropy_is_judged_on_the_products_and_on_peak_memory():
+    """Its forward+backward, unfused or fused, against 1.1x the three products' time; its peak
+    memory against 1/10 of the composition's (a maximum: the lower, the better)."""
+    gpu = _gpu_module()
+    section, shape = "linear_cross_entropy", (8192, 4096, 128256)
+
+    def step(rate, products, pass_="fwd+bwd"):
+        e = gpu.Entry(section, section, pass_, "bfloat16", shape, "TFLOP/s", "f", 1.0, "matmul")
+        e.rate, e.pct_of_ceiling = rate, 50.0
+        e.baselines = {"F.cross_entropy(x@W.T)": {"rate": 300.0}, "3 products": {"rate": products}}
+        return e
+
+    def memory(ours, notes):
+        e = gpu.Entry(section, section, "peak memory", "bfloat16", shape, "MiB", "f", 1.0, "-")
+        e.rate, e.notes = ours, notes
+        return e
+
+    torch_peak = "F.cross_entropy(x@W.T) peak MiB"
+    rows = gpu.summary_rows(
+        [
+            step(460.0, 500.0),  # 1.087x the products' time: within 1.1x
+            step(375.0, 500.0),  # 1.33x: the four products' floor
+            step(480.0, 500.0, "fused"),  # three products and the rows: 1.04x
+            memory(70.0, {torch_peak: 8000.0, "liger peak MiB": 900.0}),
+            memory(900.0, {torch_peak: 8000.0}),
+            memory(70.0, {}),
+        ],
+        dry=False,
+    )
+    verdicts = ["PASS", "FAIL", "PASS", "PASS", "FAIL", "no baseline"]
+    assert [r["verdict"] for r in rows] == verdicts
+    assert rows[0]["target"] == rows[2]["target"] == ">= 0.909 x 3 products"
+    assert rows[0]["vs_torch"] == "1.53x"
+    assert rows[3]["target"] == "peak <= 0.1 x F.cross_entropy(x@W.T)"
+    assert (rows[3]["rate"], rows[3]["vs_torch"], rows[3]["ceiling"]) == ("70.0 MiB", "-", "-")

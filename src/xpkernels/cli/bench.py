@@ -55,8 +55,9 @@ from dataclasses import asdict
 
 import numpy as np
 
-from .bench_cases import Bench, Row, torch_missing
 from .bench_cases import benches as _benches
+from .bench_cases import torch_missing
+from .bench_rows import Bench, Row
 
 #: Spread ``(max - min) / median`` of a row's timed runs above which it is flagged and re-timed.
 SPREAD_LIMIT = 0.25

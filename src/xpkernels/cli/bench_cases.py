@@ -14,10 +14,11 @@ bytes and FLOPs of each entry (:func:`row_work`, :func:`rope_work`,
 where the arrays live and which backend runs) from here, and keeps its own
 timing, ceilings and targets.
 
-A :class:`Bench` pairs a :class:`Row` (what is timed, its work and formula,
-the row its ratio compares with) with a ``setup()`` that allocates every
-input, output, checkpoint and scratch buffer and returns the call to time;
-:func:`compare` builds the two sides of one ratio. :func:`benches` chooses
+The loss rows (cross-entropy, linear cross-entropy) live in :mod:`.bench_loss`.
+
+Each row is a :class:`.bench_rows.Bench` (a :class:`.bench_rows.Row` and the
+``setup()`` that allocates its buffers and returns the call to time), built
+in pairs by :func:`.bench_rows.compare`. :func:`benches` chooses
 the rows of a run (primitives, ``--quick`` shapes, the array library) and
 names the comparisons skipped for a missing library; :mod:`.bench` times
 them and prints the table.
@@ -27,17 +28,18 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..buffers import Duplicated, allocate_checkpoints, allocate_scratchspace
 from ..registry import OPS
+from .bench_loss import loss_benches
+from .bench_rows import Bench, Row, compare, xpk_setup
 from .bench_work import (
     GATED_CASES,
     GATED_OPS,
+    LOSS_OPS,
     PAGE_SIZE,
     ROW_OPS,
     ROW_PARAMS,
@@ -79,6 +81,8 @@ SHAPES: dict[bool, dict[str, Any]] = {
     False: {
         "rows": (8192, 4096),
         "rope": {"B": 4, "H": 32, "Hkv": 8, "S": 512, "D": 128},
+        "cross_entropy": {"N": 4096, "V": 32000},
+        "linear_cross_entropy": {"N": 2048, "H": 512, "V": 16000},
         "attention": {"B": 1, "H": 8, "S": 2048, "D": 64},
         "decode": {"B": 8, "H": 32, "Hkv": 8, "S": 4096, "D": 64},
         "varlen": {"H": 8, "D": 64, "lengths": (1900, 1100, 700, 300)},
@@ -89,6 +93,8 @@ SHAPES: dict[bool, dict[str, Any]] = {
     True: {
         "rows": (256, 1024),
         "rope": {"B": 2, "H": 4, "Hkv": 2, "S": 64, "D": 64},
+        "cross_entropy": {"N": 64, "V": 1000},
+        "linear_cross_entropy": {"N": 64, "H": 32, "V": 500},
         "attention": {"B": 1, "H": 2, "S": 256, "D": 64},
         "decode": {"B": 2, "H": 4, "Hkv": 2, "S": 512, "D": 64},
         "varlen": {"H": 2, "D": 32, "lengths": (200, 57, 129)},
@@ -97,115 +103,6 @@ SHAPES: dict[bool, dict[str, Any]] = {
         "hf_llama": {"B": 2, "S": 64, "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2},
     },
 }
-
-
-@dataclass
-class Row:
-    """One timed (primitive, pass, implementation) and what it implies.
-
-    ``work`` is the bytes moved (``unit`` GB/s) or the FLOPs done
-    (``unit`` TFLOP/s) by one run, per ``formula``; ``baseline`` names the
-    row ``ratio = median_s / baseline's median_s`` compares with.
-    ``times_s`` are the timed runs the statistics come from (those of the
-    re-timing when ``retimed``); ``spread = (max_s - min_s) / median_s``;
-    ``flagged`` says the final timing's spread exceeds :data:`.bench.SPREAD_LIMIT`;
-    ``first_spread`` is the spread of the first timing of a re-timed row.
-    """
-
-    op: str
-    pass_: str
-    impl: str
-    shape: str
-    unit: str
-    work: float
-    formula: str
-    baseline: str | None = None
-    dtype: str = "float32"
-    times_s: list = field(default_factory=list)
-    repeats: int = 0
-    min_s: float | None = None
-    median_s: float | None = None
-    max_s: float | None = None
-    spread: float | None = None
-    flagged: bool = False
-    retimed: bool = False
-    first_spread: float | None = None
-    rate: float | None = None
-    ratio: float | None = None
-    error: str | None = None
-
-    @property
-    def key(self) -> str:
-        return f"{self.op}/{self.pass_}/{self.impl}"
-
-    def measured(self) -> tuple[float, float, float, float]:
-        """``(min_s, median_s, max_s, spread)`` of a row that was timed (not an error row)."""
-        if self.min_s is None or self.median_s is None or self.max_s is None or self.spread is None:
-            raise ValueError(f"bench: {self.key} has no timings ({self.error or 'not run'})")
-        return self.min_s, self.median_s, self.max_s, self.spread
-
-
-@dataclass
-class Bench:
-    """A row to measure: ``setup()`` allocates everything and returns the callable to time."""
-
-    row: Row
-    setup: Callable[[], Callable[[], object]]
-    repeats: int
-
-
-Setup = Callable[[], Callable[[], object]]
-
-
-def compare(
-    op: str,
-    pass_: str,
-    shape: str,
-    unit: str,
-    work: float,
-    formula: str,
-    repeats: int,
-    ours: tuple[str, Setup],
-    theirs: tuple[str, Setup] | None = None,
-) -> list[Bench]:
-    """The benches of one comparison: ``ours`` timed against ``theirs`` in the same run.
-
-    Parameters
-    ----------
-    op, pass_, shape, unit, work, formula
-        What both rows measure (see :class:`Row`).
-    repeats : int
-        Timed runs of each side.
-    ours, theirs : tuple of (str, callable)
-        ``(impl, setup)`` of each side; ``setup()`` allocates everything and
-        returns the callable to time. ``theirs=None`` (its library is missing):
-        ``ours`` alone, without a ratio.
-
-    Returns
-    -------
-    list of Bench
-        ``ours`` (its ratio is its median over that of ``theirs``), then ``theirs``.
-    """
-    baseline = None if theirs is None else f"{op}/{pass_}/{theirs[0]}"
-    benches = [
-        Bench(Row(op, pass_, ours[0], shape, unit, work, formula, baseline), ours[1], repeats)
-    ]
-    if theirs is not None:
-        benches.append(
-            Bench(Row(op, pass_, theirs[0], shape, unit, work, formula), theirs[1], repeats)
-        )
-    return benches
-
-
-def _xpk_setup(pass_: str, make_calls, *args):
-    """The setup of one pass of xpkernels' calls: ``make_calls(*args)`` (a ``Calls``, its
-    buffers allocated) then its forward or backward to time."""
-
-    def setup():
-        calls = make_calls(*args)
-        return calls.forward if pass_ == "forward" else calls.backward
-
-    return setup
 
 
 # --------------------------------------------------------------------------- norms and softmax
@@ -218,7 +115,7 @@ def _row_benches(op: str, shape, arrays: Arrays, repeats: int, with_torch: bool)
     benches = []
     for pass_ in ("forward", "backward"):
         work, formula = row_work(op, pass_, rows, m, 4)
-        ours = ("xpkernels", _xpk_setup(pass_, row_calls, op, arrays, inputs))
+        ours = ("xpkernels", xpk_setup(pass_, row_calls, op, arrays, inputs))
         theirs = ("torch", _torch_row_setup(op, pass_, inputs))
         benches += compare(
             op,
@@ -270,7 +167,7 @@ def _gated_benches(op: str, shape, arrays: Arrays, repeats: int, with_torch: boo
     for name, options in GATED_CASES[op]:
         for pass_ in ("forward", "backward"):
             work, formula = row_work(op, pass_, rows, m, 4)
-            ours = ("xpkernels", _xpk_setup(pass_, gated_calls, op, arrays, inputs, options))
+            ours = ("xpkernels", xpk_setup(pass_, gated_calls, op, arrays, inputs, options))
             theirs = ("torch", _torch_gated_setup(op, options, pass_, inputs))
             benches += compare(
                 name,
@@ -321,7 +218,7 @@ def _rope_benches(shape, arrays: Arrays, repeats: int, with_torch: bool) -> list
     benches = []
     for pass_ in ("forward", "backward"):
         work, formula = rope_work(pass_, b, h, hkv, s, d, 4, 4)
-        ours = ("xpkernels", _xpk_setup(pass_, rope_calls, arrays, inputs))
+        ours = ("xpkernels", xpk_setup(pass_, rope_calls, arrays, inputs))
         theirs = ("torch", _torch_rope_setup(pass_, inputs))
         benches += compare(
             "rope",
@@ -376,7 +273,7 @@ def _attention_benches(
         op = ("attention (causal)" if causal else "attention") + suffix
         for pass_ in ("forward", "backward"):
             work, formula = attention_work(b, h, s, d, causal, pass_)
-            ours = ("xpkernels", _xpk_setup(pass_, attention_calls, arrays, inputs, causal))
+            ours = ("xpkernels", xpk_setup(pass_, attention_calls, arrays, inputs, causal))
             theirs = ("torch", _torch_attention_setup(q, k, v, do, causal, pass_))
             benches += compare(
                 op,
@@ -425,7 +322,7 @@ def _decode_benches(shape, arrays: Arrays, repeats: int, with_torch: bool) -> li
     work, formula = decode_work(b, h, hkv, s, d, 4)
     shape_text = f"{b}x{h}/{hkv}x{s}x{d}"
 
-    def xpk_setup():
+    def decode_setup():
         return decode_call(arrays, q_np, k_np, v_np, s).forward
 
     def torch_setup():
@@ -466,7 +363,7 @@ def _decode_benches(shape, arrays: Arrays, repeats: int, with_torch: bool) -> li
         work,
         formula,
         repeats,
-        ("xpkernels", xpk_setup),
+        ("xpkernels", decode_setup),
         theirs,
     ) + [Bench(paged, paged_setup, repeats)]
 
@@ -741,6 +638,8 @@ _TORCH_OPS = {
     "swiglu": "F.silu(a) * b",
     "geglu": "F.gelu(a, approximate=...) * b",
     "rope": "q * cos + rotate_half(q) * sin",
+    "cross_entropy": "F.cross_entropy",
+    "linear_cross_entropy": "F.cross_entropy(x @ W.T, t)",
     "attention": "F.scaled_dot_product_attention",
     "decode_attention": "F.scaled_dot_product_attention (enable_gqa)",
     "flex_attention": "torch.compile(flex_attention)",
@@ -784,6 +683,8 @@ def benches(quick: bool, ops, library: str, repeats: int | None) -> tuple[list[B
             benches += _gated_benches(op, shapes["rows"], arrays, row_repeats, with_torch)
         elif op == "rope":
             benches += _rope_benches(shapes["rope"], arrays, row_repeats, with_torch)
+        elif op in LOSS_OPS:
+            benches += loss_benches(op, shapes[op], arrays, row_repeats, with_torch)
         elif op == "attention":
             benches += _attention_benches(shapes["attention"], arrays, attn_repeats, with_torch)
             if large is not None:

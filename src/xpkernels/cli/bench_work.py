@@ -3,15 +3,20 @@
 ``python -m xpkernels bench`` (CPU, rows in :mod:`.bench_cases`) and
 ``bench/gpu.py`` (a CUDA device, run by ``bench/device.sh``) both take from
 here the bytes and FLOPs of each entry (:func:`row_work`, :func:`rope_work`,
+:func:`cross_entropy_work`, :func:`linear_cross_entropy_work`,
 :func:`attention_work`, :func:`decode_work`, :func:`flex_work`,
 :func:`hf_llama_work`), its inputs (:func:`row_inputs`, :func:`gated_inputs`,
-:func:`rope_inputs`, :func:`attention_inputs`, :func:`decode_inputs`,
-:func:`paged_cache`, :func:`flex_mods`), the xpkernels calls they time
-(:func:`row_calls`, :func:`gated_calls`, :func:`rope_calls`,
+:func:`rope_inputs`, :func:`cross_entropy_inputs`,
+:func:`linear_cross_entropy_inputs`, :func:`attention_inputs`,
+:func:`decode_inputs`, :func:`paged_cache`, :func:`flex_mods`), the xpkernels
+calls they time (:func:`row_calls`, :func:`gated_calls`, :func:`rope_calls`,
+:func:`cross_entropy_calls`, :func:`linear_cross_entropy_calls`,
+:func:`linear_cross_entropy_step`, :func:`linear_cross_entropy_fused`,
 :func:`attention_calls`, :func:`decode_call`, :func:`flex_calls`, on an
 :class:`Arrays` that says where the arrays live and which backend runs) and
-the PyTorch ops the row, gated and RoPE primitives are compared with
-(:func:`torch_row_op`, :func:`torch_gated_op`, :func:`torch_rope`);
+the PyTorch ops the row, gated, RoPE and loss primitives are compared with
+(:func:`torch_row_op`, :func:`torch_gated_op`, :func:`torch_rope`,
+:func:`torch_cross_entropy`, :func:`torch_linear_cross_entropy`);
 ``bench/gpu.py`` also its shapes (:data:`GPU_SHAPES`) and primitives
 (:data:`GPU_OPS`, :data:`GATED_CASES`, :data:`FLEX_MODS`), and keeps its own
 timing, ceilings and targets.
@@ -43,9 +48,20 @@ GATED_CASES: dict[str, tuple[tuple[str, dict[str, str]], ...]] = {
         ("geglu (approximate=none)", {"approximate": "none"}),
     ),
 }
-#: The primitives ``bench/gpu.py`` times on the triton backend, in its order (then each again
-#: on the cupy backend).
-GPU_OPS = (*ROW_OPS, *GATED_OPS, "rope", "attention", "decode_attention", "flex_attention")
+#: The losses: cross-entropy over given ``(N, V)`` logits (:func:`cross_entropy_inputs`), and
+#: fused with the linear layer that makes them, ``x @ W.T`` (:func:`linear_cross_entropy_inputs`).
+LOSS_OPS = ("cross_entropy", "linear_cross_entropy")
+#: The primitives ``bench/gpu.py`` times on the triton backend, in its order (then most of
+#: them again on the cupy backend).
+GPU_OPS = (
+    *ROW_OPS,
+    "attention",
+    "decode_attention",
+    "flex_attention",
+    *GATED_OPS,
+    "rope",
+    *LOSS_OPS,
+)
 #: Shapes of ``bench/gpu.py``: on a CUDA device (False) and in its dry run (True: CPU tensors,
 #: the Triton interpreter, tiny shapes). ``D`` lists the head dims each shape runs at; the
 #: cupy backend's entries run at ``cupy``'s rows and attention shape, at ``rope`` and at
@@ -58,6 +74,9 @@ GPU_SHAPES: dict[bool, dict[str, Any]] = {
         "decode": {"B": 16, "H": 32, "Hkv": 8, "S": 32768, "D": 128},
         "flex": {"B": 4, "H": 16, "S": 4096, "D": (64, 128), "documents": 4},
         "rope": {"B": 4, "H": 32, "Hkv": 8, "S": 4096, "D": 128},
+        # Llama 3's vocabulary; linear cross-entropy at Llama 3 8B's hidden size.
+        "cross_entropy": {"N": 8192, "V": 128256},
+        "linear_cross_entropy": {"N": 8192, "H": 4096, "V": 128256},
         "cupy": {"rows": (32768, 4096), "attention": {"B": 4, "H": 32, "S": 4096, "D": 128}},
         # One decoder layer of a 1B-parameter Llama (Llama 3.2 1B's widths), small vocabulary.
         "hf_llama": {"B": 1, "S": 4096, "hidden": 2048, "layers": 1, "heads": 32, "kv_heads": 8},
@@ -69,6 +88,8 @@ GPU_SHAPES: dict[bool, dict[str, Any]] = {
         "decode": {"B": 2, "H": 8, "Hkv": 2, "S": 96, "D": 32},
         "flex": {"B": 1, "H": 2, "S": 48, "D": (16,), "documents": 4},
         "rope": {"B": 1, "H": 4, "Hkv": 2, "S": 16, "D": 32},
+        "cross_entropy": {"N": 16, "V": 300},
+        "linear_cross_entropy": {"N": 16, "H": 32, "V": 300},
         "cupy": {"rows": (64, 256), "attention": {"B": 1, "H": 2, "S": 48, "D": 32}},
         "hf_llama": {"B": 1, "S": 32, "hidden": 64, "layers": 1, "heads": 4, "kv_heads": 2},
     },
@@ -181,6 +202,51 @@ def rope_work(
     )
 
 
+#: What one pass of cross-entropy must move: (reads and writes of the ``(N, V)`` logits, bytes
+#: per row -- the int64 target and the float32 ``lse``, each read or written), and which.
+_CROSS_ENTROPY_TRAFFIC = {
+    "forward": (1, 12, "read logits, int64 targets; write the float32 lse"),
+    "backward": (2, 12, "read logits, targets, lse; write dlogits"),
+    "fwd+bwd": (3, 24, "the forward, then the backward"),
+}
+
+
+def cross_entropy_work(pass_: str, n: int, v: int, itemsize: int) -> tuple[int, str]:
+    """Bytes one ``pass_`` (``forward``, ``backward`` or ``fwd+bwd``) of cross-entropy must move
+    over ``(n, v)`` logits of ``itemsize``-byte elements and int64 targets, and the formula.
+    The rows' losses and the reduction are not counted (``N`` floats)."""
+    logits, per_row, what = _CROSS_ENTROPY_TRAFFIC[pass_]
+    work = logits * n * v * itemsize + per_row * n
+    times = "" if logits == 1 else f"{logits}*"
+    return work, f"bytes = {times}N*V*s + {per_row}*N ({what}; N={n}, V={v}, s={itemsize})"
+
+
+#: The products of linear cross-entropy each pass needs, as the composition computes them.
+_LINEAR_PRODUCTS = {
+    "forward": ("Z = x @ W.T",),
+    "backward": ("dx = dZ @ W", "dW = dZ^T @ x"),
+    "fwd+bwd": ("Z = x @ W.T", "dx = dZ @ W", "dW = dZ^T @ x"),
+}
+
+
+def linear_cross_entropy_work(pass_: str, n: int, h: int, v: int) -> tuple[int, str]:
+    """FLOPs of the products one ``pass_`` (``forward``, ``backward`` or ``fwd+bwd``) of linear
+    cross-entropy needs over ``x`` ``(n, h)`` and a weight ``(v, h)``, 2 a multiply-add, as
+    the composition computes them (its backward reuses the logits it kept; xpkernels'
+    backward forms them again, one product more; its fused forward, given Duplicated ``x`` and
+    ``weight``, does both passes in three), and the formula. The softmax is not counted."""
+    products = _LINEAR_PRODUCTS[pass_]
+    work = 2 * len(products) * n * h * v
+    done = {
+        "forward": "",
+        "backward": "; xpkernels' backward forms the logits again: 3 products done",
+        "fwd+bwd": "; xpkernels' forward then backward: 4 products done, fused: 3",
+    }[pass_]
+    return work, (
+        f"FLOPs = {2 * len(products)}*N*H*V ({', '.join(products)}; N={n}, H={h}, V={v}{done})"
+    )
+
+
 def _attention_flops(b, h, sq, sk, d, causal, pass_):
     return (
         4 * b * h * sq * sk * d * (0.5 if causal else 1.0) * (2.5 if pass_ == "backward" else 1.0)
@@ -262,6 +328,29 @@ def rope_inputs(
         name: table(f(angles).astype(np.float32)) for name, f in (("cos", np.cos), ("sin", np.sin))
     }
     return out
+
+
+def loss_targets(n: int, v: int, integers: Callable = np.asarray):
+    """``n`` int64 targets in ``[0, v)``, drawn by a seeded NumPy generator, through
+    ``integers`` (to the array library and device of a case)."""
+    return integers(np.random.default_rng(10).integers(0, v, n, dtype=np.int64))
+
+
+def cross_entropy_inputs(
+    n: int, v: int, random: Random, integers: Callable = np.asarray
+) -> dict[str, Any]:
+    """Cross-entropy's ``logits`` ``(n, v)`` and ``targets`` ``(n,)`` (:func:`loss_targets`)."""
+    return {"logits": random((n, v)), "targets": loss_targets(n, v, integers)}
+
+
+def linear_cross_entropy_inputs(
+    n: int, h: int, v: int, random: Random, integers: Callable = np.asarray
+) -> dict[str, Any]:
+    """Linear cross-entropy's hidden states ``x`` ``(n, h)``, LM head ``weight`` ``(v, h)``
+    scaled by ``h**-0.5`` (logits of unit scale) and ``targets`` ``(n,)``
+    (:func:`loss_targets`)."""
+    x, weight = random((n, h)), random((v, h)) * h**-0.5
+    return {"x": x, "weight": weight, "targets": loss_targets(n, v, integers)}
 
 
 def bhsd(a):
@@ -484,6 +573,102 @@ def rope_calls(arrays: Arrays, inputs: dict[str, Any]) -> Calls:
     )
 
 
+def scalar_loss(like) -> tuple:
+    """A float32 scalar ``loss`` in ``like``'s library and on its device, and its cotangent 1."""
+    import array_api_compat
+
+    xp = array_api_compat.array_namespace(like)
+    device = array_api_compat.device(like)
+    loss = xp.empty((), dtype=xp.float32, device=device)
+    return loss, xp.ones((), dtype=xp.float32, device=device)
+
+
+def cross_entropy_calls(arrays: Arrays, inputs: dict[str, Any]) -> Calls:
+    """``cross_entropy_`` (the mean over the rows, each row's ``lse`` checkpointed) and
+    ``cross_entropy_backward_`` (``dloss = 1``) over ``arrays``' copies of ``inputs``
+    (:func:`cross_entropy_inputs`). The backward writes the gradient into a buffer of its own
+    (``Duplicated(logits, dlogits)``), so every call reads the same logits."""
+    import xpkernels as xk
+
+    logits, targets = (arrays.convert(inputs[name]) for name in ("logits", "targets"))
+    loss, dloss = scalar_loss(logits)
+    options = arrays.options
+    ck = allocate_checkpoints(xk.cross_entropy_, logits, targets)
+    scratch = allocate_scratchspace(xk.cross_entropy_, logits, targets)
+    xk.cross_entropy_(loss, logits, targets, checkpoints=ck, scratch=scratch, **options)
+    Loss, Logits = Duplicated(loss, dloss), Duplicated(logits, arrays.empty_like(logits))
+    return Calls(
+        lambda: xk.cross_entropy_(
+            loss, logits, targets, checkpoints=ck, scratch=scratch, **options
+        ),
+        lambda: xk.cross_entropy_backward_(Loss, Logits, targets, checkpoints=ck, **options),
+        scratch,
+    )
+
+
+def linear_cross_entropy_calls(
+    arrays: Arrays, inputs: dict[str, Any], dx=None, dweight=None
+) -> Calls:
+    """``linear_cross_entropy_`` (the mean over the rows, each row's ``lse`` checkpointed, the
+    default chunk) and ``linear_cross_entropy_backward_`` (``dloss = 1``) over ``arrays``'
+    copies of ``inputs`` (:func:`linear_cross_entropy_inputs`), the backward writing into
+    ``dx`` and ``dweight`` (None: new arrays); the checkpoints, scratch and loss are
+    allocated here, and the forward run once."""
+    import xpkernels as xk
+
+    x, weight, targets = (arrays.convert(inputs[name]) for name in ("x", "weight", "targets"))
+    loss, dloss = scalar_loss(x)
+    options = arrays.options
+    ck = allocate_checkpoints(xk.linear_cross_entropy_, x, weight, targets)
+    scratch = allocate_scratchspace(xk.linear_cross_entropy_, x, weight, targets)
+
+    def forward():
+        xk.linear_cross_entropy_(
+            loss, x, weight, targets, checkpoints=ck, scratch=scratch, **options
+        )
+
+    forward()
+    dx = arrays.empty_like(x) if dx is None else dx
+    dweight = arrays.empty_like(weight) if dweight is None else dweight
+    Loss, X, W = Duplicated(loss, dloss), Duplicated(x, dx), Duplicated(weight, dweight)
+    return Calls(
+        forward,
+        lambda: xk.linear_cross_entropy_backward_(
+            Loss, X, W, targets, checkpoints=ck, scratch=scratch, **options
+        ),
+        scratch,
+    )
+
+
+def linear_cross_entropy_step(arrays: Arrays, inputs: dict[str, Any], dx, dweight) -> None:
+    """One training step's loss as the peak-memory figures measure it: the checkpoints,
+    scratch (default chunk) and loss allocated, the forward, then the backward into ``dx`` and
+    ``dweight`` (given: they are the step's results, not its working memory); see
+    :func:`linear_cross_entropy_calls`."""
+    backward = linear_cross_entropy_calls(arrays, inputs, dx, dweight).backward
+    assert backward is not None
+    backward()
+
+
+def linear_cross_entropy_fused(
+    arrays: Arrays, inputs: dict[str, Any], dx=None, dweight=None
+) -> Callable[[], object]:
+    """``linear_cross_entropy_`` over ``arrays``' copies of ``inputs`` with ``x`` and ``weight``
+    Duplicated: the loss (the mean over the rows) and, in the same chunk loop, its gradients
+    for a unit cotangent into ``dx`` and ``dweight`` (None: new arrays) -- three products
+    where the forward then the backward take four (autograd's path). The scratch (default
+    chunk) and loss are allocated here; returns the call."""
+    import xpkernels as xk
+
+    x, weight, targets = (arrays.convert(inputs[name]) for name in ("x", "weight", "targets"))
+    loss, _ = scalar_loss(x)
+    scratch = allocate_scratchspace(xk.linear_cross_entropy_, x, weight, targets)
+    dx = arrays.empty_like(x) if dx is None else dx
+    dweight = arrays.empty_like(weight) if dweight is None else dweight
+    X, W = Duplicated(x, dx), Duplicated(weight, dweight)
+    return lambda: xk.linear_cross_entropy_(loss, X, W, targets, scratch=scratch, **arrays.options)
+
+
 def attention_calls(arrays: Arrays, inputs, causal: bool) -> Calls:
     """``attention_`` and ``attention_backward_`` over ``arrays``' copies of ``q, k, v, do``."""
     import xpkernels as xk
@@ -595,6 +780,22 @@ def torch_rope(q, k, cos, sin) -> tuple:
 
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def torch_cross_entropy(logits, targets):
+    """The PyTorch op cross-entropy is compared with: ``F.cross_entropy`` (the mean over the
+    rows)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits, targets)
+
+
+def torch_linear_cross_entropy(x, weight, targets):
+    """The PyTorch composition linear cross-entropy replaces: the full ``(N, V)`` logits
+    ``x @ weight.T``, then ``F.cross_entropy`` (the mean over the rows)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(x @ weight.T, targets)
 
 
 # --------------------------------------------------------------------------- decode pages
