@@ -1056,10 +1056,10 @@ def test_peak_bytes_counts_what_a_call_holds_at_once():
 def test_linear_memory_holds_chunks_where_the_composition_holds_the_logits():
     """xpkernels' forward+backward, unfused or fused, holds a chunk of logits (not N x V); the
     NumPy composition holds the N x V logits; the note gives each in MiB, chunks or N x V."""
-    inputs = bench_work.linear_cross_entropy_inputs(1024, 64, 8000, bench_work.numpy_random(0))
+    inputs = bench_work.linear_cross_entropy_inputs(4096, 64, 4000, bench_work.numpy_random(0))
     memory = bench_loss.linear_memory(inputs)
-    assert memory["rows"] == 256 and memory["logits"] == 1024 * 8000 * 4  # the default chunk
-    assert memory["chunk"] == memory["rows"] * 8000 * 4
+    assert memory["rows"] == 1024 and memory["logits"] == 4096 * 4000 * 4  # the default chunk
+    assert memory["chunk"] == memory["rows"] * 4000 * 4
     for side in ("xpkernels", "fused"):
         assert memory["chunk"] <= memory[side] < memory["logits"] / 2, side
     assert memory["logits"] <= memory["composition"] < 1.1 * memory["logits"]

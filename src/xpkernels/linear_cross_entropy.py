@@ -72,9 +72,13 @@ __all__ = [
 ]
 
 
-#: Fewest rows of the default chunk: products of fewer rows run below BLAS's rate (measured on
-#: NumPy at N=2048, H=512, V=16000: the backward took 867 ms at 66 rows, 540 ms at 262).
-MIN_CHUNK_ROWS = 256
+#: Fewest rows of the default chunk. Each chunk reads and rewrites all of ``dW`` (``V x H``),
+#: so the chunk count sets that traffic: ``s / (3 C)`` bytes per FLOP of the three products
+#: for ``C`` rows of ``s``-byte elements, about 60% of the products' time at 256 bf16 rows on
+#: an H100 (3.35 TB/s, ~990 dense bf16 TFLOP/s at best), 15% at 1024; and BLAS runs products
+#: of few rows below its rate (NumPy, N=2048, H=512, V=16000: the backward took 867 ms at 66
+#: rows, 540 ms at 262).
+MIN_CHUNK_ROWS = 1024
 
 #: The product block of ``dW`` (NumPy, CuPy) holds at most ``1 / PRODUCT_SHARE`` of a chunk's
 #: elements: the scratch is 1.25 chunks.
