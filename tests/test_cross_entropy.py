@@ -223,3 +223,23 @@ def test_gradients_in_the_forward_need_a_reduced_loss():
         xk.linear_cross_entropy_(
             np.empty((), np.float32), x, w, targets, xk.Duplicated(w[:, 0].copy()), scratch=scratch
         )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("backend", ["array_api", "cupy"])
+def test_unreduced_loss_of_any_float_dtype(backend, dtype):
+    """The per-row losses land in a loss of any float dtype: written straight through when it
+    is the accumulation dtype, through a row buffer otherwise (the kernels write float32
+    rows; a float64 loss for float32 logits is filled from one). The cupy backend runs on the
+    CPU harness."""
+    logits, targets = _logits(n=7, v=40)
+    loss = np.full(7, np.nan, dtype)
+    if backend == "cupy":
+        from xpkernels.testing import cudacpu
+
+        with cudacpu.emulate():
+            xk.cross_entropy_(loss, logits, targets, reduction="none", backend=backend)
+    else:
+        xk.cross_entropy_(loss, logits, targets, reduction="none", backend=backend)
+    want = ref.cross_entropy(logits.astype(np.float64), targets, reduction="none")
+    assert np.max(np.abs(loss - want)) <= 64 * np.finfo(np.float32).eps * np.max(np.abs(want))

@@ -145,11 +145,13 @@ def check_loss(fn: str, name: str, xp, loss, reduction: str, rows: int) -> None:
         )
 
 
-def check_lse(fn: str, xp, checkpoints, rows: int, dtype) -> None:
-    """``checkpoints`` a :class:`CrossEntropyCheckpoints` of ``(N,)`` accumulators."""
-    if not isinstance(checkpoints, CrossEntropyCheckpoints):
+def check_lse(fn: str, xp, checkpoints, rows: int, dtype, kind=None) -> None:
+    """``checkpoints`` a ``kind`` (default :class:`CrossEntropyCheckpoints`) whose ``lse`` is
+    ``(N,)`` of the accumulation dtype for inputs of ``dtype``."""
+    kind = kind or CrossEntropyCheckpoints
+    if not isinstance(checkpoints, kind):
         raise TypeError(
-            f"{fn}: checkpoints must be a CrossEntropyCheckpoints "
+            f"{fn}: checkpoints must be a {kind.__name__} "
             f"(allocate_checkpoints(...)), got {type(checkpoints).__name__}"
         )
     lse = checkpoints.lse
@@ -228,10 +230,10 @@ def _row_buffer(loss, like, rows: int, reduction: str, scratch, fn: str, xp):
         check.accumulator(fn, "scratch.loss_rows", xp, scratch.loss_rows, like.dtype)
         check.shape(fn, "scratch.loss_rows", scratch.loss_rows, (rows,))
         return scratch.loss_rows
-    accumulates = like.dtype == (xp.float64 if like.dtype == xp.float64 else xp.float32)
-    if reduction == "none" and loss.dtype == (xp.float64 if accumulates else xp.float32):
-        if check.strides(loss) in ((1,), None) or rows <= 1:
-            return loss
+    accumulator = xp.float64 if like.dtype == xp.float64 else xp.float32
+    contiguous = check.strides(loss) in ((1,), None) or rows <= 1
+    if reduction == "none" and loss.dtype == accumulator and contiguous:
+        return loss
     return empty_accumulator(like, (rows,))
 
 

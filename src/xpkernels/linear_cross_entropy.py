@@ -51,6 +51,7 @@ from .buffers import (
 )
 from .cross_entropy import (
     check_loss,
+    check_lse,
     check_targets,
     kernel_options,
     loss_shape,
@@ -133,17 +134,6 @@ def _inputs(fn: str, arrays: dict, names: dict, bias):
     if bias is not None:
         check.shape(fn, names["bias"], bias, (vocab,))
     return xp, rows, vocab, hidden
-
-
-def _lse(fn: str, xp, checkpoints, rows: int, dtype) -> None:
-    if not isinstance(checkpoints, LinearCrossEntropyCheckpoints):
-        raise TypeError(
-            f"{fn}: checkpoints must be a LinearCrossEntropyCheckpoints "
-            f"(allocate_checkpoints(...)), got {type(checkpoints).__name__}"
-        )
-    check.array(fn, "checkpoints.lse", checkpoints.lse)
-    check.accumulator(fn, "checkpoints.lse", xp, checkpoints.lse, dtype)
-    check.shape(fn, "checkpoints.lse", checkpoints.lse, (rows,))
 
 
 def _chunk_rows(rows: int, vocab: int, hidden: int, itemsize: int, memory) -> int:
@@ -343,7 +333,7 @@ def linear_cross_entropy_(
         )
     check_targets(fn, xp, targets, rows, vocab, opts["ignore_index"])
     if checkpoints is not None:
-        _lse(fn, xp, checkpoints, rows, x.dtype)
+        check_lse(fn, xp, checkpoints, rows, x.dtype, LinearCrossEntropyCheckpoints)
     with_bias_sum = grads is not None and grads["Bias"] is not None
     scratch = _given_scratch(fn, xp, scratch, x, weight, with_bias_sum)
     written = {"loss": loss, **_fields(scratch)}
@@ -561,7 +551,7 @@ def linear_cross_entropy_backward_(
     check_loss(fn, "Loss.shadow", xp, Loss.shadow, opts["reduction"], rows)
     check_targets(fn, xp, targets, rows, vocab, opts["ignore_index"])
     if checkpoints is not None:
-        _lse(fn, xp, checkpoints, rows, x.dtype)
+        check_lse(fn, xp, checkpoints, rows, x.dtype, LinearCrossEntropyCheckpoints)
         record = {**opts, "bias": "none" if bias is None else "given"}
         check_forward(fn, checkpoints, "linear_cross_entropy_", record)
     scratch = _given_scratch(fn, xp, scratch, x, weight, bias is not None)
