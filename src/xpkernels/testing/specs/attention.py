@@ -14,33 +14,40 @@ import math
 import numpy as np
 
 import xpkernels as xk
-from xpkernels.buffers import Duplicated
 from xpkernels.testing import references as ref
 from xpkernels.testing.declared_errors import declared_errors
-from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
+from xpkernels.testing.harness import Backward, ErrorCase, OpSpec
+
+from ._shared import (
+    add_positions,
+    attention_backward_calls,
+    attention_calls,
+    bshd,
+    checked_case,
+    host_ints,
+)
+from ._shared import scale_of as _scale
+
+_BASE = {
+    "B": 1,
+    "H": 2,
+    "Hkv": 2,
+    "Sq": 16,
+    "Sk": 16,
+    "D": 16,
+    "Dv": None,
+    "causal": False,
+    "scale": None,
+    "input_pos": 0,
+    "q_lengths": None,
+    "k_lengths": None,
+    "layout": "bhsd",
+    "score": None,
+}
 
 
 def _case(ident, interpreter=False, quick=False, **params):
-    base = {
-        "B": 1,
-        "H": 2,
-        "Hkv": 2,
-        "Sq": 16,
-        "Sk": 16,
-        "D": 16,
-        "Dv": None,
-        "causal": False,
-        "scale": None,
-        "input_pos": 0,
-        "q_lengths": None,
-        "k_lengths": None,
-        "layout": "bhsd",
-        "score": None,
-    }
-    unknown = set(params) - set(base)
-    if unknown:
-        raise TypeError(f"attention case {ident}: unknown parameters {sorted(unknown)}")
-    return Case(ident, {**base, **params}, interpreter=interpreter, quick=quick)
+    return checked_case("attention", ident, _BASE, params, interpreter, quick)
 
 
 CASES = [
@@ -104,10 +111,6 @@ def _dims(p):
     return p["B"], p["H"], p["Hkv"], p["Sq"], p["Sk"], p["D"], p["Dv"] or p["D"]
 
 
-def _scale(p):
-    return p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(p["D"])
-
-
 def _keep(p) -> np.ndarray:
     """``(B, Sq, Sk)`` boolean: which keys each query sees."""
     batch, _, _, sq, sk, _, _ = _dims(p)
@@ -137,7 +140,7 @@ def arrange_qkv(case, arrays, target):
     """Attention-shaped specs' ``arrange``: BSHD views of q/k/v when the case asks."""
     if case.params["layout"] != "bshd":
         return arrays
-    return {**arrays, **{name: _bshd(target, arrays[name]) for name in ("q", "k", "v")}}
+    return {**arrays, **{name: bshd(target, arrays[name]) for name in ("q", "k", "v")}}
 
 
 def cotangent_o(case, rng):
@@ -146,14 +149,19 @@ def cotangent_o(case, rng):
     return {"o": rng.standard_normal((batch, heads, sq, dv))}
 
 
-def _inputs(case, rng):
-    p = case.params
+def qkv(p, rng) -> dict:
+    """Standard normal ``q (B, H, Sq, D)``, ``k (B, Hkv, Sk, D)`` and ``v (B, Hkv, Sk, Dv)``."""
     batch, heads, kv_heads, sq, sk, d, dv = _dims(p)
-    arrays = {
+    return {
         "q": rng.standard_normal((batch, heads, sq, d)),
         "k": rng.standard_normal((batch, kv_heads, sk, d)),
         "v": rng.standard_normal((batch, kv_heads, sk, dv)),
     }
+
+
+def _inputs(case, rng):
+    p = case.params
+    arrays = qkv(p, rng)
     if p["score"] is not None:
         arrays["q"], arrays["k"] = _aligned_scores(
             rng, arrays["q"].shape, arrays["k"].shape, p["score"], _scale(p)
@@ -161,9 +169,7 @@ def _inputs(case, rng):
     for name in ("q_lengths", "k_lengths"):
         if p[name] is not None:
             arrays[name] = np.asarray(p[name], dtype=np.int64)
-    if not isinstance(p["input_pos"], int):
-        arrays["input_pos"] = np.asarray(p["input_pos"], dtype=np.int64)
-    return arrays
+    return add_positions(p, arrays)
 
 
 def _reference(case, inputs):
@@ -216,69 +222,11 @@ def _torch_reference(case, inputs, cotangents):
 def _allocate_outputs(case, arrays, target, dtype):
     batch, heads, _, sq, _, _, dv = _dims(case.params)
     o = target.full((batch, heads, sq, dv), np.nan, dtype)
-    return {"o": _bshd(target, o) if case.params["layout"] == "bshd" else o}
+    return {"o": bshd(target, o) if case.params["layout"] == "bshd" else o}
 
 
 def _allocate_checkpoints(case, arrays):
     return xk.allocate_checkpoints(xk.attention_, arrays["q"], arrays["k"], arrays["v"])
-
-
-def _forward_(case, arrays, outs, checkpoints, backend):
-    xk.attention_(
-        outs["o"],
-        arrays["q"],
-        arrays["k"],
-        arrays["v"],
-        **_options(case, arrays),
-        checkpoints=checkpoints,
-        backend=backend,
-    )
-
-
-def _forward(case, arrays, checkpoints, backend):
-    o = xk.attention(
-        arrays["q"],
-        arrays["k"],
-        arrays["v"],
-        **_options(case, arrays),
-        checkpoints=checkpoints,
-        backend=backend,
-    )
-    return {"o": o}
-
-
-def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
-    O = Duplicated(outs["o"], cotangents["o"])
-    Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
-    scratch = xk.allocate_scratchspace(xk.attention_backward_, O, Q, K, V, backend=backend)
-    xk.attention_backward_(
-        O,
-        Q,
-        K,
-        V,
-        checkpoints=checkpoints,
-        scratch=scratch,
-        **_options(case, arrays),
-        backend=backend,
-    )
-
-
-def _backward(case, arrays, outs, cotangents, checkpoints, backend):
-    dq, dk, dv = xk.attention_backward(
-        cotangents["o"],
-        arrays["q"],
-        arrays["k"],
-        arrays["v"],
-        outs["o"],
-        checkpoints=checkpoints,
-        **_options(case, arrays),
-        backend=backend,
-    )
-    return {"q": dq, "k": dk, "v": dv}
-
-
-def _errors():
-    return _error_cases()
 
 
 def _options(case, arrays):
@@ -292,11 +240,10 @@ def _options(case, arrays):
     }
 
 
-def _bshd(target, a):
-    """``a`` (B, H, S, D) as a view of a (B, S, H, D) buffer: the BSHD layout, last axis contiguous."""
-    xp = target.xp
-    buffer = xp.asarray(xp.permute_dims(a, (0, 2, 1, 3)), copy=True)
-    return xp.permute_dims(buffer, (0, 2, 1, 3))
+_forward_, _forward = attention_calls(xk.attention_, xk.attention, _options)
+_backward_, _backward = attention_backward_calls(
+    xk.attention_backward_, xk.attention_backward, _options
+)
 
 
 def _other_namespace_array(target, a: np.ndarray):
@@ -338,9 +285,6 @@ def _error_cases():
 
         return call
 
-    def ints(values):
-        return lambda t: t.asarray(np.asarray(values, dtype=np.int64))
-
     return [
         *declared_errors("attention"),
         ErrorCase(
@@ -370,7 +314,7 @@ def _error_cases():
         ),
         ErrorCase(
             "input-pos-shape",
-            forward(input_pos=ints([0, 1, 2])),
+            forward(input_pos=host_ints([0, 1, 2])),
             ValueError,
             r"input_pos must have shape \(2,\)",
         ),
@@ -382,14 +326,14 @@ def _error_cases():
         ),
         ErrorCase(
             "q-lengths-above-Sq",
-            forward(q_lengths=ints([8, 9])),
+            forward(q_lengths=host_ints([8, 9])),
             ValueError,
             r"q_lengths must lie in \[0, 8\] \(Sq\), got values in \[8, 9\]",
             values=True,
         ),
         ErrorCase(
             "k-lengths-negative",
-            forward(k_lengths=ints([-1, 3])),
+            forward(k_lengths=host_ints([-1, 3])),
             ValueError,
             r"k_lengths must lie in \[0, 8\] \(Sk\)",
             values=True,
@@ -402,7 +346,7 @@ def _error_cases():
         ),
         ErrorCase(
             "k-lengths-shape",
-            forward(k_lengths=ints([3, 3, 3])),
+            forward(k_lengths=host_ints([3, 3, 3])),
             ValueError,
             r"k_lengths must have shape \(2,\)",
         ),
@@ -424,7 +368,7 @@ SPEC = OpSpec(
     allocate_outputs=_allocate_outputs,
     forward_=_forward_,
     forward=_forward,
-    errors=_errors,
+    errors=_error_cases,
     checkpoint_names=("m", "l"),
     allocate_checkpoints=_allocate_checkpoints,
     arrange=arrange_qkv,

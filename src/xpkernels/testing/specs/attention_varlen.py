@@ -11,26 +11,26 @@ PyTorch has no varlen attention op: no torch oracle.
 
 from __future__ import annotations
 
-import math
+import functools
 
 import numpy as np
 
 import xpkernels as xk
-from xpkernels.buffers import Duplicated
 from xpkernels.testing import references as ref
 from xpkernels.testing.declared_errors import declared_errors, prefix_sums
-from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
+from xpkernels.testing.harness import Backward, ErrorCase, OpSpec
 
+from ._shared import (
+    add_positions,
+    attention_backward_calls,
+    attention_calls,
+    host_ints,
+    varlen_case,
+)
+from ._shared import scale_of as _scale
 
-def _case(ident, q_lens, k_lens, interpreter=True, quick=False, **params):
-    base = {"H": 2, "Hkv": 2, "D": 16, "Dv": None, "causal": False, "scale": None, "input_pos": 0}
-    unknown = set(params) - set(base)
-    if unknown:
-        raise TypeError(f"attention_varlen case {ident}: unknown parameters {sorted(unknown)}")
-    p = {**base, **params, "q_lens": tuple(q_lens), "k_lens": tuple(k_lens)}
-    if p["input_pos"] == "bottom_right":  # the last query of each sequence sees its last key
-        p["input_pos"] = [sk - sq for sq, sk in zip(q_lens, k_lens)]
-    return Case(ident, p, interpreter=interpreter, quick=quick)
+_BASE = {"H": 2, "Hkv": 2, "D": 16, "Dv": None, "causal": False, "scale": None, "input_pos": 0}
+_case = functools.partial(varlen_case, "attention_varlen", _BASE)
 
 
 CASES = [
@@ -62,10 +62,6 @@ def _dims(p):
     return p["H"], p["Hkv"], p["D"], p["Dv"] or p["D"]
 
 
-def _scale(p):
-    return p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(p["D"])
-
-
 def _inputs(case, rng):
     p = case.params
     heads, kv_heads, d, dv = _dims(p)
@@ -77,9 +73,7 @@ def _inputs(case, rng):
         "cu_seqlens_q": _cu(p["q_lens"]),
         "cu_seqlens_k": _cu(p["k_lens"]),
     }
-    if not isinstance(p["input_pos"], int):
-        arrays["input_pos"] = np.asarray(p["input_pos"], dtype=np.int64)
-    return arrays
+    return add_positions(p, arrays)
 
 
 def _padded(a, lengths):
@@ -100,6 +94,13 @@ def _packed(a, lengths):
     return np.concatenate([part.transpose(1, 0, 2) for part in parts], axis=0)
 
 
+def padded_qkv(p, inputs):
+    """The packed ``q``, ``k``, ``v`` as zero-padded ``(B, H, S, X)`` batches."""
+    q = _padded(inputs["q"], p["q_lens"])
+    k, v = (_padded(inputs[n], p["k_lens"]) for n in ("k", "v"))
+    return q, k, v
+
+
 def _keep(p):
     q_lens, k_lens = p["q_lens"], p["k_lens"]
     return ref.attention_keep(
@@ -115,10 +116,7 @@ def _keep(p):
 
 def _reference(case, inputs):
     p = case.params
-    q, k, v = (
-        _padded(inputs[n], p[side])
-        for n, side in (("q", "q_lens"), ("k", "k_lens"), ("v", "k_lens"))
-    )
+    q, k, v = padded_qkv(p, inputs)
     o, m, l_sum, _ = ref.attention(q, k, v, scale=_scale(p), keep=_keep(p))
     lens = p["q_lens"]
     return {"o": _packed(o, lens)}, {"m": _packed(m, lens), "l": _packed(l_sum, lens)}
@@ -132,10 +130,7 @@ def _cotangents(case, rng):
 
 def _reference_backward(case, inputs, cotangents):
     p = case.params
-    q, k, v = (
-        _padded(inputs[n], p[side])
-        for n, side in (("q", "q_lens"), ("k", "k_lens"), ("v", "k_lens"))
-    )
+    q, k, v = padded_qkv(p, inputs)
     do = _padded(cotangents["o"], p["q_lens"])
     dq, dk, dv = ref.attention_backward(q, k, v, do, scale=_scale(p), keep=_keep(p))
     return {
@@ -168,110 +163,73 @@ def _prefix_sums(arrays):
     return arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
 
 
-def _forward_(case, arrays, outs, checkpoints, backend):
-    xk.attention_varlen_(
-        outs["o"],
-        arrays["q"],
-        arrays["k"],
-        arrays["v"],
-        *_prefix_sums(arrays),
-        **_options(case, arrays),
-        checkpoints=checkpoints,
-        backend=backend,
-    )
-
-
-def _forward(case, arrays, checkpoints, backend):
-    o = xk.attention_varlen(
-        arrays["q"],
-        arrays["k"],
-        arrays["v"],
-        *_prefix_sums(arrays),
-        **_options(case, arrays),
-        checkpoints=checkpoints,
-        backend=backend,
-    )
-    return {"o": o}
-
-
-def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
-    O = Duplicated(outs["o"], cotangents["o"])
-    Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
-    scratch = xk.allocate_scratchspace(xk.attention_varlen_backward_, O, Q, K, V, backend=backend)
-    xk.attention_varlen_backward_(
-        O,
-        Q,
-        K,
-        V,
-        *_prefix_sums(arrays),
-        checkpoints=checkpoints,
-        scratch=scratch,
-        **_options(case, arrays),
-        backend=backend,
-    )
-
-
-def _backward(case, arrays, outs, cotangents, checkpoints, backend):
-    dq, dk, dv = xk.attention_varlen_backward(
-        cotangents["o"],
-        arrays["q"],
-        arrays["k"],
-        arrays["v"],
-        outs["o"],
-        *_prefix_sums(arrays),
-        checkpoints=checkpoints,
-        **_options(case, arrays),
-        backend=backend,
-    )
-    return {"q": dq, "k": dk, "v": dv}
+_forward_, _forward = attention_calls(
+    xk.attention_varlen_, xk.attention_varlen, _options, _prefix_sums
+)
+_backward_, _backward = attention_backward_calls(
+    xk.attention_varlen_backward_, xk.attention_varlen_backward, _options, _prefix_sums
+)
 
 
 #: Valid prefix sums of the generated calls: the packed tokens split into the B sequences.
 PREFIX_SUMS = {"cu_seqlens_q": prefix_sums("Tq"), "cu_seqlens_k": prefix_sums("Tk")}
 
 
+#: The packed sequences of the hand-written error cases: ``Tq = 8``, ``Tk = 8``.
+ERROR_Q_LENS, ERROR_K_LENS = (3, 0, 5), (4, 2, 2)
+ERROR_TQ, ERROR_TK = sum(ERROR_Q_LENS), sum(ERROR_K_LENS)
+
+
+def cu_ints(values):
+    """``target -> values`` as int32 prefix sums on the target."""
+    return host_ints(values, "int32")
+
+
+def error_arrays(t):
+    """``(q, k, v, o)`` of the error cases: 4 query heads over 2 kv heads, ``Dv = 8``."""
+    q = t.full((ERROR_TQ, 4, 16), 0.5, "float32")
+    k = t.full((ERROR_TK, 2, 16), 0.5, "float32")
+    v = t.full((ERROR_TK, 2, 8), 0.5, "float32")
+    return q, k, v, t.full((ERROR_TQ, 4, 8), 0.0, "float32")
+
+
+def error_forward(fn, cu_q=None, cu_k=None, **options):
+    """The call ``fn(o, q, k, v, cu_q, cu_k, **options)`` on the error arrays; an option that
+    is a function of the target is called there."""
+    cu_q = cu_q or cu_ints(_cu(ERROR_Q_LENS))
+    cu_k = cu_k or cu_ints(_cu(ERROR_K_LENS))
+
+    def call(t):
+        q, k, v, o = error_arrays(t)
+        resolved = {n: f(t) if callable(f) else f for n, f in options.items()}
+        fn(o, q, k, v, cu_q(t), cu_k(t), **resolved)
+
+    return call
+
+
 def _errors():
     """What the declaration cannot say: values of the prefix sums and ``max_seqlen_q``, GQA head
     counts (the generic cases come from :func:`declared_errors`)."""
-    q_lens, k_lens = (3, 0, 5), (4, 2, 2)
-    tq, tk = sum(q_lens), sum(k_lens)
-
-    def ints(values, dtype="int32"):
-        return lambda t: t.asarray(np.asarray(values, dtype=dtype))
-
-    def make(t):
-        q = t.full((tq, 4, 16), 0.5, "float32")
-        k = t.full((tk, 2, 16), 0.5, "float32")
-        v = t.full((tk, 2, 8), 0.5, "float32")
-        return q, k, v, t.full((tq, 4, 8), 0.0, "float32")
-
-    def forward(cu_q=ints(_cu(q_lens)), cu_k=ints(_cu(k_lens)), **options):
-        def call(t):
-            q, k, v, o = make(t)
-            resolved = {n: f(t) if callable(f) else f for n, f in options.items()}
-            xk.attention_varlen_(o, q, k, v, cu_q(t), cu_k(t), **resolved)
-
-        return call
-
+    forward = functools.partial(error_forward, xk.attention_varlen_)
     return [
         *declared_errors("attention_varlen", values=PREFIX_SUMS),
         ErrorCase(
             "cu-q-decreasing",
-            forward(cu_q=ints([0, 3, 2, 8])),
+            forward(cu_q=cu_ints([0, 3, 2, 8])),
             ValueError,
             r"cu_seqlens_q must be non-decreasing, got cu_seqlens_q\[2\] = 2 < cu_seqlens_q\[1\] = 3",
             values=True,
         ),
         ErrorCase(
             "cu-k-not-starting-at-0",
-            forward(cu_k=ints([1, 4, 6, 8])),
+            forward(cu_k=cu_ints([1, 4, 6, 8])),
             ValueError,
             r"cu_seqlens_k must start at 0, got cu_seqlens_k\[0\] = 1",
             values=True,
         ),
         ErrorCase(
             "cu-q-last-not-Tq",
-            forward(cu_q=ints([0, 3, 3, 7])),
+            forward(cu_q=cu_ints([0, 3, 3, 7])),
             ValueError,
             r"cu_seqlens_q must end at the packed length Tq = 8 of the queries, got cu_seqlens_q\[-1\] = 7",
             values=True,
@@ -286,12 +244,12 @@ def _errors():
         ErrorCase(
             "gqa-heads",
             lambda t: xk.attention_varlen_(
-                t.full((tq, 3, 8), 0.0, "float32"),
-                t.full((tq, 3, 16), 0.5, "float32"),
-                t.full((tk, 2, 16), 0.5, "float32"),
-                t.full((tk, 2, 8), 0.5, "float32"),
-                ints(_cu(q_lens))(t),
-                ints(_cu(k_lens))(t),
+                t.full((ERROR_TQ, 3, 8), 0.0, "float32"),
+                t.full((ERROR_TQ, 3, 16), 0.5, "float32"),
+                t.full((ERROR_TK, 2, 16), 0.5, "float32"),
+                t.full((ERROR_TK, 2, 8), 0.5, "float32"),
+                cu_ints(_cu(ERROR_Q_LENS))(t),
+                cu_ints(_cu(ERROR_K_LENS))(t),
             ),
             ValueError,
             r"the H=3 query heads of q must be a multiple of the Hkv=2 kv heads",

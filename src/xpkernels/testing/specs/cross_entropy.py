@@ -68,17 +68,25 @@ def options(case) -> dict:
     return {k: p.get(k, d) for k, d in defaults.items()}
 
 
-def _inputs(case, rng):
+def draw_targets(case, rng):
+    """``N`` class ids of ``V`` in the case's dtype; ``ignored`` of them (never all, unless
+    ``ignored`` is -1: every one) are ``ignore_index``."""
     p = case.params
-    n, v = p["N"], p["V"]
-    targets = rng.integers(0, v, n).astype(p.get("targets", "int64"))
+    n = p["N"]
+    ids = rng.integers(0, p["V"], n).astype(p.get("targets", "int64"))
     ignored = p.get("ignored", 0)
     ignore_index = options(case)["ignore_index"]
     if ignored < 0:
-        targets[:] = ignore_index
+        ids[:] = ignore_index
     elif ignored:
-        targets[rng.permutation(n)[: min(ignored, n - 1)]] = ignore_index
-    return {"logits": p.get("scale", 1.0) * rng.standard_normal((n, v)), "targets": targets}
+        ids[rng.permutation(n)[: min(ignored, n - 1)]] = ignore_index
+    return ids
+
+
+def _inputs(case, rng):
+    p = case.params
+    ids = draw_targets(case, rng)
+    return {"logits": p.get("scale", 1.0) * rng.standard_normal((p["N"], p["V"])), "targets": ids}
 
 
 def _arrange(case, arrays, target):
@@ -92,18 +100,25 @@ def _arrange(case, arrays, target):
     return {**arrays, "logits": wide[:, :v]}
 
 
-def _cotangents(case, rng):
-    p = case.params
-    shape = (p["N"],) if options(case)["reduction"] == "none" else ()
-    return {"loss": np.asarray(rng.standard_normal(shape))}
+def _loss_shape(case) -> tuple:
+    return (case.params["N"],) if options(case)["reduction"] == "none" else ()
+
+
+def loss_cotangents(case, rng):
+    """``dloss``: one per row with ``reduction='none'``, else a scalar."""
+    return {"loss": np.asarray(rng.standard_normal(_loss_shape(case)))}
+
+
+def lse(case, logits, targets):
+    """The reference checkpoint: every row's logsumexp under the case's options."""
+    rows = {k: v for k, v in options(case).items() if k != "reduction"}
+    return ref.cross_entropy_rows(logits, targets, **rows)[1]
 
 
 def _reference(case, inputs):
     opts = options(case)
     loss = ref.cross_entropy(inputs["logits"], inputs["targets"], **opts)
-    rows = {k: v for k, v in opts.items() if k != "reduction"}
-    _, lse = ref.cross_entropy_rows(inputs["logits"], inputs["targets"], **rows)
-    return {"loss": np.asarray(loss)}, {"lse": lse}
+    return {"loss": np.asarray(loss)}, {"lse": lse(case, inputs["logits"], inputs["targets"])}
 
 
 def _reference_backward(case, inputs, cotangents):
@@ -143,11 +158,10 @@ def _torch_reference(case, inputs, cotangents):
     return {"loss": loss.detach().numpy()}, {"logits": x.grad.numpy()}
 
 
-def _allocate_outputs(case, arrays, target, dtype):
-    n = arrays["logits"].shape[0]
-    shape = (n,) if options(case)["reduction"] == "none" else ()
-    # float32 (float64 for float64 inputs): what the allocating forms return
-    return {"loss": target.full(shape, np.nan, "float64" if dtype == "float64" else "float32")}
+def allocate_loss(case, arrays, target, dtype):
+    """The loss: float32 (float64 for float64 inputs), what the allocating forms return."""
+    stat = "float64" if dtype == "float64" else "float32"
+    return {"loss": target.full(_loss_shape(case), np.nan, stat)}
 
 
 def _allocate_checkpoints(case, arrays):
@@ -280,7 +294,7 @@ SPEC = OpSpec(
     cases=tuple(_cases()),
     inputs=_inputs,
     reference=_reference,
-    allocate_outputs=_allocate_outputs,
+    allocate_outputs=allocate_loss,
     forward_=_forward_,
     forward=_forward,
     errors=_errors,
@@ -289,7 +303,7 @@ SPEC = OpSpec(
     arrange=_arrange,
     backward=Backward(
         grad_names=("logits",),
-        cotangents=_cotangents,
+        cotangents=loss_cotangents,
         reference=_reference_backward,
         inplace=_backward_,
         allocating=_backward,

@@ -13,7 +13,7 @@ softcap (which SDPA lacks) it is a naive softmax written in torch.
 
 from __future__ import annotations
 
-import math
+import functools
 
 import numpy as np
 
@@ -21,31 +21,31 @@ import xpkernels as xk
 from xpkernels.decode_attention import DecodeAttentionScratch
 from xpkernels.testing import references as ref
 from xpkernels.testing.declared_errors import declared_errors
-from xpkernels.testing.harness import Case, ErrorCase, OpSpec
-from xpkernels.testing.specs.attention import _aligned_scores, _bshd, _other_namespace_array
+from xpkernels.testing.harness import ErrorCase, OpSpec
+from xpkernels.testing.specs._shared import bshd, checked_case, host_ints
+from xpkernels.testing.specs._shared import scale_of as _scale
+from xpkernels.testing.specs.attention import _aligned_scores, _other_namespace_array
+
+_BASE = {
+    "B": 2,
+    "H": 2,
+    "Hkv": 2,
+    "Smax": 32,
+    "D": 16,
+    "Dv": None,
+    "lengths": None,
+    "scale": None,
+    "n_splits": None,
+    "layout": "bhsd",
+    "score": None,
+    "page_size": None,
+    "softcap": None,
+    "window": None,
+}
 
 
 def _case(ident, interpreter=False, quick=False, **params):
-    base = {
-        "B": 2,
-        "H": 2,
-        "Hkv": 2,
-        "Smax": 32,
-        "D": 16,
-        "Dv": None,
-        "lengths": None,
-        "scale": None,
-        "n_splits": None,
-        "layout": "bhsd",
-        "score": None,
-        "page_size": None,
-        "softcap": None,
-        "window": None,
-    }
-    unknown = set(params) - set(base)
-    if unknown:
-        raise TypeError(f"decode_attention case {ident}: unknown parameters {sorted(unknown)}")
-    return Case(ident, {**base, **params}, interpreter=interpreter, quick=quick)
+    return checked_case("decode_attention", ident, _BASE, params, interpreter, quick)
 
 
 CASES = [
@@ -165,10 +165,6 @@ def _dims(p):
     return p["B"], p["H"], p["Hkv"], p["Smax"], p["D"], p["Dv"] or p["D"]
 
 
-def _scale(p):
-    return p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(p["D"])
-
-
 def _inputs(case, rng):
     p = case.params
     batch, heads, kv_heads, smax, d, dv = _dims(p)
@@ -200,7 +196,7 @@ def _inputs(case, rng):
 def _arrange(case, arrays, target):
     if case.params["layout"] != "bshd":
         return arrays
-    return {**arrays, **{name: _bshd(target, arrays[name]) for name in ("k_cache", "v_cache")}}
+    return {**arrays, **{name: bshd(target, arrays[name]) for name in ("k_cache", "v_cache")}}
 
 
 def _contiguous(inputs):
@@ -311,39 +307,46 @@ def _forward(case, arrays, checkpoints, backend):
     return {"o": o}
 
 
-def _errors():
-    return _error_cases()
+def _error_arrays(t, cache_shape, lengths, block_table=None):
+    """``o`` and ``q`` of 2 x 4 heads of ``D = 16``, caches (or pages) of ``cache_shape``,
+    ``lengths`` and, for a paged call, its ``block_table``."""
+    arrays = {
+        "o": t.full((2, 4, 16), 0.0, "float32"),
+        "q": t.full((2, 4, 16), 0.5, "float32"),
+        "k_cache": t.full(cache_shape, 0.5, "float32"),
+        "v_cache": t.full(cache_shape, 0.5, "float32"),
+        "lengths": t.asarray(np.asarray(lengths, dtype=np.int64)),
+    }
+    if block_table is not None:
+        arrays["block_table"] = t.asarray(np.asarray(block_table, dtype=np.int32))
+    return arrays
+
+
+def _bad_call(make, **replace):
+    """``decode_attention_`` on ``make(t)``'s arrays, those ``replace`` names replaced by
+    functions of the target; the options among ``replace`` are passed as keywords (called on
+    the target where callable)."""
+    names = ("scale", "n_splits", "scratch", "window", "softcap")
+    options = {n: replace.pop(n) for n in names if n in replace}
+
+    def run(t):
+        a = make(t)
+        a.update({n: f(t) for n, f in replace.items()})
+        kw = {n: f(t) if callable(f) else f for n, f in options.items()}
+        if "block_table" in a:
+            kw["block_table"] = a["block_table"]
+        xk.decode_attention_(a["o"], a["q"], a["k_cache"], a["v_cache"], a["lengths"], **kw)
+
+    return run
 
 
 def _error_cases():
-    shape_q, shape_cache = (2, 4, 16), (2, 2, 10, 16)
+    shape_cache = (2, 2, 10, 16)
 
     def make(t):
-        return {
-            "o": t.full(shape_q, 0.0, "float32"),
-            "q": t.full(shape_q, 0.5, "float32"),
-            "k_cache": t.full(shape_cache, 0.5, "float32"),
-            "v_cache": t.full(shape_cache, 0.5, "float32"),
-            "lengths": t.asarray(np.asarray([10, 3], dtype=np.int64)),
-        }
+        return _error_arrays(t, shape_cache, [10, 3])
 
-    def call(**replace):
-        options = {
-            n: replace.pop(n)
-            for n in ("scale", "n_splits", "scratch", "window", "softcap")
-            if n in replace
-        }
-
-        def run(t):
-            a = make(t)
-            a.update({n: f(t) for n, f in replace.items()})
-            kw = {n: f(t) if callable(f) else f for n, f in options.items()}
-            xk.decode_attention_(a["o"], a["q"], a["k_cache"], a["v_cache"], a["lengths"], **kw)
-
-        return run
-
-    def ints(values):
-        return lambda t: t.asarray(np.asarray(values, dtype=np.int64))
+    call = functools.partial(_bad_call, make)
 
     def scratch(splits=2, m_splits=None):
         def build(t):
@@ -378,14 +381,14 @@ def _error_cases():
         ),
         ErrorCase(
             "lengths-above-Smax",
-            call(lengths=ints([11, 3])),
+            call(lengths=host_ints([11, 3])),
             ValueError,
             r"lengths must lie in \[0, 10\] \(Smax\), got values in \[3, 11\]",
             values=True,
         ),
         ErrorCase(
             "lengths-negative",
-            call(lengths=ints([-1, 3])),
+            call(lengths=host_ints([-1, 3])),
             ValueError,
             r"lengths must lie in \[0, 10\]",
             values=True,
@@ -425,36 +428,14 @@ def _error_cases():
 
 def _paged_error_cases():
     """Bad paged calls: 5 pages of 4 keys, a (2, 3) block table (Smax = 12)."""
-    shape_q, shape_pages = (2, 4, 16), (5, 2, 4, 16)
 
     def make(t):
-        return {
-            "o": t.full(shape_q, 0.0, "float32"),
-            "q": t.full(shape_q, 0.5, "float32"),
-            "k_cache": t.full(shape_pages, 0.5, "float32"),
-            "v_cache": t.full(shape_pages, 0.5, "float32"),
-            "lengths": t.asarray(np.asarray([12, 5], dtype=np.int64)),
-            "block_table": t.asarray(np.asarray([[4, 0, 2], [1, 3, 0]], dtype=np.int32)),
-        }
+        return _error_arrays(t, (5, 2, 4, 16), [12, 5], [[4, 0, 2], [1, 3, 0]])
 
-    def call(window=None, **replace):
-        def run(t):
-            a = make(t)
-            a.update({n: f(t) for n, f in replace.items()})
-            xk.decode_attention_(
-                a["o"],
-                a["q"],
-                a["k_cache"],
-                a["v_cache"],
-                a["lengths"],
-                block_table=a["block_table"],
-                window=window,
-            )
-
-        return run
+    call = functools.partial(_bad_call, make)
 
     def table(values, dtype=np.int32):
-        return lambda t: t.asarray(np.asarray(values, dtype=dtype))
+        return host_ints(values, dtype)
 
     def pages(shape):
         return lambda t: t.full(shape, 0.5, "float32")
@@ -555,7 +536,7 @@ SPEC = OpSpec(
     allocate_outputs=_allocate_outputs,
     forward_=_forward_,
     forward=_forward,
-    errors=_errors,
+    errors=_error_cases,
     arrange=_arrange,
     torch_reference=_torch_reference,
 )

@@ -27,26 +27,39 @@ import warnings
 import numpy as np
 
 from xpkernels import mods as xm
-from xpkernels.buffers import Duplicated, allocate_checkpoints, allocate_scratchspace, grad_shadow
+from xpkernels.buffers import allocate_checkpoints, grad_shadow
 from xpkernels.flex_attention import (
     flex_attention,
     flex_attention_,
     flex_attention_backward,
     flex_attention_backward_,
 )
-from xpkernels.registry import BACKENDS
 from xpkernels.testing import references as ref
-from xpkernels.testing.harness import Backward, Case, OpSpec
+from xpkernels.testing.harness import Backward, OpSpec
 from xpkernels.testing.specs._flex_mods import (
     RELATIVE,
+    backward_calls,
+    draw_params,
+    flat_params,
+    index_grids,
     late,
-    namespace,
+    naive,
     pair_op,
+    positions,
     relative_bias,
+    score_gradients,
+    unpack_params,
     user_mask,
-    write_params,
 )
-from xpkernels.testing.specs.attention import _bshd, _dims, _scale, arrange_qkv, cotangent_o
+from xpkernels.testing.specs._shared import add_positions, attention_calls, checked_case
+from xpkernels.testing.specs.attention import (
+    _allocate_outputs,
+    _dims,
+    _scale,
+    arrange_qkv,
+    cotangent_o,
+    qkv,
+)
 from xpkernels.testing.specs.flex_attention_errors import errors
 
 _BASE = {
@@ -70,10 +83,7 @@ _BASE = {
 
 
 def _case(ident, quick=False, interpreter=False, **params):
-    unknown = set(params) - set(_BASE)
-    if unknown:
-        raise TypeError(f"flex case {ident}: unknown parameters {sorted(unknown)}")
-    return Case(ident, {**_BASE, **params}, quick=quick, interpreter=interpreter)
+    return checked_case("flex", ident, _BASE, params, interpreter, quick)
 
 
 CASES = [
@@ -269,11 +279,6 @@ CASES += [
 ]
 
 
-def _positions(p):
-    """``input_pos`` as a ``(B,)`` NumPy integer array."""
-    return np.broadcast_to(np.asarray(p["input_pos"], dtype=np.int64), (p["B"],))
-
-
 def _param_layout(p):
     """``(grad_shadow field, shape)`` of every learnable array, in ``params`` order."""
     batch, heads, _, sq, sk, _, _ = _dims(p)
@@ -295,12 +300,7 @@ def _param_layout(p):
 
 def _mods(p, arrays):
     """``(score_mod, mask_mod)`` of case ``p`` built from ``arrays`` (any namespace)."""
-    params = arrays["params"]
-    pieces, offset = {}, 0
-    for name, shape in _param_layout(p):
-        size = math.prod(shape)
-        pieces[name.split(".")[-1]] = _reshape(params[offset : offset + size], shape)
-        offset += size
+    pieces = unpack_params(_param_layout(p), arrays["params"])
     score = {
         None: lambda: None,
         "noop": xm.NoOpScore,
@@ -335,69 +335,25 @@ def _mods(p, arrays):
     return score, mask
 
 
-def _reshape(a, shape):
-    import array_api_compat
-
-    return array_api_compat.array_namespace(a).reshape(a, shape)
+def _positions(p):
+    return positions(p, p["B"])
 
 
 def _grids(p):
     """Broadcastable ``b, h, q_row, q_idx, kv_idx`` NumPy index grids of rank 4."""
-    batch, heads, _, sq, sk, _, _ = _dims(p)
-    b = np.arange(batch)[:, None, None, None]
-    h = np.arange(heads)[None, :, None, None]
-    row = np.arange(sq)[None, None, :, None]
-    pos = _positions(p)[:, None, None, None]
-    return b, h, row, row + pos, np.arange(sk)[None, None, None, :]
+    return index_grids(p, p["B"], p["Sq"], p["Sk"])
 
 
 def _naive(p, inputs):
     """Full float64 matrices: raw scores, probabilities, repeated K/V, output, m, l, the mods."""
-    score_mod, mask_mod = _mods(p, inputs)
-    group = p["H"] // p["Hkv"]
-    k_rep, v_rep = ref.repeat_kv(inputs["k"], group), ref.repeat_kv(inputs["v"], group)
-    raw = np.einsum("bhid,bhjd->bhij", inputs["q"], k_rep) * _scale(p)
-    b, h, row, q_idx, kv_idx = _grids(p)
-    s = (
-        raw
-        if score_mod is None
-        # Integer positions promote the mods' arithmetic to float64: back to the scores' dtype.
-        else np.broadcast_to(score_mod(raw, b, h, q_idx, kv_idx, q_row=row), raw.shape).astype(
-            raw.dtype
-        )
-    )
-    keep = (
-        np.ones(raw.shape, bool)
-        if mask_mod is None
-        else np.broadcast_to(mask_mod(b, h, q_idx, kv_idx, q_row=row), raw.shape)
-    )
-    probs, m, l_sum = ref.masked_softmax(s, keep)
-    return {
-        "raw": raw,
-        "probs": probs,
-        "k_rep": k_rep,
-        "v_rep": v_rep,
-        "o": probs @ v_rep,
-        "m": m,
-        "l": l_sum,
-        "score_mod": score_mod,
-    }
+    q, k, v = (inputs[n] for n in ("q", "k", "v"))
+    return naive(p, q, k, v, _mods(p, inputs), _grids(p))
 
 
 def _inputs(case, rng):
     p = case.params
-    batch, heads, kv_heads, sq, sk, d, dv = _dims(p)
-    arrays = {
-        "q": rng.standard_normal((batch, heads, sq, d)),
-        "k": rng.standard_normal((batch, kv_heads, sk, d)),
-        "v": rng.standard_normal((batch, kv_heads, sk, dv)),
-    }
-    scales = {"slopes": 0.05, "table": 0.5}
-    pieces = [
-        rng.standard_normal(math.prod(shape)) * scales.get(name.split(".")[-1], 1.0)
-        for name, shape in _param_layout(p)
-    ]
-    arrays["params"] = np.concatenate(pieces) if pieces else np.zeros(0)
+    batch, _, _, sq, sk, _, _ = _dims(p)
+    arrays = {**qkv(p, rng), "params": draw_params(_param_layout(p), rng)}
     if p["score"] == "pair":
         arrays["q_features"] = rng.standard_normal((batch, sq, 2))
         arrays["k_features"] = rng.standard_normal((batch, sk, 2))
@@ -406,9 +362,7 @@ def _inputs(case, rng):
     if p["mask"] == "document-rows":
         arrays["doc_q"] = rng.integers(0, 4, size=sq)
         arrays["doc_kv"] = rng.integers(0, 3, size=sk)
-    if not isinstance(p["input_pos"], int):
-        arrays["input_pos"] = np.asarray(p["input_pos"], dtype=np.int64)
-    return arrays
+    return add_positions(p, arrays)
 
 
 def _reference(case, inputs):
@@ -420,28 +374,14 @@ def _reference_backward(case, inputs, cotangents):
     p = case.params
     st = _naive(p, inputs)
     g, dv_rep = ref.score_gradient(st["probs"], st["o"], cotangents["o"], st["v_rep"])
-    grads = {}
-    ds = g
-    if st["score_mod"] is not None:
-        b, h, _, q_idx, kv_idx = _grids(p)
-        ds, tree = xm.score_grad(
-            st["score_mod"],
-            st["raw"],
-            g,
-            q_idx,
-            kv_idx,
-            b,
-            h,
-            input_pos=_positions(p)[:, None, None, None],
-            feature_grads=p["score"] == "pair-grads",
-        )
-        grads = dict(tree.items())
-    flat = [grads[name].reshape(-1) for name, _ in _param_layout(p)]
+    ds, fields = score_gradients(
+        st["score_mod"], st["raw"], g, _grids(p), _positions(p), p["score"] == "pair-grads"
+    )
     return {
         "q": ds @ st["k_rep"] * _scale(p),
         "k": ref.group_sum(np.swapaxes(ds, -1, -2) @ inputs["q"] * _scale(p), p["Hkv"]),
         "v": ref.group_sum(dv_rep, p["Hkv"]),
-        "params": np.concatenate(flat) if flat else np.zeros(0),
+        "params": flat_params(_param_layout(p), fields),
     }
 
 
@@ -503,88 +443,8 @@ def _torch_reference(case, inputs, cotangents):
     return {"o": oracle.numpy()}, grads
 
 
-def _allocate_outputs(case, arrays, target, dtype):
-    batch, heads, _, sq, _, _, dv = _dims(case.params)
-    o = target.full((batch, heads, sq, dv), np.nan, dtype)
-    return {"o": _bshd(target, o) if case.params["layout"] == "bshd" else o}
-
-
 def _allocate_checkpoints(case, arrays):
     return allocate_checkpoints(flex_attention_, arrays["q"], arrays["k"], arrays["v"])
-
-
-def _forward_(case, arrays, outs, checkpoints, backend):
-    flex_attention_(
-        outs["o"],
-        arrays["q"],
-        arrays["k"],
-        arrays["v"],
-        **_options(case, arrays),
-        checkpoints=checkpoints,
-        backend=backend,
-    )
-
-
-def _forward(case, arrays, checkpoints, backend):
-    o = flex_attention(
-        arrays["q"],
-        arrays["k"],
-        arrays["v"],
-        **_options(case, arrays),
-        checkpoints=checkpoints,
-        backend=backend,
-    )
-    return {"o": o}
-
-
-def deterministic_for(backend, op="flex_attention") -> bool:
-    """``deterministic`` of the backward calls: True (the default) unless ``backend`` cannot
-    honour it with score-mod gradients (cupy sums them with float32 atomics), so that every
-    backend runs the cases."""
-    capability = next((b.ops.get(op) for b in BACKENDS if b.name == backend), None)
-    return capability is None or "deterministic_score_mod_grad" not in capability.lacks
-
-
-def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
-    options = {**_options(case, arrays), "deterministic": deterministic_for(backend)}
-    O = Duplicated(outs["o"], cotangents["o"])
-    Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
-    mod_grad = _mod_grad(case, options)
-    scratch = allocate_scratchspace(
-        flex_attention_backward_, O, Q, K, V, score_mod_grad=mod_grad, **options, backend=backend
-    )
-    flex_attention_backward_(
-        O,
-        Q,
-        K,
-        V,
-        checkpoints=checkpoints,
-        scratch=scratch,
-        score_mod_grad=mod_grad,
-        **options,
-        backend=backend,
-    )
-    write_params(_param_layout(case.params), mod_grad, grads["params"])
-
-
-def _backward(case, arrays, outs, cotangents, checkpoints, backend):
-    options = {**_options(case, arrays), "deterministic": deterministic_for(backend)}
-    mod_grad = _mod_grad(case, options)
-    dq, dk, dv = flex_attention_backward(
-        cotangents["o"],
-        arrays["q"],
-        arrays["k"],
-        arrays["v"],
-        outs["o"],
-        checkpoints=checkpoints,
-        score_mod_grad=mod_grad,
-        **options,
-        backend=backend,
-    )
-    xp = namespace(arrays["params"])
-    params = xp.empty_like(arrays["params"])
-    write_params(_param_layout(case.params), mod_grad, params)
-    return {"q": dq, "k": dk, "v": dv, "params": params}
 
 
 def _options(case, arrays):
@@ -618,6 +478,17 @@ def _mod_grad(case, options):
     if not _param_layout(case.params):
         return None
     return grad_shadow(options["score_mod"], feature_grads=case.params["score"] == "pair-grads")
+
+
+_forward_, _forward = attention_calls(flex_attention_, flex_attention, _options)
+_backward_, _backward = backward_calls(
+    "flex_attention",
+    flex_attention_backward_,
+    flex_attention_backward,
+    _options,
+    _mod_grad,
+    _param_layout,
+)
 
 
 SPEC = OpSpec(

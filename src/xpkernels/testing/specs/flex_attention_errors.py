@@ -21,26 +21,40 @@ from xpkernels.testing.harness import ErrorCase
 from xpkernels.testing.specs._flex_mods import relative_bias
 
 
+def _make(t):
+    """``(q, k, v, o)`` of the error cases: 4 query heads over 2 kv heads, 8 keys, ``D = 16``."""
+    shape_q, shape_kv = (2, 4, 8, 16), (2, 2, 8, 16)
+    q = t.full(shape_q, 0.5, "float32")
+    k = t.full(shape_kv, 0.25, "float32")
+    v = t.full(shape_kv, 0.5, "float32")
+    return q, k, v, t.full(shape_q, 0.0, "float32")
+
+
+def _forward(**options):
+    """``flex_attention_`` on :func:`_make`'s arrays; an option that is a function of the target
+    is called there (but a ``mask_mod``, itself callable, is passed as it is)."""
+
+    def call(t):
+        q, k, v, o = _make(t)
+        flex_attention_(
+            o,
+            q,
+            k,
+            v,
+            **{n: f(t) if callable(f) and n != "mask_mod" else f for n, f in options.items()},
+        )
+
+    return call
+
+
 def _more_error_cases():
     """Input positions, mod types, gradients of another mod, int64 index arithmetic."""
-    shape_q, shape_kv = (2, 4, 8, 16), (2, 2, 8, 16)
-
-    def forward(**options):
-        def call(t):
-            q, o = t.full(shape_q, 0.5, "float32"), t.full(shape_q, 0.0, "float32")
-            k, v = t.full(shape_kv, 0.25, "float32"), t.full(shape_kv, 0.5, "float32")
-            flex_attention_(
-                o, q, k, v, **{n: f(t) if n == "score_mod" else f for n, f in options.items()}
-            )
-
-        return call
 
     def slopes(t):
         return xm.AliBiScore(t.full((4,), 0.1, "float32"))
 
     def grad_of_other_arrays(t):
-        q, o = t.full(shape_q, 0.5, "float32"), t.full(shape_q, 0.0, "float32")
-        k, v = t.full(shape_kv, 0.25, "float32"), t.full(shape_kv, 0.5, "float32")
+        q, k, v, o = _make(t)
         mod = slopes(t)
         ck = allocate_checkpoints(flex_attention_, q, k, v)
         flex_attention_(o, q, k, v, score_mod=mod, checkpoints=ck)
@@ -63,31 +77,31 @@ def _more_error_cases():
     return [
         ErrorCase(
             "input-pos-list-too-long",
-            forward(input_pos=[0, 1, 2]),
+            _forward(input_pos=[0, 1, 2]),
             ValueError,
             r"flex_attention_: input_pos must have 2 entries \(one per batch\), got 3",
         ),
         ErrorCase(
             "input-pos-list-too-short",
-            forward(input_pos=[4]),
+            _forward(input_pos=[4]),
             ValueError,
             r"flex_attention_: input_pos must have 2 entries \(one per batch\), got 1",
         ),
         ErrorCase(
             "input-pos-past-index-range",
-            forward(input_pos=2**31),
+            _forward(input_pos=2**31),
             ValueError,
             r"flex_attention_: input_pos must lie in \[-2147483647, 2147483647\], got 2147483648",
         ),
         ErrorCase(
             "mask-mod-an-int",
-            forward(mask_mod=3),
+            _forward(mask_mod=3),
             TypeError,
             r"flex_attention_: mask_mod must be a MaskMod or a function .* got int",
         ),
         ErrorCase(
             "mask-mod-a-score-mod",
-            forward(mask_mod=xm.SoftCapScore(2.0)),
+            _forward(mask_mod=xm.SoftCapScore(2.0)),
             TypeError,
             r"flex_attention_: mask_mod must be a MaskMod .* got SoftCapScore\(2\), a score mod",
         ),
@@ -100,7 +114,7 @@ def _more_error_cases():
         ),
         ErrorCase(
             "index-wraps-in-int64",
-            forward(score_mod=wrapping_index),
+            _forward(score_mod=wrapping_index),
             ValueError,
             r"indexed on axis 1 by values in \[-2, 1\] .*leaves int64",
         ),
@@ -108,29 +122,8 @@ def _more_error_cases():
 
 
 def _error_cases():
-    shape_q, shape_kv = (2, 4, 8, 16), (2, 2, 8, 16)
-
-    def make(t):
-        q = t.full(shape_q, 0.5, "float32")
-        k = t.full(shape_kv, 0.25, "float32")
-        v = t.full(shape_kv, 0.5, "float32")
-        return q, k, v, t.full(shape_q, 0.0, "float32")
-
-    def forward(**options):
-        def call(t):
-            q, k, v, o = make(t)
-            flex_attention_(
-                o,
-                q,
-                k,
-                v,
-                **{n: f(t) if callable(f) and n != "mask_mod" else f for n, f in options.items()},
-            )
-
-        return call
-
     def trained(t, **options):
-        q, k, v, o = make(t)
+        q, k, v, o = _make(t)
         ck = allocate_checkpoints(flex_attention_, q, k, v)
         flex_attention_(o, q, k, v, checkpoints=ck, **options)
         return (Duplicated(o), Duplicated(q), Duplicated(k), Duplicated(v)), ck
@@ -152,7 +145,7 @@ def _error_cases():
 
     def with_mask(mask):
         def call(t):
-            q, k, v, o = make(t)
+            q, k, v, o = _make(t)
             flex_attention_(o, q, k, v, mask_mod=mask(t))
 
         return call
@@ -176,7 +169,7 @@ def _error_cases():
         return dataclasses.replace(built, tile_m=2)
 
     def other_mask_and_block(t):
-        q, k, v, o = make(t)
+        q, k, v, o = _make(t)
         flex_attention_(o, q, k, v, mask_mod=xm.CausalMask(), block_mask=block_for(8, 8)(t))
 
     def per_head_block(t):
@@ -199,7 +192,7 @@ def _error_cases():
         flex_attention_backward_(*args, checkpoints=ck, score_mod_grad=grad_shadow(slopes((4,))(t)))
 
     def h_not_multiple(t):
-        q, _, _, o = make(t)
+        q, _, _, o = _make(t)
         kv = t.full((2, 3, 8, 16), 0.5, "float32")
         flex_attention_(o, q, kv, kv)
 
@@ -207,32 +200,32 @@ def _error_cases():
         *declared_errors("flex_attention"),
         ErrorCase(
             "bias-wrong-shape",
-            forward(score_mod=bias((1, 4, 9, 8))),
+            _forward(score_mod=bias((1, 4, 9, 8))),
             ValueError,
             r"BiasScore.bias must have shape \(Bb, Hb, 8, 8\) with Bb in \{1, 2\} "
             r"and Hb in \{1, 4\}",
         ),
         ErrorCase(
             "bias-batch-3",
-            forward(score_mod=bias((3, 1, 8, 8))),
+            _forward(score_mod=bias((3, 1, 8, 8))),
             ValueError,
             r"BiasScore.bias must have shape",
         ),
         ErrorCase(
             "bias-rank3",
-            forward(score_mod=bias((4, 8, 8))),
+            _forward(score_mod=bias((4, 8, 8))),
             TypeError,
             r"BiasScore: bias must be a float array of shape \(Bb, Hb, Sq, Sk\)",
         ),
         ErrorCase(
             "slopes-not-H",
-            forward(score_mod=slopes((2,))),
+            _forward(score_mod=slopes((2,))),
             ValueError,
             r"AliBiScore.slopes must have shape \(4,\), one per query head; got \(2,\)",
         ),
         ErrorCase(
             "slopes-rank2",
-            forward(score_mod=slopes((4, 1))),
+            _forward(score_mod=slopes((4, 1))),
             TypeError,
             r"AliBiScore: slopes must be a float array of shape \(H,\)",
         ),
@@ -250,14 +243,14 @@ def _error_cases():
         ),
         ErrorCase(
             "user-index-out-of-range",
-            forward(score_mod=small_table),
+            _forward(score_mod=small_table),
             ValueError,
             r"table \(shape \(4, 20\)\) is indexed on axis 1 by values in \[17, 31\] "
             r"for this call .*outside \[0, 19\]",
         ),
         ErrorCase(
             "unsupported-math-sin",
-            forward(score_mod=sin_score),
+            _forward(score_mod=sin_score),
             xm.TraceError,
             r"converting a traced value with float\(\) or a math\.\* function",
         ),
@@ -275,25 +268,25 @@ def _error_cases():
         ),
         ErrorCase(
             "block-mask-other-lengths",
-            forward(block_mask=block_for(16, 8)),
+            _forward(block_mask=block_for(16, 8)),
             ValueError,
             r"block_mask was built for n_q=16, n_kv=8 but the call has Sq=8, Sk=8",
         ),
         ErrorCase(
             "block-mask-other-tiles",
-            forward(block_mask=retiled),
+            _forward(block_mask=retiled),
             ValueError,
             r"it was built for other tile sizes or lengths",
         ),
         ErrorCase(
             "block-mask-other-input-pos",
-            forward(block_mask=block_for(8, 8, input_pos=3)),
+            _forward(block_mask=block_for(8, 8, input_pos=3)),
             ValueError,
             r"block_mask was built for input_pos=\[3\], the call has \[0\]",
         ),
         ErrorCase(
             "block-mask-other-heads",
-            forward(block_mask=per_head_block),
+            _forward(block_mask=per_head_block),
             ValueError,
             r"block_mask.states has 2 head entries but the call has 4",
         ),
@@ -323,13 +316,13 @@ def _error_cases():
         ),
         ErrorCase(
             "input-pos-shape",
-            forward(input_pos=lambda t: ints(t, [0, 1, 2])),
+            _forward(input_pos=lambda t: ints(t, [0, 1, 2])),
             ValueError,
             r"input_pos must have shape \(2,\)",
         ),
         ErrorCase(
             "block-sparse-not-bool",
-            forward(block_sparse="yes"),
+            _forward(block_sparse="yes"),
             TypeError,
             r"block_sparse must be a bool",
         ),

@@ -14,13 +14,13 @@ PyTorch has no packed flex op: no torch oracle.
 
 from __future__ import annotations
 
-import math
+import functools
 
 import numpy as np
 
 from xpkernels import mods as xm
 from xpkernels.attention_varlen import attention_varlen_
-from xpkernels.buffers import Duplicated, allocate_checkpoints, allocate_scratchspace, grad_shadow
+from xpkernels.buffers import Duplicated, allocate_checkpoints, grad_shadow
 from xpkernels.flex_attention_varlen import (
     flex_attention_varlen,
     flex_attention_varlen_,
@@ -29,10 +29,35 @@ from xpkernels.flex_attention_varlen import (
 )
 from xpkernels.testing import references as ref
 from xpkernels.testing.declared_errors import declared_errors
-from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
-from xpkernels.testing.specs._flex_mods import namespace, write_params
-from xpkernels.testing.specs.attention_varlen import PREFIX_SUMS, _cu, _packed, _padded
-from xpkernels.testing.specs.flex_attention import _reshape, deterministic_for
+from xpkernels.testing.harness import Backward, ErrorCase, OpSpec
+from xpkernels.testing.specs._flex_mods import (
+    backward_calls,
+    draw_params,
+    flat_params,
+    index_grids,
+    naive,
+    positions,
+    score_gradients,
+    unpack_params,
+)
+from xpkernels.testing.specs._shared import attention_calls, varlen_case
+from xpkernels.testing.specs.attention_varlen import (
+    ERROR_K_LENS,
+    ERROR_Q_LENS,
+    PREFIX_SUMS,
+    _allocate_outputs,
+    _cotangents,
+    _cu,
+    _packed,
+    _padded,
+    _prefix_sums,
+    _scale,
+    cu_ints,
+    error_arrays,
+    error_forward,
+    padded_qkv,
+)
+from xpkernels.testing.specs.attention_varlen import _inputs as _packed_inputs
 
 _BASE = {
     "H": 2,
@@ -48,14 +73,7 @@ _BASE = {
 }
 
 
-def _case(ident, q_lens, k_lens, interpreter=True, quick=False, **params):
-    unknown = set(params) - set(_BASE)
-    if unknown:
-        raise TypeError(f"flex_attention_varlen case {ident}: unknown parameters {sorted(unknown)}")
-    p = {**_BASE, **params, "q_lens": tuple(q_lens), "k_lens": tuple(k_lens)}
-    if p["input_pos"] == "bottom_right":  # the last query of each sequence sees its last key
-        p["input_pos"] = [sk - sq for sq, sk in zip(q_lens, k_lens)]
-    return Case(ident, p, interpreter=interpreter, quick=quick)
+_case = functools.partial(varlen_case, "flex_attention_varlen", _BASE)
 
 
 CASES = [
@@ -133,12 +151,7 @@ def _param_layout(p):
 
 def _mods(p, arrays):
     """``(score_mod, mask_mod)`` of case ``p`` built from ``arrays`` (any namespace)."""
-    params = arrays["params"]
-    pieces, offset = {}, 0
-    for name, shape in _param_layout(p):
-        size = math.prod(shape)
-        pieces[name] = _reshape(params[offset : offset + size], shape)
-        offset += size
+    pieces = unpack_params(_param_layout(p), arrays["params"])
     score = {
         None: lambda: None,
         "softcap": lambda: xm.SoftCapScore(1.5),
@@ -155,81 +168,30 @@ def _mods(p, arrays):
     return score, mask
 
 
-def _dims(p):
-    return p["H"], p["Hkv"], p["D"], p["Dv"] or p["D"]
-
-
-def _scale(p):
-    return p["scale"] if p["scale"] is not None else 1.0 / math.sqrt(p["D"])
-
-
 def _positions(p):
-    """``input_pos`` as a ``(B,)`` NumPy integer array."""
-    return np.broadcast_to(np.asarray(p["input_pos"], dtype=np.int64), (len(p["q_lens"]),))
+    return positions(p, len(p["q_lens"]))
 
 
 def _grids(p):
     """Broadcastable ``b, h, q_row, q_idx, kv_idx`` index grids of the padded batch."""
-    heads = p["H"]
     sq, sk = max(max(p["q_lens"]), 1), max(max(p["k_lens"]), 1)
-    b = np.arange(len(p["q_lens"]))[:, None, None, None]
-    h = np.arange(heads)[None, :, None, None]
-    row = np.arange(sq)[None, None, :, None]
-    return b, h, row, row + _positions(p)[:, None, None, None], np.arange(sk)[None, None, None, :]
+    return index_grids(p, len(p["q_lens"]), sq, sk)
 
 
 def _naive(p, inputs):
-    """Full float64 matrices of the padded batch: raw scores, probabilities, repeated K/V, output."""
-    score_mod, mask_mod = _mods(p, inputs)
-    q = _padded(inputs["q"], p["q_lens"])
-    k, v = (_padded(inputs[n], p["k_lens"]) for n in ("k", "v"))
-    group = p["H"] // p["Hkv"]
-    k_rep, v_rep = ref.repeat_kv(k, group), ref.repeat_kv(v, group)
-    raw = np.einsum("bhid,bhjd->bhij", q, k_rep) * _scale(p)
-    b, h, row, q_idx, kv_idx = _grids(p)
-    s = raw
-    if score_mod is not None:
-        modified = score_mod(raw, b, h, q_idx, kv_idx, q_row=row)
-        s = np.broadcast_to(modified, raw.shape).astype(raw.dtype)
+    """Full float64 matrices of the padded batch (:func:`._flex_mods.naive`), the padding masked."""
+    q, k, v = padded_qkv(p, inputs)
+    grids = _grids(p)
+    _, _, row, _, kv_idx = grids
     lens_q = np.asarray(p["q_lens"])[:, None, None, None]
     lens_k = np.asarray(p["k_lens"])[:, None, None, None]
     keep = (row < lens_q) & (kv_idx < lens_k)
-    if mask_mod is not None:
-        keep = keep & mask_mod(b, h, q_idx, kv_idx, q_row=row)
-    probs, m, l_sum = ref.masked_softmax(s, np.broadcast_to(keep, raw.shape))
-    return {
-        "q": q,
-        "raw": raw,
-        "probs": probs,
-        "k_rep": k_rep,
-        "v_rep": v_rep,
-        "o": probs @ v_rep,
-        "m": m,
-        "l": l_sum,
-        "score_mod": score_mod,
-    }
+    return naive(p, q, k, v, _mods(p, inputs), grids, keep)
 
 
 def _inputs(case, rng):
-    p = case.params
-    heads, kv_heads, d, dv = _dims(p)
-    tq, tk = sum(p["q_lens"]), sum(p["k_lens"])
-    arrays = {
-        "q": rng.standard_normal((tq, heads, d)),
-        "k": rng.standard_normal((tk, kv_heads, d)),
-        "v": rng.standard_normal((tk, kv_heads, dv)),
-        "cu_seqlens_q": _cu(p["q_lens"]),
-        "cu_seqlens_k": _cu(p["k_lens"]),
-    }
-    scales = {"slopes": 0.05, "table": 0.5}
-    pieces = [
-        rng.standard_normal(math.prod(shape)) * scales.get(name, 1.0)
-        for name, shape in _param_layout(p)
-    ]
-    arrays["params"] = np.concatenate(pieces) if pieces else np.zeros(0)
-    if not isinstance(p["input_pos"], int):
-        arrays["input_pos"] = np.asarray(p["input_pos"], dtype=np.int64)
-    return arrays
+    """Packed attention's inputs, then the flat ``params``."""
+    return {**_packed_inputs(case, rng), "params": draw_params(_param_layout(case.params), rng)}
 
 
 def _reference(case, inputs):
@@ -244,41 +206,15 @@ def _reference_backward(case, inputs, cotangents):
     st = _naive(p, inputs)
     do = _padded(cotangents["o"], p["q_lens"])
     g, dv_rep = ref.score_gradient(st["probs"], st["o"], do, st["v_rep"])
-    ds, fields = g, {}
-    if st["score_mod"] is not None:
-        b, h, _, q_idx, kv_idx = _grids(p)
-        ds, tree = xm.score_grad(
-            st["score_mod"],
-            st["raw"],
-            g,
-            q_idx,
-            kv_idx,
-            b,
-            h,
-            input_pos=_positions(p)[:, None, None, None],
-        )
-        fields = dict(tree.items())
-    flat = [fields[name].reshape(-1) for name, _ in _param_layout(p)]
+    ds, fields = score_gradients(st["score_mod"], st["raw"], g, _grids(p), _positions(p))
     dq = ds @ st["k_rep"] * _scale(p)
     dk = ref.group_sum(np.swapaxes(ds, -1, -2) @ st["q"] * _scale(p), p["Hkv"])
     return {
         "q": _packed(dq, p["q_lens"]),
         "k": _packed(dk, p["k_lens"]),
         "v": _packed(ref.group_sum(dv_rep, p["Hkv"]), p["k_lens"]),
-        "params": np.concatenate(flat) if flat else np.zeros(0),
+        "params": flat_params(_param_layout(p), fields),
     }
-
-
-def _cotangents(case, rng):
-    p = case.params
-    heads, _, _, dv = _dims(p)
-    return {"o": rng.standard_normal((sum(p["q_lens"]), heads, dv))}
-
-
-def _allocate_outputs(case, arrays, target, dtype):
-    p = case.params
-    heads, _, _, dv = _dims(p)
-    return {"o": target.full((sum(p["q_lens"]), heads, dv), np.nan, dtype)}
 
 
 def _allocate_checkpoints(case, arrays):
@@ -297,128 +233,36 @@ def _options(case, arrays):
     }
 
 
-def _prefix_sums(arrays):
-    return arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
-
-
 def _mod_grad(case, options):
     return grad_shadow(options["score_mod"]) if _param_layout(case.params) else None
 
 
-def _forward_(case, arrays, outs, checkpoints, backend):
-    flex_attention_varlen_(
-        outs["o"],
-        arrays["q"],
-        arrays["k"],
-        arrays["v"],
-        *_prefix_sums(arrays),
-        **_options(case, arrays),
-        checkpoints=checkpoints,
-        backend=backend,
-    )
-
-
-def _forward(case, arrays, checkpoints, backend):
-    o = flex_attention_varlen(
-        arrays["q"],
-        arrays["k"],
-        arrays["v"],
-        *_prefix_sums(arrays),
-        **_options(case, arrays),
-        checkpoints=checkpoints,
-        backend=backend,
-    )
-    return {"o": o}
-
-
-def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
-    options = {
-        **_options(case, arrays),
-        "deterministic": deterministic_for(backend, "flex_attention_varlen"),
-    }
-    O = Duplicated(outs["o"], cotangents["o"])
-    Q, K, V = (Duplicated(arrays[n], grads[n]) for n in ("q", "k", "v"))
-    mod_grad = _mod_grad(case, options)
-    scratch = allocate_scratchspace(
-        flex_attention_varlen_backward_,
-        O,
-        Q,
-        K,
-        V,
-        *_prefix_sums(arrays),
-        score_mod_grad=mod_grad,
-        **options,
-        backend=backend,
-    )
-    flex_attention_varlen_backward_(
-        O,
-        Q,
-        K,
-        V,
-        *_prefix_sums(arrays),
-        checkpoints=checkpoints,
-        scratch=scratch,
-        score_mod_grad=mod_grad,
-        **options,
-        backend=backend,
-    )
-    write_params(_param_layout(case.params), mod_grad, grads["params"])
-
-
-def _backward(case, arrays, outs, cotangents, checkpoints, backend):
-    options = {
-        **_options(case, arrays),
-        "deterministic": deterministic_for(backend, "flex_attention_varlen"),
-    }
-    mod_grad = _mod_grad(case, options)
-    dq, dk, dv = flex_attention_varlen_backward(
-        cotangents["o"],
-        arrays["q"],
-        arrays["k"],
-        arrays["v"],
-        outs["o"],
-        *_prefix_sums(arrays),
-        checkpoints=checkpoints,
-        score_mod_grad=mod_grad,
-        **options,
-        backend=backend,
-    )
-    xp = namespace(arrays["params"])
-    params = xp.empty_like(arrays["params"])
-    write_params(_param_layout(case.params), mod_grad, params)
-    return {"q": dq, "k": dk, "v": dv, "params": params}
+_forward_, _forward = attention_calls(
+    flex_attention_varlen_, flex_attention_varlen, _options, _prefix_sums
+)
+_backward_, _backward = backward_calls(
+    "flex_attention_varlen",
+    flex_attention_varlen_backward_,
+    flex_attention_varlen_backward,
+    _options,
+    _mod_grad,
+    _param_layout,
+    _prefix_sums,
+)
 
 
 def _errors():
-    q_lens, k_lens = (3, 0, 5), (4, 2, 2)
-    tq, tk = sum(q_lens), sum(k_lens)
-
-    def ints(values, dtype="int32"):
-        return lambda t: t.asarray(np.asarray(values, dtype=dtype))
-
-    def make(t):
-        q = t.full((tq, 4, 16), 0.5, "float32")
-        k = t.full((tk, 2, 16), 0.5, "float32")
-        v = t.full((tk, 2, 8), 0.5, "float32")
-        return q, k, v, t.full((tq, 4, 8), 0.0, "float32")
-
     def temperature(t, n):
         return xm.ScoreMod(_temperature, temp=t.full((n,), 1.0, "float32"))
 
-    def forward(cu_q=ints(_cu(q_lens)), cu_k=ints(_cu(k_lens)), **options):
-        def call(t):
-            q, k, v, o = make(t)
-            resolved = {n: f(t) if callable(f) else f for n, f in options.items()}
-            flex_attention_varlen_(o, q, k, v, cu_q(t), cu_k(t), **resolved)
-
-        return call
+    forward = functools.partial(error_forward, flex_attention_varlen_)
 
     def backward(forward_fn, **options):
         def call(t):
-            q, k, v, o = make(t)
+            q, k, v, o = error_arrays(t)
             resolved = {n: f(t) if callable(f) else f for n, f in options.items()}
             ck = allocate_checkpoints(forward_fn, q, k, v)
-            cu_q, cu_k = ints(_cu(q_lens))(t), ints(_cu(k_lens))(t)
+            cu_q, cu_k = cu_ints(_cu(ERROR_Q_LENS))(t), cu_ints(_cu(ERROR_K_LENS))(t)
             forward_fn(o, q, k, v, cu_q, cu_k, checkpoints=ck)
             O = Duplicated(o, t.full(o.shape, 1.0, "float32"))
             Q, K, V = (Duplicated(a, t.full(a.shape, 0.0, "float32")) for a in (q, k, v))
@@ -430,7 +274,7 @@ def _errors():
         *declared_errors("flex_attention_varlen", values=PREFIX_SUMS),
         ErrorCase(
             "cu-q-decreasing",
-            forward(cu_q=ints([0, 3, 2, 8])),
+            forward(cu_q=cu_ints([0, 3, 2, 8])),
             ValueError,
             r"cu_seqlens_q must be non-decreasing",
             values=True,

@@ -17,16 +17,13 @@ from xpkernels.testing import references as ref
 from xpkernels.testing.declared_errors import declared_errors, other_device
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
+from ._shared import allocate_y, arrange_x, cotangent_y, row_cases
+
 EPS = 1e-5
 
 
 def _cases():
-    return [
-        Case("rows1-M1", {"shape": (1, 1)}, interpreter=True),
-        Case("3x1", {"shape": (3, 1)}, interpreter=True),
-        Case("vector-M33", {"shape": (33,)}, interpreter=True),
-        Case("2x3x96", {"shape": (2, 3, 96)}, interpreter=True, quick=True),
-        Case("5x1000", {"shape": (5, 1000)}, interpreter=True),
+    return row_cases(
         Case("no-affine-4x160", {"shape": (4, 160), "affine": ""}, interpreter=True),
         Case("weight-only-3x130", {"shape": (3, 130), "affine": "w"}, interpreter=True),
         Case("bias-only-3x130", {"shape": (3, 130), "affine": "b"}, interpreter=True),
@@ -40,13 +37,7 @@ def _cases():
             interpreter=True,
             dtypes=("float64", "float32"),
         ),
-        Case(
-            "transposed-leading", {"shape": (3, 4, 64), "permute_leading": True}, interpreter=True
-        ),
-        Case("7x4097", {"shape": (7, 4097)}),
-        Case("wide-2x16384", {"shape": (2, 16384)}),
-        Case("rows-3000x64", {"shape": (3000, 64)}),
-    ]
+    )
 
 
 def _has(case, name):
@@ -61,12 +52,6 @@ def _affine(case, arrays):
     )
 
 
-def _arrange(case, arrays, target):
-    if not case.params.get("permute_leading"):
-        return arrays
-    return {**arrays, "x": target.leading_transposed(arrays["x"])}
-
-
 def _inputs(case, rng):
     shape = case.params["shape"]
     m = shape[-1]
@@ -76,10 +61,6 @@ def _inputs(case, rng):
     w = rng.standard_normal((m,)) if _has(case, "w") else np.zeros((0,))
     b = rng.standard_normal((m,)) if _has(case, "b") else np.zeros((0,))
     return {"x": x, "w": w, "b": b}
-
-
-def _cotangents(case, rng):
-    return {"y": rng.standard_normal(case.params["shape"])}
 
 
 def _reference(case, inputs):
@@ -111,10 +92,6 @@ def _torch_reference(case, inputs, cotangents):
         return t.grad.numpy() if t.grad is not None else np.zeros((0,))
 
     return {"y": y.detach().numpy()}, {"x": grad(x), "w": grad(w), "b": grad(b)}
-
-
-def _allocate_outputs(case, arrays, target, dtype):
-    return {"y": target.full(case.params["shape"], np.nan, dtype)}
 
 
 def _allocate_checkpoints(case, arrays):
@@ -210,16 +187,16 @@ SPEC = OpSpec(
     cases=tuple(_cases()),
     inputs=_inputs,
     reference=_reference,
-    allocate_outputs=_allocate_outputs,
+    allocate_outputs=allocate_y,
     forward_=_forward_,
     forward=_forward,
     errors=_errors,
     checkpoint_names=("mean", "rstd"),
     allocate_checkpoints=_allocate_checkpoints,
-    arrange=_arrange,
+    arrange=arrange_x,
     backward=Backward(
         grad_names=("x", "w", "b"),
-        cotangents=_cotangents,
+        cotangents=cotangent_y,
         reference=_reference_backward,
         inplace=_backward_,
         allocating=_backward,

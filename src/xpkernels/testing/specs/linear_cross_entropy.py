@@ -11,7 +11,7 @@ from xpkernels.testing import references as ref
 from xpkernels.testing.declared_errors import declared_errors
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
-from .cross_entropy import options
+from .cross_entropy import allocate_loss, draw_targets, loss_cotangents, lse, options
 
 #: ``(id, N, H, V, interpreter)``: one class, odd extents, more classes than the default
 #: chunk holds rows of (several chunks), a long vocabulary.
@@ -56,26 +56,15 @@ def _cases():
 def _inputs(case, rng):
     p = case.params
     n, h, v = p["N"], p["H"], p["V"]
-    targets = rng.integers(0, v, n).astype(p.get("targets", "int64"))
-    ignored = p.get("ignored", 0)
-    if ignored < 0:
-        targets[:] = -100
-    elif ignored:
-        targets[rng.permutation(n)[: min(ignored, n - 1)]] = -100
+    ids = draw_targets(case, rng)
     out = {
         "x": rng.standard_normal((n, h)),
         "weight": rng.standard_normal((v, h)) / np.sqrt(h),
-        "targets": targets,
+        "targets": ids,
     }
     if p.get("bias"):
         out["bias"] = rng.standard_normal(v)
     return out
-
-
-def _cotangents(case, rng):
-    p = case.params
-    shape = (p["N"],) if options(case)["reduction"] == "none" else ()
-    return {"loss": np.asarray(rng.standard_normal(shape))}
 
 
 def _args(inputs):
@@ -83,13 +72,18 @@ def _args(inputs):
 
 
 def _reference(case, inputs):
-    opts = options(case)
-    loss = ref.linear_cross_entropy(*_args(inputs), **opts)
+    loss = ref.linear_cross_entropy(*_args(inputs), **options(case))
     x, weight, _, bias = _args(inputs)
     logits = x @ weight.T if bias is None else x @ weight.T + bias
-    rows = {k: v for k, v in opts.items() if k != "reduction"}
-    _, lse = ref.cross_entropy_rows(logits, inputs["targets"], **rows)
-    return {"loss": np.asarray(loss)}, {"lse": lse}
+    return {"loss": np.asarray(loss)}, {"lse": lse(case, logits, inputs["targets"])}
+
+
+def _grads(dx, dweight, dbias):
+    """The gradients by name; ``bias`` only where the case has one."""
+    grads = {"x": dx, "weight": dweight}
+    if dbias is not None:
+        grads["bias"] = dbias
+    return grads
 
 
 def _reference_backward(case, inputs, cotangents):
@@ -97,10 +91,7 @@ def _reference_backward(case, inputs, cotangents):
     dx, dweight, dbias = ref.linear_cross_entropy_backward(
         x, weight, targets, cotangents["loss"], bias, **options(case)
     )
-    grads = {"x": dx, "weight": dweight}
-    if dbias is not None:
-        grads["bias"] = dbias
-    return grads
+    return _grads(dx, dweight, dbias)
 
 
 def _torch_reference(case, inputs, cotangents):
@@ -122,13 +113,6 @@ def _torch_reference(case, inputs, cotangents):
     if bias is not None:
         result["bias"] = bias.grad.numpy()
     return outs, result
-
-
-def _allocate_outputs(case, arrays, target, dtype):
-    n = arrays["x"].shape[0]
-    shape = (n,) if options(case)["reduction"] == "none" else ()
-    # float32 (float64 for float64 inputs): what the allocating forms return
-    return {"loss": target.full(shape, np.nan, "float64" if dtype == "float64" else "float32")}
 
 
 def _allocate_checkpoints(case, arrays):
@@ -176,10 +160,7 @@ def _backward(case, arrays, outs, cotangents, checkpoints, backend):
         checkpoints=checkpoints,
         backend=backend,
     )
-    grads = {"x": dx, "weight": dweight}
-    if dbias is not None:
-        grads["bias"] = dbias
-    return grads
+    return _grads(dx, dweight, dbias)
 
 
 def _errors():
@@ -235,7 +216,7 @@ SPEC = OpSpec(
     cases=tuple(_cases()),
     inputs=_inputs,
     reference=_reference,
-    allocate_outputs=_allocate_outputs,
+    allocate_outputs=allocate_loss,
     forward_=_forward_,
     forward=_forward,
     errors=_errors,
@@ -243,7 +224,7 @@ SPEC = OpSpec(
     allocate_checkpoints=_allocate_checkpoints,
     backward=Backward(
         grad_names=("x", "weight", "bias"),
-        cotangents=_cotangents,
+        cotangents=loss_cotangents,
         reference=_reference_backward,
         inplace=_backward_,
         allocating=_backward,

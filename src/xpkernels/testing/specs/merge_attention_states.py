@@ -24,6 +24,8 @@ from xpkernels.testing.declared_errors import declared_errors
 from xpkernels.testing.declared_fronts import Extra
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
+from ._shared import bshd
+
 _STATES = ("m_a", "l_a", "m_b", "l_b")
 
 
@@ -40,19 +42,12 @@ def _cases():
     ]
 
 
-def _to_bshd(target, a):
-    """Same values as ``a`` (rank 3 or 4), in a buffer whose axes 1 and 2 are swapped in memory."""
-    xp = target.xp
-    axes = (0, 2, 1, 3) if a.ndim == 4 else (0, 2, 1)
-    return xp.permute_dims(xp.asarray(xp.permute_dims(a, axes), copy=True), axes)
-
-
 def _arrange(case, arrays, target):
     xp = target.xp
     stat = xp.float64 if arrays["o_a"].dtype == xp.float64 else xp.float32
     arrays = {n: xp.astype(a, stat) if n in _STATES else a for n, a in arrays.items()}
     if case.params.get("bshd"):
-        arrays = {n: _to_bshd(target, a) for n, a in arrays.items()}
+        arrays = {n: bshd(target, a) for n, a in arrays.items()}
     return arrays
 
 

@@ -2,39 +2,24 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 import xpkernels as xk
 from xpkernels.buffers import Duplicated
 from xpkernels.testing import references as ref
 from xpkernels.testing.declared_errors import declared_errors
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
+from ._shared import allocate_y, arrange_x, cotangent_y, row_cases
+
 EPS = 1e-6
 
 
 def _shape_cases():
-    cases = [
-        Case("rows1-M1", {"shape": (1, 1)}, interpreter=True),
-        Case("3x1", {"shape": (3, 1)}, interpreter=True),
-        Case("vector-M33", {"shape": (33,)}, interpreter=True),
-        Case("2x3x96", {"shape": (2, 3, 96)}, interpreter=True, quick=True),
-        Case("5x1000", {"shape": (5, 1000)}, interpreter=True),
-        Case("offset-gemma", {"shape": (4, 160), "offset": 1.0}, interpreter=True),
-        Case(
-            "transposed-leading", {"shape": (3, 4, 64), "permute_leading": True}, interpreter=True
-        ),
-        Case("7x4097", {"shape": (7, 4097)}),
-        Case("wide-2x16384", {"shape": (2, 16384)}),
-        Case("rows-3000x64", {"shape": (3000, 64)}),
-    ]
-    return cases
+    return row_cases(Case("offset-gemma", {"shape": (4, 160), "offset": 1.0}, interpreter=True))
 
 
-def _arrange(case, arrays, target):
-    if not case.params.get("permute_leading"):
-        return arrays
-    return {**arrays, "x": target.leading_transposed(arrays["x"])}
+def _offset(case) -> float:
+    """The constant added to ``w`` (Gemma's 1), 0 unless the case gives one."""
+    return case.params.get("offset", 0.0)
 
 
 def _inputs(case, rng):
@@ -42,20 +27,14 @@ def _inputs(case, rng):
     return {"x": rng.standard_normal(shape) * 2.0, "w": rng.standard_normal(shape[-1:])}
 
 
-def _cotangents(case, rng):
-    return {"y": rng.standard_normal(case.params["shape"])}
-
-
 def _reference(case, inputs):
-    offset = case.params.get("offset", 0.0)
-    y, rstd = ref.rms_norm(inputs["x"], inputs["w"], eps=EPS, offset=offset)
+    y, rstd = ref.rms_norm(inputs["x"], inputs["w"], eps=EPS, offset=_offset(case))
     return {"y": y}, {"rstd": rstd.reshape(-1)}
 
 
 def _reference_backward(case, inputs, cotangents):
-    offset = case.params.get("offset", 0.0)
     dx, dw = ref.rms_norm_backward(
-        inputs["x"], inputs["w"], cotangents["y"], eps=EPS, offset=offset
+        inputs["x"], inputs["w"], cotangents["y"], eps=EPS, offset=_offset(case)
     )
     return {"x": dx, "w": dw}
 
@@ -65,13 +44,9 @@ def _torch_reference(case, inputs, cotangents):
 
     x = torch.tensor(inputs["x"], requires_grad=True)
     w = torch.tensor(inputs["w"], requires_grad=True)
-    y = torch.nn.functional.rms_norm(x, x.shape[-1:], w + case.params.get("offset", 0.0), eps=EPS)
+    y = torch.nn.functional.rms_norm(x, x.shape[-1:], w + _offset(case), eps=EPS)
     y.backward(torch.tensor(cotangents["y"]))
     return {"y": y.detach().numpy()}, {"x": x.grad.numpy(), "w": w.grad.numpy()}
-
-
-def _allocate_outputs(case, arrays, target, dtype):
-    return {"y": target.full(case.params["shape"], np.nan, dtype)}
 
 
 def _allocate_checkpoints(case, arrays):
@@ -84,7 +59,7 @@ def _forward_(case, arrays, outs, checkpoints, backend):
         arrays["x"],
         arrays["w"],
         eps=EPS,
-        offset=case.params.get("offset", 0.0),
+        offset=_offset(case),
         checkpoints=checkpoints,
         backend=backend,
     )
@@ -95,7 +70,7 @@ def _forward(case, arrays, checkpoints, backend):
         arrays["x"],
         arrays["w"],
         eps=EPS,
-        offset=case.params.get("offset", 0.0),
+        offset=_offset(case),
         checkpoints=checkpoints,
         backend=backend,
     )
@@ -113,7 +88,7 @@ def _backward_(case, arrays, outs, cotangents, grads, checkpoints, backend):
         W,
         checkpoints=checkpoints,
         scratch=scratch,
-        offset=case.params.get("offset", 0.0),
+        offset=_offset(case),
         backend=backend,
     )
 
@@ -124,7 +99,7 @@ def _backward(case, arrays, outs, cotangents, checkpoints, backend):
         arrays["x"],
         arrays["w"],
         checkpoints=checkpoints,
-        offset=case.params.get("offset", 0.0),
+        offset=_offset(case),
         backend=backend,
     )
     return {"x": dx, "w": dw}
@@ -154,16 +129,16 @@ SPEC = OpSpec(
     cases=tuple(_shape_cases()),
     inputs=_inputs,
     reference=_reference,
-    allocate_outputs=_allocate_outputs,
+    allocate_outputs=allocate_y,
     forward_=_forward_,
     forward=_forward,
     errors=_errors,
     checkpoint_names=("rstd",),
     allocate_checkpoints=_allocate_checkpoints,
-    arrange=_arrange,
+    arrange=arrange_x,
     backward=Backward(
         grad_names=("x", "w"),
-        cotangents=_cotangents,
+        cotangents=cotangent_y,
         reference=_reference_backward,
         inplace=_backward_,
         allocating=_backward,

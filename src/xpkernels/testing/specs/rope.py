@@ -11,6 +11,8 @@ from xpkernels.testing import references as ref
 from xpkernels.testing.declared_errors import declared_errors, other_device
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
+from ._shared import bshd
+
 #: ``(id, B, H, Hkv, S, D, R2, interpreter, quick)``: a partial and a full rotary dim, GQA,
 #: odd extents, a long sequence.
 _SHAPES = (
@@ -68,17 +70,10 @@ def _inputs(case, rng):
     return out
 
 
-def _bshd(target, a):
-    """``a`` ``(B, H, S, D)`` as a view of a ``(B, S, H, D)`` buffer."""
-    xp = target.xp
-    buffer = xp.asarray(xp.permute_dims(a, (0, 2, 1, 3)), copy=True)
-    return xp.permute_dims(buffer, (0, 2, 1, 3))
-
-
 def _arrange(case, arrays, target):
     if not case.params.get("bshd"):
         return arrays
-    return {name: _bshd(target, a) if name in ("q", "k") else a for name, a in arrays.items()}
+    return {name: bshd(target, a) if name in ("q", "k") else a for name, a in arrays.items()}
 
 
 def _cotangents(case, rng):

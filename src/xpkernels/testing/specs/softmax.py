@@ -10,29 +10,14 @@ from xpkernels.testing import references as ref
 from xpkernels.testing.declared_errors import declared_errors, other_device
 from xpkernels.testing.harness import Backward, Case, ErrorCase, OpSpec
 
+from ._shared import allocate_y, arrange_x, cotangent_y, row_cases
+
 
 def _cases():
-    return [
-        Case("rows1-M1", {"shape": (1, 1)}, interpreter=True),
-        Case("3x1", {"shape": (3, 1)}, interpreter=True),
-        Case("vector-M33", {"shape": (33,)}, interpreter=True),
-        Case("2x3x96", {"shape": (2, 3, 96)}, interpreter=True, quick=True),
-        Case("5x1000", {"shape": (5, 1000)}, interpreter=True),
+    return row_cases(
         Case("large-logits-4x300", {"shape": (4, 300), "scale": 40.0}, interpreter=True),
         Case("masked-4x200", {"shape": (4, 200), "masked": True}, interpreter=True),
-        Case(
-            "transposed-leading", {"shape": (3, 4, 64), "permute_leading": True}, interpreter=True
-        ),
-        Case("7x4097", {"shape": (7, 4097)}),
-        Case("wide-2x16384", {"shape": (2, 16384)}),
-        Case("rows-3000x64", {"shape": (3000, 64)}),
-    ]
-
-
-def _arrange(case, arrays, target):
-    if not case.params.get("permute_leading"):
-        return arrays
-    return {**arrays, "x": target.leading_transposed(arrays["x"])}
+    )
 
 
 def _inputs(case, rng):
@@ -44,10 +29,6 @@ def _inputs(case, rng):
         mask[..., 0] = False
         x = np.where(mask, -np.inf, x)
     return {"x": x}
-
-
-def _cotangents(case, rng):
-    return {"y": rng.standard_normal(case.params["shape"])}
 
 
 def _reference(case, inputs):
@@ -65,10 +46,6 @@ def _torch_reference(case, inputs, cotangents):
     y = torch.softmax(x, dim=-1)
     y.backward(torch.tensor(cotangents["y"]))
     return {"y": y.detach().numpy()}, {"x": x.grad.numpy()}
-
-
-def _allocate_outputs(case, arrays, target, dtype):
-    return {"y": target.full(case.params["shape"], np.nan, dtype)}
 
 
 def _forward_(case, arrays, outs, checkpoints, backend):
@@ -107,14 +84,14 @@ SPEC = OpSpec(
     cases=tuple(_cases()),
     inputs=_inputs,
     reference=_reference,
-    allocate_outputs=_allocate_outputs,
+    allocate_outputs=allocate_y,
     forward_=_forward_,
     forward=_forward,
     errors=_errors,
-    arrange=_arrange,
+    arrange=arrange_x,
     backward=Backward(
         grad_names=("x",),
-        cotangents=_cotangents,
+        cotangents=cotangent_y,
         reference=_reference_backward,
         inplace=_backward_,
         allocating=_backward,
