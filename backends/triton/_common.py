@@ -50,13 +50,19 @@ __all__ = [
     "VECTOR_BYTES",
     "RowConfig",
     "fill_empty_row_checkpoints",
+    "launch",
     "launch_context",
+    "launch_rows",
+    "load_chunk",
     "load_row_vector",
+    "load_tile",
     "partial_programs",
     "resident_programs",
     "reduce_partials",
+    "row_chunk",
     "row_config",
     "row_strides",
+    "store_tile",
     "traced",
     "tracing",
 ]
@@ -270,6 +276,21 @@ def launch_context(kernel, tensor):
     return contextlib.nullcontext()
 
 
+def launch(kernel, like, grid, *args, **meta) -> None:
+    """``kernel[grid](*args, **meta)`` for tensors like ``like``: in its :func:`launch_context`,
+    through :func:`traced`."""
+    with launch_context(kernel, like):
+        traced(kernel, like)[grid](*args, **meta)
+
+
+def launch_rows(fused, streaming, config: RowConfig, like, *args, programs=None, **meta) -> None:
+    """Launch a row kernel over the ``(rows, M)`` tensor ``like``: ``streaming`` when ``config``
+    streams, else ``fused``, with ``config.meta``; one program per row tile unless ``programs``."""
+    kernel = streaming if config.streaming else fused
+    grid = (config.tiles(like.shape[0]) if programs is None else programs,)
+    launch(kernel, like, grid, *args, **meta, **config.meta)
+
+
 def fill_empty_row_checkpoints(eps: float, rstd, mean=None) -> None:
     """Write the checkpoints of rows with no columns (``M = 0``), as the array_api backend does.
 
@@ -288,6 +309,36 @@ def fill_empty_row_checkpoints(eps: float, rstd, mean=None) -> None:
         rstd.fill_(1.0 / math.sqrt(eps))
     if mean is not None:
         mean.zero_()
+
+
+@triton.jit
+def load_tile(ptr, r, cols, stride, mask):
+    """The tile of the ``(rows, M)`` array at ``ptr`` (rows ``stride`` apart) in float32, 0
+    outside ``mask``: rows ``r`` (a column), columns ``cols`` (a row)."""
+    return tl.load(ptr + r * stride + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_tile(ptr, r, cols, stride, mask, value):
+    """Store the float32 tile ``value`` into the array at ``ptr``, in its dtype (as :func:`load_tile`)."""
+    tl.store(ptr + r * stride + cols, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def row_chunk(k, m, row_ok, BLOCK_M: tl.constexpr):
+    """Chunk ``k`` of a streaming row tile: its columns, which of them lie in the row (``< m``),
+    and the mask of its elements (rows ``row_ok``, columns in the row)."""
+    cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_ok = cols < m
+    return cols, col_ok, row_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
+def load_chunk(row_ptrs, cols, mask, EVICT: tl.constexpr):
+    """Columns ``cols`` of the rows starting at ``row_ptrs`` (a column) in float32, 0 outside
+    ``mask``; ``EVICT``, the cache's eviction policy."""
+    x = tl.load(row_ptrs + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -375,11 +426,10 @@ def reduce_partials(partial, out) -> None:
         return
     direct = out.dtype == partial.dtype or p == 0
     total = out if direct else partial[0]
-    with launch_context(_reduce_partials_kernel, partial):
-        args = (partial, total, p, m, *partial.stride(), total.stride(0))
-        meta = {"BLOCK_P": REDUCE_BLOCK_P, "BLOCK_N": REDUCE_BLOCK_N, "num_warps": 4}
-        traced(_reduce_partials_kernel, partial)[(triton.cdiv(m, REDUCE_BLOCK_N),)](*args, **meta)
-        if not direct:
-            args = (total, out, m, total.stride(0), out.stride(0))
-            meta = {"BLOCK": CAST_BLOCK, "num_warps": CAST_WARPS}
-            traced(_cast_row_kernel, partial)[(triton.cdiv(m, CAST_BLOCK),)](*args, **meta)
+    args = (partial, total, p, m, *partial.stride(), total.stride(0))
+    meta = {"BLOCK_P": REDUCE_BLOCK_P, "BLOCK_N": REDUCE_BLOCK_N, "num_warps": 4}
+    launch(_reduce_partials_kernel, partial, (triton.cdiv(m, REDUCE_BLOCK_N),), *args, **meta)
+    if not direct:
+        args = (total, out, m, total.stride(0), out.stride(0))
+        meta = {"BLOCK": CAST_BLOCK, "num_warps": CAST_WARPS}
+        launch(_cast_row_kernel, partial, (triton.cdiv(m, CAST_BLOCK),), *args, **meta)

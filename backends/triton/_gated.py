@@ -42,7 +42,7 @@ import math
 import triton
 import triton.language as tl
 
-from ._common import VECTOR_BYTES, launch_context, row_strides, traced
+from ._common import VECTOR_BYTES, launch, load_tile, row_strides, store_tile
 
 __all__ = ["ACTIVATIONS", "GELU", "GELU_TANH", "SILU", "backward", "forward", "tile_config"]
 
@@ -141,16 +141,13 @@ def _tile(rows, m, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
     return r[:, None], cols[None, :], (r < rows)[:, None] & (cols < m)[None, :]
 
 
-@triton.jit
-def _load(ptr, r, cols, stride, mask):
-    """The tile of the ``(rows, M)`` array at ``ptr`` (rows ``stride`` apart) in float32."""
-    return tl.load(ptr + r * stride + cols, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store(ptr, r, cols, stride, mask, value):
-    """Store the float32 tile ``value`` into the array at ``ptr``, in its dtype."""
-    tl.store(ptr + r * stride + cols, value.to(ptr.dtype.element_ty), mask=mask)
+def _launch(kernel, activation: int, pass_: str, a, *args) -> None:
+    """Launch ``kernel`` (``pass_``'s) with ``ACTIVATION=activation`` over tiles of the gate ``a``."""
+    rows, m = a.shape
+    tile_rows, block_m, warps = tile_config(m, a.element_size(), pass_)
+    grid = (triton.cdiv(rows, tile_rows) * triton.cdiv(m, block_m),)
+    meta = {"ROWS": tile_rows, "BLOCK_M": block_m, "ACTIVATION": activation, "num_warps": warps}
+    launch(kernel, a, grid, *args, **meta)
 
 
 @triton.jit
@@ -164,9 +161,9 @@ def _forward_kernel(
     ACTIVATION: tl.constexpr,  # SILU, GELU_TANH or GELU
 ):  # fmt: skip
     r, cols, mask = _tile(rows, m, ROWS, BLOCK_M)
-    a = _load(a_ptr, r, cols, stride_a, mask)
-    b = _load(b_ptr, r, cols, stride_b, mask)
-    _store(y_ptr, r, cols, stride_y, mask, _activation(a, ACTIVATION)[0] * b)
+    a = load_tile(a_ptr, r, cols, stride_a, mask)
+    b = load_tile(b_ptr, r, cols, stride_b, mask)
+    store_tile(y_ptr, r, cols, stride_y, mask, _activation(a, ACTIVATION)[0] * b)
 
 
 def forward(activation: int, y, a, b) -> None:
@@ -183,21 +180,7 @@ def forward(activation: int, y, a, b) -> None:
     rows, m = a.shape
     if rows == 0 or m == 0:
         return
-    tile_rows, block_m, warps = tile_config(m, a.element_size(), "forward")
-    grid = (triton.cdiv(rows, tile_rows) * triton.cdiv(m, block_m),)
-    with launch_context(_forward_kernel, a):
-        traced(_forward_kernel, a)[grid](
-            y,
-            a,
-            b,
-            rows,
-            m,
-            *row_strides(y, a, b),
-            ROWS=tile_rows,
-            BLOCK_M=block_m,
-            ACTIVATION=activation,
-            num_warps=warps,
-        )
+    _launch(_forward_kernel, activation, "forward", a, y, a, b, rows, m, *row_strides(y, a, b))
 
 
 @triton.jit
@@ -212,12 +195,12 @@ def _backward_kernel(
     ACTIVATION: tl.constexpr,  # SILU, GELU_TANH or GELU
 ):  # fmt: skip
     r, cols, mask = _tile(rows, m, ROWS, BLOCK_M)
-    dy = _load(dy_ptr, r, cols, stride_dy, mask)
-    a = _load(a_ptr, r, cols, stride_a, mask)
-    b = _load(b_ptr, r, cols, stride_b, mask)
+    dy = load_tile(dy_ptr, r, cols, stride_dy, mask)
+    a = load_tile(a_ptr, r, cols, stride_a, mask)
+    b = load_tile(b_ptr, r, cols, stride_b, mask)
     f, df = _activation(a, ACTIVATION)
-    _store(da_ptr, r, cols, stride_da, mask, dy * b * df)
-    _store(db_ptr, r, cols, stride_db, mask, dy * f)
+    store_tile(da_ptr, r, cols, stride_da, mask, dy * b * df)
+    store_tile(db_ptr, r, cols, stride_db, mask, dy * f)
 
 
 def backward(activation: int, dy, a, b, da, db) -> None:
@@ -236,14 +219,5 @@ def backward(activation: int, dy, a, b, da, db) -> None:
     rows, m = a.shape
     if rows == 0 or m == 0:
         return
-    tile_rows, block_m, warps = tile_config(m, a.element_size(), "backward")
-    grid = (triton.cdiv(rows, tile_rows) * triton.cdiv(m, block_m),)
-    with launch_context(_backward_kernel, a):
-        args = (dy, a, b, da, db, rows, m, *row_strides(dy, a, b, da, db))
-        traced(_backward_kernel, a)[grid](
-            *args,
-            ROWS=tile_rows,
-            BLOCK_M=block_m,
-            ACTIVATION=activation,
-            num_warps=warps,
-        )
+    args = (dy, a, b, da, db, rows, m, *row_strides(dy, a, b, da, db))
+    _launch(_backward_kernel, activation, "backward", a, *args)

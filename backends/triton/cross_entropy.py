@@ -72,7 +72,7 @@ import math
 import triton
 import triton.language as tl
 
-from ._common import MAX_WARPS, VECTOR_BYTES, launch_context, traced
+from ._common import MAX_WARPS, VECTOR_BYTES, launch
 
 __all__ = ["CHUNK_BYTES", "STAGES", "VECTORS_PER_THREAD", "backward", "forward", "tile_config"]
 
@@ -298,10 +298,11 @@ def _backward_kernel(
             tl.store(drow_ptr + tail, zeros, mask=tail < v)
 
 
-def _meta(v: int, itemsize: int, label_smoothing, softcap, z_loss) -> dict:
-    """The launch keywords of either kernel over rows of ``v`` logits of ``itemsize`` bytes."""
-    block_v, warps = tile_config(v, itemsize)
-    return {
+def _launch(kernel, logits, args, ignore_index, label_smoothing, softcap, z_loss) -> None:
+    """Launch either kernel on ``args`` then the options, one program per row of ``logits``."""
+    n, v = logits.shape
+    block_v, warps = tile_config(v, logits.element_size())
+    meta = {
         "BLOCK_V": block_v,
         "FULL_CHUNKS": v // block_v,
         "TAIL": v % block_v > 0,
@@ -310,6 +311,8 @@ def _meta(v: int, itemsize: int, label_smoothing, softcap, z_loss) -> dict:
         "Z_LOSS": z_loss > 0,
         "num_warps": warps,
     }
+    scalars = (ignore_index, float(label_smoothing), 1.0 if softcap is None else float(softcap))
+    launch(kernel, logits, (n,), *args, *scalars, float(z_loss), **meta)
 
 
 def forward(loss, lse, logits, targets, *, ignore_index, label_smoothing, softcap, z_loss) -> None:
@@ -336,25 +339,10 @@ def forward(loss, lse, logits, targets, *, ignore_index, label_smoothing, softca
     z_loss : float
         Weight (``>= 0``) of ``lse**2``; computed only when positive.
     """
-    n, v = logits.shape
-    if n == 0:
+    if logits.shape[0] == 0:
         return
-    meta = _meta(v, logits.element_size(), label_smoothing, softcap, z_loss)
-    with launch_context(_forward_kernel, logits):
-        traced(_forward_kernel, logits)[(n,)](
-            loss,
-            lse,
-            logits,
-            targets,
-            v,
-            logits.stride(0),
-            targets.stride(0),
-            ignore_index,
-            float(label_smoothing),
-            1.0 if softcap is None else float(softcap),
-            float(z_loss),
-            **meta,
-        )
+    args = (loss, lse, logits, targets, logits.shape[1], logits.stride(0), targets.stride(0))
+    _launch(_forward_kernel, logits, args, ignore_index, label_smoothing, softcap, z_loss)
 
 
 def backward(
@@ -378,25 +366,8 @@ def backward(
         As in :func:`forward`; a target outside ``[0, V)`` that is not
         ``ignore_index`` gives its row a NaN gradient.
     """
-    n, v = logits.shape
-    if n == 0:
+    if logits.shape[0] == 0:
         return
-    meta = _meta(v, logits.element_size(), label_smoothing, softcap, z_loss)
-    with launch_context(_backward_kernel, logits):
-        traced(_backward_kernel, logits)[(n,)](
-            dlogits,
-            logits,
-            targets,
-            lse,
-            grad,
-            v,
-            dlogits.stride(0),
-            logits.stride(0),
-            targets.stride(0),
-            grad.stride(0),
-            ignore_index,
-            float(label_smoothing),
-            1.0 if softcap is None else float(softcap),
-            float(z_loss),
-            **meta,
-        )
+    strides = (dlogits.stride(0), logits.stride(0), targets.stride(0), grad.stride(0))
+    args = (dlogits, logits, targets, lse, grad, logits.shape[1], *strides)
+    _launch(_backward_kernel, logits, args, ignore_index, label_smoothing, softcap, z_loss)

@@ -29,13 +29,16 @@ import triton.language as tl
 from ._common import (
     RowConfig,
     fill_empty_row_checkpoints,
-    launch_context,
+    launch_rows,
+    load_chunk,
     load_row_vector,
+    load_tile,
     partial_programs,
     reduce_partials,
+    row_chunk,
     row_config,
     row_strides,
-    traced,
+    store_tile,
 )
 
 __all__ = ["backward", "forward", "partials", "reduce_partials"]
@@ -81,8 +84,7 @@ def _forward_fused(
     col_ok = cols < m
     mask = row_ok[:, None] & col_ok[None, :]
     r64 = r.to(tl.int64)
-    x_ptrs = x_ptr + r64[:, None] * stride_x + cols[None, :]
-    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x = load_tile(x_ptr, r64[:, None], cols[None, :], stride_x, mask)
     mean = tl.sum(x, axis=1) / m
     centred = tl.where(mask, x - mean[:, None], 0.0)
     rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / m + eps)
@@ -91,8 +93,7 @@ def _forward_fused(
         y *= tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if b_ptr is not None:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + r64[:, None] * stride_y + cols[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    store_tile(y_ptr, r64[:, None], cols[None, :], stride_y, mask, y)
     if mean_ptr is not None:
         tl.store(mean_ptr + r64 * stride_mean, mean, mask=row_ok)
     if rstd_ptr is not None:
@@ -120,10 +121,8 @@ def _forward_streaming(
     sum_sq = tl.zeros([ROWS], dtype=tl.float32)
     for k in range(N_CHUNKS):
         start = k * BLOCK_M
-        cols = start + tl.arange(0, BLOCK_M)
-        mask = row_ok[:, None] & (cols < m)[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
-        x = x.to(tl.float32)
+        cols, _, mask = row_chunk(k, m, row_ok, BLOCK_M)
+        x = load_chunk(x_rows, cols, mask, "evict_last")
         count = tl.minimum(m - start, BLOCK_M)
         chunk_mean = tl.sum(x, axis=1) / count
         centred = tl.where(mask, x - chunk_mean[:, None], 0.0)
@@ -133,11 +132,8 @@ def _forward_streaming(
         sum_sq += tl.sum(centred * centred, axis=1) + delta * delta * (start * share)
     rstd = tl.rsqrt(sum_sq / m + eps)
     for k in range(N_CHUNKS):
-        cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
-        col_ok = cols < m
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        y = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+        cols, col_ok, mask = row_chunk(k, m, row_ok, BLOCK_M)
+        y = (load_chunk(x_rows, cols, mask, "evict_first") - mean[:, None]) * rstd[:, None]
         if w_ptr is not None:
             y *= tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if b_ptr is not None:
@@ -169,10 +165,8 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
         fill_empty_row_checkpoints(eps, rstd, mean)
         return
     config = row_config(m, x.element_size(), "forward")
-    kernel = _forward_streaming if config.streaming else _forward_fused
     args = (y, x, w, b, mean, rstd, rows, m, *row_strides(y, x, mean, rstd), eps)
-    with launch_context(kernel, x):
-        traced(kernel, x)[(config.tiles(rows),)](*args, **config.meta)
+    launch_rows(_forward_fused, _forward_streaming, config, x, *args)
 
 
 @triton.jit
@@ -206,10 +200,8 @@ def _backward_fused(
         row_ok = r < rows
         mask = row_ok[:, None] & col_ok[None, :]
         r64 = r.to(tl.int64)
-        x_ptrs = x_ptr + r64[:, None] * stride_x + cols[None, :]
-        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        dy_ptrs = dy_ptr + r64[:, None] * stride_dy + cols[None, :]
-        dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x = load_tile(x_ptr, r64[:, None], cols[None, :], stride_x, mask)
+        dy = load_tile(dy_ptr, r64[:, None], cols[None, :], stride_dy, mask)
         mean = tl.load(mean_ptr + r64 * stride_mean, mask=row_ok, other=0.0)
         rstd = tl.load(rstd_ptr + r64 * stride_rstd, mask=row_ok, other=0.0)
         x_hat = (x - mean[:, None]) * rstd[:, None]
@@ -220,8 +212,7 @@ def _backward_fused(
         g_mean = tl.sum(g, axis=1) / m
         proj = tl.sum(g * x_hat, axis=1) / m
         dx = (g - g_mean[:, None] - x_hat * proj[:, None]) * rstd[:, None]
-        dx_ptrs = dx_ptr + r64[:, None] * stride_dx + cols[None, :]
-        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        store_tile(dx_ptr, r64[:, None], cols[None, :], stride_dx, mask, dx)
         if dw_partial_ptr is not None:
             dw_sum += dy * x_hat
         if db_partial_ptr is not None:
@@ -276,9 +267,8 @@ def _backward_streaming(
         g_sum = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
         gx_sum = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
         for k in range(N_CHUNKS):
-            cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
-            col_ok = cols < m
-            mask = row_ok[:, None] & col_ok[None, :]
+            cols, col_ok, mask = row_chunk(k, m, row_ok, BLOCK_M)
+            # Not load_chunk: converting x at its load compiled to 127 registers (> BACKWARD_REGISTERS).
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
             g = tl.load(dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
             g = g.to(tl.float32)
@@ -289,15 +279,10 @@ def _backward_streaming(
         g_mean = tl.sum(g_sum, axis=1) / m
         proj = tl.sum(gx_sum, axis=1) * rstd / m
         for k in range(N_CHUNKS):
-            cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
-            col_ok = cols < m
-            mask = row_ok[:, None] & col_ok[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            dy = tl.load(
-                dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
-            )
-            dy = dy.to(tl.float32)
-            x_hat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+            cols, col_ok, mask = row_chunk(k, m, row_ok, BLOCK_M)
+            x = load_chunk(x_rows, cols, mask, "evict_first")
+            dy = load_chunk(dy_rows, cols, mask, "evict_first")
+            x_hat = (x - mean[:, None]) * rstd[:, None]
             if w_ptr is not None:
                 g = dy * load_row_vector(w_ptr, cols, col_ok, ROWS)
             else:
@@ -363,13 +348,11 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
         programs = partial.shape[0]
     dw_strides = (0, 0) if dw_partial is None else dw_partial.stride()
     db_strides = (0, 0) if db_partial is None else db_partial.stride()
-    kernel = _backward_streaming if config.streaming else _backward_fused
     tensors = (dy, x, w, mean, rstd, dx, dw_partial, db_partial)
     strides = (*row_strides(dy, x, dx, mean, rstd), *dw_strides, *db_strides)
-    with launch_context(kernel, x):
-        traced(kernel, x)[(programs,)](
-            *tensors, rows, m, *strides, ACCUMULATE=accumulate, **config.meta
-        )
+    args = (*tensors, rows, m, *strides)
+    kernels = (_backward_fused, _backward_streaming)
+    launch_rows(*kernels, config, x, *args, programs=programs, ACCUMULATE=accumulate)
 
 
 def partials(rows: int, m: int, like) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import launch_context, traced
+from ._common import launch
 
 __all__ = ["backward", "forward"]
 
@@ -250,25 +250,9 @@ def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
     rows, grid, rows_per, block_d = _launch(o_a)
     if rows == 0:
         return
-    with launch_context(_forward_kernel, o_a):
-        traced(_forward_kernel, o_a)[grid](
-            o,
-            m,
-            l,
-            o_a,
-            m_a,
-            l_a,
-            o_b,
-            m_b,
-            l_b,
-            *_strides(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b),
-            rows,
-            o_a.shape[1],
-            o_a.shape[2],
-            o_a.shape[3],
-            ROWS=rows_per,
-            BLOCK_D=block_d,
-        )
+    states = (o, m, l, o_a, m_a, l_a, o_b, m_b, l_b)
+    args = (*states, *_strides(*states), rows, *o_a.shape[1:])
+    launch(_forward_kernel, o_a, grid, *args, ROWS=rows_per, BLOCK_D=block_d)
 
 
 def backward(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b) -> None:
@@ -287,31 +271,7 @@ def backward(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b
         return
     has_dlse = dlse is not None
     dlse_arg = dlse if has_dlse else m  # never read when HAS_DLSE is False
-    with launch_context(_backward_kernel, o_a):
-        traced(_backward_kernel, o_a)[grid](
-            do,
-            dlse_arg,
-            o,
-            m,
-            l,
-            o_a,
-            m_a,
-            l_a,
-            o_b,
-            m_b,
-            l_b,
-            do_a,
-            dlse_a,
-            do_b,
-            dlse_b,
-            *_strides(
-                do, dlse_arg, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b
-            ),
-            rows,
-            o_a.shape[1],
-            o_a.shape[2],
-            o_a.shape[3],
-            HAS_DLSE=has_dlse,
-            ROWS=rows_per,
-            BLOCK_D=block_d,
-        )
+    states = (do, dlse_arg, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b)
+    args = (*states, *_strides(*states), rows, *o_a.shape[1:])
+    meta = {"HAS_DLSE": has_dlse, "ROWS": rows_per, "BLOCK_D": block_d}
+    launch(_backward_kernel, o_a, grid, *args, **meta)

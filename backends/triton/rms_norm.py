@@ -22,13 +22,16 @@ import triton.language as tl
 
 from ._common import (
     fill_empty_row_checkpoints,
-    launch_context,
+    launch_rows,
+    load_chunk,
     load_row_vector,
+    load_tile,
     partial_programs,
     reduce_partials,
+    row_chunk,
     row_config,
     row_strides,
-    traced,
+    store_tile,
 )
 
 __all__ = ["backward", "forward", "partials", "reduce_partials"]
@@ -76,13 +79,10 @@ def _forward_fused(
     col_ok = cols < m
     mask = row_ok[:, None] & col_ok[None, :]
     r64 = r.to(tl.int64)
-    x_ptrs = x_ptr + r64[:, None] * stride_x + cols[None, :]
-    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x = load_tile(x_ptr, r64[:, None], cols[None, :], stride_x, mask)
     w = _weight(w_ptr, cols, col_ok, offset)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / m + eps)
-    y = x * rstd[:, None] * w[None, :]
-    y_ptrs = y_ptr + r64[:, None] * stride_y + cols[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    store_tile(y_ptr, r64[:, None], cols[None, :], stride_y, mask, x * rstd[:, None] * w[None, :])
     if rstd_ptr is not None:
         tl.store(rstd_ptr + r64 * stride_rstd, rstd, mask=row_ok)
 
@@ -106,19 +106,15 @@ def _forward_streaming(
     y_rows = y_ptr + r64[:, None] * stride_y
     sum_sq = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
     for k in range(N_CHUNKS):
-        cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask = row_ok[:, None] & (cols < m)[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
-        x = x.to(tl.float32)
+        cols, col_ok, mask = row_chunk(k, m, row_ok, BLOCK_M)
+        x = load_chunk(x_rows, cols, mask, "evict_last")
         sum_sq += x * x
     rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / m + eps)
     for k in range(N_CHUNKS):
-        cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
-        col_ok = cols < m
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        cols, col_ok, mask = row_chunk(k, m, row_ok, BLOCK_M)
+        x = load_chunk(x_rows, cols, mask, "evict_first")
         w = _weight(w_ptr, cols, col_ok, offset)
-        y = x.to(tl.float32) * rstd[:, None] * w[None, :]
+        y = x * rstd[:, None] * w[None, :]
         tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     if rstd_ptr is not None:
         tl.store(rstd_ptr + r64 * stride_rstd, rstd, mask=row_ok)
@@ -144,10 +140,8 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
         fill_empty_row_checkpoints(eps, rstd)
         return
     config = row_config(m, x.element_size(), "forward")
-    kernel = _forward_streaming if config.streaming else _forward_fused
     args = (y, x, w, rstd, rows, m, *row_strides(y, x, rstd), eps, offset)
-    with launch_context(kernel, x):
-        traced(kernel, x)[(config.tiles(rows),)](*args, **config.meta)
+    launch_rows(_forward_fused, _forward_streaming, config, x, *args)
 
 
 @triton.jit
@@ -177,17 +171,14 @@ def _backward_fused(
         row_ok = r < rows
         mask = row_ok[:, None] & col_ok[None, :]
         r64 = r.to(tl.int64)
-        x_ptrs = x_ptr + r64[:, None] * stride_x + cols[None, :]
-        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        dy_ptrs = dy_ptr + r64[:, None] * stride_dy + cols[None, :]
-        dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x = load_tile(x_ptr, r64[:, None], cols[None, :], stride_x, mask)
+        dy = load_tile(dy_ptr, r64[:, None], cols[None, :], stride_dy, mask)
         rstd = tl.load(rstd_ptr + r64 * stride_rstd, mask=row_ok, other=0.0)
         x_hat = x * rstd[:, None]
         g = dy * w[None, :]
         proj = tl.sum(g * x_hat, axis=1) / m
         dx = (g - x_hat * proj[:, None]) * rstd[:, None]
-        dx_ptrs = dx_ptr + r64[:, None] * stride_dx + cols[None, :]
-        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        store_tile(dx_ptr, r64[:, None], cols[None, :], stride_dx, mask, dx)
         if dw_partial_ptr is not None:
             dw_sum += dy * x_hat
         tile += tl.num_programs(0)
@@ -229,27 +220,17 @@ def _backward_streaming(
         rstd = tl.load(rstd_ptr + r64 * stride_rstd, mask=row_ok, other=0.0)
         gx = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
         for k in range(N_CHUNKS):
-            cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
-            col_ok = cols < m
-            mask = row_ok[:, None] & col_ok[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
-            dy = tl.load(
-                dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last"
-            )
+            cols, col_ok, mask = row_chunk(k, m, row_ok, BLOCK_M)
+            x = load_chunk(x_rows, cols, mask, "evict_last")
+            dy = load_chunk(dy_rows, cols, mask, "evict_last")
             w = _weight_rows(w_ptr, cols, col_ok, offset, ROWS)
-            gx += dy.to(tl.float32) * w * x.to(tl.float32)
+            gx += dy * w * x
         proj = tl.sum(gx, axis=1) * rstd / m
         for k in range(N_CHUNKS):
-            cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
-            col_ok = cols < m
-            mask = row_ok[:, None] & col_ok[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            dy = tl.load(
-                dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
-            )
+            cols, col_ok, mask = row_chunk(k, m, row_ok, BLOCK_M)
+            x_hat = load_chunk(x_rows, cols, mask, "evict_first") * rstd[:, None]
+            dy = load_chunk(dy_rows, cols, mask, "evict_first")
             w = _weight_rows(w_ptr, cols, col_ok, offset, ROWS)
-            x_hat = x.to(tl.float32) * rstd[:, None]
-            dy = dy.to(tl.float32)
             dx = (dy * w - x_hat * proj[:, None]) * rstd[:, None]
             tl.store(dx_rows + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if dw_partial_ptr is not None:
@@ -298,11 +279,10 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
         programs, partial_strides = config.tiles(rows), (0, 0)
     else:
         programs, partial_strides = dw_partial.shape[0], dw_partial.stride()
-    kernel = _backward_streaming if config.streaming else _backward_fused
     tensors = (dy, x, w, rstd, dx, dw_partial)
     args = (*tensors, rows, m, *row_strides(dy, x, dx, rstd), *partial_strides, offset)
-    with launch_context(kernel, x):
-        traced(kernel, x)[(programs,)](*args, ACCUMULATE=accumulate, **config.meta)
+    kernels = (_backward_fused, _backward_streaming)
+    launch_rows(*kernels, config, x, *args, programs=programs, ACCUMULATE=accumulate)
 
 
 def partials(rows: int, m: int, like) -> int:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import VECTOR_BYTES, launch_context, traced
+from ._common import VECTOR_BYTES, launch
 
 __all__ = ["backward", "forward", "tile_config"]
 
@@ -168,37 +168,11 @@ def _rotate(out, x, cos, sin, position_ids, interleaved: bool, inverse: bool) ->
     block_s, block_h, warps = tile_config(heads, seq, 2 * block_r2 + block_t, x.element_size())
     pos_strides = (0, 0) if position_ids is None else position_ids.stride()
     grid = (batch * triton.cdiv(seq, block_s), triton.cdiv(heads, block_h))
-    with launch_context(_rope_kernel, x):
-        traced(_rope_kernel, x)[grid](
-            out,
-            x,
-            cos,
-            sin,
-            position_ids,
-            heads,
-            seq,
-            tail,
-            cos.shape[1],
-            out.stride(0),
-            out.stride(1),
-            out.stride(2),
-            x.stride(0),
-            x.stride(1),
-            x.stride(2),
-            cos.stride(0),
-            cos.stride(1),
-            sin.stride(0),
-            sin.stride(1),
-            *pos_strides,
-            R2=r2,
-            BLOCK_R2=block_r2,
-            BLOCK_T=block_t,
-            BLOCK_S=block_s,
-            BLOCK_H=block_h,
-            INTERLEAVED=interleaved,
-            INVERSE=inverse,
-            num_warps=warps,
-        )
+    strides = (*out.stride()[:3], *x.stride()[:3], *cos.stride()[:2], *sin.stride()[:2])
+    args = (out, x, cos, sin, position_ids, heads, seq, tail, cos.shape[1], *strides, *pos_strides)
+    blocks = {"BLOCK_R2": block_r2, "BLOCK_T": block_t, "BLOCK_S": block_s, "BLOCK_H": block_h}
+    flags = {"R2": r2, "INTERLEAVED": interleaved, "INVERSE": inverse, "num_warps": warps}
+    launch(_rope_kernel, x, grid, *args, **blocks, **flags)
 
 
 def forward(out, x, cos, sin, position_ids, *, interleaved: bool) -> None:

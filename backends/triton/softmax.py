@@ -17,7 +17,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import launch_context, row_config, row_strides, traced
+from ._common import (
+    launch_rows,
+    load_chunk,
+    load_tile,
+    row_chunk,
+    row_config,
+    row_strides,
+    store_tile,
+)
 
 __all__ = ["backward", "forward"]
 
@@ -40,9 +48,7 @@ def _forward_fused(
     x = x.to(tl.float32)
     e = tl.exp(x - tl.max(x, axis=1)[:, None])
     y = e * (1.0 / tl.sum(e, axis=1))[:, None]
-    mask = row_ok[:, None] & col_ok[None, :]
-    y_ptrs = y_ptr + r64[:, None] * stride_y + cols[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    store_tile(y_ptr, r64[:, None], cols[None, :], stride_y, row_ok[:, None] & col_ok[None, :], y)
 
 
 @triton.jit
@@ -102,10 +108,7 @@ def forward(y, x) -> None:
     if rows == 0 or m == 0:
         return
     config = row_config(m, x.element_size(), "forward")
-    kernel = _forward_streaming if config.streaming else _forward_fused
-    args = (y, x, rows, m, *row_strides(y, x))
-    with launch_context(kernel, x):
-        traced(kernel, x)[(config.tiles(rows),)](*args, **config.meta)
+    launch_rows(_forward_fused, _forward_streaming, config, x, y, x, rows, m, *row_strides(y, x))
 
 
 @triton.jit
@@ -121,14 +124,10 @@ def _backward_fused(
     cols = tl.arange(0, BLOCK_M)
     mask = (r < rows)[:, None] & (cols < m)[None, :]
     r64 = r.to(tl.int64)
-    y_ptrs = y_ptr + r64[:, None] * stride_y + cols[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    dy_ptrs = dy_ptr + r64[:, None] * stride_dy + cols[None, :]
-    dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
+    y = load_tile(y_ptr, r64[:, None], cols[None, :], stride_y, mask)
+    dy = load_tile(dy_ptr, r64[:, None], cols[None, :], stride_dy, mask)
     dot = tl.sum(y * dy, axis=1)
-    dx = y * (dy - dot[:, None])
-    dx_ptrs = dx_ptr + r64[:, None] * stride_dx + cols[None, :]
-    tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    store_tile(dx_ptr, r64[:, None], cols[None, :], stride_dx, mask, y * (dy - dot[:, None]))
 
 
 @triton.jit
@@ -149,18 +148,14 @@ def _backward_streaming(
     dx_rows = dx_ptr + r64[:, None] * stride_dx
     dot = tl.zeros([ROWS, BLOCK_M], dtype=tl.float32)
     for k in range(N_CHUNKS):
-        cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask = row_ok[:, None] & (cols < m)[None, :]
-        y = tl.load(y_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
-        dy = tl.load(dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
-        dot += y.to(tl.float32) * dy.to(tl.float32)
+        cols, _, mask = row_chunk(k, m, row_ok, BLOCK_M)
+        y = load_chunk(y_rows, cols, mask, "evict_last")
+        dot += y * load_chunk(dy_rows, cols, mask, "evict_last")
     row_dot = tl.sum(dot, axis=1)
     for k in range(N_CHUNKS):
-        cols = k * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask = row_ok[:, None] & (cols < m)[None, :]
-        y = tl.load(y_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        dy = tl.load(dy_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        dx = y.to(tl.float32) * (dy.to(tl.float32) - row_dot[:, None])
+        cols, _, mask = row_chunk(k, m, row_ok, BLOCK_M)
+        y = load_chunk(y_rows, cols, mask, "evict_first")
+        dx = y * (load_chunk(dy_rows, cols, mask, "evict_first") - row_dot[:, None])
         tl.store(dx_rows + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -177,7 +172,5 @@ def backward(y, dy, dx) -> None:
     if rows == 0 or m == 0:
         return
     config = row_config(m, y.element_size(), "backward")
-    kernel = _backward_streaming if config.streaming else _backward_fused
     args = (y, dy, dx, rows, m, *row_strides(y, dy, dx))
-    with launch_context(kernel, y):
-        traced(kernel, y)[(config.tiles(rows),)](*args, **config.meta)
+    launch_rows(_backward_fused, _backward_streaming, config, y, *args)
