@@ -61,6 +61,7 @@ __all__ = [
     "max_row_norm",
     "numpy_views",
     "ones",
+    "path_arrays",
     "path_namespace",
     "reduce_partials",
     "row_blocks",
@@ -338,11 +339,17 @@ def numpy_views(*arrays):
     return tuple(views) if found else None
 
 
+def path_arrays(*arrays) -> tuple:
+    """The arrays a kernel runs on: :func:`numpy_views` of ``arrays`` where it gives them
+    (PyTorch CPU tensors run the NumPy path), else ``arrays`` as they are."""
+    views = numpy_views(*arrays)
+    return arrays if views is None else views
+
+
 def path_namespace(like):
     """The namespace a kernel runs on for ``like``: NumPy's for a PyTorch CPU tensor that
     :func:`numpy_views` takes, else ``like``'s own."""
-    views = numpy_views(like)
-    return array_api_compat.array_namespace(like if views is None else views[0])
+    return array_api_compat.array_namespace(*path_arrays(like))
 
 
 class BlockBuffers:

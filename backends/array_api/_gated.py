@@ -48,7 +48,7 @@ from typing import Protocol
 
 import array_api_compat
 
-from ._blocks import acc_dtype, block_rows, for_each_block, numpy_views, store, to, workers
+from ._blocks import acc_dtype, block_rows, for_each_block, path_arrays, store, to, workers
 from ._normal_cdf import LIMIT, normal_cdf, normal_cdf_and_pdf
 
 __all__ = ["BLOCK_ELEMENTS", "GELU", "SILU", "Activation", "Scratch", "backward", "forward"]
@@ -205,9 +205,7 @@ def forward(activation: Activation, y, a, b) -> None:
 
     Computed in float32 (float64 for float64 ``a``), written in ``y``'s dtype.
     """
-    views = numpy_views(y, a, b)
-    if views is not None:
-        y, a, b = views
+    y, a, b = path_arrays(y, a, b)
     xp = array_api_compat.array_namespace(y, a, b)
     acc = acc_dtype(xp, a.dtype)
     rows, m = a.shape
@@ -231,9 +229,7 @@ def backward(activation: Activation, dy, a, b, da, db) -> None:
     (overwritten) may be ``dy``: each block computes ``db`` before it stores
     ``da`` (reading ``dy`` element by element as it writes it), then ``db``.
     """
-    views = numpy_views(dy, a, b, da, db)
-    if views is not None:
-        dy, a, b, da, db = views
+    dy, a, b, da, db = path_arrays(dy, a, b, da, db)
     xp = array_api_compat.array_namespace(dy, a, b, da, db)
     acc = acc_dtype(xp, a.dtype)
     rows, m = a.shape

@@ -72,7 +72,7 @@ from ._blocks import (
     acc_dtype,
     for_each_item,
     max_row_norm,
-    numpy_views,
+    path_arrays,
     row_blocks,
     spans,
     tile_workers,
@@ -199,8 +199,7 @@ def forward_calls(calls, *, scale, causal) -> None:
     items: list = []
     rows_max = key_max = 1
     for call in calls:
-        views = numpy_views(*call)
-        o, q, k, v, m, l, input_pos, q_lengths, k_lengths = call if views is None else views
+        o, q, k, v, m, l, input_pos, q_lengths, k_lengths = path_arrays(*call)
         rows, keys = _forward_items(
             items, (o, q, k, v, m, l), input_pos, q_lengths, k_lengths, causal=causal
         )
@@ -469,8 +468,7 @@ def backward_calls(calls, *, scale, causal) -> None:
     dq_rows: list = []
     rows_max = key_max = 1
     for call in calls:
-        views = numpy_views(*call)
-        arrays = call if views is None else views
+        arrays = path_arrays(*call)
         rows, keys = _backward_items(items, costs, dq_rows, arrays, causal=causal)
         rows_max, key_max = max(rows_max, rows), max(key_max, keys)
     if not items:

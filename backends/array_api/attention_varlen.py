@@ -25,7 +25,7 @@ import array_api_compat
 
 from . import attention
 
-__all__ = ["forward", "backward", "forward_per_sequence", "backward_per_sequence"]
+__all__ = ["forward", "backward", "forward_per_sequence", "backward_per_sequence", "walk"]
 
 
 def _spans(cu, total: int) -> list[tuple[int, int]]:
@@ -85,12 +85,10 @@ def forward(
     ``cu_seqlens_k``: (B + 1,) int32; ``input_pos`` an int or a (B,) array.
     """
     xp = array_api_compat.array_namespace(o, q, k, v)
-    q_spans = _spans(cu_seqlens_q, q.shape[0])
-    k_spans = _spans(cu_seqlens_k, k.shape[0])
+    seqs, q_spans, _ = visits(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     calls = [
         (*forward_views(xp, (o, q, k, v, m, l), qs, ks), _position(input_pos, b), None, None)
-        for b, (qs, ks) in enumerate(zip(q_spans, k_spans))
-        if qs[1] > qs[0]
+        for b, qs, ks in seqs
     ]
     attention.forward_calls(calls, scale=scale, causal=causal)  # all sequences' tiles at once
     clear_forward_gaps(o, m, l, q_spans)
@@ -101,21 +99,8 @@ def forward_per_sequence(
 ) -> None:
     """:func:`forward` through ``impl``, any backend's attention module (its ``forward`` on
     each sequence's ``(1, H, S, D)`` views, without lengths)."""
-    xp = array_api_compat.array_namespace(o, q, k, v)
-    q_spans = _spans(cu_seqlens_q, q.shape[0])
-    k_spans = _spans(cu_seqlens_k, k.shape[0])
-    for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
-        if q_span[1] == q_span[0]:
-            continue
-        impl.forward(
-            *forward_views(xp, (o, q, k, v, m, l), q_span, k_span),
-            scale=scale,
-            causal=causal,
-            input_pos=_position(input_pos, b),
-            q_lengths=None,
-            k_lengths=None,
-        )
-    clear_forward_gaps(o, m, l, q_spans)
+    keywords = _keywords(scale, causal, input_pos)
+    walk(impl.forward, (o, q, k, v, m, l), cu_seqlens_q, cu_seqlens_k, keywords)
 
 
 def backward(
@@ -147,12 +132,10 @@ def backward(
     """
     arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)
     xp = array_api_compat.array_namespace(do, q, k, v, o)
-    q_spans = _spans(cu_seqlens_q, q.shape[0])
-    k_spans = _spans(cu_seqlens_k, k.shape[0])
+    seqs, q_spans, k_spans = visits(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], True)
     calls = [
         (*backward_views(xp, arrays, qs, ks), _position(input_pos, b), None, None)
-        for b, (qs, ks) in enumerate(zip(q_spans, k_spans))
-        if qs[1] > qs[0] or ks[1] > ks[0]
+        for b, qs, ks in seqs
     ]
     attention.backward_calls(calls, scale=scale, causal=causal)  # all sequences' items at once
     clear_backward_gaps(dq, dk, dv, q_spans, k_spans)
@@ -162,22 +145,56 @@ def backward_per_sequence(impl, arrays, cu_seqlens_q, cu_seqlens_k, scale, causa
     """:func:`backward` through ``impl``, any backend's attention module, over ``arrays``
     ``(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)`` (``dq_accum`` may be None where
     ``impl`` uses none)."""
-    do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum = arrays
-    xp = array_api_compat.array_namespace(do, q, k, v, o)
-    q_spans = _spans(cu_seqlens_q, q.shape[0])
-    k_spans = _spans(cu_seqlens_k, k.shape[0])
-    for b, (q_span, k_span) in enumerate(zip(q_spans, k_spans)):
-        if q_span[1] == q_span[0] and k_span[1] == k_span[0]:
-            continue
-        impl.backward(
-            *backward_views(xp, arrays, q_span, k_span),
-            scale=scale,
-            causal=causal,
-            input_pos=_position(input_pos, b),
-            q_lengths=None,
-            k_lengths=None,
-        )
-    clear_backward_gaps(dq, dk, dv, q_spans, k_spans)
+    keywords = _keywords(scale, causal, input_pos)
+    walk(impl.backward, arrays, cu_seqlens_q, cu_seqlens_k, keywords, backward=True)
+
+
+def visits(cu_seqlens_q, cu_seqlens_k, n_q: int, n_kv: int, backward=False):
+    """``(b, q_span, k_span)`` of each sequence a pass visits, and the spans.
+
+    Returns ``(visits, q_spans, k_spans)``: the forward skips sequences without
+    queries; the backward (``backward=True``) only those without queries and keys.
+    """
+    q_spans, k_spans = _spans(cu_seqlens_q, n_q), _spans(cu_seqlens_k, n_kv)
+    seqs = [
+        (b, qs, ks)
+        for b, (qs, ks) in enumerate(zip(q_spans, k_spans))
+        if qs[1] > qs[0] or (backward and ks[1] > ks[0])
+    ]
+    return seqs, q_spans, k_spans
+
+
+def walk(run, arrays, cu_seqlens_q, cu_seqlens_k, keywords, backward=False) -> None:
+    """``run`` on each sequence a pass visits, then the rows no sequence covers cleared.
+
+    ``run(*views, **keywords(b, q_span, k_span))`` on sequence ``b``'s views of
+    ``arrays``: the forward's ``(o, q, k, v, m, l)`` (:func:`forward_views`), or
+    with ``backward`` the backward's (:func:`backward_views`). ``keywords`` is
+    called for every sequence before the first ``run``.
+    """
+    xp = array_api_compat.array_namespace(*arrays[: 5 if backward else 4])
+    n_q, n_kv = arrays[1].shape[0], arrays[2].shape[0]
+    seqs, q_spans, k_spans = visits(cu_seqlens_q, cu_seqlens_k, n_q, n_kv, backward)
+    views = backward_views if backward else forward_views
+    calls = [(views(xp, arrays, qs, ks), keywords(b, qs, ks)) for b, qs, ks in seqs]
+    for sequence_views, sequence_keywords in calls:
+        run(*sequence_views, **sequence_keywords)
+    if backward:
+        dq, dk, dv = arrays[7:10]
+        clear_backward_gaps(dq, dk, dv, q_spans, k_spans)
+    else:
+        o, m, l = arrays[0], arrays[4], arrays[5]
+        clear_forward_gaps(o, m, l, q_spans)
+
+
+def _keywords(scale, causal, input_pos):
+    """:func:`walk`'s ``keywords`` for attention's forward or backward on one sequence."""
+
+    def keywords(b: int, q_span, k_span) -> dict:
+        position = _position(input_pos, b)
+        return dict(scale=scale, causal=causal, input_pos=position, q_lengths=None, k_lengths=None)
+
+    return keywords
 
 
 def forward_views(xp, arrays, q_span, k_span) -> tuple:

@@ -34,7 +34,7 @@ import math
 
 import array_api_compat
 
-from ._blocks import BlockBuffers, acc_dtype, for_each_block, numpy_views, ones, to, workers
+from ._blocks import BlockBuffers, acc_dtype, for_each_block, ones, path_arrays, to, workers
 
 __all__ = ["backward", "forward"]
 
@@ -71,9 +71,7 @@ def _targets(xp, targets, r0: int, r1: int, vocab: int, ignore_index: int):
 
 def forward(loss, lse, logits, targets, *, ignore_index, label_smoothing, softcap, z_loss) -> None:
     """Each row's loss and logsumexp (see the module docstring) into ``loss``, ``lse``."""
-    views = numpy_views(loss, lse, logits, targets)
-    if views is not None:
-        loss, lse, logits, targets = views
+    loss, lse, logits, targets = path_arrays(loss, lse, logits, targets)
     xp = array_api_compat.array_namespace(loss, lse, logits, targets)
     acc = acc_dtype(xp, logits.dtype)
     rows, vocab = logits.shape
@@ -108,9 +106,7 @@ def backward(
 ) -> None:
     """``dlogits`` = ``grad[r]`` times each row's loss gradient, from the forward's ``lse``;
     ``dlogits`` may be ``logits``."""
-    views = numpy_views(dlogits, logits, targets, lse, grad)
-    if views is not None:
-        dlogits, logits, targets, lse, grad = views
+    dlogits, logits, targets, lse, grad = path_arrays(dlogits, logits, targets, lse, grad)
     xp = array_api_compat.array_namespace(dlogits, logits, targets, lse, grad)
     numpy = array_api_compat.is_numpy_namespace(xp)
     acc = acc_dtype(xp, logits.dtype)

@@ -21,7 +21,7 @@ import math
 
 import array_api_compat
 
-from ._blocks import acc_dtype, numpy_views, to
+from ._blocks import acc_dtype, path_arrays, to
 
 __all__ = ["forward", "default_splits"]
 
@@ -70,9 +70,9 @@ def forward(
     clamped to ``[0, num_pages)``. PyTorch CPU tensors run the NumPy path
     through zero-copy views (:func:`._blocks.numpy_views`).
     """
-    views = numpy_views(o, q, k, v, lengths, o_partial, m_partial, l_partial, block_table)
-    if views is not None:
-        o, q, k, v, lengths, o_partial, m_partial, l_partial, block_table = views
+    o, q, k, v, lengths, o_partial, m_partial, l_partial, block_table = path_arrays(
+        o, q, k, v, lengths, o_partial, m_partial, l_partial, block_table
+    )
     xp = array_api_compat.array_namespace(o, q, k, v)
     batch, heads, d = q.shape
     kv_heads, dv = k.shape[1], v.shape[3]

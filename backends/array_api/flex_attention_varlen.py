@@ -23,13 +23,7 @@ from __future__ import annotations
 import array_api_compat
 
 from . import flex_attention
-from .attention_varlen import (
-    _spans,
-    backward_views,
-    clear_backward_gaps,
-    clear_forward_gaps,
-    forward_views,
-)
+from .attention_varlen import forward_views, visits, walk
 from .flex_attention import default_tiles
 
 __all__ = ["forward", "backward", "default_tiles", "offset_walk"]
@@ -42,19 +36,17 @@ def _position(input_pos, b: int):
     return input_pos[b : b + 1]
 
 
-def sequences(cu_seqlens_q, cu_seqlens_k, n_q: int, n_kv: int, input_pos, planner, backward=False):
-    """``(b, q_span, k_span, input_pos, plan)`` of each sequence a pass visits, and the spans.
+def _walk(run, arrays, packing, at_sequence, backward=False) -> None:
+    """:func:`.attention_varlen.walk` of ``run``, a flex backend's forward (or with ``backward``
+    its backward): each sequence ``b`` with its own ``input_pos``, tile plan and the keywords
+    ``at_sequence(b)``. ``packing``: ``(cu_seqlens_q, cu_seqlens_k, input_pos, planner)``."""
+    cu_seqlens_q, cu_seqlens_k, input_pos, planner = packing
 
-    Returns ``(visits, q_spans, k_spans)``: the forward skips sequences without
-    queries; the backward (``backward=True``) only those without queries and keys.
-    """
-    q_spans, k_spans = _spans(cu_seqlens_q, n_q), _spans(cu_seqlens_k, n_kv)
-    visits = [
-        (b, qs, ks, _position(input_pos, b), planner(b, qs[1] - qs[0], ks[1] - ks[0]))
-        for b, (qs, ks) in enumerate(zip(q_spans, k_spans))
-        if qs[1] > qs[0] or (backward and ks[1] > ks[0])
-    ]
-    return visits, q_spans, k_spans
+    def keywords(b: int, q_span, k_span) -> dict:
+        plan = planner(b, q_span[1] - q_span[0], k_span[1] - k_span[0])
+        return dict(input_pos=_position(input_pos, b), plan=plan, **at_sequence(b))
+
+    walk(run, arrays, cu_seqlens_q, cu_seqlens_k, keywords, backward)
 
 
 def forward(
@@ -81,21 +73,13 @@ def forward(
     Hkv, Dv); ``m``, ``l``: (H, Tq) float32 or None; ``input_pos``: a tuple
     of ints (one per sequence, or one shared) or a (B,) device array.
     """
-    xp = array_api_compat.array_namespace(o, q, k, v)
-    visits, q_spans, _ = sequences(
-        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], input_pos, planner
-    )
-    for b, q_span, k_span, position, plan in visits:
-        flex_attention.forward(
-            *forward_views(xp, (o, q, k, v, m, l), q_span, k_span),
-            scale=scale,
-            input_pos=position,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
-            plan=plan,
-            first_batch=b,
-        )
-    clear_forward_gaps(o, m, l, q_spans)
+
+    def at_sequence(b: int) -> dict:
+        return dict(scale=scale, score_mod=score_mod, mask_mod=mask_mod, first_batch=b)
+
+    arrays = (o, q, k, v, m, l)
+    packing = (cu_seqlens_q, cu_seqlens_k, input_pos, planner)
+    _walk(flex_attention.forward, arrays, packing, at_sequence)
 
 
 def backward(
@@ -132,23 +116,19 @@ def backward(
     run in a fixed order); ``score_mod_workspace`` is always None. Other
     arguments as :func:`forward`.
     """
-    xp = array_api_compat.array_namespace(do, q, k, v, o)
-    visits, q_spans, k_spans = sequences(
-        cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], input_pos, planner, backward=True
-    )
-    arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)
-    for b, q_span, k_span, position, plan in visits:
-        flex_attention.backward(
-            *backward_views(xp, arrays, q_span, k_span),
+
+    def at_sequence(b: int) -> dict:
+        return dict(
             scale=scale,
-            input_pos=position,
             score_mod=score_mod,
             mask_mod=mask_mod,
-            plan=plan,
             score_mod_grads=score_mod_grads,
             first_batch=b,
         )
-    clear_backward_gaps(dq, dk, dv, q_spans, k_spans)
+
+    arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)
+    packing = (cu_seqlens_q, cu_seqlens_k, input_pos, planner)
+    _walk(flex_attention.backward, arrays, packing, at_sequence, backward=True)
 
 
 def _offset(graph, b: int):
@@ -169,20 +149,13 @@ def offset_walk(module):
         sequence. ``o``: (Tq, H, Dv); ``q``: (Tq, H, D); ``k``: (Tk, Hkv, D); ``v``: (Tk, Hkv,
         Dv); ``m``, ``l``: (H, Tq) float32 or None; ``input_pos``: a tuple of ints (one per
         sequence, or one shared) or a (B,) device array; mods: traced graphs or None."""
-        xp = array_api_compat.array_namespace(o, q, k, v)
-        visits, q_spans, _ = sequences(
-            cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], input_pos, planner
-        )
-        for b, q_span, k_span, position, plan in visits:
-            module.forward(
-                *forward_views(xp, (o, q, k, v, m, l), q_span, k_span),
-                scale=scale,
-                input_pos=position,
-                score_mod=_offset(score_mod, b),
-                mask_mod=_offset(mask_mod, b),
-                plan=plan,
-            )
-        clear_forward_gaps(o, m, l, q_spans)
+
+        def at_sequence(b: int) -> dict:
+            return dict(scale=scale, score_mod=_offset(score_mod, b), mask_mod=_offset(mask_mod, b))
+
+        arrays = (o, q, k, v, m, l)
+        packing = (cu_seqlens_q, cu_seqlens_k, input_pos, planner)
+        _walk(module.forward, arrays, packing, at_sequence)
 
     def backward(
         do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *, cu_seqlens_q, cu_seqlens_k,
@@ -192,24 +165,20 @@ def offset_walk(module):
         """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
         ``delta`` (H, Tq) float32 is flex's scratch, viewed per sequence; ``dq_accum`` is not
         used (flex's dQ is its own pass)."""
-        xp = array_api_compat.array_namespace(do, q, k, v, o)
-        visits, q_spans, k_spans = sequences(
-            cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], input_pos, planner, backward=True
-        )
-        arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, None)
-        for b, q_span, k_span, position, plan in visits:
-            module.backward(
-                *backward_views(xp, arrays, q_span, k_span),
+
+        def at_sequence(b: int) -> dict:
+            return dict(
                 scale=scale,
-                input_pos=position,
                 score_mod=_offset(score_mod, b),
                 mask_mod=_offset(mask_mod, b),
-                plan=plan,
                 score_mod_grads=score_mod_grads,
                 deterministic=deterministic,
                 score_mod_workspace=score_mod_workspace,
             )
-        clear_backward_gaps(dq, dk, dv, q_spans, k_spans)
+
+        arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, None)
+        packing = (cu_seqlens_q, cu_seqlens_k, input_pos, planner)
+        _walk(module.backward, arrays, packing, at_sequence, backward=True)
 
     def score_mod_workspace(
         q, k, v, score_mod, planner, cu_seqlens_q, cu_seqlens_k, input_pos, score_mod_grads,
@@ -220,11 +189,10 @@ def offset_walk(module):
         if score_mod is None or all(g is None for g in score_mod_grads):
             return 0
         xp = array_api_compat.array_namespace(q, k, v)
-        visits, _, _ = sequences(
-            cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], input_pos, planner, backward=True
-        )
+        seqs, _, _ = visits(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], backward=True)
         need = 0
-        for b, q_span, k_span, _, plan in visits:
+        for b, q_span, k_span in seqs:
+            plan = planner(b, q_span[1] - q_span[0], k_span[1] - k_span[0])
             _, q_b, k_b, v_b, _, _ = forward_views(xp, (q, q, k, v, None, None), q_span, k_span)
             need = max(
                 need,

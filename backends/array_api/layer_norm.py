@@ -11,8 +11,8 @@ from ._blocks import (
     apply,
     block_rows,
     for_each_block,
-    numpy_views,
     ones,
+    path_arrays,
     path_namespace,
     reduce_partials,
     store,
@@ -38,9 +38,7 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
     written unless None (inference). PyTorch CPU tensors run the NumPy path
     through zero-copy views (:func:`._blocks.numpy_views`).
     """
-    views = numpy_views(y, x, w, b, mean, rstd)
-    if views is not None:
-        y, x, w, b, mean, rstd = views
+    y, x, w, b, mean, rstd = path_arrays(y, x, w, b, mean, rstd)
     xp = array_api_compat.array_namespace(y, x)
     acc = acc_dtype(xp, x.dtype)
     rows, m = x.shape
@@ -92,9 +90,9 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
     times a large ``rstd`` (near-constant rows) would cost the float64
     gradients most of their precision.
     """
-    views = numpy_views(dy, x, w, mean, rstd, dx, dw_partial, db_partial)
-    if views is not None:
-        dy, x, w, mean, rstd, dx, dw_partial, db_partial = views
+    dy, x, w, mean, rstd, dx, dw_partial, db_partial = path_arrays(
+        dy, x, w, mean, rstd, dx, dw_partial, db_partial
+    )
     xp = array_api_compat.array_namespace(dy, x, dx)
     acc = acc_dtype(xp, x.dtype)
     rows, m = x.shape

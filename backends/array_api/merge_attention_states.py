@@ -17,7 +17,7 @@ import math
 
 import array_api_compat
 
-from ._blocks import BLOCK_ELEMENTS, acc_dtype, numpy_views, to
+from ._blocks import BLOCK_ELEMENTS, acc_dtype, path_arrays, to
 
 __all__ = ["backward", "forward"]
 
@@ -54,9 +54,7 @@ def _weighted(xp, w, o):
 def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
     """``(o, m, l)`` of attention over both key sets, from ``(B, H, S, Dv)`` and ``(B, H, S)``
     states. PyTorch CPU tensors run on NumPy through zero-copy views (:func:`._blocks.numpy_views`)."""
-    views = numpy_views(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b)
-    if views is not None:
-        o, m, l, o_a, m_a, l_a, o_b, m_b, l_b = views
+    o, m, l, o_a, m_a, l_a, o_b, m_b, l_b = path_arrays(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b)
     xp = array_api_compat.array_namespace(o, o_a, m_a)
     acc = acc_dtype(xp, o_a.dtype)
     for b, s0, s1 in _blocks(o_a):
@@ -80,10 +78,9 @@ def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
 def backward(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b) -> None:
     """``do_a = w_a do``, ``dlse_a = w_a (rowsum(do * (o_a - o)) + dlse)`` and the same for ``b``
     (PyTorch CPU tensors through zero-copy NumPy views, as :func:`forward`)."""
-    arrays = (do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b)
-    views = numpy_views(*arrays)
-    if views is not None:
-        do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b = views
+    do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b = path_arrays(
+        do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b
+    )
     xp = array_api_compat.array_namespace(do, o_a, m_a)
     acc = acc_dtype(xp, o_a.dtype)
     for b, s0, s1 in _blocks(o_a):

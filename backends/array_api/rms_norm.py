@@ -9,7 +9,7 @@ from ._blocks import (
     acc_dtype,
     block_rows,
     for_each_block,
-    numpy_views,
+    path_arrays,
     path_namespace,
     reduce_partials,
     tiled,
@@ -24,9 +24,7 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
     """``y = x * rstd * (w + offset)`` (``x * rstd`` when ``w`` is None) over 2-D ``(rows, M)``
     views; writes ``rstd`` unless None. PyTorch CPU tensors run the NumPy path through
     zero-copy views (:func:`._blocks.numpy_views`), as every row kernel here."""
-    views = numpy_views(y, x, w, rstd)
-    if views is not None:
-        y, x, w, rstd = views
+    y, x, w, rstd = path_arrays(y, x, w, rstd)
     xp = array_api_compat.array_namespace(y, x)
     acc = acc_dtype(xp, x.dtype)
     rows, m = x.shape
@@ -57,9 +55,7 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     ``accumulate=False`` overwrites all rows of ``dw_partial``; True adds to
     them (later row groups). ``w`` None: no weight (``g = dy * rstd``).
     """
-    views = numpy_views(dy, x, w, rstd, dx, dw_partial)
-    if views is not None:
-        dy, x, w, rstd, dx, dw_partial = views
+    dy, x, w, rstd, dx, dw_partial = path_arrays(dy, x, w, rstd, dx, dw_partial)
     xp = array_api_compat.array_namespace(dy, x)
     acc = acc_dtype(xp, x.dtype)
     rows, m = x.shape

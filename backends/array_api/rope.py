@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import array_api_compat
 
-from ._blocks import BLOCK_ELEMENTS, acc_dtype, numpy_views, to
+from ._blocks import BLOCK_ELEMENTS, acc_dtype, path_arrays, to
 
 __all__ = ["backward", "forward"]
 
@@ -35,9 +35,7 @@ def _pairs(r2: int, interleaved: bool) -> tuple[slice, slice]:
 
 
 def _rotate(out, x, cos, sin, position_ids, interleaved: bool, sign: float) -> None:
-    views = numpy_views(out, x, cos, sin, position_ids)
-    if views is not None:
-        out, x, cos, sin, position_ids = views
+    out, x, cos, sin, position_ids = path_arrays(out, x, cos, sin, position_ids)
     xp = array_api_compat.array_namespace(out, x, cos, sin)
     acc = acc_dtype(xp, x.dtype)
     batch, heads, seq, dim = x.shape

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import array_api_compat
 
-from ._blocks import acc_dtype, for_each_block, numpy_views, ones, to, workers
+from ._blocks import acc_dtype, for_each_block, ones, path_arrays, to, workers
 
 __all__ = ["backward", "forward"]
 
@@ -15,9 +15,7 @@ def forward(y, x) -> None:
     ``y`` may alias ``x``. PyTorch CPU tensors run the NumPy path through
     zero-copy views (:func:`._blocks.numpy_views`).
     """
-    views = numpy_views(y, x)
-    if views is not None:
-        y, x = views
+    y, x = path_arrays(y, x)
     xp = array_api_compat.array_namespace(y, x)
     acc = acc_dtype(xp, x.dtype)
     rows, m = x.shape
@@ -36,9 +34,7 @@ def forward(y, x) -> None:
 
 def backward(y, dy, dx) -> None:
     """``dx = y * (dy - sum(y * dy))`` per row of ``(rows, M)`` views; ``dx`` may alias ``dy``."""
-    views = numpy_views(y, dy, dx)
-    if views is not None:
-        y, dy, dx = views
+    y, dy, dx = path_arrays(y, dy, dx)
     xp = array_api_compat.array_namespace(y, dy, dx)
     acc = acc_dtype(xp, y.dtype)
     rows, m = y.shape
