@@ -35,7 +35,7 @@ import numpy as np
 from ..buffers import Duplicated, allocate_checkpoints, allocate_scratchspace
 from ..registry import OPS
 from .bench_loss import loss_benches
-from .bench_rows import Bench, Row, compare, xpk_setup
+from .bench_rows import Bench, Row, compare, torch_setup, xpk_setup
 from .bench_work import (
     GATED_CASES,
     GATED_OPS,
@@ -114,44 +114,21 @@ def _row_benches(op: str, shape, arrays: Arrays, repeats: int, with_torch: bool)
     shape_text = f"{rows}x{m}"
     benches = []
     for pass_ in ("forward", "backward"):
-        work, formula = row_work(op, pass_, rows, m, 4)
         ours = ("xpkernels", xpk_setup(pass_, row_calls, op, arrays, inputs))
-        theirs = ("torch", _torch_row_setup(op, pass_, inputs))
-        benches += compare(
-            op,
-            pass_,
-            shape_text,
-            "GB/s",
-            work,
-            formula,
-            repeats,
-            ours,
-            theirs if with_torch else None,
-        )
+        theirs = ("torch", _torch_row_setup(op, pass_, inputs)) if with_torch else None
+        work = row_work(op, pass_, rows, m, 4)
+        benches += compare(op, pass_, shape_text, "GB/s", work, repeats, ours, theirs)
     return benches
 
 
 def _torch_row_setup(op, pass_, inputs):
-    def setup():
-        import torch
-
-        m = inputs["x"].shape[-1]
-        grad = pass_ == "backward"
+    def make(grad):
         x, w, b = (torch_tensor(inputs[n], grad) for n in ("x", "w", "b"))
-        wanted = (x, *(t for n, t in (("w", w), ("b", b)) if n in ROW_PARAMS[op]))
-        call = torch_row_op(op, m)
-        if not grad:
+        leaves = (x, *(t for n, t in (("w", w), ("b", b)) if n in ROW_PARAMS[op]))
+        call = torch_row_op(op, inputs["x"].shape[-1])
+        return (lambda: call(x, w, b)), leaves, torch_tensor(inputs["dy"])
 
-            def forward():
-                with torch.no_grad():
-                    return call(x, w, b)
-
-            return forward
-        y = call(x, w, b)
-        dy = torch_tensor(inputs["dy"])
-        return lambda: torch.autograd.grad(y, wanted, dy, retain_graph=True)
-
-    return setup
+    return torch_setup(pass_, make)
 
 
 # --------------------------------------------------------------------------- gated activations
@@ -166,42 +143,22 @@ def _gated_benches(op: str, shape, arrays: Arrays, repeats: int, with_torch: boo
     benches = []
     for name, options in GATED_CASES[op]:
         for pass_ in ("forward", "backward"):
-            work, formula = row_work(op, pass_, rows, m, 4)
             ours = ("xpkernels", xpk_setup(pass_, gated_calls, op, arrays, inputs, options))
-            theirs = ("torch", _torch_gated_setup(op, options, pass_, inputs))
-            benches += compare(
-                name,
-                pass_,
-                shape_text,
-                "GB/s",
-                work,
-                formula,
-                repeats,
-                ours,
-                theirs if with_torch else None,
+            theirs = (
+                ("torch", _torch_gated_setup(op, options, pass_, inputs)) if with_torch else None
             )
+            work = row_work(op, pass_, rows, m, 4)
+            benches += compare(name, pass_, shape_text, "GB/s", work, repeats, ours, theirs)
     return benches
 
 
 def _torch_gated_setup(op, options, pass_, inputs):
-    def setup():
-        import torch
-
-        grad = pass_ == "backward"
+    def make(grad):
         a, b = (torch_tensor(inputs[n], grad) for n in ("a", "b"))
         call = torch_gated_op(op, options)
-        if not grad:
+        return (lambda: call(a, b)), (a, b), torch_tensor(inputs["dy"])
 
-            def forward():
-                with torch.no_grad():
-                    return call(a, b)
-
-            return forward
-        y = call(a, b)
-        dy = torch_tensor(inputs["dy"])
-        return lambda: torch.autograd.grad(y, (a, b), dy, retain_graph=True)
-
-    return setup
+    return torch_setup(pass_, make)
 
 
 # --------------------------------------------------------------------------- rope
@@ -217,44 +174,23 @@ def _rope_benches(shape, arrays: Arrays, repeats: int, with_torch: bool) -> list
     shape_text = f"{b}x{h}/{hkv}x{s}x{d}"
     benches = []
     for pass_ in ("forward", "backward"):
-        work, formula = rope_work(pass_, b, h, hkv, s, d, 4, 4)
         ours = ("xpkernels", xpk_setup(pass_, rope_calls, arrays, inputs))
-        theirs = ("torch", _torch_rope_setup(pass_, inputs))
-        benches += compare(
-            "rope",
-            pass_,
-            shape_text,
-            "GB/s",
-            work,
-            formula,
-            repeats,
-            ours,
-            theirs if with_torch else None,
-        )
+        theirs = ("torch", _torch_rope_setup(pass_, inputs)) if with_torch else None
+        work = rope_work(pass_, b, h, hkv, s, d, 4, 4)
+        benches += compare("rope", pass_, shape_text, "GB/s", work, repeats, ours, theirs)
     return benches
 
 
 def _torch_rope_setup(pass_, inputs):
-    def setup():
-        import torch
-
-        grad = pass_ == "backward"
+    def make(grad):
         batch = inputs["q"].shape[0]
         cos, sin = hf_rope_tables(*(torch_tensor(inputs[n]) for n in ("cos", "sin")), batch)
         buffers = tuple(torch_tensor(inputs[n], grad) for n in ("q", "k"))
         q, k = (t.permute(0, 2, 1, 3) for t in buffers)
-        if not grad:
-
-            def forward():
-                with torch.no_grad():
-                    return torch_rope(q, k, cos, sin)
-
-            return forward
-        outs = torch_rope(q, k, cos, sin)
         douts = tuple(torch_tensor(inputs[n]).permute(0, 2, 1, 3) for n in ("dq_out", "dk_out"))
-        return lambda: torch.autograd.grad(outs, buffers, douts, retain_graph=True)
+        return (lambda: torch_rope(q, k, cos, sin)), buffers, douts
 
-    return setup
+    return torch_setup(pass_, make)
 
 
 # --------------------------------------------------------------------------- attention
@@ -267,47 +203,29 @@ def _attention_benches(
     the rows' primitive names (it tells the rows of a second shape apart)."""
     b, h, s, d = shape["B"], shape["H"], shape["S"], shape["D"]
     inputs = attention_inputs(b, h, s, d, numpy_random(2))
-    q, k, v, do = inputs
+    shape_text = f"{b}x{h}x{s}x{d}"
     benches = []
     for causal in (False, True):
         op = ("attention (causal)" if causal else "attention") + suffix
         for pass_ in ("forward", "backward"):
-            work, formula = attention_work(b, h, s, d, causal, pass_)
             ours = ("xpkernels", xpk_setup(pass_, attention_calls, arrays, inputs, causal))
-            theirs = ("torch", _torch_attention_setup(q, k, v, do, causal, pass_))
-            benches += compare(
-                op,
-                pass_,
-                f"{b}x{h}x{s}x{d}",
-                "TFLOP/s",
-                work,
-                formula,
-                repeats,
-                ours,
-                theirs if with_torch else None,
+            theirs = (
+                ("torch", _torch_attention_setup(inputs, causal, pass_)) if with_torch else None
             )
+            work = attention_work(b, h, s, d, causal, pass_)
+            benches += compare(op, pass_, shape_text, "TFLOP/s", work, repeats, ours, theirs)
     return benches
 
 
-def _torch_attention_setup(q_np, k_np, v_np, do_np, causal, pass_):
-    def setup():
-        import torch
+def _torch_attention_setup(inputs, causal, pass_):
+    def make(grad):
         import torch.nn.functional as F
 
-        grad = pass_ == "backward"
-        q, k, v = (torch_tensor(a, grad) for a in (q_np, k_np, v_np))
-        if not grad:
+        q, k, v = (torch_tensor(a, grad) for a in inputs[:3])
+        call = F.scaled_dot_product_attention
+        return (lambda: call(q, k, v, is_causal=causal)), (q, k, v), torch_tensor(inputs[3])
 
-            def forward():
-                with torch.no_grad():
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-            return forward
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        do = torch_tensor(do_np)
-        return lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-
-    return setup
+    return torch_setup(pass_, make)
 
 
 # --------------------------------------------------------------------------- decode
@@ -319,7 +237,7 @@ def _decode_benches(shape, arrays: Arrays, repeats: int, with_torch: bool) -> li
     q_np, k_np, v_np = decode_inputs(
         b, h, hkv, s, d, lambda shape: rng.standard_normal(shape, dtype=np.float32)
     )
-    work, formula = decode_work(b, h, hkv, s, d, 4)
+    work = decode_work(b, h, hkv, s, d, 4)
     shape_text = f"{b}x{h}/{hkv}x{s}x{d}"
 
     def decode_setup():
@@ -355,17 +273,9 @@ def _decode_benches(shape, arrays: Arrays, repeats: int, with_torch: bool) -> li
         paged_formula,
         "decode_attention/forward/xpkernels",
     )
-    return compare(
-        "decode_attention",
-        "forward",
-        shape_text,
-        "GB/s",
-        work,
-        formula,
-        repeats,
-        ("xpkernels", decode_setup),
-        theirs,
-    ) + [Bench(paged, paged_setup, repeats)]
+    ours = ("xpkernels", decode_setup)
+    pair = compare("decode_attention", "forward", shape_text, "GB/s", work, repeats, ours, theirs)
+    return pair + [Bench(paged, paged_setup, repeats)]
 
 
 # --------------------------------------------------------------------------- varlen
@@ -399,16 +309,10 @@ def _varlen_benches(shape, arrays: Arrays, repeats: int) -> list[Bench]:
                 f"D={d}, L = {', '.join(map(str, lengths))}; padded: B={len(lengths)}, "
                 f"Smax={max(lengths)}, q_lengths = k_lengths = L, the same pairs)"
             )
+            ours = ("xpkernels", _xpk_varlen_setup(arrays, packed, lengths, causal, pass_))
+            theirs = ("xpkernels padded", _xpk_padded_setup(arrays, packed, lengths, causal, pass_))
             benches += compare(
-                op,
-                pass_,
-                shape_text,
-                "TFLOP/s",
-                work,
-                formula,
-                repeats,
-                ("xpkernels", _xpk_varlen_setup(arrays, packed, lengths, causal, pass_)),
-                ("xpkernels padded", _xpk_padded_setup(arrays, packed, lengths, causal, pass_)),
+                op, pass_, shape_text, "TFLOP/s", (work, formula), repeats, ours, theirs
             )
     return benches
 
@@ -430,16 +334,14 @@ def _flex_varlen_benches(shape, arrays: Arrays, repeats: int) -> list[Bench]:
             f"sequences of L*(L+1)/2 = {pairs:,} (H={h}, D={d}, L = "
             f"{', '.join(map(str, lengths))}); baseline: attention_varlen(causal=True)"
         )
+        ours = ("xpkernels", _xpk_varlen_setup(arrays, packed, lengths, True, pass_, flex=True))
+        theirs = (
+            "xpkernels attention_varlen",
+            _xpk_varlen_setup(arrays, packed, lengths, True, pass_),
+        )
+        label = "flex_attention_varlen (causal)"
         benches += compare(
-            "flex_attention_varlen (causal)",
-            pass_,
-            shape_text,
-            "TFLOP/s",
-            work,
-            formula,
-            repeats,
-            ("xpkernels", _xpk_varlen_setup(arrays, packed, lengths, True, pass_, flex=True)),
-            ("xpkernels attention_varlen", _xpk_varlen_setup(arrays, packed, lengths, True, pass_)),
+            label, pass_, shape_text, "TFLOP/s", (work, formula), repeats, ours, theirs
         )
     return benches
 
@@ -539,7 +441,7 @@ def _flex_benches(
     )
     for label, mask in masks:
         for pass_ in ("forward", "backward"):
-            work, formula = flex_work(b, h, s, d, mask, pass_)
+            work = flex_work(b, h, s, d, mask, pass_)
             sides = [
                 (impl, _xpk_flex_setup(arrays, inputs, pass_, mask=mask, block_sparse=sparse))
                 for impl, sparse in (("xpkernels", True), ("xpkernels dense", False))
@@ -547,28 +449,20 @@ def _flex_benches(
             if pass_ == "forward" and compiled_torch:
                 theirs = ("torch.compile", _torch_flex_setup(inputs, mask))
                 for side in sides:
-                    benches += compare(
-                        label, pass_, shape_text, "TFLOP/s", work, formula, repeats, side
-                    )
+                    benches += compare(label, pass_, shape_text, "TFLOP/s", work, repeats, side)
                     benches[-1].row.baseline = f"{label}/{pass_}/{theirs[0]}"
-                benches += compare(
-                    label, pass_, shape_text, "TFLOP/s", work, formula, repeats, theirs
-                )
+                benches += compare(label, pass_, shape_text, "TFLOP/s", work, repeats, theirs)
             else:
-                benches += compare(
-                    label, pass_, shape_text, "TFLOP/s", work, formula, repeats, *sides
-                )
+                benches += compare(label, pass_, shape_text, "TFLOP/s", work, repeats, *sides)
     if attention_shape is None:
         return benches
     b, h, s, d = (attention_shape[n] for n in ("B", "H", "S", "D"))
     shape_text = f"{b}x{h}x{s}x{d}"
     inputs = attention_inputs(b, h, s, d, numpy_random(2))
     for pass_ in ("forward", "backward"):
-        work, formula = flex_work(b, h, s, d, None, pass_)
+        work = flex_work(b, h, s, d, None, pass_)
         baseline = f"attention/{pass_}/xpkernels"
-        row = Row(
-            "flex no mods", pass_, "xpkernels", shape_text, "TFLOP/s", work, formula, baseline
-        )
+        row = Row("flex no mods", pass_, "xpkernels", shape_text, "TFLOP/s", *work, baseline)
         benches.append(Bench(row, _xpk_flex_setup(arrays, inputs, pass_), repeats))
     return benches
 
@@ -766,14 +660,6 @@ def hf_llama_benches(shape: dict[str, int], repeats: int) -> list[Bench]:
 
         return build
 
-    return compare(
-        "llama train step [transformers]",
-        "fwd+bwd",
-        text,
-        "TFLOP/s",
-        work,
-        formula,
-        repeats,
-        ("xpkernels", setup(True)),
-        ("sdpa", setup(False)),
-    )
+    label = "llama train step [transformers]"
+    sides = (("xpkernels", setup(True)), ("sdpa", setup(False)))
+    return compare(label, "fwd+bwd", text, "TFLOP/s", (work, formula), repeats, *sides)

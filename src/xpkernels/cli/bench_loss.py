@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..buffers import allocate_scratchspace
-from .bench_rows import Bench, Row, compare, xpk_setup
+from .bench_rows import Bench, Row, compare, torch_setup, xpk_setup
 from .bench_work import (
     Arrays,
     cross_entropy_calls,
@@ -70,20 +70,11 @@ def _cross_entropy_benches(shape, arrays: Arrays, repeats: int, with_torch: bool
     inputs = cross_entropy_inputs(n, v, numpy_random(10))
     benches = []
     for pass_ in ("forward", "backward"):
-        work, formula = cross_entropy_work(pass_, n, v, 4)
         ours = ("xpkernels", xpk_setup(pass_, cross_entropy_calls, arrays, inputs))
         theirs = ("torch", _torch_setup(pass_, torch_cross_entropy, inputs, ("logits",)))
-        benches += compare(
-            "cross_entropy",
-            pass_,
-            f"{n}x{v}",
-            "GB/s",
-            work,
-            formula,
-            repeats,
-            ours,
-            theirs if with_torch else None,
-        )
+        work = cross_entropy_work(pass_, n, v, 4)
+        side = theirs if with_torch else None
+        benches += compare("cross_entropy", pass_, f"{n}x{v}", "GB/s", work, repeats, ours, side)
     return benches
 
 
@@ -91,23 +82,12 @@ def _torch_setup(pass_: str, loss: Callable, inputs: dict[str, Any], wanted: tup
     """The setup of one pass of the PyTorch composition ``loss(*inputs, targets)``: the forward
     under ``torch.no_grad()``, or the autograd backward to the inputs named ``wanted``."""
 
-    def setup():
-        import torch
-
-        grad = pass_ == "backward"
+    def make(grad):
         tensors = tuple(torch_tensor(inputs[name], grad) for name in wanted)
         targets = torch_tensor(inputs["targets"])
-        if not grad:
+        return (lambda: loss(*tensors, targets)), tensors, None
 
-            def forward():
-                with torch.no_grad():
-                    return loss(*tensors, targets)
-
-            return forward
-        out = loss(*tensors, targets)
-        return lambda: torch.autograd.grad(out, tensors, retain_graph=True)
-
-    return setup
+    return torch_setup(pass_, make)
 
 
 # --------------------------------------------------------------------------- linear cross-entropy
@@ -121,58 +101,26 @@ def _linear_benches(shape, arrays: Arrays, repeats: int, with_torch: bool) -> li
     inputs = linear_cross_entropy_inputs(n, h, v, numpy_random(11))
     shape_text = f"{n}x{h}x{v}"
     benches = []
+    op = "linear_cross_entropy"
     for pass_ in ("forward", "backward"):
-        work, formula = linear_cross_entropy_work(pass_, n, h, v)
         ours = ("xpkernels", xpk_setup(pass_, linear_cross_entropy_calls, arrays, inputs))
         theirs = ("torch", _torch_setup(pass_, torch_linear_cross_entropy, inputs, ("x", "weight")))
-        benches += compare(
-            "linear_cross_entropy",
-            pass_,
-            shape_text,
-            "TFLOP/s",
-            work,
-            formula,
-            repeats,
-            ours,
-            theirs if with_torch else None,
-        )
-    work, formula = linear_cross_entropy_work("fwd+bwd", n, h, v)
+        work = linear_cross_entropy_work(pass_, n, h, v)
+        side = theirs if with_torch else None
+        benches += compare(op, pass_, shape_text, "TFLOP/s", work, repeats, ours, side)
+    step = linear_cross_entropy_work("fwd+bwd", n, h, v)
     if arrays.library != "numpy":
         if with_torch:
-            benches += compare(
-                "linear_cross_entropy",
-                "fwd+bwd",
-                shape_text,
-                "TFLOP/s",
-                work,
-                formula,
-                repeats,
-                ("xpkernels autograd", _step_setup(_xpk_loss, inputs)),
-                ("torch", _step_setup(torch_linear_cross_entropy, inputs)),
-            )
+            ours = ("xpkernels autograd", _step_setup(_xpk_loss, inputs))
+            theirs = ("torch", _step_setup(torch_linear_cross_entropy, inputs))
+            benches += compare(op, "fwd+bwd", shape_text, "TFLOP/s", step, repeats, ours, theirs)
         return benches
     rows: list[Row] = []
-    benches += compare(
-        "linear_cross_entropy",
-        "fwd+bwd",
-        shape_text,
-        "TFLOP/s",
-        work,
-        formula,
-        repeats,
-        ("xpkernels", _xpk_step_setup(inputs, rows, formula)),
-        (COMPOSITION, _numpy_step_setup(inputs)),
-    )
-    fused = Row(
-        "linear_cross_entropy",
-        "fwd+bwd",
-        "xpkernels fused",
-        shape_text,
-        "TFLOP/s",
-        work,
-        formula,
-        f"linear_cross_entropy/fwd+bwd/{COMPOSITION}",
-    )
+    ours = ("xpkernels", _xpk_step_setup(inputs, rows, step[1]))
+    theirs = (COMPOSITION, _numpy_step_setup(inputs))
+    benches += compare(op, "fwd+bwd", shape_text, "TFLOP/s", step, repeats, ours, theirs)
+    baseline = f"{op}/fwd+bwd/{COMPOSITION}"
+    fused = Row(op, "fwd+bwd", "xpkernels fused", shape_text, "TFLOP/s", *step, baseline)
     benches.append(
         Bench(fused, lambda: linear_cross_entropy_fused(Arrays("numpy"), inputs), repeats)
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Bench", "Row", "Setup", "compare", "xpk_setup"]
+__all__ = ["Bench", "Row", "Setup", "compare", "torch_setup", "xpk_setup"]
 
 
 @dataclass
@@ -78,8 +78,7 @@ def compare(
     pass_: str,
     shape: str,
     unit: str,
-    work: float,
-    formula: str,
+    work: tuple[float, str],
     repeats: int,
     ours: tuple[str, Setup],
     theirs: tuple[str, Setup] | None = None,
@@ -88,8 +87,10 @@ def compare(
 
     Parameters
     ----------
-    op, pass_, shape, unit, work, formula
+    op, pass_, shape, unit
         What both rows measure (see :class:`Row`).
+    work : tuple of (float, str)
+        The work of one run and its formula (see :class:`Row`).
     repeats : int
         Timed runs of each side.
     ours, theirs : tuple of (str, callable)
@@ -103,13 +104,9 @@ def compare(
         ``ours`` (its ratio is its median over that of ``theirs``), then ``theirs``.
     """
     baseline = None if theirs is None else f"{op}/{pass_}/{theirs[0]}"
-    benches = [
-        Bench(Row(op, pass_, ours[0], shape, unit, work, formula, baseline), ours[1], repeats)
-    ]
+    benches = [Bench(Row(op, pass_, ours[0], shape, unit, *work, baseline), ours[1], repeats)]
     if theirs is not None:
-        benches.append(
-            Bench(Row(op, pass_, theirs[0], shape, unit, work, formula), theirs[1], repeats)
-        )
+        benches.append(Bench(Row(op, pass_, theirs[0], shape, unit, *work), theirs[1], repeats))
     return benches
 
 
@@ -120,5 +117,29 @@ def xpk_setup(pass_: str, make_calls, *args):
     def setup():
         calls = make_calls(*args)
         return calls.forward if pass_ == "forward" else calls.backward
+
+    return setup
+
+
+def torch_setup(pass_: str, make) -> Setup:
+    """The setup of one pass of a PyTorch composition: ``make(grad)`` builds its tensors (the
+    leaves requiring grad when ``grad``) and returns ``(call, leaves, cotangents)``; the
+    forward times ``call()`` under ``torch.no_grad()``, the backward autograd's gradients of
+    ``call()``'s output (computed once, in the setup) to ``leaves``."""
+
+    def setup():
+        import torch
+
+        grad = pass_ == "backward"
+        call, leaves, cotangents = make(grad)
+        if not grad:
+
+            def forward():
+                with torch.no_grad():
+                    return call()
+
+            return forward
+        out = call()
+        return lambda: torch.autograd.grad(out, leaves, cotangents, retain_graph=True)
 
     return setup
