@@ -44,6 +44,14 @@ _DECODE_HEAD_DIM = 256
 #: Largest attention head dim (``attention.MAX_HEAD_DIM``, the largest padded ``DMAX`` compiled).
 _ATTENTION_HEAD_DIM = 128
 _NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+_ATTENTION = Capability(dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",))
+_FLEX = Capability(
+    dtypes=_DTYPES,
+    max_head_dim=_ATTENTION_HEAD_DIM,
+    hooks=("default_tiles", "score_mod_workspace"),
+    scratch=("delta",),
+    lacks=("deterministic_score_mod_grad",),
+)
 
 
 def _emulating() -> bool:
@@ -117,34 +125,18 @@ BACKEND = Backend(
         # Forward and backward in CUDA C (wmma for float16/bfloat16, SIMT for float32; shared
         # memory per block: attention.shared_bytes and backward_shared_bytes, at most ~163 KiB);
         # the backward computes dQ in its own pass: no dq_accum scratch.
-        "attention": Capability(
-            dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",)
-        ),
+        "attention": _ATTENTION,
         # The attention kernels on each sequence's views (attention_varlen.py).
-        "attention_varlen": Capability(
-            dtypes=_DTYPES, max_head_dim=_ATTENTION_HEAD_DIM, scratch=("delta",)
-        ),
+        "attention_varlen": _ATTENTION,
         "decode_attention": Capability(
             dtypes=_DTYPES, max_head_dim=_DECODE_HEAD_DIM, hooks=("default_splits",)
         ),
         # The attention kernels walking the tile plan's lists, with the mods' generated CUDA C
         # (flex_attention.py). Score-mod gradients are summed with float32 atomics: calls asking
         # for bit-identical ones (deterministic=True, the default) go to array_api.
-        "flex_attention": Capability(
-            dtypes=_DTYPES,
-            max_head_dim=_ATTENTION_HEAD_DIM,
-            hooks=("default_tiles", "score_mod_workspace"),
-            scratch=("delta",),
-            lacks=("deterministic_score_mod_grad",),
-        ),
+        "flex_attention": _FLEX,
         # The flex kernels on each sequence's views (flex_attention_varlen.py).
-        "flex_attention_varlen": Capability(
-            dtypes=_DTYPES,
-            max_head_dim=_ATTENTION_HEAD_DIM,
-            hooks=("default_tiles", "score_mod_workspace"),
-            scratch=("delta",),
-            lacks=("deterministic_score_mod_grad",),
-        ),
+        "flex_attention_varlen": _FLEX,
         # Forward and backward in CUDA C (G lanes per row, vector accesses where rows allow);
         # any head dim.
         "merge_attention_states": Capability(dtypes=_DTYPES),

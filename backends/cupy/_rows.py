@@ -21,10 +21,12 @@ WARP_ROWS = 8  #: rows (warps) per block of the warp-per-row kernels
 MAX_THREADS = 1024  #: threads per block of the block-per-row forwards
 BACKWARD_MAX_THREADS = 512  #: threads per block of the block-per-row backwards (they keep two rows)
 DEFAULT_SHARED = 48 * 1024  #: dynamic shared memory usable without raising the kernel's limit
-REDUCE_THREADS = 256  #: threads per block of the reduce_partials kernels
+REDUCE_THREADS = 256  #: threads per block of the reduce_partials kernel
 
 CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 ITEMSIZE = {"float": 4, "__half": 2, "__nv_bfloat16": 2}
+#: The instantiations of rows.cuh's ``reduce_partials`` kernel, one per output dtype.
+REDUCE_EXPRESSIONS = [f"reduce_partials<{t}>" for t in CTYPES.values()]
 NULL = np.uint64(0)  #: a null pointer argument (CuPy passes None as 0xffffffff)
 
 
@@ -36,6 +38,28 @@ def ctype(op: str, name: str, a) -> str:
             f"cupy {op}: {name} has dtype {a.dtype}; supported: float32, float16, bfloat16"
         )
     return t
+
+
+def kind(op: str, name: str, a) -> np.int32:
+    """The kernels' kind of ``a``'s dtype (0: float32, 1: float16, 2: bfloat16); TypeError as
+    :func:`ctype`'s."""
+    ctype(op, name, a)
+    return np.int32(list(CTYPES).index(str(a.dtype)))
+
+
+def index_bytes(op: str, name: str, a) -> np.int32:
+    """Bytes per element of an int32 or int64 ``a``; TypeError naming ``op`` and ``name`` else."""
+    size = {"int32": 4, "int64": 8}.get(str(a.dtype))
+    if size is None:
+        raise TypeError(f"cupy {op}: {name} has dtype {a.dtype}; supported: int32, int64")
+    return np.int32(size)
+
+
+def float32s(op: str, **arrays) -> None:
+    """TypeError naming ``op`` and the array unless every one of ``arrays`` (or None) is float32."""
+    for name, a in arrays.items():
+        if a is not None and str(a.dtype) != "float32":
+            raise TypeError(f"cupy {op}: {name} must be float32, got {a.dtype}")
 
 
 def same_type(op: str, first: str, lead, *others) -> str:
@@ -54,6 +78,16 @@ def stride(a, axis: int = 0) -> int:
     return a.strides[axis] // a.itemsize
 
 
+def strides(a, axes) -> list[np.int64]:
+    """Elements between consecutive indices of ``a`` along each of ``axes`` (zeros for None)."""
+    return [np.int64(0 if a is None else stride(a, axis)) for axis in axes]
+
+
+def aligned(a, axes, n: int) -> bool:
+    """Every stride of ``a`` along ``axes`` (of extent above 1) is a multiple of ``n`` elements."""
+    return all(a.shape[i] <= 1 or stride(a, i) % n == 0 for i in axes)
+
+
 def ptr(a):
     """``a``, or a null pointer when ``a`` is None."""
     return NULL if a is None else a
@@ -67,9 +101,7 @@ def vector(rows2d, vectors=()) -> int:
     """
     v = 16 // rows2d[0].itemsize
     m = rows2d[0].shape[1]
-    ok = m % v == 0 and all(
-        address(a) % 16 == 0 and (a.shape[0] <= 1 or stride(a) % v == 0) for a in rows2d
-    )
+    ok = m % v == 0 and all(address(a) % 16 == 0 and aligned(a, (0,), v) for a in rows2d)
     return v if ok and all(a is None or address(a) % (v * a.itemsize) == 0 for a in vectors) else 1
 
 
@@ -83,9 +115,10 @@ def warp_max(v: int) -> int:
     return 32 * v * cache(v)
 
 
-def vectors(t: str) -> list[int]:
-    """The access widths compiled for element type ``t``: scalar and 16-byte."""
-    return sorted({1, 16 // ITEMSIZE[t]})
+def vectors(*types: str) -> list[int]:
+    """The access widths compiled for arrays of element ``types``: scalar, and 16 bytes of the
+    narrowest."""
+    return sorted({1, 16 // min(ITEMSIZE[t] for t in types)})
 
 
 def expressions(op: str, kernels, *types: str) -> list[str]:
@@ -163,10 +196,15 @@ def partial_strides(op: str, partial) -> tuple[np.int64, np.int64]:
     return np.int64(stride(partial, 0)), np.int64(stride(partial, 1))
 
 
-def reduce(kernel, partial, out) -> None:
-    """``out[:] = partial.sum(0)`` by a ``reduce_partials`` kernel (float32 sums in a fixed order)."""
+def reduce(op: str, name: str, module_of, partial, out) -> None:
+    """``out[:] = partial.sum(0)`` by the ``reduce_partials`` kernel of ``module_of(TOut)``, the
+    compiled module with ``REDUCE_EXPRESSIONS`` (float32 sums in a fixed order); ``name`` is
+    what ``out`` holds, for the dtype error."""
+    c = ctype(op, name, out)
     p, m = partial.shape
-    kernel(
+    if m == 0:
+        return
+    module_of(c).get_function(f"reduce_partials<{c}>")(
         (-(-m // REDUCE_THREADS),),
         (REDUCE_THREADS,),
         (

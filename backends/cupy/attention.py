@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _rows
 from ._loader import OPTIONS, address, loader_for
 from ._rows import CTYPES, ITEMSIZE, NULL, ptr, raise_shared_limit
 
@@ -133,18 +134,13 @@ def backward_shared_bytes(t: str, dmax: int, kernel: str) -> int:
 
 def strides(*arrays) -> list:
     """Element strides (int64) of the first three axes of each array (zeros for None)."""
-    return [
-        np.int64(0 if a is None else a.strides[axis] // a.itemsize)
-        for a in arrays
-        for axis in range(3)
-    ]
+    return [s for a in arrays for s in _rows.strides(a, range(3))]
 
 
 def _vector_ok(a, width: int) -> np.int32:
     """1 when every row of ``a`` (rank 4, ``width`` elements used) allows 16-byte loads."""
     v = 16 // a.itemsize
-    ok = width % v == 0 and address(a) % 16 == 0
-    ok = ok and all(a.shape[i] <= 1 or (a.strides[i] // a.itemsize) % v == 0 for i in range(3))
+    ok = width % v == 0 and address(a) % 16 == 0 and _rows.aligned(a, range(3), v)
     return np.int32(1 if ok else 0)
 
 

@@ -113,15 +113,6 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(lane < warps ? scratch[lane] : neg_inf());
 }
 
-// Column `col` of a (P, M) float32 array of partial sums, summed over its P rows in
-// order (deterministic), for the reduce_partials kernels.
-__device__ __forceinline__ float sum_partial_column(
-    const float* partial, int p, int col, long long stride_p, long long stride_m) {
-    float s = 0.0f;
-    for (int i = 0; i < p; ++i) s += partial[i * stride_p + col * stride_m];
-    return s;
-}
-
 // The launch's dynamic shared memory (16-byte aligned), declared in this one place.
 template <typename T>
 __device__ __forceinline__ T* dynamic_smem() {

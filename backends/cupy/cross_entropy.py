@@ -66,20 +66,16 @@ MAX_THREADS = 1024  #: threads per block (the kernels' __launch_bounds__)
 MAX_BLOCKS = 2**31 - 1  #: most blocks (CUDA's grid x limit); they stride over further rows
 #: Longest row: the kernels' int32 vector indices stay below 2**31 as a thread steps past its end.
 MAX_VOCAB = 2**31 - 1 - 16 * MAX_THREADS
-_TARGET_BYTES = {"int32": 4, "int64": 8}
-
-
-def _widths(*types: str) -> list[int]:
-    """The access widths compiled for arrays of ``types``: scalar, and 16 bytes of the narrowest."""
-    return sorted({1, 16 // min(_rows.ITEMSIZE[t] for t in types)})
 
 
 def _expressions(t: str) -> list[str]:
     """The instantiations for logits of C type ``t``: the forward's, and the backward's for
     dlogits of every dtype."""
-    forward = [f"cross_entropy_forward<{t},{v}>" for v in _widths(t)]
+    forward = [f"cross_entropy_forward<{t},{v}>" for v in _rows.vectors(t)]
     backward = [
-        f"cross_entropy_backward<{t},{g},{v}>" for g in _rows.CTYPES.values() for v in _widths(t, g)
+        f"cross_entropy_backward<{t},{g},{v}>"
+        for g in _rows.CTYPES.values()
+        for v in _rows.vectors(t, g)
     ]
     return forward + backward
 
@@ -105,21 +101,6 @@ def _threads(vocab: int, v: int) -> int:
     """Threads per block: one vector each over the row, a multiple of 32 in [32, MAX_THREADS]."""
     vectors = -(-vocab // v)
     return max(32, min(MAX_THREADS, -(-vectors // 32) * 32))
-
-
-def _float32(name: str, a) -> None:
-    if str(a.dtype) != "float32":
-        raise TypeError(f"cupy cross_entropy: {name} must be float32, got {a.dtype}")
-
-
-def _targets(targets) -> np.int32:
-    """Bytes per target (int32 or int64); TypeError for another dtype."""
-    size = _TARGET_BYTES.get(str(targets.dtype))
-    if size is None:
-        raise TypeError(
-            f"cupy cross_entropy: targets has dtype {targets.dtype}; supported: int32, int64"
-        )
-    return np.int32(size)
 
 
 def _options(ignore_index, label_smoothing, softcap, z_loss) -> tuple:
@@ -160,9 +141,8 @@ def forward(loss, lse, logits, targets, *, ignore_index, label_smoothing, softca
         Weight (>= 0) of ``lse**2`` in the loss.
     """
     t = _rows.ctype("cross_entropy", "logits", logits)
-    _float32("loss", loss)
-    _float32("lse", lse)
-    target_bytes = _targets(targets)
+    _rows.float32s("cross_entropy", loss=loss, lse=lse)
+    target_bytes = _rows.index_bytes("cross_entropy", "targets", targets)
     rows, vocab = logits.shape
     if rows == 0:
         return
@@ -209,9 +189,8 @@ def backward(
     """
     t = _rows.ctype("cross_entropy", "logits", logits)
     g = _rows.ctype("cross_entropy", "dlogits", dlogits)
-    _float32("lse", lse)
-    _float32("grad", grad)
-    target_bytes = _targets(targets)
+    _rows.float32s("cross_entropy", lse=lse, grad=grad)
+    target_bytes = _rows.index_bytes("cross_entropy", "targets", targets)
     rows, vocab = logits.shape
     if rows == 0:
         return

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ._loader import OPTIONS, loader_for
-from ._rows import CTYPES, ptr, raise_shared_limit
+from ._rows import CTYPES, ptr, raise_shared_limit, strides
 
 __all__ = ["default_splits", "forward", "name_expressions"]
 
@@ -101,10 +101,6 @@ def default_splits(batch: int, kv_heads: int, max_len: int, like) -> int:
     return full[0] if full else max(range(1, cap + 1), key=lambda s: (filled(s), -s))
 
 
-def _strides(a, axes) -> list:
-    return [np.int64(a.strides[axis] // a.itemsize) for axis in axes]
-
-
 def forward(
     o,
     q,
@@ -147,11 +143,10 @@ def forward(
     if batch == 0 or heads == 0:
         return
     if block_table is None:
-        smax, page_size, num_pages, table_strides = k.shape[2], max(k.shape[2], 1), batch, (0, 0)
+        smax, page_size, num_pages = k.shape[2], max(k.shape[2], 1), batch
     else:
         page_size, num_pages = k.shape[2], k.shape[0]
         smax = block_table.shape[1] * page_size
-        table_strides = tuple(_strides(block_table, (0, 1)))
     if smax >= 2**31:
         raise ValueError(f"cupy decode_attention: caches of up to 2**31 - 1 positions, got {smax}")
     group = heads // kv_heads
@@ -191,14 +186,14 @@ def forward(
                 np.float32(0.0 if softcap is None else softcap),
                 np.float32(0.0 if softcap is None else 1.0 / softcap),
                 np.int32(0 if window is None else min(window, smax)),
-                *_strides(q, (0, 1)),
-                *_strides(k, (0, 1, 2)),
-                *_strides(v, (0, 1, 2)),
-                *(np.int64(s) for s in table_strides),
-                *_strides(lengths, (0,)),
-                *_strides(o_partial, (0, 1, 2)),
-                *_strides(m_partial, (0, 1, 2)),
-                *_strides(l_partial, (0, 1, 2)),
+                *strides(q, (0, 1)),
+                *strides(k, (0, 1, 2)),
+                *strides(v, (0, 1, 2)),
+                *strides(block_table, (0, 1)),  # zeros without a table
+                *strides(lengths, (0,)),
+                *strides(o_partial, (0, 1, 2)),
+                *strides(m_partial, (0, 1, 2)),
+                *strides(l_partial, (0, 1, 2)),
             ),
             shared_mem=shared,
         )
@@ -215,10 +210,10 @@ def forward(
             np.int32(n_splits),
             np.int32(dv),
             np.int32(smax),
-            *_strides(o, (0, 1)),
-            *_strides(lengths, (0,)),
-            *_strides(o_partial, (0, 1, 2)),
-            *_strides(m_partial, (0, 1, 2)),
-            *_strides(l_partial, (0, 1, 2)),
+            *strides(o, (0, 1)),
+            *strides(lengths, (0,)),
+            *strides(o_partial, (0, 1, 2)),
+            *strides(m_partial, (0, 1, 2)),
+            *strides(l_partial, (0, 1, 2)),
         ),
     )

@@ -3,7 +3,7 @@
 //   x_hat = (x - mean) * rstd, g = dy * w,
 //   dx = rstd * (g - sum(g) / M - x_hat * sum(g * x_hat) / M),
 //   dw = sum over rows of dy * x_hat,  db = sum over rows of dy
-//   (dw, db: per-block partials, reduced by layer_norm_reduce_partials)
+//   (dw, db: per-block partials, reduced by rows.cuh's reduce_partials)
 // The variance is taken from values centred on a first mean, whose residual
 // sum(x - mean0) refines the mean in the same pass: rows whose mean dwarfs
 // their spread lose nothing to cancellation.
@@ -277,21 +277,4 @@ __global__ void __launch_bounds__(512, 1) layer_norm_backward_block(
         });
     }
     xk::finish_sums(share, dw, db);
-}
-
-// out[j] = sum over p of partial[p, j], in a fixed order (deterministic), in out's dtype.
-template <typename TOut>
-__global__ void __launch_bounds__(256) layer_norm_reduce_partials(
-    const float* __restrict__ partial,  // (P, M) float32 partial sums
-    TOut* __restrict__ out,             // (M,) result
-    int p,                              // rows P of partial
-    int m,                              // columns M
-    long long stride_p,                 // elements between rows of partial
-    long long stride_m,                 // elements between columns of partial
-    long long stride_out)               // elements between entries of out
-{
-    const int col = blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= m) return;
-    out[col * stride_out] =
-        xk::from_float<TOut>(xk::sum_partial_column(partial, p, col, stride_p, stride_m));
 }

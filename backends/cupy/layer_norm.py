@@ -59,10 +59,6 @@ _FORWARD = ("forward_warp", "forward_block")
 _BACKWARD = ("backward_warp", "backward_block")
 
 
-def _reduce_expressions() -> list[str]:
-    return [f"layer_norm_reduce_partials<{c}>" for c in _rows.CTYPES.values()]
-
-
 def _module(loader, t: str, tw: str, tb: str):
     """The compiled module of one ``(T, TW, TB)``: its forward, the backward of ``(T, TW)``, the reductions.
 
@@ -73,7 +69,7 @@ def _module(loader, t: str, tw: str, tb: str):
     expressions = (
         _rows.expressions(_OP, _FORWARD, t, tw, tb)
         + _rows.expressions(_OP, _BACKWARD, t, tw)
-        + _reduce_expressions()
+        + _rows.REDUCE_EXPRESSIONS
     )
     return loader.module(SOURCE, expressions, OPTIONS)
 
@@ -90,7 +86,7 @@ def name_expressions() -> list[str]:
             out += _rows.expressions(_OP, _FORWARD, t, tw, tw) + _rows.expressions(
                 _OP, _BACKWARD, t, tw
             )
-    return out + _reduce_expressions()
+    return out + _rows.REDUCE_EXPRESSIONS
 
 
 def forward(y, x, w, b, mean, rstd, *, eps) -> None:
@@ -216,8 +212,5 @@ def reduce_partials(partial, out) -> None:
     out : array
         ``(M,)`` float32, float16 or bfloat16, any stride.
     """
-    c = _rows.ctype(_OP, "dw/db", out)
-    if partial.shape[1] == 0:
-        return
-    module = _module(loader_for(partial), c, c, c)
-    _rows.reduce(module.get_function(f"layer_norm_reduce_partials<{c}>"), partial, out)
+    loader = loader_for(partial)
+    _rows.reduce(_OP, "dw/db", lambda c: _module(loader, c, c, c), partial, out)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _rows
 from ._loader import OPTIONS, address, loader_for
 from ._rows import NULL
 
@@ -37,8 +38,8 @@ THREADS = 256
 #: Elements per access compiled: 16 bytes of float32 (4) or of a 16-bit dtype (8), and the
 #: narrower ones rows of other lengths or strides allow (2, 1).
 VECTORS = (1, 2, 4, 8)
-_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 _GRID_MAX = 2**31 - 1
+_OP = "merge_attention_states"
 
 
 def name_expressions() -> list[str]:
@@ -49,19 +50,7 @@ def name_expressions() -> list[str]:
 
 
 def _kind(name: str, a) -> np.int32:
-    kind = _KINDS.get(str(a.dtype))
-    if kind is None:
-        raise TypeError(
-            f"cupy merge_attention_states: {name} has dtype {a.dtype}; "
-            "supported: float32, float16, bfloat16"
-        )
-    return np.int32(kind)
-
-
-def _statistics(**arrays) -> None:
-    for name, a in arrays.items():
-        if a is not None and str(a.dtype) != "float32":
-            raise TypeError(f"cupy merge_attention_states: {name} must be float32, got {a.dtype}")
+    return _rows.kind(_OP, name, a)
 
 
 def _vector(tiles) -> int:
@@ -71,9 +60,7 @@ def _vector(tiles) -> int:
     for v in sorted(VECTORS, reverse=True):
         ok = v <= widest and dv % v == 0
         if ok and all(
-            address(a) % (v * a.itemsize) == 0
-            and all(a.shape[i] <= 1 or (a.strides[i] // a.itemsize) % v == 0 for i in range(3))
-            for a in tiles
+            address(a) % (v * a.itemsize) == 0 and _rows.aligned(a, range(3), v) for a in tiles
         ):
             return v
     return 1
@@ -91,13 +78,6 @@ def _geometry(o_a, v: int):
             f"cupy merge_attention_states: {rows} rows need {grid} blocks, more than {_GRID_MAX}"
         )
     return rows, group, grid
-
-
-def _strides(*arrays) -> list[np.int64]:
-    """The ``(b, h, s)`` element strides of each array (zeros for None), flattened in order."""
-    return [
-        np.int64(0 if a is None else a.strides[i] // a.itemsize) for a in arrays for i in range(3)
-    ]
 
 
 def _launch(kind: str, o_a, tiles, args, strided) -> None:
@@ -118,7 +98,7 @@ def _launch(kind: str, o_a, tiles, args, strided) -> None:
             np.int64(seq),
             np.int32(dv),
             np.int32(group),
-            *_strides(*strided),
+            *(s for a in strided for s in _rows.strides(a, range(3))),  # (b, h, s) of each
         ),
     )
 
@@ -136,7 +116,7 @@ def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
         ``(B, H, S)`` float32, any strides. ``m`` may be ``m_a`` or ``m_b``,
         ``l`` may be ``l_a`` or ``l_b``.
     """
-    _statistics(m=m, l=l, m_a=m_a, l_a=l_a, m_b=m_b, l_b=l_b)
+    _rows.float32s(_OP, m=m, l=l, m_a=m_a, l_a=l_a, m_b=m_b, l_b=l_b)
     in_kind = _kind("o_a", o_a)
     if o_b.dtype != o_a.dtype:
         raise TypeError(f"cupy merge_attention_states: o_b must have o_a's dtype {o_a.dtype}")
@@ -157,8 +137,8 @@ def backward(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b
         ``(B, H, S)`` float32, any strides; ``dlse`` None means zero.
         ``dlse_a`` or ``dlse_b`` may be ``dlse``.
     """
-    _statistics(
-        dlse=dlse, m=m, l=l, m_a=m_a, l_a=l_a, m_b=m_b, l_b=l_b, dlse_a=dlse_a, dlse_b=dlse_b
+    _rows.float32s(
+        _OP, dlse=dlse, m=m, l=l, m_a=m_a, l_a=l_a, m_b=m_b, l_b=l_b, dlse_a=dlse_a, dlse_b=dlse_b
     )
     in_kind = _kind("o_a", o_a)
     if o_b.dtype != o_a.dtype:

@@ -1,7 +1,7 @@
 // RMSNorm kernels. Per row x of length M, with w' = w + offset (w' = 1 + offset without w):
 //   rstd = (sum(x^2) / M + eps)^-1/2,  y = x * rstd * w'
 //   x_hat = x * rstd, g = dy * w',  dx = rstd * (g - x_hat * sum(g * x_hat) / M),
-//   dw = sum over rows of dy * x_hat   (per-block partials, reduced by reduce_partials)
+//   dw = sum over rows of dy * x_hat   (per-block partials, reduced by rows.cuh's reduce_partials)
 // T: the dtype of x, y, dy, dx; TW: the dtype of w. Accumulation in float32.
 // V: elements per vector access (16 bytes / sizeof(T) when aligned, else 1).
 // C: vectors per thread kept in registers between the two passes over a row (rows.cuh).
@@ -210,21 +210,4 @@ __global__ void __launch_bounds__(512, 1) rms_norm_backward_block(
         });
     }
     xk::finish_sums(share, dw);
-}
-
-// out[j] = sum over p of partial[p, j], in a fixed order (deterministic), in out's dtype.
-template <typename TOut>
-__global__ void __launch_bounds__(256) rms_norm_reduce_partials(
-    const float* __restrict__ partial,  // (P, M) float32 partial sums
-    TOut* __restrict__ out,             // (M,) result
-    int p,                              // rows P of partial
-    int m,                              // columns M
-    long long stride_p,                 // elements between rows of partial
-    long long stride_m,                 // elements between columns of partial
-    long long stride_out)               // elements between entries of out
-{
-    const int col = blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= m) return;
-    out[col * stride_out] =
-        xk::from_float<TOut>(xk::sum_partial_column(partial, p, col, stride_p, stride_m));
 }

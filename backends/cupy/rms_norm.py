@@ -70,7 +70,7 @@ def name_expressions() -> list[str]:
     """Every template instantiation the launchers may compile (for offline compile reports)."""
     pairs = [(t, t) for t in CTYPES.values()] + [(t, "float") for t in ("__half", "__nv_bfloat16")]
     out = [e for t, tw in pairs for e in _rows.expressions("rms_norm", _KERNELS, t, tw)]
-    return out + [f"rms_norm_reduce_partials<{c}>" for c in CTYPES.values()]
+    return out + _rows.REDUCE_EXPRESSIONS
 
 
 def _kernels(loader, x, w, v: int):
@@ -179,9 +179,11 @@ def reduce_partials(partial, out) -> None:
     out : array
         ``(M,)`` float32, float16 or bfloat16, any stride.
     """
-    c = _rows.ctype("rms_norm", "dw", out)
-    if partial.shape[1] == 0:
-        return
-    names = [f"rms_norm_reduce_partials<{t}>" for t in CTYPES.values()]
-    module = loader_for(partial).module(SOURCE, names, OPTIONS)
-    _rows.reduce(module.get_function(f"rms_norm_reduce_partials<{c}>"), partial, out)
+    loader = loader_for(partial)
+    _rows.reduce(
+        "rms_norm",
+        "dw",
+        lambda c: loader.module(SOURCE, _rows.REDUCE_EXPRESSIONS, OPTIONS),
+        partial,
+        out,
+    )

@@ -48,7 +48,6 @@ MAX_HEAD_BLOCKS = 65535  #: most blocks along the heads (CUDA's grid y limit); t
 _GRID_MAX = 2**31 - 1
 #: The table dtypes and the kernel's kinds for them.
 _TABLE_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
-_POSITION_BYTES = {"int32": 4, "int64": 8}
 _LAYOUTS = ("false", "true")  #: the kernel's INTERLEAVED
 
 
@@ -60,11 +59,6 @@ def _expressions(t: str) -> list[str]:
 def name_expressions() -> list[str]:
     """Every template instantiation the launchers may compile (for offline compile reports)."""
     return [e for t in _rows.CTYPES.values() for e in _expressions(t)]
-
-
-def _aligned(a, axes, n: int) -> bool:
-    """Every stride of ``a`` along ``axes`` (of extent above 1) is a multiple of ``n`` elements."""
-    return all(a.shape[i] <= 1 or _rows.stride(a, i) % n == 0 for i in axes)
 
 
 def _vector(rows, tables, r2: int, d: int, interleaved: bool) -> int:
@@ -79,12 +73,12 @@ def _vector(rows, tables, r2: int, d: int, interleaved: bool) -> int:
     rotated = 2 * r2 if interleaved else r2
     if rotated % v or d % v:
         return 1
-    if not all(address(a) % 16 == 0 and _aligned(a, range(3), v) for a in rows):
+    if not all(address(a) % 16 == 0 and _rows.aligned(a, range(3), v) for a in rows):
         return 1
     pairs = v // 2 if interleaved else v
     for t in tables:
         n = min(pairs, 16 // t.itemsize)
-        if address(t) % (n * t.itemsize) or not _aligned(t, range(2), n):
+        if address(t) % (n * t.itemsize) or not _rows.aligned(t, range(2), n):
             return 1
     return v
 
@@ -111,27 +105,15 @@ def _table_kind(cos, sin) -> np.int32:
     return np.int32(kind)
 
 
-def _position_bytes(position_ids) -> np.int32:
-    if position_ids is None:
-        return np.int32(0)
-    size = _POSITION_BYTES.get(str(position_ids.dtype))
-    if size is None:
-        raise TypeError(
-            f"cupy rope: position_ids has dtype {position_ids.dtype}; supported: int32, int64"
-        )
-    return np.int32(size)
-
-
-def _strides(a, axes) -> list[np.int64]:
-    """The element strides of ``a`` along ``axes`` (zeros for None)."""
-    return [np.int64(0 if a is None else _rows.stride(a, i)) for i in axes]
-
-
 def _launch(out, x, cos, sin, position_ids, interleaved: bool, sign: float) -> None:
     """Rotate ``x`` into ``out`` (``sign`` -1: the inverse rotation); see the module docstring."""
     t = _rows.same_type("rope", "x", x, out)
     kind = _table_kind(cos, sin)
-    position_bytes = _position_bytes(position_ids)
+    position_bytes = (
+        np.int32(0)
+        if position_ids is None
+        else _rows.index_bytes("rope", "position_ids", position_ids)
+    )
     batch, heads, seq, dim = x.shape
     r2 = cos.shape[2]
     if 2 * r2 > dim:
@@ -163,11 +145,11 @@ def _launch(out, x, cos, sin, position_ids, interleaved: bool, sign: float) -> N
         np.int64(heads),
         np.int32(r2),
         np.int32(d),
-        *_strides(out, range(3)),
-        *_strides(x, range(3)),
-        *_strides(cos, range(2)),
-        *_strides(sin, range(2)),
-        *_strides(position_ids, range(2)),
+        *_rows.strides(out, range(3)),
+        *_rows.strides(x, range(3)),
+        *_rows.strides(cos, range(2)),
+        *_rows.strides(sin, range(2)),
+        *_rows.strides(position_ids, range(2)),
     )
     kernel(grid, block, args)
 

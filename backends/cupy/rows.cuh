@@ -218,3 +218,22 @@ __device__ __forceinline__ void finish_sums(const Share& share, const Sums&... s
 }
 
 }  // namespace xk
+
+// out[j] = sum over p of partial[p, j], in a fixed order (deterministic), in out's dtype: the
+// norms' dw / db from their backward's partials.
+template <typename TOut>
+__global__ void __launch_bounds__(256) reduce_partials(
+    const float* __restrict__ partial,  // (P, M) float32 partial sums
+    TOut* __restrict__ out,             // (M,) result
+    int p,                              // rows P of partial
+    int m,                              // columns M
+    long long stride_p,                 // elements between rows of partial
+    long long stride_m,                 // elements between columns of partial
+    long long stride_out)               // elements between entries of out
+{
+    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= m) return;
+    float s = 0.0f;
+    for (int i = 0; i < p; ++i) s += partial[i * stride_p + col * stride_m];
+    out[col * stride_out] = xk::from_float<TOut>(s);
+}
