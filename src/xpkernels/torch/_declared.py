@@ -61,6 +61,7 @@ from torch import Tensor
 from xpkernels.backends.protocol import GELU_APPROXIMATIONS, PRIMITIVES, REDUCTIONS, Arg, Option
 
 from .. import _checks as check
+from .._attention_call import boolean
 from ..buffers import Duplicated, allocate_checkpoints, primal
 from ..mods import as_mask_mod, as_score_mod
 from ..registry import _explicit_choice
@@ -237,12 +238,6 @@ class _ScoreModGrad(Rule):
         return grads
 
 
-def _boolean(fn: str, name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
 def _or_none(rule):
     def checked(fn, name, value):
         return None if value is None else rule(fn, name, value)
@@ -261,7 +256,7 @@ RULES: dict[str, Rule] = {
     "gelu_approximate": Rule(
         str, lambda fn, name, v: check.one_of(fn, name, v, GELU_APPROXIMATIONS)
     ),
-    "bool": Rule(bool, _boolean),
+    "bool": Rule(bool, boolean),
     "int": Rule(int, check.index_int),
     "probability": Rule(float, check.unit_interval),
     "non_negative": Rule(float, check.non_negative),

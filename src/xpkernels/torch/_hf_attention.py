@@ -360,17 +360,14 @@ def attention_forward(
         causal = getattr(module, "is_causal", True) if causal is None else causal
         layout = KeyLayout(bool(causal), sliding_window)
     score = None if softcap is None else _constant_mod("softcap", float(softcap))
+    packed = None
     if kwargs.get("cu_seq_lens_q") is not None and layout.valid is None:
         cu = kwargs["cu_seq_lens_q"].to(torch.int32)
-        longest = int(kwargs.get("max_length_q") or query.shape[2])
-        return _packed_attention(
-            query, key, value, layout.window, cu, longest, scaling, score
-        ), None
-    if layout.packed and kwargs.get("position_ids") is not None:
-        cu, longest = _packed(kwargs["position_ids"], query.shape[0])
-        return _packed_attention(
-            query, key, value, layout.window, cu, longest, scaling, score
-        ), None
+        packed = cu, int(kwargs.get("max_length_q") or query.shape[2])
+    elif layout.packed and kwargs.get("position_ids") is not None:
+        packed = _packed(kwargs["position_ids"], query.shape[0])
+    if packed is not None:
+        return _packed_attention(query, key, value, layout.window, *packed, scaling, score), None
     o = _padded_attention(query, key, value, layout, scaling, score)
     return o.transpose(1, 2), None
 
@@ -451,16 +448,16 @@ def _padded_attention(query, key, value, layout: KeyLayout, scale, score):
         )
     if plain and n_q == n_kv:
         lengths = layout.valid.sum(dim=1, dtype=torch.int32)
-        if layout.left_aligned:
+
+        def padded(q, k, v):
             return attention(
-                query, key, value, causal=layout.causal, scale=scale,
-                q_lengths=lengths, k_lengths=lengths,
-            )  # fmt: skip
+                q, k, v, causal=layout.causal, scale=scale, q_lengths=lengths, k_lengths=lengths
+            )
+
+        if layout.left_aligned:
+            return padded(query, key, value)
         order = torch.argsort((~layout.valid).to(torch.uint8), dim=1, stable=True)
-        q, k, v = (_compacted(x, order) for x in (query, key, value))
-        o = attention(
-            q, k, v, causal=layout.causal, scale=scale, q_lengths=lengths, k_lengths=lengths
-        )
+        o = padded(*(_compacted(x, order) for x in (query, key, value)))
         return _compacted(o, torch.argsort(order, dim=1))
     return _flex_over_real_keys(query, key, value, layout, base, score, scale)
 

@@ -114,24 +114,7 @@ def linear_loss_forward(
     or with ``return_dict=False``, the class's own forward runs unchanged.
     """
     shift_labels = kwargs.get("shift_labels")
-    own = type(self).forward
-    plain = isinstance(logits_to_keep, int) and logits_to_keep == 0
-    if (labels is None and shift_labels is None) or not plain or kwargs.get("return_dict") is False:
-        return own(
-            self,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            labels=labels,
-            use_cache=use_cache,
-            logits_to_keep=logits_to_keep,
-            **kwargs,
-        )
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    outputs = self.model(
+    inputs = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
@@ -140,6 +123,12 @@ def linear_loss_forward(
         use_cache=use_cache,
         **kwargs,
     )
+    plain = isinstance(logits_to_keep, int) and logits_to_keep == 0
+    if (labels is None and shift_labels is None) or not plain or kwargs.get("return_dict") is False:
+        return type(self).forward(self, labels=labels, logits_to_keep=logits_to_keep, **inputs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    outputs = self.model(**inputs)
     hidden = outputs.last_hidden_state
     ignore_index = kwargs.get("ignore_index", -100)
     targets = _targets(labels, shift_labels, ignore_index).to(hidden.device)

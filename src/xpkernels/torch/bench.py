@@ -14,6 +14,8 @@ Each row times one forward AND backward of one op on torch CPU tensors:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -51,40 +53,43 @@ def _split(op, tensors):
     return (x, *params), dy
 
 
-def _autograd_setup(op, arrays):
+def _options(op):
+    return {"causal": True} if op == "attention" else {}
+
+
+def _grad_setup(op, arrays, forward):
+    """A setup of one step: ``forward(op, m)(*inputs)`` (``m``: the rows' width) and
+    ``torch.autograd.grad`` of it."""
+
     def setup():
         inputs, cot = _split(op, _tensors(arrays, True))
         cot = cot.detach()
-        front = getattr(xk, op)
-        options = {"causal": True} if op == "attention" else {}
+        call = forward(op, inputs[0].shape[-1])
 
         def step():
-            out = front(*inputs, **options)
-            return torch.autograd.grad(out, inputs, cot)
+            return torch.autograd.grad(call(*inputs), inputs, cot)
 
         return step
 
     return setup
 
 
+def _autograd_call(op, m):
+    return functools.partial(getattr(xk, op), **_options(op))
+
+
 def _inplace_setup(op, arrays):
     def setup():
         inputs, cot = _split(op, _tensors(arrays, False))
         forward_, backward_ = getattr(xk, f"{op}_"), getattr(xk, f"{op}_backward_")
-        first = inputs[0]
-        out = torch.empty(cot.shape, dtype=first.dtype)
-        options = {"causal": True} if op == "attention" else {}
-        saved = {}
-        if op != "softmax":
-            saved["checkpoints"] = allocate_checkpoints(forward_, *inputs)
+        out = torch.empty(cot.shape, dtype=inputs[0].dtype)
+        options = _options(op)
         D = [Duplicated(t) for t in inputs]
         Out = Duplicated(out, cot)
-        if op in ("rms_norm", "layer_norm"):
-            saved_bwd = {**saved, "scratch": allocate_scratchspace(backward_, Out, *D)}
-        elif op == "attention":
+        saved, saved_bwd = {}, {}
+        if op != "softmax":
+            saved["checkpoints"] = allocate_checkpoints(forward_, *inputs)
             saved_bwd = {**saved, "scratch": allocate_scratchspace(backward_, Out, *D), **options}
-        else:
-            saved_bwd = {}
 
         def step():
             forward_(out, *inputs, **saved, **options)
@@ -95,24 +100,13 @@ def _inplace_setup(op, arrays):
     return setup
 
 
-def _torch_setup(op, arrays):
-    def setup():
-        inputs, cot = _split(op, _tensors(arrays, True))
-        cot = cot.detach()
-        m = inputs[0].shape[-1]
-        call = {
-            "rms_norm": lambda x, w: F.rms_norm(x, (m,), w, eps=1e-6),
-            "layer_norm": lambda x, w, b: F.layer_norm(x, (m,), w, b, eps=1e-5),
-            "softmax": lambda x: torch.softmax(x, dim=-1),
-            "attention": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        }[op]
-
-        def step():
-            return torch.autograd.grad(call(*inputs), inputs, cot)
-
-        return step
-
-    return setup
+def _torch_call(op, m):
+    return {
+        "rms_norm": lambda x, w: F.rms_norm(x, (m,), w, eps=1e-6),
+        "layer_norm": lambda x, w, b: F.layer_norm(x, (m,), w, b, eps=1e-5),
+        "softmax": lambda x: torch.softmax(x, dim=-1),
+        "attention": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }[op]
 
 
 def _work(op, shapes):
@@ -151,9 +145,9 @@ def autograd_benches(shapes, ops, repeats, Row, Bench) -> list:
         arrays = _inputs(op, shapes, seed=3)
         unit, work, formula, shape_text = _work(op, shapes)
         for impl, setup, baseline in (
-            ("autograd", _autograd_setup(op, arrays), "in-place"),
+            ("autograd", _grad_setup(op, arrays, _autograd_call), "in-place"),
             ("in-place", _inplace_setup(op, arrays), "torch"),
-            ("torch", _torch_setup(op, arrays), None),
+            ("torch", _grad_setup(op, arrays, _torch_call), None),
         ):
             name = "attention (causal)" if op == "attention" else op
             row = Row(

@@ -144,6 +144,12 @@ def _tensor(fn: str, name: str, x) -> Tensor:
     return x
 
 
+def _sequence(fn: str, x, dim, causal, group):
+    """``(x, axis, causal, group, rank, size)``: the checked arguments of the sequence helpers."""
+    x = _tensor(fn, "x", x)
+    return (x, _dim(fn, x, dim), boolean(fn, "causal", causal), *_group(fn, group))
+
+
 # --------------------------------------------------------------------------- sharding
 
 
@@ -196,10 +202,7 @@ def shard_sequence(x, *, group=None, dim=2, causal=False) -> Tensor:
     x : ``(..., S, ...)`` with ``S`` at ``dim``; result ``(..., S / W, ...)``.
     """
     fn = "shard_sequence"
-    x = _tensor(fn, "x", x)
-    axis = _dim(fn, x, dim)
-    causal = boolean(fn, "causal", causal)
-    group, rank, size = _group(fn, group)
+    x, axis, causal, group, rank, size = _sequence(fn, x, dim, causal, group)
     pieces = 2 * size if causal else size
     if x.shape[axis] % pieces:
         raise ValueError(
@@ -275,10 +278,7 @@ def unshard_sequence(x, *, group=None, dim=2, causal=False) -> Tensor:
     ``(..., S, ...)``.
     """
     fn = "unshard_sequence"
-    x = _tensor(fn, "x", x)
-    axis = _dim(fn, x, dim)
-    causal = boolean(fn, "causal", causal)
-    group, rank, size = _group(fn, group)
+    x, axis, causal, group, rank, size = _sequence(fn, x, dim, causal, group)
     _check_device(fn, group, {"x": x})
     if causal and x.shape[axis] % 2:
         raise ValueError(
@@ -321,8 +321,9 @@ def _wait(requests) -> None:
         request.wait()
 
 
-def _block(rank: int, source: int, causal: bool, chunk: int):
-    """``(query rows, keys, causal)`` of the one attention call rank ``rank`` runs on ``source``'s shard.
+def _block(ring: _Ring, step: int, causal: bool, chunk: int):
+    """``(query rows, keys, causal)`` of the one attention call this rank runs at ``step``, on
+    the shard of rank ``(rank - step) mod W``.
 
     See the module docstring: without ``causal`` every query sees every key;
     with it, the own shard is causal at ``input_pos = 0``, a lower rank's
@@ -332,6 +333,7 @@ def _block(rank: int, source: int, causal: bool, chunk: int):
     every = slice(None)
     if not causal:
         return every, every, False
+    rank, source = ring.rank, (ring.rank - step) % ring.size
     if source == rank:
         return every, every, True
     if source < rank:
@@ -366,10 +368,9 @@ def _forward(ring: _Ring, q, k, v, causal, scale, backend):
     m, l = (q.new_empty((batch, heads, sq), dtype=torch.float32) for _ in range(2))
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(ring.size):
-        source = (ring.rank - step) % ring.size
         last = step == ring.size - 1
         requests, received = ([], []) if last else ring.shift([k_cur, v_cur])
-        rows, keys, block_causal = _block(ring.rank, source, causal, chunk)
+        rows, keys, block_causal = _block(ring, step, causal, chunk)
         q_rows, k_keys, v_keys = _rows(q, rows), _rows(k_cur, keys), _rows(v_cur, keys)
         if step == 0:  # the own shard: every row, so it starts the running state
             o_block, part = o, AttentionCheckpoints(m=m, l=l)
@@ -406,16 +407,14 @@ def _backward(ring: _Ring, do, q, k, v, o, m, l, causal, scale, backend):
     k_cur, v_cur = k.contiguous(), v.contiguous()
     finished: list[Tensor] = []  # the total dk, dv so far of the shard held at the previous step
     for step in range(ring.size):
-        source = (ring.rank - step) % ring.size
         sending = []
         if step < ring.size - 1:
             sending += [k_cur, v_cur]
         if step > 0:  # the previous shard's finished dk/dv go on; this shard's arrive
             sending += finished
         requests, received = ring.shift(sending) if sending else ([], [])
-        rows, keys, block_causal = _block(ring.rank, source, causal, chunk)
-        dk_local = torch.zeros(k_cur.shape, dtype=acc, device=k.device)
-        dv_local = torch.zeros(v_cur.shape, dtype=acc, device=v.device)
+        rows, keys, block_causal = _block(ring, step, causal, chunk)
+        dk_local, dv_local = (t.new_zeros(t.shape, dtype=acc) for t in (k_cur, v_cur))
         q_rows = _rows(q, rows)
         Q = Duplicated(q_rows, torch.empty(q_rows.shape, dtype=acc, device=q.device))
         attention_backward_(

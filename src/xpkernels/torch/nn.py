@@ -51,7 +51,41 @@ def _flat(p):
     return None if p is None else p.reshape(-1)
 
 
-class RMSNorm(nn.Module):
+class _Norm(nn.Module):
+    """What RMSNorm and LayerNorm share: the trailing ``normalized_shape``, ``eps``, the
+    affine parameters (``weight``, and ``bias`` unless ``bias`` is None) and the backend."""
+
+    weight: nn.Parameter | None
+
+    def __init__(self, normalized_shape, eps, elementwise_affine, device, dtype, backend, bias):
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.backend = backend
+        learnt = {"weight": True} if bias is None else {"weight": True, "bias": bias}
+        for name, wanted in learnt.items():
+            param = None
+            if elementwise_affine and wanted:
+                param = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+            self.register_parameter(name, param)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Weight to ones, bias (LayerNorm's) to zeros."""
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        bias = getattr(self, "bias", None)
+        if bias is not None:
+            nn.init.zeros_(bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        )
+
+
+class RMSNorm(_Norm):
     """RMSNorm over the trailing ``normalized_shape`` dims: ``y = x / rms(x) * (weight + offset)``.
 
     Parameters
@@ -88,24 +122,8 @@ class RMSNorm(nn.Module):
         offset=0.0,
         backend=None,
     ):
-        super().__init__()
-        self.normalized_shape = _shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype, backend, None)
         self.offset = float(offset)
-        self.backend = backend
-        if elementwise_affine:
-            self.weight = nn.Parameter(
-                torch.empty(self.normalized_shape, device=device, dtype=dtype)
-            )
-        else:
-            self.register_parameter("weight", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Weight to ones."""
-        if self.weight is not None:
-            nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
@@ -114,14 +132,10 @@ class RMSNorm(nn.Module):
         return y.reshape(x.shape)
 
     def extra_repr(self) -> str:
-        offset = f", offset={self.offset}" if self.offset else ""
-        return (
-            f"{self.normalized_shape}, eps={self.eps}, "
-            f"elementwise_affine={self.elementwise_affine}{offset}"
-        )
+        return super().extra_repr() + (f", offset={self.offset}" if self.offset else "")
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(_Norm):
     """LayerNorm over the trailing ``normalized_shape`` dims: ``y = (x - mean) / std * weight + bias``.
 
     Parameters
@@ -156,40 +170,13 @@ class LayerNorm(nn.Module):
         *,
         backend=None,
     ):
-        super().__init__()
-        self.normalized_shape = _shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.backend = backend
-        factory = {"device": device, "dtype": dtype}
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
-            if bias:
-                self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory))
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Weight to ones, bias to zeros."""
-        if self.weight is not None:
-            nn.init.ones_(self.weight)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype, backend, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = layer_norm(
             _rows(self, x), _flat(self.weight), _flat(self.bias), eps=self.eps, backend=self.backend
         )
         return y.reshape(x.shape)
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
-        )
 
 
 class Attention(nn.Module):

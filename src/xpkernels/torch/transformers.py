@@ -105,6 +105,13 @@ class Report:
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
         return "\n".join(lines)
 
+    def _add(self, done: list[str], name: str, why: str) -> None:
+        """``name`` to ``done``, or with ``why`` to ``skipped`` when there is a reason."""
+        if why:
+            self.skipped.append((name, why))
+        else:
+            done.append(name)
+
 
 def _rms_norm_like(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
@@ -379,34 +386,25 @@ def apply_xpkernels(
     report = Report()
     for name, module in list(model.named_modules()):
         if mlp and _gated_mlp_like(module):
-            why = _fuse_gated_mlp(module, model)
-            if why:
-                report.skipped.append((name, why))
-            else:
-                report.mlp.append(name)
+            report._add(report.mlp, name, _fuse_gated_mlp(module, model))
             continue
         if rms_norm and _rms_norm_like(module):
             new, why = _rms_norm_for(module)
+            done = report.rms_norm
         elif layer_norm and type(module) is nn.LayerNorm:
-            new, why = _layer_norm_for(module), ""
+            new, why, done = _layer_norm_for(module), "", report.layer_norm
         else:
             continue
-        if new is None:
-            report.skipped.append((name, why))
-            continue
-        new.train(module.training)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, new)
-        (report.layer_norm if isinstance(new, xnn.LayerNorm) else report.rms_norm).append(name)
+        if new is not None:
+            new.train(module.training)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, new)
+        report._add(done, name, why)
     if rope:
         refused: dict[int, str] = {}
         for name, module in model.named_modules():
             if attention_like(module):
-                why = rope_attention(module, refused)
-                if why:
-                    report.skipped.append((name, why))
-                else:
-                    report.rope.append(name)
+                report._add(report.rope, name, rope_attention(module, refused))
     if loss:
         report.loss, why = swap_loss(model, linear=not logits)
         if why:
