@@ -129,32 +129,45 @@ def _sequence_context(
 
 
 @triton.jit
-def _key_bounds(
-    start_m, q_len, k_len, pos0, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """``(full_end, hi)`` of the query tile at ``start_m``.
+def _key_tiles(
+    step, carry, ctx, start_m, seq,
+    CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``carry`` through ``step`` (:func:`_forward_step` or :func:`_dq_step`, with ``ctx``) over
+    the key tiles the query tile at ``start_m`` of the :class:`Sequence` ``seq`` sees.
 
-    Keys ``[0, full_end)`` are visible to every row of the tile, keys
-    ``[full_end, hi)`` need a mask, keys from ``hi`` on are seen by none.
+    Keys ``[0, full_end)`` are visible to every row of the tile (unmasked steps),
+    keys ``[full_end, hi)`` need a mask, keys from ``hi`` on are seen by none.
     """
     if CAUSAL:
-        full_end = tl.minimum(k_len, pos0 + start_m + 1)
-        hi = tl.minimum(k_len, pos0 + start_m + BLOCK_M)
+        full_end = tl.minimum(seq.k_len, seq.pos0 + start_m + 1)
+        hi = tl.minimum(seq.k_len, seq.pos0 + start_m + BLOCK_M)
     else:
-        full_end = k_len
-        hi = k_len
-    live = start_m < q_len
+        full_end = seq.k_len
+        hi = seq.k_len
+    live = start_m < seq.q_len
     # Negative where the tile's rows precede key 0 (input_pos < 0): no keys.
     full_end = (tl.maximum(tl.where(live, full_end, 0), 0) // BLOCK_N) * BLOCK_N
     hi = tl.maximum(tl.where(live, hi, 0), 0)
-    return full_end, hi
+    carry = tile_loop(
+        step, carry, 0, full_end, BLOCK_N, ctx, (False, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
+    )
+    return tile_loop(
+        step, carry, full_end, hi, BLOCK_N, ctx, (True, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
+    )
 
 
 @triton.jit
-def _query_tile_program(
-    Sq, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr = False
-):
-    """``(query tile, batch * head)`` of this program in a 1-D grid of ``tiles * B * H``.
+def _query_tile(
+    q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, H, GROUP, Sq, Sk, D, DV,
+    CAUSAL: tl.constexpr, HAS_QLEN: tl.constexpr, HAS_KLEN: tl.constexpr, POS_ARRAY: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
+):  # fmt: skip
+    """``(seq, h, kvh, start_m, row_off, offs_m, rows, row_ok, cols)`` of this program in a 1-D
+    grid of ``tiles * B * H`` (arguments as :func:`_forward_kernel`'s): its :class:`Sequence`,
+    query and kv head (int64), first row (and at int64), the tile's row offsets, rows and
+    which of them are queries, and the :data:`~._attn_common.Cols`.
 
     Consecutive programs share a head (and so its K/V in L2). Causal tiles
     run last-first: the tiles with the most keys start earliest, which
@@ -172,7 +185,19 @@ def _query_tile_program(
         pid_bh = pid // n_tiles
     if CAUSAL:
         pid_m = n_tiles - 1 - pid_m
-    return pid_m, pid_bh
+    b = pid_bh // H
+    h = pid_bh % H
+    kvh = (h // GROUP).to(tl.int64)
+    seq = _sequence_context(
+        b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY, VARLEN
+    )
+    start_m = pid_m * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = Cols(tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), D, DV)
+    rows = start_m + offs_m
+    row_ok = rows < seq.q_len
+    row_off = start_m.to(tl.int64)
+    return seq, h.to(tl.int64), kvh, start_m, row_off, offs_m, rows, row_ok, cols
 
 
 _SIZES = ["H", "GROUP", "Sq", "Sk", "pos_scalar", "D", "DV"]
@@ -204,21 +229,11 @@ def _forward_kernel(
     VARLEN: tl.constexpr = False,  # packed sequences (see _sequence_context)
 ):  # fmt: skip
     """One query tile of one (batch, head): ``o`` and, with ``STORE_STATS``, ``m`` and ``l``."""
-    pid_m, pid_bh = _query_tile_program(Sq, CAUSAL, BLOCK_M, VARLEN)
-    b = pid_bh // H
-    h = pid_bh % H
-    kvh = (h // GROUP).to(tl.int64)
-    h = h.to(tl.int64)
-    seq = _sequence_context(
-        b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY, VARLEN
-    )
-    start_m = pid_m * BLOCK_M
-    row_off = start_m.to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
+    seq, h, kvh, start_m, row_off, offs_m, rows, row_ok, cols = _query_tile(
+        q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, H, GROUP, Sq, Sk, D, DV,
+        CAUSAL, HAS_QLEN, HAS_KLEN, POS_ARRAY, BLOCK_D, BLOCK_DV, BLOCK_M, VARLEN,
+    )  # fmt: skip
     offs_n = tl.arange(0, BLOCK_N)
-    cols = Cols(tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), D, DV)
-    rows = start_m + offs_m
-    row_ok = rows < seq.q_len
 
     q_head = head_rows(Strided(q_ptr, stride_qb, stride_qh, stride_qm), seq.bq, h)
     q = load_rows(q_head, row_off, offs_m, row_ok, cols.d, D, True, EVEN_D).to(DOT_TYPE)
@@ -229,16 +244,11 @@ def _forward_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    q_pos = seq.pos0 + rows
-    ctx = (q, kv, cols, offs_n, q_pos, seq.k_len, qk_scale)
-    full_end, hi = _key_bounds(start_m, seq.q_len, seq.k_len, seq.pos0, CAUSAL, BLOCK_M, BLOCK_N)
-    carry = (acc, m_i, l_i)
-    carry = tile_loop(
-        _forward_step, carry, 0, full_end, BLOCK_N, ctx, (False, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
-    )
-    acc, m_i, l_i = tile_loop(
-        _forward_step, carry, full_end, hi, BLOCK_N, ctx, (True, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
-    )
+    ctx = (q, kv, cols, offs_n, seq.pos0 + rows, seq.k_len, qk_scale)
+    acc, m_i, l_i = _key_tiles(
+        _forward_step, (acc, m_i, l_i), ctx, start_m, seq,
+        CAUSAL, EVEN_D, EVEN_DV, PRECISION, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
 
     live = row_ok & (l_i != 0.0)  # a NaN sum (a row that saw NaN) stays live: o, m, l NaN
     out = (
@@ -606,21 +616,11 @@ def _dq_kernel(
     VARLEN: tl.constexpr = False,  # packed sequences (see _sequence_context)
 ):  # fmt: skip
     """One query tile of one (batch, head): dQ."""
-    pid_m, pid_bh = _query_tile_program(Sq, CAUSAL, BLOCK_M, VARLEN)
-    b = pid_bh // H
-    h = pid_bh % H
-    kvh = (h // GROUP).to(tl.int64)
-    h = h.to(tl.int64)
-    seq = _sequence_context(
-        b, q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, Sq, Sk, HAS_QLEN, HAS_KLEN, POS_ARRAY, VARLEN
-    )
-    start_m = pid_m * BLOCK_M
-    row_off = start_m.to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
+    seq, h, kvh, start_m, row_off, offs_m, rows, row_ok, cols = _query_tile(
+        q_len_ptr, k_len_ptr, pos_ptr, pos_scalar, H, GROUP, Sq, Sk, D, DV,
+        CAUSAL, HAS_QLEN, HAS_KLEN, POS_ARRAY, BLOCK_D, BLOCK_DV, BLOCK_M, VARLEN,
+    )  # fmt: skip
     offs_n = tl.arange(0, BLOCK_N)
-    cols = Cols(tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), D, DV)
-    rows = start_m + offs_m
-    row_ok = rows < seq.q_len
 
     tensors = BackwardRows(
         Strided(q_ptr, stride_qb, stride_qh, stride_qm),
@@ -636,14 +636,9 @@ def _dq_kernel(
         head_rows(Strided(v_ptr, stride_vb, stride_vh, stride_vn), seq.bk, kvh),
     )
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    q_pos = seq.pos0 + rows
-    ctx = (q, do, lse2, delta, kv, cols, offs_n, q_pos, seq.k_len, qk_scale)
-    full_end, hi = _key_bounds(start_m, seq.q_len, seq.k_len, seq.pos0, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = tile_loop(
-        _dq_step, dq, 0, full_end, BLOCK_N, ctx, (False, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
-    )
-    dq = tile_loop(
-        _dq_step, dq, full_end, hi, BLOCK_N, ctx, (True, CAUSAL, EVEN_D, EVEN_DV, PRECISION)
+    ctx = (q, do, lse2, delta, kv, cols, offs_n, seq.pos0 + rows, seq.k_len, qk_scale)
+    dq = _key_tiles(
+        _dq_step, dq, ctx, start_m, seq, CAUSAL, EVEN_D, EVEN_DV, PRECISION, BLOCK_M, BLOCK_N
     )
 
     dq = tl.where(row_ok[:, None], dq * scale, 0.0)

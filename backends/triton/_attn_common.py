@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from ._common import _sm_count, traced
+from ._common import _sm_count
+from ._common import launch as launch_on
 
 #: log2(e): scores are scaled by ``scale * LOG2E`` so the kernels use ``exp2``.
 LOG2E = 1.4426950408889634
@@ -299,6 +300,21 @@ def dot_precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def head_meta(q, v) -> dict:
+    """The compile-time arguments every attention kernel takes from ``q``'s dtype and the head
+    dims (last axes) of ``q`` and ``v``: ``PRECISION``, ``DOT_TYPE``, the padded ``BLOCK_D``,
+    ``BLOCK_DV`` and whether they equal the head dims (``EVEN_D``, ``EVEN_DV``)."""
+    block_d, block_dv = dim_block(q.shape[-1]), dim_block(v.shape[-1])
+    return {
+        "PRECISION": dot_precision(q.dtype),
+        "DOT_TYPE": dot_type(q.dtype),
+        "BLOCK_D": block_d,
+        "BLOCK_DV": block_dv,
+        "EVEN_D": block_d == q.shape[-1],
+        "EVEN_DV": block_dv == v.shape[-1],
+    }
+
+
 def sm_count(like) -> int:
     """Streaming multiprocessors of ``like``'s CUDA device; 1 for CPU tensors (the interpreter)."""
     if like.device.type != "cuda":
@@ -434,15 +450,24 @@ def launch(kernel, tuned, table: TileTable, grid, args, meta, work: int, like) -
     """Run ``kernel`` with ``table``'s tile, or its tuned wrapper ``tuned`` on large CUDA problems.
 
     ``grid(blocks)`` maps the chosen ``BLOCK_M``/``BLOCK_N`` to the launch grid (or
-    ``grid`` is the grid itself); ``meta`` must hold ``BLOCK_D``.
+    ``grid`` is the grid itself); ``meta`` must hold ``BLOCK_D``. Launched on ``like``'s
+    device (``_common.launch``).
     """
     if use_autotune(work, like):
-        traced(tuned, like)[grid](*args, **meta)
+        launch_on(tuned, like, grid, *args, **meta)
         return
     tile = table.choose(meta["BLOCK_D"], like.element_size())
     blocks = tile.blocks()
-    traced(kernel, like)[grid(blocks) if callable(grid) else grid](
-        *args, **meta, **blocks, num_warps=tile.num_warps, num_stages=tile.num_stages
+    grid = grid(blocks) if callable(grid) else grid
+    launch_on(
+        kernel,
+        like,
+        grid,
+        *args,
+        **meta,
+        **blocks,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
 
 

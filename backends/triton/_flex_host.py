@@ -44,7 +44,7 @@ from xpkernels.mods import FULL, PARTIAL
 from xpkernels.mods.bands import kernel_states, tile_lists_of
 from xpkernels.mods.codegen import constants, triton_source
 
-from ._common import launch_context, traced
+from ._common import launch
 
 _FUNCTIONS: dict[str, Any] = {}
 _DIRECTORY: list[str] = []
@@ -337,23 +337,14 @@ def sum_rows(partial: torch.Tensor, acc: torch.Tensor) -> None:
     """``acc += partial.sum(0)`` over contiguous float32 tensors, as a tree of
     :data:`_SUM_CHUNK`-row sums in a fixed order (bit-identical run to run)."""
     n, count, step = acc.numel(), partial.shape[0], 1
-    with launch_context(_sum_rows_kernel, acc):
-        while True:
-            chunks = triton.cdiv(count, _SUM_CHUNK)
-            traced(_sum_rows_kernel, acc)[(triton.cdiv(n, _SUM_BLOCK), chunks)](
-                partial,
-                acc,
-                count,
-                n,
-                step,
-                FINAL=chunks == 1,
-                CHUNK=_SUM_CHUNK,
-                BLOCK=_SUM_BLOCK,
-                num_warps=4,
-            )
-            if chunks == 1:
-                return
-            count, step = chunks, step * _SUM_CHUNK
+    while True:
+        chunks = triton.cdiv(count, _SUM_CHUNK)
+        grid = (triton.cdiv(n, _SUM_BLOCK), chunks)
+        meta = {"CHUNK": _SUM_CHUNK, "BLOCK": _SUM_BLOCK, "num_warps": 4}
+        launch(_sum_rows_kernel, acc, grid, partial, acc, count, n, step, FINAL=chunks == 1, **meta)
+        if chunks == 1:
+            return
+        count, step = chunks, step * _SUM_CHUNK
 
 
 def _row_extents(score, slot, programs) -> tuple[int, int, int]:

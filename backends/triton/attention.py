@@ -72,9 +72,8 @@ from ._attn_common import (
     TileTable,
     autotuned,
     dim_block,
-    dot_precision,
-    dot_type,
     head_class,
+    head_meta,
     launch,
     scalar_or_pointer,
     strides_of,
@@ -162,27 +161,22 @@ def dkdv_launch(key_grid, meta):
     return _dkdv_split_tuned, _DKDV_SPLIT_TILES, grid, {**meta, "SPLIT": True}
 
 
-def _options(q, k, v, input_pos, q_lengths, k_lengths):
-    if isinstance(input_pos, int):  # a host value: clamped here as the kernels clamp arrays
-        input_pos = min(max(input_pos, -q.shape[2]), k.shape[2])
+def kernel_options(q, v, input_pos, extents, lengths, **flags):
+    """``(pointers, pos_scalar, meta)`` of an attention launch: the pointer arguments of the two
+    ``lengths`` arrays (``q`` for a None one, never read) and of ``input_pos``, ``input_pos``
+    as a kernel scalar, and the compile-time arguments, ``flags`` included. An int
+    ``input_pos`` is clamped here to ``[-Sq, Sk]`` (``extents``), as the kernels clamp arrays."""
+    if isinstance(input_pos, int):
+        input_pos = min(max(input_pos, -extents[0]), extents[1])
     pos_arg, pos_scalar, pos_array = scalar_or_pointer(input_pos, q)
-    meta = {
-        "HAS_QLEN": q_lengths is not None,
-        "HAS_KLEN": k_lengths is not None,
-        "POS_ARRAY": pos_array,
-        "PRECISION": dot_precision(q.dtype),
-        "DOT_TYPE": dot_type(q.dtype),
-        "BLOCK_D": dim_block(q.shape[-1]),
-        "BLOCK_DV": dim_block(v.shape[-1]),
-    }
-    meta["EVEN_D"] = meta["BLOCK_D"] == q.shape[-1]
-    meta["EVEN_DV"] = meta["BLOCK_DV"] == v.shape[-1]
-    pointers = (
-        q if q_lengths is None else q_lengths,
-        q if k_lengths is None else k_lengths,
-        pos_arg,
-    )
-    return pointers, pos_scalar, meta
+    pointers = (*(q if a is None else a for a in lengths), pos_arg)
+    return pointers, pos_scalar, {**head_meta(q, v), "POS_ARRAY": pos_array, **flags}
+
+
+def _options(q, k, v, input_pos, causal, q_lengths, k_lengths):
+    has_lengths = {"HAS_QLEN": q_lengths is not None, "HAS_KLEN": k_lengths is not None}
+    extents, lengths = (q.shape[2], k.shape[2]), (q_lengths, k_lengths)
+    return kernel_options(q, v, input_pos, extents, lengths, CAUSAL=bool(causal), **has_lengths)
 
 
 def launch_delta(like, args, dv, rows, programs, *, has_qlen, varlen=False) -> None:
@@ -224,17 +218,13 @@ def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths)
     Hkv, Sk, DV = k.shape[1], k.shape[2], v.shape[-1]
     if o.numel() == 0:
         return
-    pointers, pos_scalar, meta = _options(q, k, v, input_pos, q_lengths, k_lengths)
+    pointers, pos_scalar, meta = _options(q, k, v, input_pos, causal, q_lengths, k_lengths)
+    meta["STORE_STATS"] = m is not None
     stats = (o, o) if m is None else (m, l)  # o is never read without STORE_STATS
     tensors = (q, k, v, o, *stats, *pointers, *strides_of(q, k, v, o, m, l))
-    sizes = (H, H // Hkv, Sq, Sk, pos_scalar, scale * LOG2E, D, DV)
-    meta.update(CAUSAL=bool(causal), STORE_STATS=m is not None)
-    args = (*tensors, *sizes)
+    args = (*tensors, H, H // Hkv, Sq, Sk, pos_scalar, scale * LOG2E, D, DV)
     grid = tile_grid(Sq, "BLOCK_M", B * H)
-    with launch_context(_forward_kernel, q):
-        launch(
-            _forward_kernel, _forward_tuned, _FORWARD_TILES, grid, args, meta, B * H * Sq * Sk, q
-        )
+    launch(_forward_kernel, _forward_tuned, _FORWARD_TILES, grid, args, meta, B * H * Sq * Sk, q)
 
 
 def backward(
@@ -286,8 +276,7 @@ def backward(
     Hkv, Sk, DV = k.shape[1], k.shape[2], v.shape[-1]
     if B == 0 or H == 0:
         return
-    pointers, pos_scalar, meta = _options(q, k, v, input_pos, q_lengths, k_lengths)
-    meta["CAUSAL"] = bool(causal)
+    pointers, pos_scalar, meta = _options(q, k, v, input_pos, causal, q_lengths, k_lengths)
     reads = (q, k, v, do, m, l, delta)
     sizes = (H // Hkv, Sq, Sk, pos_scalar, scale, scale * LOG2E, D, DV)
     work = B * H * Sq * Sk

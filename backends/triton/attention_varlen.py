@@ -21,15 +21,7 @@ unchecked prefix sums; they are left unwritten here.
 from __future__ import annotations
 
 from ._attention_kernels import _dkdv_kernel, _dq_kernel, _forward_kernel
-from ._attn_common import (
-    LOG2E,
-    dim_block,
-    dot_precision,
-    dot_type,
-    launch,
-    scalar_or_pointer,
-    tile_grid,
-)
+from ._attn_common import LOG2E, launch, tile_grid
 from ._common import launch_context
 from .attention import (
     _DQ_TILES,
@@ -37,6 +29,7 @@ from .attention import (
     _dq_tuned,
     _forward_tuned,
     dkdv_launch,
+    kernel_options,
     launch_delta,
 )
 
@@ -57,24 +50,10 @@ def _strides(*tensors) -> tuple[int, ...]:
     return out
 
 
-def _meta(q, k, v, cu_seqlens_q, cu_seqlens_k, input_pos, causal):
-    if isinstance(input_pos, int):  # a host value: clamped as the kernels clamp arrays
-        input_pos = min(max(input_pos, -q.shape[0]), k.shape[0])
-    pos_arg, pos_scalar, pos_array = scalar_or_pointer(input_pos, q)
-    meta = {
-        "HAS_QLEN": False,
-        "HAS_KLEN": False,
-        "POS_ARRAY": pos_array,
-        "PRECISION": dot_precision(q.dtype),
-        "DOT_TYPE": dot_type(q.dtype),
-        "BLOCK_D": dim_block(q.shape[-1]),
-        "BLOCK_DV": dim_block(v.shape[-1]),
-        "CAUSAL": bool(causal),
-        "VARLEN": True,
-    }
-    meta["EVEN_D"] = meta["BLOCK_D"] == q.shape[-1]
-    meta["EVEN_DV"] = meta["BLOCK_DV"] == v.shape[-1]
-    return (cu_seqlens_q, cu_seqlens_k, pos_arg), pos_scalar, meta
+def _options(q, k, v, cu_seqlens_q, cu_seqlens_k, input_pos, causal):
+    extents, lengths = (q.shape[0], k.shape[0]), (cu_seqlens_q, cu_seqlens_k)
+    flags = {"CAUSAL": bool(causal), "HAS_QLEN": False, "HAS_KLEN": False, "VARLEN": True}
+    return kernel_options(q, v, input_pos, extents, lengths, **flags)
 
 
 def forward(
@@ -113,15 +92,14 @@ def forward(
     batch = cu_seqlens_q.shape[0] - 1
     if Tq == 0 or H == 0 or batch == 0 or max_seqlen_q == 0:
         return
-    pointers, pos_scalar, meta = _meta(q, k, v, cu_seqlens_q, cu_seqlens_k, input_pos, causal)
+    pointers, pos_scalar, meta = _options(q, k, v, cu_seqlens_q, cu_seqlens_k, input_pos, causal)
     meta["STORE_STATS"] = m is not None
     stats = (o, o) if m is None else (m, l)  # o is never read without STORE_STATS
     tensors = (q, k, v, o, *stats, *pointers, *_strides(q, k, v, o, m, l))
     args = (*tensors, H, H // Hkv, Tq, Tk, pos_scalar, scale * LOG2E, D, DV)
     grid = tile_grid(max_seqlen_q, "BLOCK_M", batch * H, varlen=True)
     work = batch * H * max_seqlen_q * max_seqlen_k
-    with launch_context(_forward_kernel, q):
-        launch(_forward_kernel, _forward_tuned, _FORWARD_TILES, grid, args, meta, work, q)
+    launch(_forward_kernel, _forward_tuned, _FORWARD_TILES, grid, args, meta, work, q)
 
 
 def backward(
@@ -156,7 +134,7 @@ def backward(
     batch = cu_seqlens_q.shape[0] - 1
     if batch == 0 or H == 0:
         return
-    pointers, pos_scalar, meta = _meta(q, k, v, cu_seqlens_q, cu_seqlens_k, input_pos, causal)
+    pointers, pos_scalar, meta = _options(q, k, v, cu_seqlens_q, cu_seqlens_k, input_pos, causal)
     reads = (q, k, v, do, m, l, delta)
     sizes = (H // Hkv, Tq, Tk, pos_scalar, scale, scale * LOG2E, D, DV)
     work = batch * H * max_seqlen_q * max_seqlen_k

@@ -52,9 +52,8 @@ from ._attn_common import (
     TileTable,
     autotuned,
     dim_block,
-    dot_precision,
-    dot_type,
     head_class,
+    head_meta,
     kv_tile,
     launch,
     load_tile,
@@ -463,17 +462,12 @@ def forward(
         return
     group = H // Hkv
     meta = {
-        "EVEN_D": dim_block(D) == D,
-        "EVEN_DV": dim_block(DV) == DV,
-        "PRECISION": dot_precision(q.dtype),
-        "DOT_TYPE": dot_type(q.dtype),
+        **head_meta(q, v),
         "PAGED": paged,
         "PAGE_SIZE": k.shape[2] if paged else 1,
         "HAS_WINDOW": window is not None,
         "HAS_SOFTCAP": softcap is not None,
         "BLOCK_G": max(16, triton.next_power_of_2(group)),
-        "BLOCK_D": dim_block(D),
-        "BLOCK_DV": dim_block(DV),
     }
     table = block_table if paged else lengths  # never read when not paged
     scratch = (o_partial, m_partial, l_partial)

@@ -55,11 +55,11 @@ from ._attn_common import (
     Strided,
     backward_heads,
     dim_block,
-    dot_precision,
-    dot_type,
+    head_meta,
     head_rows,
     interpreted,
     kv_tile,
+    launch_on,
     load_rows,
     query_tile,
     softmax_update,
@@ -129,6 +129,28 @@ def _entry(list_base, t):
     """``(tile, state)`` of entry ``t`` of a tile list."""
     e = tl.load(list_base + t)
     return e >> 2, e & 3
+
+
+@triton.jit
+def _query_program(
+    pos_ptr, H, GROUP, Sq, D, DV,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """``(query tile, kv head, row_off, offs_m, cols, query)`` of this program in the grid
+    ``(query tiles, B * H)``: its first row at int64, the row offsets of the tile, the
+    :data:`~._attn_common.Cols` and the :class:`Query` (``q_idx``, ``q_row`` as ``(rows, 1)``)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = Cols(tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), D, DV)
+    rows = start_m + offs_m
+    q_row = rows.to(tl.int64)[:, None]
+    q_idx = tl.load(pos_ptr + b).to(tl.int64) + q_row
+    query = Query(b, h, q_idx, q_row, rows < Sq)
+    return pid_m, h // GROUP, start_m.to(tl.int64), offs_m, cols, query
 
 
 @triton.jit
@@ -239,19 +261,10 @@ def _forward_kernel(
     lists = (list_ptr, stride_eb, stride_eh, stride_ei)
     plan = (counts, lists, (states_ptr, stride_sb, stride_sh, stride_si), plan_tm, plan_tn)
     mod_args = (score_arrs, score_consts, mask_arrs, mask_consts)
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    g = h // GROUP
-    start_m = pid_m * BLOCK_M
-    offs_m = tl.arange(0, BLOCK_M)
-    cols = Cols(tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), D, DV)
-    rows = start_m + offs_m
-    row_ok = rows < Sq
-    q_row = rows.to(tl.int64)[:, None]
-    q_idx = tl.load(pos_ptr + b).to(tl.int64) + q_row
-    row_off = start_m.to(tl.int64)
+    pid_m, g, row_off, offs_m, cols, query = _query_program(
+        pos_ptr, H, GROUP, Sq, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV
+    )
+    b, h, row_ok = query.b, query.h, query.row_ok
     q_rows = head_rows(Strided(q_ptr, stride_qb, stride_qh, stride_qm), b, h)
     q_tile = load_rows(q_rows, row_off, offs_m, row_ok, cols.d, D, True, EVEN_D).to(DOT_TYPE)
     kv = KV(
@@ -262,7 +275,6 @@ def _forward_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    query = Query(b, h, q_idx, q_row, row_ok)
     env = ScoreEnv(scale, states, mod_args)
     ctx = (q_tile, kv, cols, list_base, query, tl.arange(0, BLOCK_N), Sk, env)
     carry = (acc, m_i, l_i)
@@ -511,19 +523,10 @@ def _dq_kernel(
     lists = (list_ptr, stride_eb, stride_eh, stride_ei)
     plan = (counts, lists, (states_ptr, stride_sb, stride_sh, stride_si), plan_tm, plan_tn)
     mod_args = (score_arrs, score_consts, mask_arrs, mask_consts)
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    g = h // GROUP
-    start_m = pid_m * BLOCK_M
-    offs_m = tl.arange(0, BLOCK_M)
-    cols = Cols(tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), D, DV)
-    rows = start_m + offs_m
-    row_ok = rows < Sq
-    row_off = start_m.to(tl.int64)
-    q_row = rows.to(tl.int64)[:, None]
-    q_idx = tl.load(pos_ptr + b).to(tl.int64) + q_row
+    pid_m, g, row_off, offs_m, cols, query = _query_program(
+        pos_ptr, H, GROUP, Sq, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV
+    )
+    b, h, row_ok = query.b, query.h, query.row_ok
     tensors = BackwardRows(
         Strided(q_ptr, stride_qb, stride_qh, stride_qm),
         Strided(do_ptr, stride_dob, stride_doh, stride_dom),
@@ -541,7 +544,6 @@ def _dq_kernel(
     )
     count, list_base, states = _tile_list(plan, b, h, pid_m)
     dq_acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    query = Query(b, h, q_idx, q_row, row_ok)
     env = ScoreEnv(scale, states, mod_args)
     offs_n = tl.arange(0, BLOCK_N)
     ctx = (q_tile, do_tile, lse2, delta_row, kv, cols, list_base, query, offs_n, Sk, env)
@@ -589,31 +591,26 @@ def _tile(table, block_d, like, plan) -> dict:
     }
 
 
-def _plan_arguments(lists, plan, forward_axis: bool) -> tuple[tuple, tuple]:
-    """``(pointers, integers)`` of the kernels' plan arguments: the tile counts, the lists and
-    the plan's own states; their strides and the plan's tile sizes."""
+def _plan_arguments(plan, tile, n_q, n_kv, device, forward_axis: bool) -> tuple:
+    """``(lists, pointers, integers)``: the plan's tile lists for the kernel ``tile``, and the
+    kernels' plan arguments: the tile counts, the lists and the plan's own states; their
+    strides and the plan's tile sizes."""
+    lists = tile_lists(plan, n_q, n_kv, tile["BLOCK_M"], tile["BLOCK_N"], device)
     count, entries = (
         (lists.forward_count, lists.forward)
         if forward_axis
         else (lists.backward_count, lists.backward)
     )
     cs, es, ss = strides(count), strides(entries), strides(lists.states)
-    return (count, entries, lists.states), (*cs[:2], *es[:3], *ss[:3], plan.tile_m, plan.tile_n)
+    pointers = (count, entries, lists.states)
+    return lists, pointers, (*cs[:2], *es[:3], *ss[:3], plan.tile_m, plan.tile_n)
 
 
 def _meta(q, v, mods, vjp, score_mod, mask_mod, lists) -> dict:
     """The compile-time arguments of a launch whose score reverse mode is ``vjp``."""
-    block_d, block_dv = dim_block(q.shape[-1]), dim_block(v.shape[-1])
     has_score, has_mask = score_mod is not None, mask_mod is not None
-    return {
-        "MODS": ModFns(mods.score_fn, mods.mask_fn, vjp, has_score, has_mask, lists.exact),
-        "EVEN_D": block_d == q.shape[-1],
-        "EVEN_DV": block_dv == v.shape[-1],
-        "PRECISION": dot_precision(q.dtype),
-        "DOT_TYPE": dot_type(q.dtype),
-        "BLOCK_D": block_d,
-        "BLOCK_DV": block_dv,
-    }
+    mod_fns = ModFns(mods.score_fn, mods.mask_fn, vjp, has_score, has_mask, lists.exact)
+    return {"MODS": mod_fns, **head_meta(q, v)}
 
 
 def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) -> None:
@@ -642,9 +639,8 @@ def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) ->
             l.zero_()
         return
     tile = _tile(_FORWARD_TILES, dim_block(q.shape[-1]), q, plan)
-    lists = tile_lists(plan, Sq, Sk, tile["BLOCK_M"], tile["BLOCK_N"], q.device)
+    lists, plan_pointers, plan_integers = _plan_arguments(plan, tile, Sq, Sk, q.device, True)
     mods = Mods.build(score_mod, mask_mod)
-    plan_pointers, plan_integers = _plan_arguments(lists, plan, True)
     stats = (o, o) if m is None else (m, l)  # o is never read without STORE_STATS
     tensors = (q, k, v, o, *stats, _positions(input_pos, B, q), *plan_pointers)
     integers = (*strides_of(q, k, v, o, m, l), *plan_integers)
@@ -652,8 +648,7 @@ def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) ->
     args = (*tensors, *integers, *sizes, *mods.arguments)
     meta = _meta(q, v, mods, None, score_mod, mask_mod, lists)
     grid = (triton.cdiv(Sq, tile["BLOCK_M"]), B * H)
-    with launch_context(_forward_kernel, q):
-        traced(_forward_kernel, q)[grid](*args, **meta, **tile, STORE_STATS=store)
+    launch_on(_forward_kernel, q, grid, *args, **meta, **tile, STORE_STATS=store)
 
 
 def score_mod_workspace(q, k, v, score_mod, plan, score_mod_grads, deterministic) -> int:
@@ -730,8 +725,7 @@ def backward(
     with launch_context(_dq_kernel, q):
         args = (o, do, delta, q, *strides_of(o, do, delta), H, Sq, DV)
         launch_delta(q, args, DV, Sq, B * H, has_qlen=False)
-        lists = tile_lists(plan, Sq, Sk, tile["BLOCK_M"], tile["BLOCK_N"], q.device)
-        plan_pointers, plan_integers = _plan_arguments(lists, plan, False)
+        lists, plan_pointers, plan_integers = _plan_arguments(plan, tile, Sq, Sk, q.device, False)
         tensors = (*reads, dk, dv, positions, *plan_pointers)
         integers = (*strides_of(*reads, dk, dv), *plan_integers)
         args = (*tensors, *integers, Hkv, *sizes, *mods.arguments)
@@ -739,8 +733,7 @@ def backward(
         grid = (triton.cdiv(Sk, tile["BLOCK_N"]), B * Hkv)
         traced(_dkdv_kernel, q)[grid](*args, mods.grads, **meta, **tile)
         tile = _tile(_DQ_TILES, block_d, q, plan)
-        lists = tile_lists(plan, Sq, Sk, tile["BLOCK_M"], tile["BLOCK_N"], q.device)
-        plan_pointers, plan_integers = _plan_arguments(lists, plan, True)
+        lists, plan_pointers, plan_integers = _plan_arguments(plan, tile, Sq, Sk, q.device, True)
         tensors = (*reads, dq, positions, *plan_pointers)
         integers = (*strides_of(*reads, dq), *plan_integers)
         args = (*tensors, *integers, H, *sizes, *mods.arguments)
