@@ -35,13 +35,12 @@ a vjp is the code of the graph's gradient graph
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 from .grad import COTANGENT, gradient
-from .ir import BOOL, FLOAT, INT, OPS, Graph, computes_in_floats
+from .ir import BOOL, FLOAT, INPUTS, INT, Graph, spell
 
 __all__ = ["constants", "triton_source"]
-
-#: Inputs of the generated functions, in order (``score`` only for scores).
-_INDEX_INPUTS = ("b", "h", "q_idx", "kv_idx", "q_row")
 
 #: Axes of a tile each input varies along: rows (M), keys (N).
 _INPUT_AXES = {
@@ -121,7 +120,7 @@ def constants(graph: Graph) -> tuple:
 
 
 class _Writer:
-    """Expressions of one graph's nodes, as Triton source lines."""
+    """Expressions of one graph's nodes, as Triton source lines (written when it is built)."""
 
     #: deterministic vjp only: where each slot's program-row multipliers sit in ``grads``
     scatter_rows: dict[int, int] | None = None
@@ -132,11 +131,7 @@ class _Writer:
         self.helpers: set[str] = set()
         self.axes: list[str] = []
         self.const_index: dict[int, int] = {}
-        self.slot_base: list[int] = []
-        base = 0
-        for slot in graph.slots:
-            self.slot_base.append(base)
-            base += 1 + 2 * slot.array.ndim
+        self.slot_base = list(accumulate((1 + 2 * s.array.ndim for s in graph.slots), initial=0))
         for i, n in enumerate(graph.nodes):
             if n.op == "const" and not isinstance(n.value, bool):
                 self.const_index[i] = len(self.const_index)
@@ -148,6 +143,8 @@ class _Writer:
             else:
                 axes = "".join(a for a in "MN" if any(a in self.axes[j] for j in n.args))
             self.axes.append(axes)
+        for i in range(len(graph.nodes)):
+            self.emit(i)
 
     def float_of(self, i: int) -> str:
         """Node ``i``'s value as float32."""
@@ -156,63 +153,50 @@ class _Writer:
 
     def emit(self, i: int) -> None:
         """The line computing ``v{i}``."""
-        node, nodes = self.graph.nodes[i], self.graph.nodes
-        op, args = node.op, node.args
-        if op == "input":
-            self.lines.append(f"v{i} = {'g' if node.value == COTANGENT else node.value}")
-            return
-        if op == "literal":
-            self.lines.append(f"v{i} = {node.value!r}")
-            return
-        if op == "const":
-            if isinstance(node.value, bool):
-                expr = f"tl.full((), {node.value}, tl.int1)"
-            else:
-                dtype = "tl.float32" if node.kind == FLOAT else "tl.int64"
-                expr = f"tl.cast(consts[{self.const_index[i]}], {dtype})"
-            self.lines.append(f"v{i} = {expr}")
-            return
-        if op == "gather":
-            off, inside = self.offset(i)
+        node = self.graph.nodes[i]
+        if node.op == "input":
+            expr = "g" if node.value == COTANGENT else node.value
+        elif node.op == "literal":
+            expr = repr(node.value)
+        elif node.op == "const" and isinstance(node.value, bool):
+            expr = f"tl.full((), {node.value}, tl.int1)"
+        elif node.op == "const":
+            dtype = "tl.float32" if node.kind == FLOAT else "tl.int64"
+            expr = f"tl.cast(consts[{self.const_index[i]}], {dtype})"
+        elif node.op == "gather":
+            base = self.slot_base[node.value]
+            off, inside = self.offset(i, "arrs", base + 1 + len(node.args))
             mask = "" if inside is None else f", mask={inside}, other=0"
-            value = f"tl.load(arrs[{self.slot_base[node.value]}] + {off}{mask})"
+            expr = f"tl.load(arrs[{base}] + {off}{mask})"
             if node.kind == FLOAT:
-                value += ".to(tl.float32)"
+                expr += ".to(tl.float32)"
             elif node.kind == INT:
-                value += ".to(tl.int64)"
+                expr += ".to(tl.int64)"
             else:
-                value = f"({value} != 0)"
-            self.lines.append(f"v{i} = {value}")
-            return
-        floats = computes_in_floats(node, nodes)
-        spelled = [self.float_of(a) if floats and nodes[a].kind == INT else f"v{a}" for a in args]
-        constants = [nodes[a].value if nodes[a].op == "const" else None for a in args]
-        try:
-            expr = OPS[op].spelling("triton", floats, spelled, constants)
-        except NotImplementedError:
-            raise NotImplementedError(
-                f"no Triton spelling for mod operation {op!r} on {node.kind}"
-            ) from None
-        self.helpers.update(h for h in _HELPERS if f"{h}(" in expr)
+                expr = f"({expr} != 0)"
+        else:
+            expr = spell(self.graph.nodes, i, "triton", self.float_of)
+            self.helpers.update(h for h in _HELPERS if f"{h}(" in expr)
         self.lines.append(f"v{i} = {expr}")
 
-    def offset(self, i: int) -> tuple[str, str | None]:
+    def offset(self, i: int, array: str, strides: int) -> tuple[str, str | None]:
         """``(offset, inside)``: gather ``i``'s element offset and the pairs it may read.
 
-        An index the call could not prove in range (it depends on device
-        values: :attr:`Graph.clamped`) is clamped into the array, as every
-        backend does. The others are in range on every pair of the call, so
-        only a tile's padding rows or keys can leave the array: those reads
-        are masked off instead (``inside``, None when nothing is masked),
-        which keeps contiguous indices contiguous for vector loads.
+        The strides are ``array[strides + axis]`` (the slot's own in ``arrs``
+        for a read, its accumulator's in ``grads`` for a scatter). An index the
+        call could not prove in range (it depends on device values:
+        :attr:`Graph.clamped`) is clamped into the array, as every backend
+        does. The others are in range on every pair of the call, so only a
+        tile's padding rows or keys can leave the array: those reads are
+        masked off instead (``inside``, None when nothing is masked), which
+        keeps contiguous indices contiguous for vector loads.
         """
         node = self.graph.nodes[i]
         base = self.slot_base[node.value]
-        rank = len(node.args)
         terms, checks = [], []
         for axis, j in enumerate(node.args):
             extent = f"arrs[{base + 1 + axis}]"
-            stride = f"arrs[{base + 1 + rank + axis}]"
+            stride = f"{array}[{strides + axis}]"
             if (i, axis) in self.graph.clamped:
                 terms.append(f"tl.minimum(tl.maximum(v{j}, 0), {extent} - 1) * {stride}")
                 continue
@@ -229,15 +213,10 @@ def _reverse(
     """The writer of ``graph``'s gradient graph and the lines after its nodes (scatters, d_score)."""
     rev = gradient(graph, grads)
     w = _Writer(rev.graph)
+    bases = list(accumulate((1 + graph.slots[s].array.ndim for s in grads), initial=0))
+    grad_base = dict(zip(grads, bases))
     if deterministic:
-        tail = sum(1 + graph.slots[s].array.ndim for s in grads)
-        w.scatter_rows = {s: tail + 4 * k for k, s in enumerate(grads)}
-    for i in range(len(rev.graph.nodes)):
-        w.emit(i)
-    grad_base, base = {}, 0
-    for s in grads:
-        grad_base[s] = base
-        base += 1 + graph.slots[s].array.ndim
+        w.scatter_rows = {s: bases[-1] + 4 * k for k, s in enumerate(grads)}
     lines: list[str] = []
     for i, g in rev.scatters:
         lines.extend(_scatter(w, i, f"v{g}", grad_base[graph.nodes[i].value], transposed))
@@ -276,22 +255,9 @@ def _scatter(w: _Writer, i: int, g: str, base: int, transposed: bool) -> list[st
         kept = row_axis if axes == "M" else 1 - row_axis
         index = "[:, None]" if kept == 0 else "[None, :]"
         lines.append(f"{c} = tl.sum({c}, {1 - kept}){index}")
-    slot = w.slot_base[node.value]
-    rank = len(node.args)
-    terms, checks = [], []
-    for axis, j in enumerate(node.args):
-        stride = f"grads[{base + 1 + axis}]"
-        extent = f"arrs[{slot + 1 + axis}]"
-        if (i, axis) in w.graph.clamped:
-            terms.append(f"tl.minimum(tl.maximum(v{j}, 0), {extent} - 1) * {stride}")
-            continue
-        terms.append(f"v{j} * {stride}")
-        if w.axes[j]:
-            checks.append(f"((v{j} >= 0) & (v{j} < {extent}))")
-    offset = " + ".join(terms) if rank else "0"
-    inside = " & ".join(checks) if checks else None
+    offset, inside = w.offset(i, "grads", base + 1)
+    mask = f", mask={inside}" if inside else ""
     if w.scatter_rows is None:
-        mask = f", mask={inside}" if inside else ""
         lines.append(f"tl.atomic_add(grads[{base}] + {offset}, {c}{mask})")
         return lines
     rows = w.scatter_rows[node.value]
@@ -313,7 +279,6 @@ def _scatter(w: _Writer, i: int, g: str, base: int, transposed: bool) -> list[st
         for a in axes
     )
     if injective:
-        mask = f", mask={inside}" if inside else ""
         other = ", other=0.0" if inside else ""
         lines.append(f"{p} = grads[{base}] + {r} + ({offset})")
         lines.append(f"tl.store({p}, tl.load({p}{mask}{other}) + {c}{mask})")
@@ -381,24 +346,17 @@ def triton_source(
     str
         Python source importing ``triton`` and ``triton.language as tl``.
     """
-    inputs = list(_INDEX_INPUTS)
-    if role != "mask":
-        inputs.insert(0, "score")
-    if role == "vjp":
-        inputs += ["g", "valid"]
-    inputs += ["arrs", "consts"]
-    if role == "vjp":
-        inputs.append("grads")
+    inputs = list(INPUTS[1:] if role == "mask" else INPUTS)
     out = graph.output
     if role == "vjp":
+        inputs += ["g", "valid", "arrs", "consts", "grads"]
         w, tail = _reverse(graph, grads, transposed, deterministic)
-        body = w.lines + tail
     else:
+        inputs += ["arrs", "consts"]
         w = _Writer(graph)
-        for i in range(len(graph.nodes)):
-            w.emit(i)
         result = f"v{out}" if role == "mask" else f"tl.broadcast_to({w.float_of(out)}, score.shape)"
-        body = w.lines + [f"return {result}"]
+        tail = [f"return {result}"]
+    body = w.lines + tail
     kind = graph.nodes[out].kind
     if role == "mask" and kind != BOOL:
         raise ValueError(f"a mask graph returns a condition, got {kind}")

@@ -53,16 +53,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
 from .grad import COTANGENT, gradient
-from .ir import BOOL, FLOAT, INT, OPS, Graph, computes_in_floats
+from .ir import BOOL, FLOAT, INPUTS, INT, Graph, spell
 
 __all__ = ["Layout", "cuda_source", "layout", "pack_arguments"]
-
-#: The index inputs of the generated functions, in order (after ``score`` for scores).
-_INDEX_INPUTS = ("b", "h", "q_idx", "kv_idx", "q_row")
 
 #: C++ element type and the expression reading element ``{0}`` of pointer ``{1}`` as
 #: its kind's value type, by dtype name.
@@ -200,10 +198,8 @@ class Layout:
 
 def layout(graph: Graph, grads: tuple[int, ...] = ()) -> Layout:
     """The :class:`Layout` of ``graph``'s arguments with accumulators for slots ``grads``."""
-    slot_ints, offset = [], 0
-    for slot in graph.slots:
-        slot_ints.append(offset)
-        offset += 2 * slot.array.ndim
+    slot_ints = list(accumulate((2 * slot.array.ndim for slot in graph.slots), initial=0))
+    offset = slot_ints.pop()
     int_consts: dict[int, int] = {}
     float_consts: dict[int, int] = {}
     for i, n in enumerate(graph.nodes):
@@ -214,12 +210,10 @@ def layout(graph: Graph, grads: tuple[int, ...] = ()) -> Layout:
         else:
             int_consts[i] = offset
             offset += 1
-    grad_ints = []
-    for s in grads:
-        grad_ints.append(offset)
-        offset += graph.slots[s].array.ndim
+    grad_ints = list(accumulate((graph.slots[s].array.ndim for s in grads), initial=offset))
+    n_ints = grad_ints.pop()
     return Layout(
-        tuple(slot_ints), int_consts, float_consts, tuple(grad_ints), offset, len(float_consts)
+        tuple(slot_ints), int_consts, float_consts, tuple(grad_ints), n_ints, len(float_consts)
     )
 
 
@@ -308,11 +302,14 @@ def pack_arguments(
 
 
 class _Writer:
-    """Statements of one graph's nodes and their reverse mode, as ``(target, C++ line)``."""
+    """Statements of one graph's nodes (written when it is built) and their reverse mode, as
+    ``(target, C++ line)``."""
 
     def __init__(self, graph: Graph, lay: Layout):
         self.graph, self.lay = graph, lay
         self.lines: list[tuple[str | None, str]] = []
+        for i in range(len(graph.nodes)):
+            self.emit(i)
 
     def float_of(self, i: int) -> str:
         return f"v{i}" if self.graph.nodes[i].kind == FLOAT else f"(float)v{i}"
@@ -328,8 +325,8 @@ class _Writer:
         return " + ".join(terms) if terms else "0"
 
     def emit(self, i: int) -> None:
-        node, nodes = self.graph.nodes[i], self.graph.nodes
-        op, args = node.op, node.args
+        node = self.graph.nodes[i]
+        op = node.op
         if op == "input":
             expr = "g" if node.value == COTANGENT else node.value
         elif op == "literal":
@@ -344,23 +341,11 @@ class _Writer:
         elif op == "gather":
             slot = self.graph.slots[node.value]
             ctype, read = _DTYPES[_dtype_name(slot.array.dtype)]
-            base = self.lay.slot_ints[node.value]
-            rank = slot.array.ndim
             pointer = f"reinterpret_cast<const {ctype}*>(__ldg(a.ptrs + {node.value}))"
-            offset = self.index(i, base + rank)
+            offset = self.index(i, self.lay.slot_ints[node.value] + slot.array.ndim)
             expr = read.format(offset, pointer)
         else:
-            floats = computes_in_floats(node, nodes)
-            spelled = [
-                self.float_of(a) if floats and nodes[a].kind == INT else f"v{a}" for a in args
-            ]
-            constants = [nodes[a].value if nodes[a].op == "const" else None for a in args]
-            try:
-                expr = OPS[op].spelling("cuda", floats, spelled, constants)
-            except NotImplementedError:
-                raise NotImplementedError(
-                    f"no CUDA C spelling for mod operation {op!r} on {node.kind}"
-                ) from None
+            expr = spell(self.graph.nodes, i, "cuda", self.float_of)
         self.lines.append((f"v{i}", f"const {_CTYPE[node.kind]} v{i} = {expr};"))
 
     def scatters(self, rev, grads: tuple[int, ...]) -> str:
@@ -430,9 +415,7 @@ def cuda_source(graph: Graph, role: str, name: str, grads: tuple[int, ...] = ())
         raise ValueError(f"a mask graph returns a condition, got {kind}")
     rev = gradient(graph, grads) if role == "vjp" else None
     w = _Writer(graph if rev is None else rev.graph, layout(graph, grads))
-    for i in range(len(w.graph.nodes)):
-        w.emit(i)
-    params = [f"long long {n}" for n in _INDEX_INPUTS]
+    params = [f"long long {n}" for n in INPUTS[1:]]
     if role == "mask":
         result, returns = f"v{graph.output}", "bool"
     elif role == "score":
@@ -443,13 +426,6 @@ def cuda_source(graph: Graph, role: str, name: str, grads: tuple[int, ...] = ())
         params.append("float g")
         result, returns = w.scatters(rev, grads), "float"
     params.append("const ModArgs& a")
-    lines = w.body(result)
     signature = f"__device__ __forceinline__ {returns} {name}({', '.join(params)})"
-    return (
-        _COMMON.lstrip("\n")
-        + "\n"
-        + signature
-        + " {\n"
-        + "".join(f"    {s}\n" for s in lines)
-        + "}\n"
-    )
+    body = "".join(f"    {s}\n" for s in w.body(result))
+    return _COMMON.lstrip("\n") + "\n" + signature + " {\n" + body + "}\n"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ir import FLOAT, OPS, Graph, Node
+from .ir import FLOAT, OPS, Graph, Node, reachable
 
 __all__ = ["COTANGENT", "Gradient", "gradient"]
 
@@ -140,16 +140,9 @@ def _build(graph: Graph, slots: frozenset) -> Gradient:
 
 def _prune(nodes, start, outputs):
     """The forward nodes and the reverse nodes ``outputs`` need, and old -> new indices."""
-    need: set[int] = set()
-    stack = list(outputs)
-    while stack:
-        i = stack.pop()
-        if i >= start and i not in need:
-            need.add(i)
-            stack.extend(nodes[i].args)
     renumber = {i: i for i in range(start)}
     kept = list(nodes[:start])
-    for i in sorted(need):
+    for i in reachable(nodes, outputs, start):
         renumber[i] = len(kept)
         n = nodes[i]
         kept.append(Node(n.op, tuple(renumber[a] for a in n.args), n.value, n.kind))

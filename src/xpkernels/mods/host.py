@@ -16,15 +16,17 @@ def _zeros_host(a):
     return np.zeros(tuple(a.shape), dtype=np.float64)
 
 
-def _host_grid(b, h, q_idx, kv_idx, input_pos):
-    values = {
-        "b": np.asarray(b, dtype=np.int64),
-        "h": np.asarray(h, dtype=np.int64),
-        "q_idx": np.asarray(q_idx, dtype=np.int64),
-        "kv_idx": np.asarray(kv_idx, dtype=np.int64),
-    }
+def _host_grid(b, h, q_idx, kv_idx, input_pos, score=None):
+    """``(grid, score, shape)``: the indices' grid, ``score`` in float64 (None: no score) and
+    the shape they all broadcast to."""
+    indices = {"b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}
+    values = {name: np.asarray(v, dtype=np.int64) for name, v in indices.items()}
     values["q_row"] = values["q_idx"] - np.asarray(input_pos, dtype=np.int64)
-    return Grid(values)
+    shapes = [v.shape for v in values.values()]
+    if score is not None:
+        score = np.asarray(score, dtype=np.float64)
+        shapes.append(score.shape)
+    return Grid(values), score, np.broadcast_shapes(*shapes)
 
 
 def _host_bound(mod):
@@ -38,21 +40,15 @@ def mask_value(mask_mod, q_idx, kv_idx, b=0, h=0, *, input_pos=0) -> np.ndarray:
     (its row is ``q_idx - input_pos``). Returns a bool NumPy array.
     """
     mod = as_mask_mod(mask_mod, "mask_value: mask_mod")
-    grid = _host_grid(b, h, q_idx, kv_idx, input_pos)
-    out = _host_bound(mod).run(grid)[mod.graph.output]
-    return np.broadcast_to(
-        out, np.broadcast_shapes(*(v.shape for v in grid.values.values()))
-    ).copy()
+    grid, _, shape = _host_grid(b, h, q_idx, kv_idx, input_pos)
+    return np.broadcast_to(_host_bound(mod).run(grid)[mod.graph.output], shape).copy()
 
 
 def score_value(score_mod, score, q_idx, kv_idx, b=0, h=0, *, input_pos=0) -> np.ndarray:
     """Evaluate a score mod's traced graph on the host, in float64, for the given scores."""
     mod = as_score_mod(score_mod, "score_value: score_mod")
-    grid = _host_grid(b, h, q_idx, kv_idx, input_pos)
-    score = np.asarray(score, dtype=np.float64)
-    out = _host_bound(mod).run(grid, score)[mod.graph.output]
-    shapes = [v.shape for v in grid.values.values()] + [score.shape]
-    return np.broadcast_to(out, np.broadcast_shapes(*shapes)).copy()
+    grid, score, shape = _host_grid(b, h, q_idx, kv_idx, input_pos, score)
+    return np.broadcast_to(_host_bound(mod).run(grid, score)[mod.graph.output], shape).copy()
 
 
 def score_grad(
@@ -69,9 +65,7 @@ def score_grad(
         given pairs.
     """
     mod = as_score_mod(score_mod, "score_grad: score_mod")
-    grid = _host_grid(b, h, q_idx, kv_idx, input_pos)
-    score = np.asarray(score, dtype=np.float64)
-    shape = np.broadcast_shapes(*([v.shape for v in grid.values.values()] + [score.shape]))
+    grid, score, shape = _host_grid(b, h, q_idx, kv_idx, input_pos, score)
     score = np.broadcast_to(score, shape)
     bound = _host_bound(mod)
     values = bound.run(grid, score)

@@ -193,7 +193,11 @@ class BoundGraph:
                 values[i] = OPS[op].evaluate(xp, *args)
 
     def _slices(self, i, grid):
-        """``(slices, grid axis per array axis)`` reading gather ``i`` as a plain slice, or None."""
+        """``(slices, kept, order)`` reading gather ``i`` as a plain slice, or None.
+
+        ``kept``: ``(grid axis, length)`` of each array axis the grid varies along (the
+        others have a constant index); ``order``: their positions sorted by grid axis.
+        """
         slices, axes = [], []
         for form in self.graph.forms[i]:
             if form is None:
@@ -208,32 +212,24 @@ class BoundGraph:
             axis, start, length = span
             slices.append(slice(start + form[2], start + form[2] + length))
             axes.append(axis)
-        used = [a for a in axes if a is not None]
-        if len(set(used)) != len(used):
+        kept = [(a, s.stop - s.start) for a, s in zip(axes, slices) if a is not None]
+        if len({a for a, _ in kept}) != len(kept):
             return None
-        return tuple(slices), axes
-
-    def _grid_shape(self, axes, lengths, rank):
-        shape = [1] * rank
-        for axis, n in zip(axes, lengths):
-            if axis is not None:
-                shape[axis] = n
-        return tuple(shape)
+        return tuple(slices), kept, sorted(range(len(kept)), key=lambda k: kept[k][0])
 
     def _gather(self, i, node, values, grid):
         xp = self.xp
         array = self.arrays[node.value]
         plan = self._slices(i, grid)
         if plan is not None:
-            slices, axes = plan
-            block = array[slices]
-            lengths = [s.stop - s.start for s in slices]
-            kept = [(a, n) for a, n in zip(axes, lengths) if a is not None]
-            block = xp.reshape(block, tuple(n for _, n in kept))
-            order = sorted(range(len(kept)), key=lambda k: kept[k][0])
+            slices, kept, order = plan
+            block = xp.reshape(array[slices], tuple(n for _, n in kept))
             if order != list(range(len(kept))):
                 block = xp.permute_dims(block, tuple(order))
-            out = xp.reshape(block, self._grid_shape(axes, lengths, grid.rank))
+            shape = [1] * grid.rank
+            for axis, n in kept:
+                shape[axis] = n
+            out = xp.reshape(block, tuple(shape))
         else:
             flat_index = self._flat_index(i, node, values)
             out = xp.reshape(
@@ -295,15 +291,13 @@ class BoundGraph:
         if plan is None:
             scatter_add(xp, acc, self._flat_index(i, node, values), g)
             return
-        slices, axes = plan
-        lengths = [s.stop - s.start for s in slices]
-        kept = [(a, n) for a, n in zip(axes, lengths) if a is not None]
-        by_axis = sorted(range(len(kept)), key=lambda k: kept[k][0])
+        slices, kept, by_axis = plan
         block = xp.reshape(g, tuple(kept[k][1] for k in by_axis))
         back = sorted(range(len(kept)), key=lambda k: by_axis[k])
         if back != list(range(len(kept))):
             block = xp.permute_dims(block, tuple(back))
-        acc[slices] += xp.astype(xp.reshape(block, tuple(lengths)), acc.dtype)
+        lengths = tuple(s.stop - s.start for s in slices)
+        acc[slices] += xp.astype(xp.reshape(block, lengths), acc.dtype)
 
 
 # Graph.bind (in .ir, below this module) builds a BoundGraph.

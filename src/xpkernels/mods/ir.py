@@ -232,6 +232,18 @@ class Graph:
         return frozenset(clamped)
 
 
+def reachable(nodes, roots, start: int = 0) -> list[int]:
+    """The nodes from ``start`` on that ``roots`` (included) depend on through such nodes, in order."""
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        i = stack.pop()
+        if i >= start and i not in seen:
+            seen.add(i)
+            stack.extend(nodes[i].args)
+    return sorted(seen)
+
+
 def _interval(graph, i, ranges, memo, read_device=False):
     """``(low, high, device, wrapped)`` of integer node ``i`` over the call, in int64.
 
@@ -397,6 +409,24 @@ def computes_in_floats(node: Node, nodes) -> bool:
     return node.op in ORDERED + ("eq", "ne") and any(nodes[a].kind == FLOAT for a in node.args)
 
 
+def spell(nodes, i: int, target: str, float_of: Callable[[int], str]) -> str:
+    """Operation node ``i`` on ``target`` (``"triton"`` or ``"cuda"``), argument ``a`` as ``v{a}``.
+
+    Integer arguments of a computation in floats are spelled ``float_of(a)``.
+    """
+    node = nodes[i]
+    floats = computes_in_floats(node, nodes)
+    args = [float_of(a) if floats and nodes[a].kind == INT else f"v{a}" for a in node.args]
+    constants = [nodes[a].value if nodes[a].op == "const" else None for a in node.args]
+    try:
+        return OPS[node.op].spelling(target, floats, args, constants)
+    except NotImplementedError:
+        raise NotImplementedError(
+            f"no {dict(triton='Triton', cuda='CUDA C')[target]} spelling for mod operation "
+            f"{node.op!r} on {node.kind}"
+        ) from None
+
+
 def _numeric(kinds, nodes) -> str:
     return FLOAT if FLOAT in kinds else INT
 
@@ -531,12 +561,30 @@ def _pow_vjp(d, x, y, g):
     return d_base, d("where", zero, d.literal(0.0), d_exponent)
 
 
-def _extreme_vjp(order):
+def _extreme(name: str, pick, order: str) -> Op:
+    """``minimum`` / ``maximum`` (``pick`` = ``min`` / ``max``): NaN-propagating on floats; the
+    cotangent goes to the first argument where ``first order second`` holds, else the second."""
+
     def vjp(d, x, y, g):
         first = d(order, x[0], x[1])
         return d("where", first, g, d.literal(0.0)), d("where", first, d.literal(0.0), g)
 
-    return vjp
+    tl, short = f"tl.{name}({{0}}, {{1}}", pick.__name__
+    return Op(
+        2,
+        _numeric,
+        lambda xp, a, b: getattr(xp, name)(a, b),
+        vjp,
+        lambda b, n: (pick(b[0][0], b[1][0]), pick(b[0][1], b[1][1])),
+        (tl + ")", tl + ", propagate_nan=tl.PropagateNan.ALL)"),
+        (f"xpk_i{short}({{0}}, {{1}})", f"xpk_f{short}({{0}}, {{1}})"),
+    )
+
+
+def _float_function(name: str, vjp, triton: str, cuda: str, evaluate=None) -> Op:
+    """A float function of one argument: ``xp.<name>`` unless ``evaluate`` says otherwise."""
+    evaluate = evaluate or (lambda xp, a: getattr(xp, name)(a))
+    return Op(1, _always(FLOAT), evaluate, vjp, None, (None, triton), (None, cuda))
 
 
 #: The order comparisons (their integer arguments become floats next to a float).
@@ -637,69 +685,46 @@ OPS: dict[str, Op] = {
         (None, "tl.where({0} > 0.0, 1.0, tl.where({0} < 0.0, -1.0, {0} * 0.0))"),
         (None, "({0} > 0.0f ? 1.0f : ({0} < 0.0f ? -1.0f : {0} * 0.0f))"),
     ),
-    "exp": Op(
-        1, _always(FLOAT), lambda xp, a: xp.exp(a),
-        lambda d, x, y, g: (d("mul", g, y),), None,
-        (None, "tl.exp({0})"), (None, "expf({0})"),
+    "exp": _float_function(
+        "exp", lambda d, x, y, g: (d("mul", g, y),), "tl.exp({0})", "expf({0})",
     ),
-    "exp2": Op(
-        1, _always(FLOAT), _exp2,
-        lambda d, x, y, g: (d("mul", g, d("mul", d.literal(math.log(2.0)), y)),), None,
-        (None, "tl.exp2({0})"), (None, "exp2f({0})"),
+    "exp2": _float_function(
+        "exp2", lambda d, x, y, g: (d("mul", g, d("mul", d.literal(math.log(2.0)), y)),),
+        "tl.exp2({0})", "exp2f({0})", _exp2,
     ),
-    "log": Op(
-        1, _always(FLOAT), lambda xp, a: xp.log(a),
-        lambda d, x, y, g: (d("div", g, x[0]),), None,
-        (None, "tl.log({0})"), (None, "logf({0})"),
+    "log": _float_function(
+        "log", lambda d, x, y, g: (d("div", g, x[0]),), "tl.log({0})", "logf({0})",
     ),
-    "tanh": Op(  # 1 - 2 / (exp(2x) + 1) in the kernels: exact at both infinities
-        1, _always(FLOAT), lambda xp, a: xp.tanh(a),
-        lambda d, x, y, g: (d("mul", g, d("sub", d.literal(1.0), d("mul", y, y))),), None,
-        (None, "_tanh({0})"), (None, "(1.0f - 2.0f / (expf(2.0f * {0}) + 1.0f))"),
+    "tanh": _float_function(  # 1 - 2 / (exp(2x) + 1) in the kernels: exact at both infinities
+        "tanh", lambda d, x, y, g: (d("mul", g, d("sub", d.literal(1.0), d("mul", y, y))),),
+        "_tanh({0})", "(1.0f - 2.0f / (expf(2.0f * {0}) + 1.0f))",
     ),
-    "sqrt": Op(
-        1, _always(FLOAT), lambda xp, a: xp.sqrt(a),
-        lambda d, x, y, g: (d("div", d("mul", g, d.literal(0.5)), y),), None,
-        (None, "tl.sqrt({0})"), (None, "sqrtf({0})"),
+    "sqrt": _float_function(
+        "sqrt", lambda d, x, y, g: (d("div", d("mul", g, d.literal(0.5)), y),),
+        "tl.sqrt({0})", "sqrtf({0})",
     ),
-    "sin": Op(
-        1, _always(FLOAT), lambda xp, a: xp.sin(a),
-        lambda d, x, y, g: (d("mul", g, d("cos", x[0])),), None,
-        (None, "tl.sin({0})"), (None, "sinf({0})"),
+    "sin": _float_function(
+        "sin", lambda d, x, y, g: (d("mul", g, d("cos", x[0])),), "tl.sin({0})", "sinf({0})",
     ),
-    "cos": Op(
-        1, _always(FLOAT), lambda xp, a: xp.cos(a),
-        lambda d, x, y, g: (d("mul", d("neg", g), d("sin", x[0])),), None,
-        (None, "tl.cos({0})"), (None, "cosf({0})"),
+    "cos": _float_function(
+        "cos", lambda d, x, y, g: (d("mul", d("neg", g), d("sin", x[0])),),
+        "tl.cos({0})", "cosf({0})",
     ),
-    "tan": Op(
-        1, _always(FLOAT), lambda xp, a: xp.tan(a),
-        lambda d, x, y, g: (d("mul", g, d("add", d.literal(1.0), d("mul", y, y))),), None,
-        (None, "tl.sin({0}) / tl.cos({0})"), (None, "(sinf({0}) / cosf({0}))"),
+    "tan": _float_function(
+        "tan", lambda d, x, y, g: (d("mul", g, d("add", d.literal(1.0), d("mul", y, y))),),
+        "tl.sin({0}) / tl.cos({0})", "(sinf({0}) / cosf({0}))",
     ),
-    "sigmoid": Op(
-        1, _always(FLOAT), lambda xp, a: 1.0 / (1.0 + xp.exp(-a)),
-        lambda d, x, y, g: (d("mul", g, d("mul", y, d("sub", d.literal(1.0), y))),), None,
-        (None, "1.0 / (1.0 + tl.exp(-({0})))"), (None, "(1.0f / (1.0f + expf(-({0}))))"),
+    "sigmoid": _float_function(
+        "sigmoid", lambda d, x, y, g: (d("mul", g, d("mul", y, d("sub", d.literal(1.0), y))),),
+        "1.0 / (1.0 + tl.exp(-({0})))", "(1.0f / (1.0f + expf(-({0}))))",
+        lambda xp, a: 1.0 / (1.0 + xp.exp(-a)),
     ),
     "floor": Op(  # to int64: NaN gives 0, values past int64 saturate
         1, _always(INT), lambda xp, a: _floor_int(xp, a), None, None,
         ("_floor_int({0})", None), ("xpk_floor_int({0})", None),
     ),
-    "minimum": Op(
-        2, _numeric, lambda xp, a, b: xp.minimum(a, b),
-        _extreme_vjp("le"),
-        lambda b, n: (builtins.min(b[0][0], b[1][0]), builtins.min(b[0][1], b[1][1])),
-        ("tl.minimum({0}, {1})", "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"),
-        ("xpk_imin({0}, {1})", "xpk_fmin({0}, {1})"),
-    ),
-    "maximum": Op(
-        2, _numeric, lambda xp, a, b: xp.maximum(a, b),
-        _extreme_vjp("ge"),
-        lambda b, n: (builtins.max(b[0][0], b[1][0]), builtins.max(b[0][1], b[1][1])),
-        ("tl.maximum({0}, {1})", "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"),
-        ("xpk_imax({0}, {1})", "xpk_fmax({0}, {1})"),
-    ),
+    "minimum": _extreme("minimum", builtins.min, "le"),
+    "maximum": _extreme("maximum", builtins.max, "ge"),
     "where": Op(
         3, _where_kind, lambda xp, c, a, b: xp.where(c, a, b),
         lambda d, x, y, g: (

@@ -11,6 +11,7 @@ import builtins
 import inspect
 import math
 from dataclasses import dataclass
+from functools import reduce
 
 import array_api_compat
 import numpy as np
@@ -32,6 +33,13 @@ def _array_kind(owner: str, name: str, a) -> str:
     if xp.isdtype(a.dtype, "real floating"):
         return FLOAT
     raise TypeError(f"{owner}: {name} must have a bool, integer or real float dtype, got {a.dtype}")
+
+
+def _check_float_array(owner: str, name: str, a, rank: int, shape: str | None = None) -> None:
+    """TypeError unless ``a`` is a rank-``rank`` float array (``shape``: its shape, as named)."""
+    if _array_kind(owner, name, a) != FLOAT or a.ndim != rank:
+        form = f"a rank-{rank} float array" if shape is None else f"a float array of shape {shape}"
+        raise TypeError(f"{owner}: {name} must be {form}, got {tuple(a.shape)} {a.dtype}")
 
 
 def _takes_q_row(fn) -> bool:
@@ -202,20 +210,31 @@ class MaskMod(_Mod):
         return zero, zero + (n_kv - 1), zero + n_kv, zero - 1
 
 
-class _CompositeMask(MaskMod):
-    _combine = staticmethod(logical_and)
-    _symbol = "&"
+class _Composition:
+    """What ``&``, ``|`` and ``>>`` compositions share: their parts (nested compositions of the
+    same kind flattened), no function or arrays of their own, and the parts' checks."""
 
     def __init__(self, *parts):
         flat = []
         for part in parts:
-            flat.extend(part.parts if type(part) is type(self) else (part,))
+            flat.extend(part.parts if self._flattens(part) else (part,))
         self.parts = tuple(flat)
         self.fn = None
-        self.arrays = {}
-        self._bounds = {}
-        self._q_row = False
+        self.arrays, self._kinds, self._bounds, self._q_row = {}, {}, {}, False
         self.graph = self._trace()
+
+    def _flattens(self, part) -> bool:
+        """Whether ``part`` is a composition whose parts join this one's."""
+        return type(part) is type(self)
+
+    def _check(self, fn, call):
+        for part in self.parts:
+            part._check(fn, call)
+
+
+class _CompositeMask(_Composition, MaskMod):
+    _combine = staticmethod(logical_and)
+    _symbol = "&"
 
     @property
     def label(self) -> str:
@@ -224,34 +243,26 @@ class _CompositeMask(MaskMod):
         )
 
     def _emit(self, tracer, inputs, path):
-        result = None
-        for k, part in enumerate(self.parts):
-            value = part._emit(tracer, inputs, path + (k,))
-            result = value if result is None else self._combine(result, value)
-        return result
+        parts = (part._emit(tracer, inputs, path + (k,)) for k, part in enumerate(self.parts))
+        return reduce(self._combine, parts)
 
     def __call__(self, b, h, q_idx, kv_idx, *, q_row=None):
-        result = None
-        for part in self.parts:
-            value = part(b, h, q_idx, kv_idx, q_row=q_row)
-            result = value if result is None else self._combine(result, value)
-        return result
+        return reduce(
+            self._combine, (part(b, h, q_idx, kv_idx, q_row=q_row) for part in self.parts)
+        )
 
-    def _check(self, fn, call):
-        for part in self.parts:
-            part._check(fn, call)
+    def _band(self, positions, n_kv):
+        return reduce(self._join, (p._band(positions, n_kv) for p in self.parts))
 
 
 class AndMask(_CompositeMask):
     """``a & b``: keys every part keeps. Its band is the intersection of the parts' bands."""
 
-    def _band(self, positions, n_kv):
-        bands = [p._band(positions, n_kv) for p in self.parts]
-        lo, hi, flo, fhi = bands[0]
-        for lo2, hi2, flo2, fhi2 in bands[1:]:
-            lo, hi = np.maximum(lo, lo2), np.minimum(hi, hi2)
-            flo, fhi = np.maximum(flo, flo2), np.minimum(fhi, fhi2)
-        return lo, hi, flo, fhi
+    @staticmethod
+    def _join(first, second):
+        (lo, hi, flo, fhi), (lo2, hi2, flo2, fhi2) = first, second
+        lo, hi = np.maximum(lo, lo2), np.minimum(hi, hi2)
+        return lo, hi, np.maximum(flo, flo2), np.minimum(fhi, fhi2)
 
 
 class OrMask(_CompositeMask):
@@ -261,18 +272,16 @@ class OrMask(_CompositeMask):
     _combine = staticmethod(logical_or)
     _symbol = "|"
 
-    def _band(self, positions, n_kv):
-        bands = [p._band(positions, n_kv) for p in self.parts]
-        lo, hi, flo, fhi = bands[0]
-        for lo2, hi2, flo2, fhi2 in bands[1:]:
-            lo, hi = np.minimum(lo, lo2), np.maximum(hi, hi2)
-            empty1, empty2 = flo > fhi, flo2 > fhi2
-            joined = ~empty1 & ~empty2 & (flo2 <= fhi + 1) & (flo <= fhi2 + 1)
-            first_longer = (fhi - flo) >= (fhi2 - flo2)
-            take_first = empty2 | (~empty1 & first_longer)
-            flo = np.where(joined, np.minimum(flo, flo2), np.where(take_first, flo, flo2))
-            fhi = np.where(joined, np.maximum(fhi, fhi2), np.where(take_first, fhi, fhi2))
-        return lo, hi, flo, fhi
+    @staticmethod
+    def _join(first, second):
+        (lo, hi, flo, fhi), (lo2, hi2, flo2, fhi2) = first, second
+        empty1, empty2 = flo > fhi, flo2 > fhi2
+        joined = ~empty1 & ~empty2 & (flo2 <= fhi + 1) & (flo <= fhi2 + 1)
+        first_longer = (fhi - flo) >= (fhi2 - flo2)
+        take_first = empty2 | (~empty1 & first_longer)
+        flo = np.where(joined, np.minimum(flo, flo2), np.where(take_first, flo, flo2))
+        fhi = np.where(joined, np.maximum(fhi, fhi2), np.where(take_first, fhi, fhi2))
+        return np.minimum(lo, lo2), np.maximum(hi, hi2), flo, fhi
 
 
 def _non_negative_int(owner, name, value) -> int:
@@ -512,20 +521,11 @@ def _zeros_accumulator(a):
     return xp.zeros(tuple(a.shape), dtype=dtype, device=array_api_compat.device(a))
 
 
-class ScoreChain(ScoreMod):
+class ScoreChain(_Composition, ScoreMod):
     """``a >> b >> ...``: each score mod applied to the previous one's result."""
 
-    def __init__(self, *parts):
-        flat = []
-        for part in parts:
-            flat.extend(part.parts if isinstance(part, ScoreChain) else (part,))
-        self.parts = tuple(flat)
-        self.fn = None
-        self.arrays = {}
-        self._kinds = {}
-        self._bounds = {}
-        self._q_row = False
-        self.graph = self._trace()
+    def _flattens(self, part) -> bool:
+        return isinstance(part, ScoreChain)
 
     @property
     def label(self):
@@ -543,10 +543,6 @@ class ScoreChain(ScoreMod):
         for part in self.parts:
             score = part(score, b, h, q_idx, kv_idx, q_row=q_row)
         return score
-
-    def _check(self, fn, call):
-        for part in self.parts:
-            part._check(fn, call)
 
     def _grad_tree(self, zeros, feature_grads):
         return ScoreModGrad(
@@ -675,11 +671,7 @@ class AliBiScore(ScoreMod):
     """
 
     def __init__(self, slopes):
-        if _array_kind("AliBiScore", "slopes", slopes) != FLOAT or slopes.ndim != 1:
-            raise TypeError(
-                "AliBiScore: slopes must be a float array of shape (H,), "
-                f"got {tuple(slopes.shape)} {slopes.dtype}"
-            )
+        _check_float_array("AliBiScore", "slopes", slopes, 1, "(H,)")
         super().__init__(self._score, slopes=slopes)
 
     @staticmethod
@@ -706,11 +698,7 @@ class BiasScore(ScoreMod):
     """
 
     def __init__(self, bias):
-        if _array_kind("BiasScore", "bias", bias) != FLOAT or bias.ndim != 4:
-            raise TypeError(
-                "BiasScore: bias must be a float array of shape (Bb, Hb, Sq, Sk), "
-                f"got {tuple(bias.shape)} {bias.dtype}"
-            )
+        _check_float_array("BiasScore", "bias", bias, 4, "(Bb, Hb, Sq, Sk)")
         super().__init__(self._score, bias=bias)
 
     @staticmethod
@@ -757,16 +745,9 @@ class PairFeatureScore(ScoreMod):
         if not callable(op):
             raise TypeError(f"PairFeatureScore: op must be callable, got {type(op).__name__}")
         self.op = op
-        for name, a, rank in (
-            ("q_features", q_features, 3),
-            ("k_features", k_features, 3),
-            ("pair_proj", pair_proj, 2),
-        ):
-            if _array_kind("PairFeatureScore", name, a) != FLOAT or a.ndim != rank:
-                raise TypeError(
-                    f"PairFeatureScore: {name} must be a rank-{rank} float array, "
-                    f"got {tuple(a.shape)} {a.dtype}"
-                )
+        _check_float_array("PairFeatureScore", "q_features", q_features, 3)
+        _check_float_array("PairFeatureScore", "k_features", k_features, 3)
+        _check_float_array("PairFeatureScore", "pair_proj", pair_proj, 2)
         if q_features.shape[2] != k_features.shape[2]:
             raise ValueError(
                 f"PairFeatureScore: q_features and k_features must have the same feature count F, "
@@ -818,6 +799,17 @@ def _what(x) -> str:
     return type(x).__name__
 
 
+def _as_mod(mod, cls, where: str, signature: str):
+    """``mod`` itself when a ``cls``, a plain function traced into one, else TypeError."""
+    if isinstance(mod, cls):
+        return mod
+    if isinstance(mod, _Mod) or not callable(mod):
+        raise TypeError(
+            f"{where} must be a {cls.__name__} or a function {signature}, got {_what(mod)}"
+        )
+    return cls(mod)
+
+
 def as_mask_mod(mask, where: str = "as_mask_mod: mask") -> MaskMod:
     """``mask`` itself, or a plain function ``(b, h, q_idx, kv_idx)`` traced into a MaskMod.
 
@@ -825,14 +817,7 @@ def as_mask_mod(mask, where: str = "as_mask_mod: mask") -> MaskMod:
     MaskMod once to trace once. ``where`` (``"function: argument"``) starts
     the TypeError raised for anything else.
     """
-    if isinstance(mask, MaskMod):
-        return mask
-    if isinstance(mask, ScoreMod) or not callable(mask):
-        raise TypeError(
-            f"{where} must be a MaskMod or a function (b, h, q_idx, kv_idx) -> condition, "
-            f"got {_what(mask)}"
-        )
-    return MaskMod(mask)
+    return _as_mod(mask, MaskMod, where, "(b, h, q_idx, kv_idx) -> condition")
 
 
 def as_score_mod(score, where: str = "as_score_mod: score") -> ScoreMod:
@@ -840,11 +825,4 @@ def as_score_mod(score, where: str = "as_score_mod: score") -> ScoreMod:
 
     ``where`` (``"function: argument"``) starts the TypeError raised for anything else.
     """
-    if isinstance(score, ScoreMod):
-        return score
-    if isinstance(score, MaskMod) or not callable(score):
-        raise TypeError(
-            f"{where} must be a ScoreMod or a function (score, b, h, q_idx, kv_idx) -> number, "
-            f"got {_what(score)}"
-        )
-    return ScoreMod(score)
+    return _as_mod(score, ScoreMod, where, "(score, b, h, q_idx, kv_idx) -> number")

@@ -25,6 +25,7 @@ from .ir import (
     Node,
     Slot,
     _floor_int,
+    reachable,
 )
 
 
@@ -120,14 +121,7 @@ class _Tracer:
 
 def _prune(nodes, output, slots) -> Graph:
     """The graph of the nodes ``output`` depends on, renumbered, with the slots it reads."""
-    keep = set()
-    stack = [output]
-    while stack:
-        i = stack.pop()
-        if i not in keep:
-            keep.add(i)
-            stack.extend(nodes[i].args)
-    order = sorted(keep)
+    order = reachable(nodes, [output])
     new_id = {old: new for new, old in enumerate(order)}
     slot_id: dict[int, int] = {}
     new_nodes = []
@@ -202,6 +196,16 @@ def _extreme(op, x, y):
     return _apply(t, op, a, b)
 
 
+def _operator(op: str, reflected: bool = False):
+    """The :class:`Sym` method of binary ``op``: ``self op other`` (``other op self`` when
+    ``reflected``)."""
+
+    def method(self, other):
+        return _binary(op, other, self) if reflected else _binary(op, self, other)
+
+    return method
+
+
 def _unsupported(what: str):
     def method(self, *args, **kwargs):
         raise TraceError(f"{what} is not supported in a mod")
@@ -226,77 +230,30 @@ class Sym:
     def __repr__(self):
         return f"<traced {self.kind} %{self._id}>"
 
-    def __add__(self, o):
-        return _binary("add", self, o)
-
-    def __radd__(self, o):
-        return _binary("add", o, self)
-
-    def __sub__(self, o):
-        return _binary("sub", self, o)
-
-    def __rsub__(self, o):
-        return _binary("sub", o, self)
-
-    def __mul__(self, o):
-        return _binary("mul", self, o)
-
-    def __rmul__(self, o):
-        return _binary("mul", o, self)
-
-    def __truediv__(self, o):
-        return _binary("div", self, o)
-
-    def __rtruediv__(self, o):
-        return _binary("div", o, self)
-
-    def __floordiv__(self, o):
-        return _binary("floordiv", self, o)
-
-    def __rfloordiv__(self, o):
-        return _binary("floordiv", o, self)
-
-    def __mod__(self, o):
-        return _binary("mod", self, o)
-
-    def __rmod__(self, o):
-        return _binary("mod", o, self)
-
-    def __pow__(self, o):
-        return _binary("pow", self, o)
-
-    def __rpow__(self, o):
-        return _binary("pow", o, self)
-
-    def __lt__(self, o):
-        return _binary("lt", self, o)
-
-    def __le__(self, o):
-        return _binary("le", self, o)
-
-    def __gt__(self, o):
-        return _binary("gt", self, o)
-
-    def __ge__(self, o):
-        return _binary("ge", self, o)
-
-    def __eq__(self, o):
-        return _binary("eq", self, o)
-
-    def __ne__(self, o):
-        return _binary("ne", self, o)
-
-    def __and__(self, o):
-        return _binary("and", self, o)
-
-    def __rand__(self, o):
-        return _binary("and", o, self)
-
-    def __or__(self, o):
-        return _binary("or", self, o)
-
-    def __ror__(self, o):
-        return _binary("or", o, self)
+    __add__ = _operator("add")
+    __radd__ = _operator("add", reflected=True)
+    __sub__ = _operator("sub")
+    __rsub__ = _operator("sub", reflected=True)
+    __mul__ = _operator("mul")
+    __rmul__ = _operator("mul", reflected=True)
+    __truediv__ = _operator("div")
+    __rtruediv__ = _operator("div", reflected=True)
+    __floordiv__ = _operator("floordiv")
+    __rfloordiv__ = _operator("floordiv", reflected=True)
+    __mod__ = _operator("mod")
+    __rmod__ = _operator("mod", reflected=True)
+    __pow__ = _operator("pow")
+    __rpow__ = _operator("pow", reflected=True)
+    __lt__ = _operator("lt")
+    __le__ = _operator("le")
+    __gt__ = _operator("gt")
+    __ge__ = _operator("ge")
+    __eq__ = _operator("eq")
+    __ne__ = _operator("ne")
+    __and__ = _operator("and")
+    __rand__ = _operator("and", reflected=True)
+    __or__ = _operator("or")
+    __ror__ = _operator("or", reflected=True)
 
     def __neg__(self):
         return _unary("neg", self)
@@ -433,26 +390,9 @@ class CapturedArray:
 
 
 for _name in (
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-    "__neg__",
-    "__lt__",
-    "__le__",
-    "__gt__",
-    "__ge__",
-    "__bool__",
-    "__float__",
-    "__index__",
-    "__array__",
-    "__iter__",
-    "__len__",
-):
+    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __neg__ __lt__ "
+    "__le__ __gt__ __ge__ __bool__ __float__ __index__ __array__ __iter__ __len__"
+).split():
     setattr(
         CapturedArray,
         _name,
@@ -488,50 +428,27 @@ def _concrete(op: str, python, *args):
     return getattr(array_api_compat.array_namespace(*arrays), op)(*args)
 
 
-def _elementwise(op, python):
+def _elementwise(op, python, what: str):
+    """The helper applying unary ``op``: traced on a :class:`Sym`, else :func:`_concrete`."""
+
     def helper(x):
         if isinstance(x, Sym):
             return _unary(op, x)
         return _concrete(op, python, x)
 
+    helper.__doc__ = f"{what} (traced inside a mod, elementwise outside)."
     return helper
 
 
-exp = _elementwise("exp", math.exp)
-
-exp.__doc__ = "``e ** x`` (traced inside a mod, elementwise on arrays and numbers outside)."
-
-log = _elementwise("log", math.log)
-
-log.__doc__ = "Natural logarithm (traced inside a mod, elementwise outside)."
-
-tanh = _elementwise("tanh", math.tanh)
-
-tanh.__doc__ = "Hyperbolic tangent (traced inside a mod, elementwise outside)."
-
-sqrt = _elementwise("sqrt", math.sqrt)
-
-sqrt.__doc__ = "Square root (traced inside a mod, elementwise outside)."
-
-abs = _elementwise("abs", builtins.abs)
-
-abs.__doc__ = "Absolute value (traced inside a mod, elementwise outside)."
-
-exp2 = _elementwise("exp2", lambda x: 2.0**x)
-
-exp2.__doc__ = "``2 ** x`` (traced inside a mod, elementwise outside)."
-
-sin = _elementwise("sin", math.sin)
-
-sin.__doc__ = "Sine (traced inside a mod, elementwise outside)."
-
-cos = _elementwise("cos", math.cos)
-
-cos.__doc__ = "Cosine (traced inside a mod, elementwise outside)."
-
-tan = _elementwise("tan", math.tan)
-
-tan.__doc__ = "Tangent (traced inside a mod, elementwise outside)."
+exp = _elementwise("exp", math.exp, "``e ** x``")
+log = _elementwise("log", math.log, "Natural logarithm")
+tanh = _elementwise("tanh", math.tanh, "Hyperbolic tangent")
+sqrt = _elementwise("sqrt", math.sqrt, "Square root")
+abs = _elementwise("abs", builtins.abs, "Absolute value")
+exp2 = _elementwise("exp2", lambda x: 2.0**x, "``2 ** x``")
+sin = _elementwise("sin", math.sin, "Sine")
+cos = _elementwise("cos", math.cos, "Cosine")
+tan = _elementwise("tan", math.tan, "Tangent")
 
 
 def _sigmoid(x):
@@ -558,10 +475,7 @@ def floor(x):
     """
     if isinstance(x, Sym):
         return _unary("floor", x)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        return _floor_int(array_api_compat.array_namespace(x), x)
-    if array_api_compat.is_array_api_obj(x):
+    if array_api_compat.is_array_api_obj(x):  # torch tensors included
         return _floor_int(array_api_compat.array_namespace(x), x)
     if isinstance(x, (int, np.integer)):
         return int(x)
