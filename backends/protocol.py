@@ -142,7 +142,23 @@ FEATURES = {
 
 
 class DecodeAttentionModule(Protocol):
-    """Split-KV decode attention (forward only)."""
+    """Split-KV decode attention (forward only): one query per head attends to a cache.
+
+    ``o`` ``(B, H, Dv)`` is overwritten, 0 where ``lengths[b] == 0``; ``q``
+    ``(B, H, D)`` sits at position ``lengths[b] - 1``; ``k``, ``v`` are
+    ``(B, Hkv, Smax, D)`` and ``(B, Hkv, Smax, Dv)`` caches of which keys
+    ``[0, lengths[b])`` are attended, or with ``block_table`` ``(B, max_pages)``
+    int32 the pages ``(num_pages, Hkv, page_size, D/Dv)``, key ``j`` being slot
+    ``j % page_size`` of page ``block_table[b, j // page_size]`` (entries
+    clamped to ``[0, num_pages)``; ``Smax = max_pages * page_size``).
+    ``lengths`` ``(B,)`` integers of any width are clamped to ``[0, Smax]``.
+    ``o_partial`` ``(B, H, S, Dv)``, ``m_partial`` and ``l_partial`` ``(B, H,
+    S)`` are the split scratch (``S = n_splits``) in the accumulation dtype,
+    overwritten for every batch with keys. ``scale`` multiplies ``q k^T``;
+    ``softcap`` (a float or None) caps each scaled score ``s`` to ``softcap *
+    tanh(s / softcap)``; ``window`` (an int or None) keeps keys ``j >=
+    lengths[b] - window``. Every float array's last axis has stride 1.
+    """
 
     def forward(
         self,
@@ -163,7 +179,9 @@ class DecodeAttentionModule(Protocol):
 
 
 class MergeAttentionStatesModule(Protocol):
-    """The exact merge of two attention states ``(o, m, l)`` over disjoint key sets."""
+    """The exact merge of two attention states ``(o, m, l)`` over disjoint key sets: the
+    ``(B, H, S, D)`` outputs with their ``(B, H, S)`` states ``m``, ``l`` (and ``dlse``) in the
+    accumulation dtype (float32; float64 with float64 outputs), ``o_b`` of ``o_a``'s dtype."""
 
     def forward(self, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
         """An output may be the very same array as the same-named input of either side."""
@@ -176,8 +194,11 @@ class MergeAttentionStatesModule(Protocol):
 
 class RopeModule(Protocol):
     """Rotary position embeddings of one ``(B, H, S, D)`` array (the front calls it for ``q``,
-    then for ``k``), with the tables ``cos``, ``sin`` as ``(B, P, R2)`` views (a broadcast
-    table has batch stride 0) and ``position_ids`` None or ``(B, S)`` integers in ``[0, P)``."""
+    then for ``k``), with the tables ``cos``, ``sin`` as ``(B, P, R2)`` views of any float dtype
+    (a broadcast table has batch stride 0; ``2 R2 <= D``, the rest of each head passes through)
+    and ``position_ids`` None (query ``s`` takes table row ``s``, ``P >= S``) or ``(B, S)``
+    integers in ``[0, P)``. Pair ``i`` is ``(x[2i], x[2i+1])`` when ``interleaved`` (GPT-J),
+    else ``(x[i], x[i + R2])`` (Hugging Face's half rotation)."""
 
     def forward(self, out, x, cos, sin, position_ids, *, interleaved) -> None:
         """``out`` may be the very same array as ``x``."""
@@ -209,8 +230,8 @@ class CrossEntropyModule(Protocol):
         self, dlogits, logits, targets, lse, grad, *, ignore_index, label_smoothing, softcap, z_loss
     ) -> None:
         """``dlogits[r] = grad[r] * d loss[r] / d logits[r]`` from the forward's ``lse``;
-        ``grad`` may have stride 0 (one weight for all rows); ``dlogits`` may be the very
-        same array as ``logits`` (the gradient replaces the logits)."""
+        ``grad`` may have stride 0 (one weight for all rows); ``dlogits``, of any float dtype,
+        may be the very same array as ``logits`` (the gradient replaces the logits)."""
 
 
 # -- Optional hooks: each default below is also the hook's signature -------------------------
@@ -333,16 +354,28 @@ def module_functions(sig: Signature) -> dict[str, inspect.Signature]:
     Rows: ``forward(outputs, inputs, checkpoints, *, forward options)``;
     ``backward(read outputs, d<output>..., read inputs, checkpoints,
     d<input>... (the partial sums in scratch for an ``"M"`` input), *,
-    backward options, accumulate)`` over ``(rows, M)`` views. Attention:
-    ``forward(o, q, k, v, m, l, *, kernel options)`` and ``backward(do, q, k,
-    v, o, m, l, dq, dk, dv, delta, dq_accum, *, kernel options)``, the kernel
-    options being the prefix sums (packed) and the forward's options, with
-    the flex mods' ``block_mask``/``block_sparse`` planned into ``plan``
-    (``planner(b, n_q, n_kv)``, the plan of sequence ``b``, when packed), and
-    the flex backward's ``score_mod_grads`` (one accumulator or None per
-    captured array, ADDED to), ``deterministic`` and ``score_mod_workspace``
-    (1-D float32, at least the ``score_mod_workspace`` hook's elements, or
-    None when that is 0). Scratch fields a backend does not use arrive as None.
+    backward options, accumulate)`` over ``(rows, M)`` views. A None
+    partial-sum array is a gradient not wanted; ``accumulate=False`` (the first
+    row group of a call) overwrites every one of its ``P`` rows, since
+    ``reduce_partials`` sums them all, and ``True`` (later groups) adds.
+
+    Attention: ``forward(o, q, k, v, m, l, *, kernel options)`` and
+    ``backward(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, *, kernel
+    options)``, the kernel options being the prefix sums (packed) and the
+    forward's options, with ``scale`` a float (None resolved to ``1/sqrt(D)``),
+    flex's ``input_pos`` (the position of query row 0) a tuple of ints (one,
+    or one per batch) or the caller's ``(B,)`` device array, never read on the
+    host, its mods :class:`xpkernels.mods.Graph` or None, their
+    ``block_mask``/``block_sparse`` planned into ``plan`` (a
+    :class:`xpkernels.mods.TilePlan`; ``planner(b, n_q, n_kv)``, the plan of
+    sequence ``b``, when packed), and the flex backward's ``score_mod_grads``
+    (one accumulator or None per captured array, ADDED to), ``deterministic``
+    and ``score_mod_workspace`` (1-D float32, at least the
+    ``score_mod_workspace`` hook's elements, or None when that is 0). The
+    checkpoints are backend-neutral (a forward on one backend feeds a backward
+    on another): ``m`` the row max of ``s = scale * q k^T`` over the keys a row
+    sees and ``l = sum exp(s - m)``, natural-log units (``-inf`` and 0 on rows
+    that see none). Scratch fields a backend does not use arrive as None.
     """
     ins, outs = [a.name for a in sig.inputs], [a.name for a in sig.outputs]
     checkpoints = [c.name for c in sig.checkpoints]

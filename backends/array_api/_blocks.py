@@ -600,6 +600,7 @@ def max_row_norm(xp, a) -> float:
 
 
 def reduce_partials(partial, out) -> None:
-    """``out[:] = sum(partial, axis=0)`` in ``out``'s dtype."""
+    """``out[...] = sum(partial, axis=0)``, cast only where the dtypes differ: the hook
+    :func:`xpkernels.backends.protocol.reduce_partials`."""
     xp = array_api_compat.array_namespace(partial, out)
     out[...] = to(xp, xp.sum(partial, axis=0), out.dtype)

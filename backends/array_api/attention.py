@@ -182,12 +182,10 @@ def _with_column(xp, a, column, acc):
 
 
 def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths) -> None:
-    """Write ``o`` (and the checkpoints ``m``, ``l`` unless None) for validated inputs.
+    """Write ``o`` and the checkpoints by :func:`forward_calls` of this one call.
 
-    ``o``: (B, H, Sq, Dv); ``q``: (B, H, Sq, D); ``k``: (B, Hkv, Sk, D); ``v``:
-    (B, Hkv, Sk, Dv); ``m``, ``l``: (B, H, Sq) float32 or None; ``input_pos`` an
-    int or a (B,) integer array; ``q_lengths``/``k_lengths`` None or (B,)
-    integer arrays; ``scale`` a float.
+    ``scale`` is a float. Parameters: the ``attention`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`).
     """
     forward_calls([(o, q, k, v, m, l, input_pos, q_lengths, k_lengths)], scale=scale, causal=causal)
 
@@ -447,12 +445,12 @@ def backward(
     q_lengths,
     k_lengths,
 ) -> None:
-    """Overwrite ``dq``, ``dk``, ``dv`` in full for validated inputs.
+    """Overwrite ``dq``, ``dk``, ``dv`` by :func:`backward_calls` of this one call.
 
     Recomputes each tile's probabilities from the checkpoints ``m``, ``l``;
-    ``delta`` (B, H, Sq) receives ``rowsum(do * o)`` and ``dq_accum``
-    (B, H, Sq, D) the sums ``dq / scale`` over key tiles (both in the
-    accumulation dtype). Shapes and options as :func:`forward`.
+    ``delta`` receives ``rowsum(do * o)`` and ``dq_accum`` the sums ``dq /
+    scale`` over key tiles. Parameters: the ``attention`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`).
     """
     call = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum, input_pos, q_lengths, k_lengths)
     backward_calls([call], scale=scale, causal=causal)

@@ -78,11 +78,10 @@ def forward(
     causal,
     input_pos,
 ) -> None:
-    """Write ``o`` (and ``m``, ``l`` unless None) for validated packed inputs, sequence by sequence.
+    """Write ``o`` and the checkpoints: every sequence's query tiles in one split.
 
-    ``o``: (Tq, H, Dv); ``q``: (Tq, H, D); ``k``: (Tk, Hkv, D); ``v``: (Tk,
-    Hkv, Dv); ``m``, ``l``: (H, Tq) float32 or None; ``cu_seqlens_q``,
-    ``cu_seqlens_k``: (B + 1,) int32; ``input_pos`` an int or a (B,) array.
+    Parameters: the ``attention_varlen`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`).
     """
     xp = array_api_compat.array_namespace(o, q, k, v)
     seqs, q_spans, _ = visits(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
@@ -125,10 +124,10 @@ def backward(
     causal,
     input_pos,
 ) -> None:
-    """Overwrite ``dq``, ``dk``, ``dv`` in full: every sequence's (kv head) items in one split.
+    """Overwrite ``dq``, ``dk``, ``dv``: every sequence's (kv head) items in one split.
 
-    ``delta`` (H, Tq) and ``dq_accum`` (Tq, H, D) are attention's scratch,
-    viewed per sequence. Shapes and options as :func:`forward`.
+    ``delta`` and ``dq_accum`` are attention's scratch, viewed per sequence. Parameters: the
+    ``attention_varlen`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)
     xp = array_api_compat.array_namespace(do, q, k, v, o)
@@ -142,9 +141,8 @@ def backward(
 
 
 def backward_per_sequence(impl, arrays, cu_seqlens_q, cu_seqlens_k, scale, causal, input_pos):
-    """:func:`backward` through ``impl``, any backend's attention module, over ``arrays``
-    ``(do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)`` (``dq_accum`` may be None where
-    ``impl`` uses none)."""
+    """:func:`backward` through ``impl``, any backend's attention module, over ``arrays``: its
+    ``backward``'s positional arguments (:func:`xpkernels.backends.protocol.module_functions`)."""
     keywords = _keywords(scale, causal, input_pos)
     walk(impl.backward, arrays, cu_seqlens_q, cu_seqlens_k, keywords, backward=True)
 

@@ -70,7 +70,8 @@ def _targets(xp, targets, r0: int, r1: int, vocab: int, ignore_index: int):
 
 
 def forward(loss, lse, logits, targets, *, ignore_index, label_smoothing, softcap, z_loss) -> None:
-    """Each row's loss and logsumexp (see the module docstring) into ``loss``, ``lse``."""
+    """Each row's loss and logsumexp (see the module docstring).
+    The contract of :class:`xpkernels.backends.protocol.CrossEntropyModule`."""
     loss, lse, logits, targets = path_arrays(loss, lse, logits, targets)
     xp = array_api_compat.array_namespace(loss, lse, logits, targets)
     acc = acc_dtype(xp, logits.dtype)
@@ -104,8 +105,8 @@ def forward(loss, lse, logits, targets, *, ignore_index, label_smoothing, softca
 def backward(
     dlogits, logits, targets, lse, grad, *, ignore_index, label_smoothing, softcap, z_loss
 ) -> None:
-    """``dlogits`` = ``grad[r]`` times each row's loss gradient, from the forward's ``lse``;
-    ``dlogits`` may be ``logits``."""
+    """``dlogits`` = ``grad[r]`` times each row's loss gradient (see the module docstring).
+    The contract of :class:`xpkernels.backends.protocol.CrossEntropyModule`."""
     dlogits, logits, targets, lse, grad = path_arrays(dlogits, logits, targets, lse, grad)
     xp = array_api_compat.array_namespace(dlogits, logits, targets, lse, grad)
     numpy = array_api_compat.is_numpy_namespace(xp)

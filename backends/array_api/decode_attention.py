@@ -56,19 +56,11 @@ def forward(
     window=None,
     block_table=None,
 ) -> None:
-    """Write ``o`` for validated inputs.
+    """Write ``o``: the splits of each batch (see the module docstring), then their combine.
 
-    ``o``: (B, H, Dv); ``q``: (B, H, D); ``k``: (B, Hkv, Smax, D); ``v``:
-    (B, Hkv, Smax, Dv) -- or, with ``block_table`` (B, max_pages), the pages
-    ``k`` (num_pages, Hkv, page_size, D) and ``v`` (num_pages, Hkv,
-    page_size, Dv), ``Smax = max_pages * page_size``; ``lengths``: (B,)
-    integers (clamped to ``[0, Smax]``); ``o_partial`` (B, H, n_splits, Dv),
-    ``m_partial`` and ``l_partial`` (B, H, n_splits): scratch in the
-    accumulation dtype, overwritten for every batch with ``lengths[b] > 0``.
-    ``scale`` is a float, ``softcap`` a float or None, ``window`` an int or
-    None. ``lengths[b] == 0`` gives ``o[b] = 0``. Block-table entries are
-    clamped to ``[0, num_pages)``. PyTorch CPU tensors run the NumPy path
-    through zero-copy views (:func:`._blocks.numpy_views`).
+    ``scale`` is a float. PyTorch CPU tensors run the NumPy path through zero-copy views
+    (:func:`._blocks.numpy_views`). The contract of
+    :class:`xpkernels.backends.protocol.DecodeAttentionModule`.
     """
     o, q, k, v, lengths, o_partial, m_partial, l_partial, block_table = path_arrays(
         o, q, k, v, lengths, o_partial, m_partial, l_partial, block_table

@@ -315,22 +315,14 @@ class _Tiles:
 def forward(
     o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan, first_batch=0
 ) -> None:
-    """Write ``o`` (and the checkpoints ``m``, ``l`` unless None) for validated inputs.
+    """Write ``o`` and the checkpoints, tile by tile of ``plan`` (:class:`xpkernels.mods.TilePlan`).
 
-    Parameters
-    ----------
-    o : (B, H, Sq, Dv) output.
-    q, k, v : (B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv).
-    m, l : (B, H, Sq) float32 checkpoints, or None (inference).
-    scale : float
-    input_pos : tuple of int or (B,) integer array
-        Position of query row 0, per batch (one entry when shared), or the
-        caller's device array of them (values never read on the host).
-    score_mod, mask_mod : xpkernels.mods.Graph or None
-    plan : xpkernels.mods.TilePlan
-    first_batch : int
-        The index the mods see as ``b`` for batch 0 (packed calls run one
-        sequence at a time, each at its own index).
+    ``scale`` is a float; ``input_pos`` the position of query row 0 as a tuple of ints (one per
+    batch, or one shared) or the caller's ``(B,)`` device array (values never read on the host);
+    the mods are traced graphs (:class:`xpkernels.mods.Graph`) or None. ``first_batch``, beyond
+    the contract: the index the mods see as ``b`` for batch 0 (packed calls run one sequence at
+    a time, each at its own index). Parameters: the ``flex_attention`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`).
     """
     slots = None
     views = _views((o, q, k, v, m, l), input_pos, score_mod, mask_mod)
@@ -624,14 +616,13 @@ def backward(
     score_mod_workspace=None,
     first_batch=0,
 ) -> None:
-    """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
+    """Overwrite ``dq``, ``dk``, ``dv`` and ADD the score mod's array gradients.
 
-    ``delta`` (B, H, Sq) receives ``rowsum(do * o)`` and ``dq_accum``
-    (B, H, Sq, D) the sums ``dq / scale`` over key tiles (accumulation dtype).
-    ``score_mod_grads`` holds one accumulator (or None) per slot of
-    ``score_mod``. ``deterministic`` is accepted and ignored: these sums
-    always run in a fixed order. ``score_mod_workspace`` is always None (the
-    protocol's default hook sizes it 0). Other arguments as :func:`forward`.
+    ``delta`` receives ``rowsum(do * o)`` and ``dq_accum`` the sums ``dq / scale`` over key
+    tiles. ``deterministic`` is ignored: these sums always run in a fixed order.
+    ``score_mod_workspace`` is always None (the protocol's default hook sizes it 0).
+    Parameters: the ``flex_attention`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`), and :func:`forward`'s ``first_batch``.
     """
     slots = None
     arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, dq_accum)

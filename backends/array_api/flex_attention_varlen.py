@@ -67,12 +67,9 @@ def forward(
     mask_mod,
     planner,
 ) -> None:
-    """Write ``o`` (and ``m``, ``l`` unless None) for validated packed inputs, sequence by sequence.
-
-    ``o``: (Tq, H, Dv); ``q``: (Tq, H, D); ``k``: (Tk, Hkv, D); ``v``: (Tk,
-    Hkv, Dv); ``m``, ``l``: (H, Tq) float32 or None; ``input_pos``: a tuple
-    of ints (one per sequence, or one shared) or a (B,) device array.
-    """
+    """Write ``o`` and the checkpoints, sequence by sequence (:func:`.flex_attention.forward`,
+    ``input_pos`` as it takes it). Parameters: the ``flex_attention_varlen`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`)."""
 
     def at_sequence(b: int) -> dict:
         return dict(scale=scale, score_mod=score_mod, mask_mod=mask_mod, first_batch=b)
@@ -109,12 +106,12 @@ def backward(
     deterministic=True,
     score_mod_workspace=None,
 ) -> None:
-    """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
+    """Overwrite ``dq``, ``dk``, ``dv`` and ADD the score mod's array gradients.
 
-    ``delta`` (H, Tq) and ``dq_accum`` (Tq, H, D) are flex's scratch, viewed
-    per sequence. ``deterministic`` is accepted and ignored (the sums always
-    run in a fixed order); ``score_mod_workspace`` is always None. Other
-    arguments as :func:`forward`.
+    Sequence by sequence through :func:`.flex_attention.backward` (``delta`` and ``dq_accum``
+    viewed per sequence; ``deterministic`` ignored, ``score_mod_workspace`` always None).
+    Parameters: the ``flex_attention_varlen`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`).
     """
 
     def at_sequence(b: int) -> dict:
@@ -145,10 +142,10 @@ def offset_walk(module):
         o, q, k, v, m, l, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
         input_pos, score_mod, mask_mod, planner,
     ) -> None:  # fmt: skip
-        """Write ``o`` (and ``m``, ``l`` unless None) for validated packed inputs, sequence by
-        sequence. ``o``: (Tq, H, Dv); ``q``: (Tq, H, D); ``k``: (Tk, Hkv, D); ``v``: (Tk, Hkv,
-        Dv); ``m``, ``l``: (H, Tq) float32 or None; ``input_pos``: a tuple of ints (one per
-        sequence, or one shared) or a (B,) device array; mods: traced graphs or None."""
+        """Write ``o`` and the checkpoints, sequence by sequence: ``input_pos`` a tuple of ints
+        (one per sequence, or one shared) or a ``(B,)`` device array, mods traced graphs or
+        None. Parameters: the ``flex_attention_varlen`` Signature's
+        (:func:`xpkernels.backends.protocol.module_functions`)."""
 
         def at_sequence(b: int) -> dict:
             return dict(scale=scale, score_mod=_offset(score_mod, b), mask_mod=_offset(mask_mod, b))
@@ -162,9 +159,10 @@ def offset_walk(module):
         max_seqlen_q, max_seqlen_k, scale, input_pos, score_mod, mask_mod, planner,
         score_mod_grads, deterministic=True, score_mod_workspace=None,
     ) -> None:  # fmt: skip
-        """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
-        ``delta`` (H, Tq) float32 is flex's scratch, viewed per sequence; ``dq_accum`` is not
-        used (flex's dQ is its own pass)."""
+        """Overwrite ``dq``, ``dk``, ``dv`` and ADD the score mod's array gradients, sequence by
+        sequence; ``dq_accum`` is not used (flex's dQ is its own pass). Parameters: the
+        ``flex_attention_varlen`` Signature's
+        (:func:`xpkernels.backends.protocol.module_functions`)."""
 
         def at_sequence(b: int) -> dict:
             return dict(

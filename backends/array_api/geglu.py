@@ -23,20 +23,13 @@ __all__ = ["backward", "forward"]
 
 
 def forward(y, a, b, *, approximate: str) -> None:
-    """``y = gelu(a) * b`` over 2-D ``(rows, M)`` views (:func:`._gated.forward`).
-
-    ``y`` may be the very same array as ``a`` or ``b``. Computed in float32
-    (float64 for float64 ``a``), written in ``y``'s dtype.
-    """
+    """``y = gelu(a) * b`` by :func:`._gated.forward`, in float32 (float64 for float64 ``a``).
+    Parameters: the ``geglu`` Signature's (:func:`xpkernels.backends.protocol.module_functions`)."""
     _gated.forward(_gated.GELU[approximate], y, a, b)
 
 
 def backward(dy, a, b, da, db, *, approximate: str) -> None:
-    """``da = dy * b * gelu'(a)``, ``db = dy * gelu(a)`` over ``(rows, M)`` views
-    (:func:`._gated.backward`).
-
-    ``gelu`` and ``gelu'`` are recomputed from ``a`` in the forward's
-    ``approximate`` form. ``da`` or ``db`` (overwritten) may be the very same
-    array as ``dy``.
-    """
+    """``da = dy * b * gelu'(a)``, ``db = dy * gelu(a)`` by :func:`._gated.backward`, ``gelu``
+    and ``gelu'`` recomputed in the ``approximate`` form; ``db`` may be ``dy`` too. Parameters:
+    the ``geglu`` Signature's (:func:`xpkernels.backends.protocol.module_functions`)."""
     _gated.backward(_gated.GELU[approximate], dy, a, b, da, db)

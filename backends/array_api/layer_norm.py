@@ -32,12 +32,9 @@ ROW_BLOCK_ELEMENTS = 1 << 18
 
 
 def forward(y, x, w, b, mean, rstd, *, eps) -> None:
-    """``y = (x - mean) * rstd * w + b`` over 2-D ``(rows, M)`` views.
-
-    ``w`` / ``b`` None mean no scale / no shift; ``mean`` and ``rstd`` are
-    written unless None (inference). PyTorch CPU tensors run the NumPy path
-    through zero-copy views (:func:`._blocks.numpy_views`).
-    """
+    """``y = (x - mean) * rstd * w + b`` in row blocks, PyTorch CPU tensors through zero-copy
+    NumPy views (:func:`._blocks.numpy_views`). Parameters: the ``layer_norm`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`)."""
     y, x, w, b, mean, rstd = path_arrays(y, x, w, b, mean, rstd)
     xp = array_api_compat.array_namespace(y, x)
     acc = acc_dtype(xp, x.dtype)
@@ -75,7 +72,7 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
 
 
 def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) -> None:
-    """``dx`` (overwritten) and, for the partials that are not None, ``dw`` / ``db`` partial sums.
+    """``dx`` and, for the partials that are not None, ``dw`` / ``db`` partial sums.
 
     With ``x_c = x - mean`` and ``g = dy * rstd * w`` (``rstd`` folded in
     once, so one product serves ``dx`` and ``dw``; ``w = 1`` when None), per
@@ -83,12 +80,12 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
     ``rstd * (dy w - mean(dy w) - x_hat mean(dy w x_hat))``. Worker ``k``
     sums its blocks' ``sum(dy * rstd * x_c, axis=0)`` into ``dw_partial[k]``
     and ``sum(dy, axis=0)`` into ``db_partial[k]``, in chunks and pairwise
-    (:class:`._blocks.ColumnSums`). ``accumulate=False``
-    overwrites all rows of the partials; True adds to them (later row
-    groups). Float64 inputs recompute the row means in float64 rather than
-    read the float32 checkpoint: ``x - mean`` cancels, and a rounded mean
-    times a large ``rstd`` (near-constant rows) would cost the float64
-    gradients most of their precision.
+    (:class:`._blocks.ColumnSums`); ``accumulate=False`` zeroes every row
+    first (``accumulate=True``: later row groups). Float64 inputs recompute
+    the row means in float64 rather than read the float32 checkpoint: ``x -
+    mean`` cancels, and a rounded mean times a large ``rstd`` (near-constant
+    rows) would cost the float64 gradients most of their precision. Parameters:
+    the ``layer_norm`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     dy, x, w, mean, rstd, dx, dw_partial, db_partial = path_arrays(
         dy, x, w, mean, rstd, dx, dw_partial, db_partial

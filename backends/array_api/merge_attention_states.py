@@ -52,8 +52,9 @@ def _weighted(xp, w, o):
 
 
 def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
-    """``(o, m, l)`` of attention over both key sets, from ``(B, H, S, Dv)`` and ``(B, H, S)``
-    states. PyTorch CPU tensors run on NumPy through zero-copy views (:func:`._blocks.numpy_views`)."""
+    """``(o, m, l)`` of attention over both key sets, in blocks of rows; PyTorch CPU tensors run
+    on NumPy through zero-copy views (:func:`._blocks.numpy_views`). The contract of
+    :class:`xpkernels.backends.protocol.MergeAttentionStatesModule`."""
     o, m, l, o_a, m_a, l_a, o_b, m_b, l_b = path_arrays(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b)
     xp = array_api_compat.array_namespace(o, o_a, m_a)
     acc = acc_dtype(xp, o_a.dtype)
@@ -77,7 +78,8 @@ def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
 
 def backward(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b) -> None:
     """``do_a = w_a do``, ``dlse_a = w_a (rowsum(do * (o_a - o)) + dlse)`` and the same for ``b``
-    (PyTorch CPU tensors through zero-copy NumPy views, as :func:`forward`)."""
+    (PyTorch CPU tensors through zero-copy NumPy views, as :func:`forward`). The contract of
+    :class:`xpkernels.backends.protocol.MergeAttentionStatesModule`."""
     do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b = path_arrays(
         do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b
     )

@@ -21,9 +21,9 @@ __all__ = ["backward", "forward", "partials", "reduce_partials"]
 
 
 def forward(y, x, w, rstd, *, eps, offset) -> None:
-    """``y = x * rstd * (w + offset)`` (``x * rstd`` when ``w`` is None) over 2-D ``(rows, M)``
-    views; writes ``rstd`` unless None. PyTorch CPU tensors run the NumPy path through
-    zero-copy views (:func:`._blocks.numpy_views`), as every row kernel here."""
+    """``y = x * rstd * (w + offset)`` in row blocks, PyTorch CPU tensors through zero-copy NumPy
+    views (:func:`._blocks.numpy_views`) as every row kernel here. Parameters: the ``rms_norm``
+    Signature's (:func:`xpkernels.backends.protocol.module_functions`)."""
     y, x, w, rstd = path_arrays(y, x, w, rstd)
     xp = array_api_compat.array_namespace(y, x)
     acc = acc_dtype(xp, x.dtype)
@@ -45,15 +45,15 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
 
 
 def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
-    """``dx`` (overwritten) and, unless ``dw_partial`` is None, ``dw`` partial sums.
+    """``dx`` and, unless ``dw_partial`` is None, ``dw`` partial sums.
 
     With ``g = dy * rstd * (w + offset)`` (``rstd`` folded in once, so one
     row-broadcast product serves both ``dx`` and ``dw``), per row:
     ``dx = g - x * rstd**2 * sum(g * x) / M``. Worker ``k`` sums its blocks'
     ``sum(dy * rstd * x, axis=0)`` into ``dw_partial[k]``, in chunks and
-    pairwise (:class:`._blocks.ColumnSums`).
-    ``accumulate=False`` overwrites all rows of ``dw_partial``; True adds to
-    them (later row groups). ``w`` None: no weight (``g = dy * rstd``).
+    pairwise (:class:`._blocks.ColumnSums`); ``accumulate=False`` zeroes every
+    row first (``accumulate=True``: later row groups). Parameters: the
+    ``rms_norm`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     dy, x, w, rstd, dx, dw_partial = path_arrays(dy, x, w, rstd, dx, dw_partial)
     xp = array_api_compat.array_namespace(dy, x)

@@ -63,11 +63,12 @@ def _rotate(out, x, cos, sin, position_ids, interleaved: bool, sign: float) -> N
 
 
 def forward(out, x, cos, sin, position_ids, *, interleaved: bool) -> None:
-    """``out`` = ``x`` ``(B, H, S, D)`` rotated by ``cos``, ``sin`` ``(B, Pmax, R2)`` at the rows
-    ``position_ids`` ``(B, S)`` (None: row ``s``); ``out`` may be ``x``."""
+    """``out`` = ``x`` rotated by the table rows ``position_ids`` (None: row ``s``).
+    The contract of :class:`xpkernels.backends.protocol.RopeModule`."""
     _rotate(out, x, cos, sin, position_ids, interleaved, 1.0)
 
 
 def backward(dx, dout, cos, sin, position_ids, *, interleaved: bool) -> None:
-    """``dx`` = ``dout`` rotated back (the sines negated); ``dx`` may be ``dout``."""
+    """``dx`` = ``dout`` rotated back (the sines negated).
+    The contract of :class:`xpkernels.backends.protocol.RopeModule`."""
     _rotate(dx, dout, cos, sin, position_ids, interleaved, -1.0)

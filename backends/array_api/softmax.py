@@ -10,11 +10,9 @@ __all__ = ["backward", "forward"]
 
 
 def forward(y, x) -> None:
-    """``y = exp(x - max(x)) / sum(exp(x - max(x)))`` per row of 2-D ``(rows, M)`` views.
-
-    ``y`` may alias ``x``. PyTorch CPU tensors run the NumPy path through
-    zero-copy views (:func:`._blocks.numpy_views`).
-    """
+    """``y = exp(x - max(x)) / sum(exp(x - max(x)))`` per row, in row blocks, PyTorch CPU tensors
+    through zero-copy NumPy views (:func:`._blocks.numpy_views`). Parameters: the ``softmax``
+    Signature's (:func:`xpkernels.backends.protocol.module_functions`)."""
     y, x = path_arrays(y, x)
     xp = array_api_compat.array_namespace(y, x)
     acc = acc_dtype(xp, x.dtype)
@@ -33,7 +31,8 @@ def forward(y, x) -> None:
 
 
 def backward(y, dy, dx) -> None:
-    """``dx = y * (dy - sum(y * dy))`` per row of ``(rows, M)`` views; ``dx`` may alias ``dy``."""
+    """``dx = y * (dy - sum(y * dy))`` per row, in row blocks. Parameters: the ``softmax``
+    Signature's (:func:`xpkernels.backends.protocol.module_functions`)."""
     y, dy, dx = path_arrays(y, dy, dx)
     xp = array_api_compat.array_namespace(y, dy, dx)
     acc = acc_dtype(xp, y.dtype)

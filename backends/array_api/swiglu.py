@@ -21,19 +21,14 @@ __all__ = ["backward", "forward"]
 
 
 def forward(y, a, b) -> None:
-    """``y = silu(a) * b`` over 2-D ``(rows, M)`` views (:func:`._gated.forward`).
-
-    ``y`` may be the very same array as ``a`` or ``b``. Computed in float32
-    (float64 for float64 ``a``), written in ``y``'s dtype.
+    """``y = silu(a) * b`` by :func:`._gated.forward`, in float32 (float64 for float64 ``a``).
+    Parameters: the ``swiglu`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     _gated.forward(_gated.SILU, y, a, b)
 
 
 def backward(dy, a, b, da, db) -> None:
-    """``da = dy * b * s * (1 + a * (1 - s))``, ``db = dy * silu(a)`` over ``(rows, M)`` views
-    (:func:`._gated.backward`).
-
-    ``s = sigmoid(a)`` is recomputed. ``da`` or ``db`` (overwritten) may be
-    the very same array as ``dy``.
-    """
+    """``da = dy * b * s * (1 + a * (1 - s))``, ``db = dy * silu(a)`` by :func:`._gated.backward`,
+    ``s = sigmoid(a)`` recomputed; ``db`` may be ``dy`` too. Parameters: the ``swiglu``
+    Signature's (:func:`xpkernels.backends.protocol.module_functions`)."""
     _gated.backward(_gated.SILU, dy, a, b, da, db)

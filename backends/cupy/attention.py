@@ -260,12 +260,10 @@ def _positions(input_pos, batch: int, sq: int, sk: int) -> tuple:
 
 
 def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths) -> None:
-    """Write ``o`` (and the checkpoints ``m``, ``l`` unless None) for validated inputs.
+    """Write ``o`` (and the checkpoints ``m``, ``l`` unless None) by ``attention_forward``.
 
-    ``o``: (B, H, Sq, Dv); ``q``: (B, H, Sq, D); ``k``: (B, Hkv, Sk, D); ``v``:
-    (B, Hkv, Sk, Dv); ``m``, ``l``: (B, H, Sq) float32 or None; ``input_pos``
-    an int or a (B,) integer array; ``q_lengths``/``k_lengths`` None or (B,)
-    integer arrays; ``scale`` a float.
+    ``scale`` is a float. Parameters: the ``attention`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`).
     """
     t = input_type("attention", q, k, v)
     o_kind = float_kind("attention", "o", o)
@@ -333,14 +331,14 @@ def backward(
     q_lengths,
     k_lengths,
 ) -> None:
-    """Overwrite ``dq``, ``dk``, ``dv`` in full for validated inputs (three CUDA C kernels).
+    """Overwrite ``dq``, ``dk``, ``dv`` in full (three CUDA C kernels).
 
     Recomputes each tile's probabilities from the checkpoints ``m``, ``l``
     (the natural-log contract, from a forward on any backend); ``delta``
-    (B, H, Sq) float32 receives ``rowsum(do * o)`` (0 past ``q_lengths``).
-    ``dq_accum`` is not used (None: dQ is its own pass). ``do``, ``o``,
-    ``dq``, ``dk``, ``dv`` may each be float32, float16 or bfloat16. Shapes
-    and options as :func:`forward`.
+    receives ``rowsum(do * o)`` (0 past ``q_lengths``). ``dq_accum`` is not
+    used (None: dQ is its own pass). ``do``, ``o``, ``dq``, ``dk``, ``dv`` may
+    each be float32, float16 or bfloat16. Parameters: the ``attention``
+    Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     what = "attention backward"
     t = input_type(what, q, k, v)

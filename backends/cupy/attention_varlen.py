@@ -39,11 +39,10 @@ def forward(
     causal,
     input_pos,
 ) -> None:
-    """Write ``o`` (and ``m``, ``l`` unless None) for validated packed inputs.
+    """Write ``o`` (and ``m``, ``l`` unless None), sequence by sequence.
 
-    ``o``: (Tq, H, Dv); ``q``: (Tq, H, D); ``k``: (Tk, Hkv, D); ``v``: (Tk,
-    Hkv, Dv); ``m``, ``l``: (H, Tq) float32 or None; ``cu_seqlens_q``,
-    ``cu_seqlens_k``: (B + 1,) int32; ``input_pos`` an int or a (B,) array.
+    Parameters: the ``attention_varlen`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`).
     """
     forward_per_sequence(
         attention, o, q, k, v, m, l, cu_seqlens_q, cu_seqlens_k, scale, causal, input_pos
@@ -74,9 +73,9 @@ def backward(
 ) -> None:
     """Overwrite ``dq``, ``dk``, ``dv`` in full, sequence by sequence.
 
-    ``delta`` (H, Tq) float32 is attention's scratch, viewed per sequence;
-    ``dq_accum`` is not used (None: dQ is its own pass). Shapes and options as
-    :func:`forward`.
+    ``delta`` is attention's scratch, viewed per sequence; ``dq_accum`` is not
+    used (None: dQ is its own pass). Parameters: the ``attention_varlen``
+    Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     arrays = (do, q, k, v, o, m, l, dq, dk, dv, delta, None)
     backward_per_sequence(attention, arrays, cu_seqlens_q, cu_seqlens_k, scale, causal, input_pos)

@@ -121,24 +121,9 @@ def _geometry(rows: int, vocab: int, v: int) -> tuple[tuple[int], tuple[int]]:
 
 
 def forward(loss, lse, logits, targets, *, ignore_index, label_smoothing, softcap, z_loss) -> None:
-    """Each row's loss and logsumexp (see the module docstring).
+    """Each row's loss and logsumexp, a block per row (see the module docstring).
 
-    Parameters
-    ----------
-    loss, lse : array
-        ``(N,)`` float32, overwritten; ``lse`` is written on ignored rows too.
-    logits : array
-        ``(N, V)`` float32, float16 or bfloat16, last axis contiguous, any row stride.
-    targets : array
-        ``(N,)`` int32 or int64, any stride.
-    ignore_index : int
-        Rows with this target lose 0.
-    label_smoothing : float
-        ``eps`` in ``[0, 1]``.
-    softcap : float or None
-        ``c > 0`` for ``z = c tanh(x / c)``; None for ``z = x``.
-    z_loss : float
-        Weight (>= 0) of ``lse**2`` in the loss.
+    The contract of :class:`xpkernels.backends.protocol.CrossEntropyModule`.
     """
     t = _rows.ctype("cross_entropy", "logits", logits)
     _rows.float32s("cross_entropy", loss=loss, lse=lse)
@@ -170,22 +155,10 @@ def forward(loss, lse, logits, targets, *, ignore_index, label_smoothing, softca
 def backward(
     dlogits, logits, targets, lse, grad, *, ignore_index, label_smoothing, softcap, z_loss
 ) -> None:
-    """``dlogits[r] = grad[r] * d loss[r] / d logits[r]`` from the forward's ``lse``.
+    """``dlogits[r] = grad[r] * d loss[r] / d logits[r]`` from the forward's ``lse``, elementwise.
 
-    Parameters
-    ----------
-    dlogits : array
-        ``(N, V)`` float32, float16 or bfloat16 (not necessarily the logits'
-        dtype), last axis contiguous, any row stride; overwritten. May be the
-        very same array as ``logits``.
-    logits, targets
-        As :func:`forward`'s.
-    lse : array
-        ``(N,)`` float32, the forward's.
-    grad : array
-        ``(N,)`` float32 weight of each row, any stride (0: one for all rows).
-    ignore_index, label_smoothing, softcap, z_loss
-        As :func:`forward`'s.
+    ``dlogits`` float32, float16 or bfloat16, not necessarily the logits'
+    dtype. The contract of :class:`xpkernels.backends.protocol.CrossEntropyModule`.
     """
     t = _rows.ctype("cross_entropy", "logits", logits)
     g = _rows.ctype("cross_entropy", "dlogits", dlogits)

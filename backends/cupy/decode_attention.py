@@ -116,12 +116,9 @@ def forward(
     window=None,
     block_table=None,
 ) -> None:
-    """Write ``o`` (B, H, Dv) for validated inputs; the split scratch is overwritten.
+    """Write ``o`` by ``decode_split`` then ``decode_combine``; the split scratch is overwritten.
 
-    ``q`` (B, H, D); ``k``/``v`` (B, Hkv, Smax, D/Dv), or with ``block_table``
-    (B, max_pages) int32 the pages ``(num_pages, Hkv, page_size, D/Dv)``;
-    ``lengths`` (B,) int32/int64; ``o_partial`` (B, H, n_splits, Dv) and
-    ``m_partial``/``l_partial`` (B, H, n_splits) float32.
+    The contract of :class:`xpkernels.backends.protocol.DecodeAttentionModule`.
     """
     t = CTYPES.get(str(q.dtype))
     if t is None or any(a.dtype != q.dtype for a in (k, v, o)):

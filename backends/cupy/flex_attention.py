@@ -207,12 +207,12 @@ def _positions(input_pos, batch, like) -> tuple:
 
 
 def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) -> None:
-    """Write ``o`` (and the checkpoints ``m``, ``l`` unless None) for validated inputs.
+    """Write ``o`` (and the checkpoints ``m``, ``l`` unless None) by ``flex_forward``.
 
-    ``o``: (B, H, Sq, Dv); ``q``: (B, H, Sq, D); ``k``: (B, Hkv, Sk, D); ``v``:
-    (B, Hkv, Sk, Dv); ``m``, ``l``: (B, H, Sq) float32 or None; ``input_pos``
-    a tuple of ints (one, or one per batch) or a (B,) integer array;
-    ``score_mod``, ``mask_mod``: graphs or None; ``plan``: the tile plan.
+    ``input_pos`` is a tuple of ints (one, or one per batch) or a (B,)
+    integer array; ``score_mod``, ``mask_mod`` are graphs or None.
+    Parameters: the ``flex_attention`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`).
     """
     t = _attention.input_type("flex_attention", q, k, v)
     o_kind = _attention.float_kind("flex_attention", "o", o)
@@ -300,12 +300,11 @@ def backward(
     """Overwrite ``dq``, ``dk``, ``dv`` and ADD the score mod's array gradients.
 
     Recomputes the probabilities from the checkpoints ``m``, ``l`` (from a
-    forward on any backend); ``delta`` (B, H, Sq) float32 receives
-    ``rowsum(do * o)``; ``dq_accum`` is not used (None). ``score_mod_grads``:
-    one accumulator or None per captured array of ``score_mod``, summed with
+    forward on any backend); ``delta`` receives ``rowsum(do * o)``;
+    ``dq_accum`` is not used (None). ``score_mod_grads`` are summed with
     float32 atomics, so ``deterministic`` must be False when any is given
-    (routing never sends such a call here). ``score_mod_workspace``: float32
-    scratch of at least :func:`score_mod_workspace` elements, or None.
+    (routing never sends such a call here). Parameters: the
+    ``flex_attention`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     what = "flex_attention backward"
     t = _attention.input_type(what, q, k, v)

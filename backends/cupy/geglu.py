@@ -32,32 +32,19 @@ def name_expressions() -> list[str]:
 
 
 def forward(y, a, b, *, approximate: str) -> None:
-    """``y = gelu(a) * b`` over 2-D ``(rows, M)`` views.
+    """``y = gelu(a) * b``; every array of one dtype.
 
-    Parameters
-    ----------
-    y, a, b : array
-        ``(rows, M)`` of one dtype, last axis contiguous, any row stride;
-        ``y`` may be the very same array as ``a`` or ``b``.
-    approximate : {"none", "tanh"}
-        The GELU form.
+    Parameters: the ``geglu`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     activation = _ACTIVATION[approximate]
     _gated.launch("geglu", SOURCE, _ACTIVATIONS, activation, "forward", (y, a, b))
 
 
 def backward(dy, a, b, da, db, *, approximate: str) -> None:
-    """``da = dy * b * gelu'(a)``, ``db = dy * gelu(a)`` over ``(rows, M)`` views.
+    """``da = dy * b * gelu'(a)``, ``db = dy * gelu(a)``; every array of one dtype.
 
-    Parameters
-    ----------
-    dy, a, b : array
-        ``(rows, M)`` inputs of one dtype, last axis contiguous, any row stride.
-    da, db : array
-        ``(rows, M)`` gradients, overwritten; one of them may be the very same
-        array as ``dy``.
-    approximate : {"none", "tanh"}
-        The forward's GELU form.
+    Either ``da`` or ``db`` may be the very same array as ``dy``. Parameters:
+    the ``geglu`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     activation = _ACTIVATION[approximate]
     _gated.launch("geglu", SOURCE, _ACTIVATIONS, activation, "backward", (dy, a, b, da, db))

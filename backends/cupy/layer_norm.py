@@ -90,17 +90,10 @@ def name_expressions() -> list[str]:
 
 
 def forward(y, x, w, b, mean, rstd, *, eps) -> None:
-    """``y = (x - mean) * rstd * w + b`` over 2-D ``(rows, M)`` views; writes the checkpoints unless None.
+    """``y = (x - mean) * rstd * w + b`` per row; writes the checkpoints unless None.
 
-    Parameters
-    ----------
-    y, x : array
-        ``(rows, M)``, last axis contiguous, any row stride; ``y`` may alias ``x``.
-    w, b : array or None
-        ``(M,)`` contiguous scale and shift; None means none (``w = 1``, ``b = 0``).
-    mean, rstd : array or None
-        ``(rows,)`` float32, receive the row means and reciprocal standard deviations.
-    eps : float
+    Parameters: the ``layer_norm`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`).
     """
     t, tw, tb = _types(x, w, b, y)
     rows, m = x.shape
@@ -137,19 +130,9 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
 def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) -> None:
     """``dx`` (overwritten) and, for the partials that are not None, per-block ``dw`` / ``db`` sums.
 
-    Parameters
-    ----------
-    dy, x, dx : array
-        ``(rows, M)``, last axis contiguous, any row stride; ``dx`` may alias ``dy``.
-    w : array or None
-        ``(M,)`` contiguous; None means no scale (``w = 1``).
-    mean, rstd : array
-        ``(rows,)`` float32 checkpoints of the forward.
-    dw_partial, db_partial : array or None
-        ``(P, M)`` float32, one row per block (both of one shape when both
-        are given). ``accumulate=False`` overwrites all P rows (blocks without
-        rows write zeros), True adds.
-    accumulate : bool
+    The partials (float32) get one row per block; ``accumulate=False``
+    overwrites all P rows (blocks without rows write zeros). Parameters: the
+    ``layer_norm`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     t, tw, _ = _types(x, w, None, dy, dx)
     rows, m = x.shape
@@ -205,12 +188,8 @@ def partials(rows: int, m: int, like) -> int:
 def reduce_partials(partial, out) -> None:
     """``out[:] = partial.sum(0)``: float32 sums in a fixed order, written in ``out``'s dtype.
 
-    Parameters
-    ----------
-    partial : array
-        ``(P, M)`` float32 partial sums, any strides.
-    out : array
-        ``(M,)`` float32, float16 or bfloat16, any stride.
+    ``partial`` float32, ``out`` float32, float16 or bfloat16, both of any
+    strides. The contract of :func:`xpkernels.backends.protocol.reduce_partials`.
     """
     loader = loader_for(partial)
     _rows.reduce(_OP, "dw/db", lambda c: _module(loader, c, c, c), partial, out)

@@ -106,15 +106,9 @@ def _launch(kind: str, o_a, tiles, args, strided) -> None:
 def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
     """``(o, m, l)`` of attention over both key sets; see the module docstring.
 
-    Parameters
-    ----------
-    o, o_a, o_b : array
-        ``(B, H, S, Dv)``, last axis contiguous, any other strides; float32,
-        float16 or bfloat16, ``o_b`` of ``o_a``'s dtype, ``o`` of any of
-        them. ``o`` may be ``o_a`` or ``o_b``.
-    m, l, m_a, l_a, m_b, l_b : array
-        ``(B, H, S)`` float32, any strides. ``m`` may be ``m_a`` or ``m_b``,
-        ``l`` may be ``l_a`` or ``l_b``.
+    ``o_a`` and ``o_b`` of one dtype, ``o`` any of float32, float16 or
+    bfloat16; the states float32, any strides. The contract of
+    :class:`xpkernels.backends.protocol.MergeAttentionStatesModule`.
     """
     _rows.float32s(_OP, m=m, l=l, m_a=m_a, l_a=l_a, m_b=m_b, l_b=l_b)
     in_kind = _kind("o_a", o_a)
@@ -127,15 +121,9 @@ def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
 def backward(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b) -> None:
     """``do_a``, ``dlse_a``, ``do_b``, ``dlse_b``, overwritten in full; see the module docstring.
 
-    Parameters
-    ----------
-    do, o, o_a, o_b, do_a, do_b : array
-        ``(B, H, S, Dv)``, last axis contiguous, any other strides; each
-        float32, float16 or bfloat16 (``o_b`` of ``o_a``'s dtype). ``do_a``
-        or ``do_b`` may be ``do``.
-    dlse, m, l, m_a, l_a, m_b, l_b, dlse_a, dlse_b : array
-        ``(B, H, S)`` float32, any strides; ``dlse`` None means zero.
-        ``dlse_a`` or ``dlse_b`` may be ``dlse``.
+    The ``o``-shaped arrays each float32, float16 or bfloat16 (``o_b`` of
+    ``o_a``'s dtype); the states float32, any strides. The contract of
+    :class:`xpkernels.backends.protocol.MergeAttentionStatesModule`.
     """
     _rows.float32s(
         _OP, dlse=dlse, m=m, l=l, m_a=m_a, l_a=l_a, m_b=m_b, l_b=l_b, dlse_a=dlse_a, dlse_b=dlse_b

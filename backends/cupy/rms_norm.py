@@ -82,17 +82,9 @@ def _kernels(loader, x, w, v: int):
 
 
 def forward(y, x, w, rstd, *, eps, offset) -> None:
-    """``y = x * rstd * (w + offset)`` over 2-D ``(rows, M)`` views; writes ``rstd`` unless None.
+    """``y = x * rstd * (w + offset)`` per row; writes ``rstd`` unless None.
 
-    Parameters
-    ----------
-    y, x : array
-        ``(rows, M)``, last axis contiguous, any row stride; ``y`` may alias ``x``.
-    w : array or None
-        ``(M,)`` contiguous; None means no weight (``w = 1``).
-    rstd : array or None
-        ``(rows,)`` float32, receives ``rstd``.
-    eps, offset : float
+    Parameters: the ``rms_norm`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     _check(x, w, y)
     rows, m = x.shape
@@ -119,19 +111,9 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
 def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     """``dx`` (overwritten) and, unless ``dw_partial`` is None, per-block ``dw`` partial sums.
 
-    Parameters
-    ----------
-    dy, x, dx : array
-        ``(rows, M)``, last axis contiguous, any row stride; ``dx`` may alias ``dy``.
-    w : array or None
-        ``(M,)`` contiguous; None means no weight (``w = 1``).
-    rstd : array
-        ``(rows,)`` float32 checkpoint of the forward.
-    dw_partial : array or None
-        ``(P, M)`` float32, one row per block. ``accumulate=False``
-        overwrites all P rows (blocks without rows write zeros), True adds.
-    offset : float
-    accumulate : bool
+    ``dw_partial`` (float32) gets one row per block; ``accumulate=False``
+    overwrites all P rows (blocks without rows write zeros). Parameters: the
+    ``rms_norm`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     _check(x, w, dy, dx)
     rows, m = x.shape
@@ -172,12 +154,8 @@ def partials(rows: int, m: int, like) -> int:
 def reduce_partials(partial, out) -> None:
     """``out[:] = partial.sum(0)``: float32 sums in a fixed order, written in ``out``'s dtype.
 
-    Parameters
-    ----------
-    partial : array
-        ``(P, M)`` float32 partial sums, any strides.
-    out : array
-        ``(M,)`` float32, float16 or bfloat16, any stride.
+    ``partial`` float32, ``out`` float32, float16 or bfloat16, both of any
+    strides. The contract of :func:`xpkernels.backends.protocol.reduce_partials`.
     """
     loader = loader_for(partial)
     _rows.reduce(

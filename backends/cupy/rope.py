@@ -157,21 +157,9 @@ def _launch(out, x, cos, sin, position_ids, interleaved: bool, sign: float) -> N
 def forward(out, x, cos, sin, position_ids, *, interleaved: bool) -> None:
     """``out`` = ``x`` with its pairs rotated forward: ``(x1 c - x2 s, x2 c + x1 s)``.
 
-    Parameters
-    ----------
-    out, x : array
-        ``(B, H, S, D)`` of one dtype (float32, float16 or bfloat16), last
-        axis contiguous, any other strides; ``out`` may be the very same
-        array as ``x``.
-    cos, sin : array
-        ``(B, P, R2)`` tables of one dtype (float32, float16, bfloat16 or
-        float64, not necessarily ``x``'s), last axis contiguous, any other
-        strides (0 along the batch: one table for every batch); ``2 R2 <= D``.
-    position_ids : array or None
-        ``(B, S)`` int32 or int64 table rows of the queries, each in
-        ``[0, P)``; None: query ``s`` takes row ``s``.
-    interleaved : bool
-        Pairs ``(x[2i], x[2i + 1])`` (GPT-J) rather than ``(x[i], x[i + R2])``.
+    ``out`` of ``x``'s dtype; ``cos`` and ``sin`` of one dtype of float32, float16,
+    bfloat16 or float64, not necessarily ``x``'s; ``2 R2 <= D``. The contract of
+    :class:`xpkernels.backends.protocol.RopeModule`.
     """
     _launch(out, x, cos, sin, position_ids, interleaved, 1.0)
 
@@ -179,12 +167,6 @@ def forward(out, x, cos, sin, position_ids, *, interleaved: bool) -> None:
 def backward(dx, dout, cos, sin, position_ids, *, interleaved: bool) -> None:
     """``dx`` = ``dout`` with its pairs rotated back: ``(d1 c + d2 s, d2 c - d1 s)``.
 
-    Parameters
-    ----------
-    dx, dout : array
-        ``(B, H, S, D)`` of one dtype, as :func:`forward`'s ``out`` and
-        ``x``; ``dx`` may be the very same array as ``dout``.
-    cos, sin, position_ids, interleaved
-        As :func:`forward`'s.
+    Dtypes as :func:`forward`'s. The contract of :class:`xpkernels.backends.protocol.RopeModule`.
     """
     _launch(dx, dout, cos, sin, position_ids, interleaved, -1.0)

@@ -56,24 +56,16 @@ def _launch(kind: str, lead, arrays, threads_limit: int) -> None:
 
 
 def forward(y, x) -> None:
-    """``y = softmax(x)`` per row of 2-D ``(rows, M)`` views.
+    """``y = softmax(x)`` per row; ``y`` and ``x`` of one dtype.
 
-    Parameters
-    ----------
-    y, x : array
-        ``(rows, M)`` of one dtype, last axis contiguous, any row stride;
-        ``y`` may alias ``x``.
+    Parameters: the ``softmax`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     _launch("forward", x, (y, x), _rows.MAX_THREADS)
 
 
 def backward(y, dy, dx) -> None:
-    """``dx = y * (dy - sum(y * dy))`` per row of ``(rows, M)`` views.
+    """``dx = y * (dy - sum(y * dy))`` per row; ``y``, ``dy``, ``dx`` of one dtype.
 
-    Parameters
-    ----------
-    y, dy, dx : array
-        ``(rows, M)`` of one dtype, last axis contiguous, any row stride;
-        ``dx`` (overwritten) may alias ``dy``.
+    Parameters: the ``softmax`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     _launch("backward", y, (y, dy, dx), _rows.BACKWARD_MAX_THREADS)

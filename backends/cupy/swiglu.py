@@ -29,26 +29,17 @@ def name_expressions() -> list[str]:
 
 
 def forward(y, a, b) -> None:
-    """``y = silu(a) * b`` over 2-D ``(rows, M)`` views.
+    """``y = silu(a) * b``; every array of one dtype.
 
-    Parameters
-    ----------
-    y, a, b : array
-        ``(rows, M)`` of one dtype, last axis contiguous, any row stride;
-        ``y`` may be the very same array as ``a`` or ``b``.
+    Parameters: the ``swiglu`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     _gated.launch("swiglu", SOURCE, _ACTIVATIONS, "Silu", "forward", (y, a, b))
 
 
 def backward(dy, a, b, da, db) -> None:
-    """``da = dy * b * s * (1 + a * (1 - s))``, ``db = dy * silu(a)`` over ``(rows, M)`` views.
+    """``da = dy * b * s * (1 + a * (1 - s))``, ``db = dy * silu(a)``; every array of one dtype.
 
-    Parameters
-    ----------
-    dy, a, b : array
-        ``(rows, M)`` inputs of one dtype, last axis contiguous, any row stride.
-    da, db : array
-        ``(rows, M)`` gradients, overwritten; one of them may be the very same
-        array as ``dy``.
+    Either ``da`` or ``db`` may be the very same array as ``dy``. Parameters:
+    the ``swiglu`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     _gated.launch("swiglu", SOURCE, _ACTIVATIONS, "Silu", "backward", (dy, a, b, da, db))

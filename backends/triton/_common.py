@@ -411,15 +411,8 @@ def reduce_partials(partial, out) -> None:
     The column sums of the narrow column blocks go straight to a float32
     ``out``; for a 16-bit ``out`` they overwrite row 0 of ``partial`` (each
     block's program has read its columns of every row first) and a second
-    kernel casts them into ``out`` with 16-byte stores.
-
-    Parameters
-    ----------
-    partial : torch.Tensor
-        ``(P, M)`` float32 partial sums, any strides; row 0 is overwritten
-        when ``out`` is not float32.
-    out : torch.Tensor
-        ``(M,)`` output, any float dtype and stride.
+    kernel casts them into ``out`` with 16-byte stores. ``partial`` (float32) and ``out``
+    may have any strides. The contract of :func:`xpkernels.backends.protocol.reduce_partials`.
     """
     p, m = partial.shape
     if m == 0:

@@ -167,16 +167,8 @@ def _forward_kernel(
 
 
 def forward(activation: int, y, a, b) -> None:
-    """``y = f(a) * b`` over 2-D ``(rows, M)`` views.
-
-    Parameters
-    ----------
-    activation : int
-        One of :data:`ACTIVATIONS`.
-    y, a, b : torch.Tensor
-        ``(rows, M)``, last axis contiguous, any row stride; ``y`` may be the
-        very same tensor as ``a`` or ``b``.
-    """
+    """``y = f(a) * b`` for ``activation`` (one of :data:`ACTIVATIONS`); ``y``, ``a``, ``b`` as
+    the ``swiglu``/``geglu`` forward takes them."""
     rows, m = a.shape
     if rows == 0 or m == 0:
         return
@@ -204,18 +196,9 @@ def _backward_kernel(
 
 
 def backward(activation: int, dy, a, b, da, db) -> None:
-    """``da = dy * b * f'(a)``, ``db = dy * f(a)`` over ``(rows, M)`` views.
-
-    Parameters
-    ----------
-    activation : int
-        One of :data:`ACTIVATIONS`.
-    dy, a, b : torch.Tensor
-        ``(rows, M)`` inputs, last axis contiguous, any row stride.
-    da, db : torch.Tensor
-        ``(rows, M)`` gradients, overwritten; one of them may be the very
-        same tensor as ``dy`` (each element is loaded before either is stored).
-    """
+    """``da = dy * b * f'(a)``, ``db = dy * f(a)`` for ``activation`` (one of :data:`ACTIVATIONS`);
+    the arrays as the ``swiglu``/``geglu`` backward takes them, either ``da`` or ``db`` possibly
+    ``dy`` (each element is loaded before either is stored)."""
     rows, m = a.shape
     if rows == 0 or m == 0:
         return

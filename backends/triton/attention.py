@@ -192,27 +192,10 @@ def launch_delta(like, args, dv, rows, programs, *, has_qlen, varlen=False) -> N
 def forward(o, q, k, v, m, l, *, scale, causal, input_pos, q_lengths, k_lengths) -> None:
     """Attention forward into ``o`` and, unless ``m`` is None, the checkpoints ``m`` and ``l``.
 
-    Parameters
-    ----------
-    o : torch.Tensor
-        ``(B, H, Sq, Dv)`` output, overwritten.
-    q, k, v : torch.Tensor
-        ``(B, H, Sq, D)``, ``(B, Hkv, Sk, D)``, ``(B, Hkv, Sk, Dv)``; one dtype.
-    m, l : torch.Tensor or None
-        ``(B, H, Sq)`` float32 checkpoints (row max in natural-log units, sum
-        of ``exp(s - m)``), both None for inference.
-    scale : float
-        Multiplies ``q k^T``.
-    causal : bool
-        Keep keys at positions ``<=`` the query's position.
-    input_pos : int or torch.Tensor
-        Position of query 0, one int or ``(B,)`` integers.
-    q_lengths, k_lengths : torch.Tensor or None
-        ``(B,)`` valid query and key counts.
-
-    Shapes
-    ------
-    Every tensor's last axis has stride 1; other strides are free.
+    ``m`` is the row max of ``s = q k^T * scale`` in natural-log units, ``l`` the sum of
+    ``exp(s - m)``; ``causal`` keeps the keys at positions ``<=`` the query's, query 0 being
+    at ``input_pos``; ``q_lengths``/``k_lengths`` count the valid queries and keys. Parameters:
+    the ``attention`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     B, H, Sq, D = q.shape
     Hkv, Sk, DV = k.shape[1], k.shape[2], v.shape[-1]
@@ -249,28 +232,10 @@ def backward(
 ) -> None:
     """Attention backward: overwrites ``dq``, ``dk``, ``dv`` (and the scratch ``delta``).
 
-    Parameters
-    ----------
-    do : torch.Tensor
-        ``(B, H, Sq, Dv)`` cotangent of ``o``.
-    q, k, v, o : torch.Tensor
-        The forward's inputs and output.
-    m, l : torch.Tensor
-        ``(B, H, Sq)`` float32 checkpoints from a forward (any backend's).
-    dq, dk, dv : torch.Tensor
-        Shadows of q, k, v, overwritten in their own dtypes; dk and dv are
-        summed over each GQA group.
-    delta : torch.Tensor
-        ``(B, H, Sq)`` float32 scratch, receives ``rowsum(do * o)``.
-    dq_accum : None
-        Not used: dQ is a separate, deterministic pass, so the backend's
-        declaration leaves ``dq_accum`` out of its scratch and the front passes None.
-    scale, causal, input_pos, q_lengths, k_lengths
-        As in :func:`forward`.
-
-    Shapes
-    ------
-    As in :func:`forward`; dq like q, dk like k, dv like v.
+    Reads checkpoints from any backend's forward; ``dk`` and ``dv`` are summed over each GQA
+    group; ``delta`` receives ``rowsum(do * o)``; ``dq_accum`` is None (dQ is a separate,
+    deterministic pass, so the backend's declaration leaves it out of its scratch). Parameters:
+    the ``attention`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     B, H, Sq, D = q.shape
     Hkv, Sk, DV = k.shape[1], k.shape[2], v.shape[-1]

@@ -74,18 +74,10 @@ def forward(
 ) -> None:
     """Packed varlen attention forward into ``o`` and, unless ``m`` is None, ``m`` and ``l``.
 
-    Parameters
-    ----------
-    o, q, k, v : torch.Tensor
-        ``(Tq, H, Dv)``, ``(Tq, H, D)``, ``(Tk, Hkv, D)``, ``(Tk, Hkv, Dv)``.
-    m, l : torch.Tensor or None
-        ``(H, Tq)`` float32 checkpoints, both None for inference.
-    cu_seqlens_q, cu_seqlens_k : torch.Tensor
-        ``(B + 1,)`` int32 prefix sums, read only in the kernels.
-    max_seqlen_q, max_seqlen_k : int
-        Longest query / key sequence: the grid's tile count.
-    scale, causal, input_pos
-        As :func:`.attention.forward`, positions per sequence.
+    The prefix sums are read only in the kernels; ``max_seqlen_q``/``max_seqlen_k`` set the
+    grid's tile count; ``scale``, ``causal``, ``input_pos`` as :func:`.attention.forward`,
+    positions per sequence. Parameters: the ``attention_varlen`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`).
     """
     Tq, H, D = q.shape
     Tk, Hkv, DV = k.shape[0], k.shape[1], v.shape[-1]
@@ -124,11 +116,9 @@ def backward(
     causal,
     input_pos,
 ) -> None:
-    """Packed varlen attention backward: overwrites ``dq``, ``dk``, ``dv`` (and ``delta``).
-
-    ``delta`` is ``(H, Tq)`` float32 scratch; ``dq_accum`` is not used (None).
-    Shapes and options as :func:`forward`.
-    """
+    """Packed varlen attention backward: overwrites ``dq``, ``dk``, ``dv`` (and ``delta``);
+    ``dq_accum`` is not used (None). Parameters: the ``attention_varlen`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`), options as :func:`forward`."""
     Tq, H, D = q.shape
     Tk, Hkv, DV = k.shape[0], k.shape[1], v.shape[-1]
     batch = cu_seqlens_q.shape[0] - 1

@@ -319,25 +319,9 @@ def forward(loss, lse, logits, targets, *, ignore_index, label_smoothing, softca
     """Each row's loss and logsumexp: ``loss[r] = (1 - eps)(lse - z[t]) + eps (lse - mean z)
     + z_loss lse**2``, ``lse[r] = log(sum(exp(z)))``.
 
-    Parameters
-    ----------
-    loss, lse : torch.Tensor
-        ``(N,)`` float32 outputs, contiguous; ``lse`` is written on ignored rows
-        too, whose ``loss`` is 0. A target outside ``[0, V)`` that is not
-        ``ignore_index`` gives a NaN loss (no read outside the row).
-    logits : torch.Tensor
-        ``(N, V)`` float32, float16 or bfloat16, last axis contiguous, any row
-        stride.
-    targets : torch.Tensor
-        ``(N,)`` int32 or int64, any stride.
-    ignore_index : int
-        Target value of the rows left out.
-    label_smoothing : float
-        ``eps`` in ``[0, 1]``; the smoothing term is computed only when positive.
-    softcap : float or None
-        ``c > 0``: the loss sees ``z = c tanh(logits / c)``; None: ``z = logits``.
-    z_loss : float
-        Weight (``>= 0``) of ``lse**2``; computed only when positive.
+    A target outside ``[0, V)`` reads nothing outside the row; the smoothing and z-loss
+    terms are computed only when positive. The contract of
+    :class:`xpkernels.backends.protocol.CrossEntropyModule`.
     """
     if logits.shape[0] == 0:
         return
@@ -351,20 +335,8 @@ def backward(
     """``dlogits[r] = grad[r] (p (1 + 2 z_loss lse) - (1 - eps) onehot(t) - eps / V) dz/dx``,
     ``p = exp(z - lse)``; exact zeros on ignored rows.
 
-    Parameters
-    ----------
-    dlogits : torch.Tensor
-        ``(N, V)`` output, any float dtype of the three, last axis contiguous,
-        any row stride; may be the very same tensor as ``logits``.
-    logits, targets
-        As in :func:`forward`.
-    lse : torch.Tensor
-        ``(N,)`` float32 logsumexp written by :func:`forward`.
-    grad : torch.Tensor
-        ``(N,)`` float32 row weights, any stride (0: one weight for every row).
-    ignore_index, label_smoothing, softcap, z_loss
-        As in :func:`forward`; a target outside ``[0, V)`` that is not
-        ``ignore_index`` gives its row a NaN gradient.
+    ``dlogits`` may be of any of the three float dtypes. The contract of
+    :class:`xpkernels.backends.protocol.CrossEntropyModule`.
     """
     if logits.shape[0] == 0:
         return

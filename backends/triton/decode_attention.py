@@ -420,38 +420,11 @@ def forward(
     window=None,
     block_table=None,
 ) -> None:
-    """Decode attention into ``o``, through the split scratch buffers.
+    """Decode attention into ``o``, through the split scratch buffers (float32 here).
 
-    Parameters
-    ----------
-    o : torch.Tensor
-        ``(B, H, Dv)`` output, overwritten; 0 where ``lengths[b] == 0``.
-    q : torch.Tensor
-        ``(B, H, D)`` one query per head, at position ``lengths[b] - 1``.
-    k, v : torch.Tensor
-        ``(B, Hkv, Smax, D)`` and ``(B, Hkv, Smax, Dv)`` caches; keys
-        ``[0, lengths[b])`` are attended. With ``block_table``: the pages
-        ``(num_pages, Hkv, page_size, D)`` and ``(num_pages, Hkv, page_size, Dv)``.
-    lengths : torch.Tensor
-        ``(B,)`` integers of any width, clamped to ``[0, Smax]`` in the kernel
-        (``Smax = max_pages * page_size`` for pages).
-    o_partial, m_partial, l_partial : torch.Tensor
-        ``(B, H, S, Dv)``, ``(B, H, S)``, ``(B, H, S)`` float32 scratch,
-        overwritten; ``S = n_splits``.
-    scale : float
-        Multiplies ``q k^T``.
-    softcap : float or None
-        Caps each scaled score ``s`` to ``softcap * tanh(s / softcap)``.
-    window : int or None
-        The query sees only keys ``j >= lengths[b] - window``; splits cut
-        those keys, and no split visits a tile before them.
-    block_table : torch.Tensor or None
-        ``(B, max_pages)`` int32: key ``j`` is slot ``j % page_size`` of page
-        ``block_table[b, j // page_size]``, clamped to ``[0, num_pages)`` in the kernel.
-
-    Shapes
-    ------
-    Every float tensor's last axis has stride 1; other strides are free.
+    ``lengths`` and the block table's entries are clamped in the kernels; with ``window``
+    the splits cut only the keys the query sees, and no split visits a tile before them.
+    The contract of :class:`xpkernels.backends.protocol.DecodeAttentionModule`.
     """
     B, H, D = q.shape
     Hkv, DV = k.shape[1], v.shape[-1]

@@ -616,16 +616,10 @@ def _meta(q, v, mods, vjp, score_mod, mask_mod, lists) -> dict:
 def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) -> None:
     """Write ``o`` (and the checkpoints ``m``, ``l`` unless None) for validated inputs.
 
-    Parameters
-    ----------
-    o : torch.Tensor ``(B, H, Sq, Dv)``, overwritten.
-    q, k, v : torch.Tensor ``(B, H, Sq, D)``, ``(B, Hkv, Sk, D)``, ``(B, Hkv, Sk, Dv)``.
-    m, l : torch.Tensor or None
-        ``(B, H, Sq)`` float32 checkpoints (natural-log units), or None.
-    scale : float
-    input_pos : tuple of int or ``(B,)`` integer tensor
-    score_mod, mask_mod : xpkernels.mods.Graph or None
-    plan : xpkernels.mods.TilePlan
+    ``m``, ``l`` in natural-log units; ``input_pos`` is a tuple of ints or a ``(B,)`` integer
+    tensor, the mods :class:`xpkernels.mods.Graph` or None, ``plan`` a
+    :class:`xpkernels.mods.TilePlan`. Parameters: the ``flex_attention`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`).
     """
     B, H, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -652,13 +646,9 @@ def forward(o, q, k, v, m, l, *, scale, input_pos, score_mod, mask_mod, plan) ->
 
 
 def score_mod_workspace(q, k, v, score_mod, plan, score_mod_grads, deterministic) -> int:
-    """Float32 elements of the workspace :func:`backward` needs for ``score_mod_grads``.
-
-    Raises
-    ------
-    ValueError
-        Deterministic partial rows too large (:func:`._flex_host.workspace_layout`).
-    """
+    """Float32 elements of the workspace :func:`backward` needs for ``score_mod_grads``
+    (:func:`xpkernels.backends.protocol.score_mod_workspace`); ValueError when the
+    deterministic partial rows are too large (:func:`._flex_host.workspace_layout`)."""
     if score_mod is None or all(g is None for g in score_mod_grads):
         return 0
     B, H, Sq, D = q.shape
@@ -694,15 +684,12 @@ def backward(
 ) -> None:
     """Overwrite ``dq``, ``dk``, ``dv`` in full and ADD the score mod's array gradients.
 
-    ``delta`` ``(B, H, Sq)`` float32 scratch receives ``rowsum(do * o)``;
-    ``dq_accum`` is not used (dQ is its own pass; the declaration leaves it
-    out of the scratch). ``score_mod_grads``: one accumulator or None per
-    slot of ``score_mod``. ``deterministic``: the array gradients go through
-    per-program partial rows and a reduction in a fixed order (bit-identical
-    run to run), else float32 atomic adds. ``score_mod_workspace``: 1-D
-    float32 scratch of at least :func:`score_mod_workspace` elements (None
-    when that is 0), holding those partial rows and float32 stand-ins for
-    accumulators of other dtypes. Other arguments as :func:`forward`.
+    ``delta`` receives ``rowsum(do * o)``; ``dq_accum`` is not used (dQ is its own pass;
+    the declaration leaves it out of the scratch). ``deterministic``: the array gradients go
+    through per-program partial rows and a reduction in a fixed order (bit-identical run to
+    run), else float32 atomic adds; ``score_mod_workspace`` holds those partial rows and
+    float32 stand-ins for accumulators of other dtypes. Parameters: the ``flex_attention``
+    Signature's (:func:`xpkernels.backends.protocol.module_functions`), as :func:`forward`.
     """
     B, H, Sq, D = q.shape
     Hkv, Sk, DV = k.shape[1], k.shape[2], v.shape[-1]

@@ -22,31 +22,13 @@ _ACTIVATIONS = {"none": _gated.GELU, "tanh": _gated.GELU_TANH}
 
 
 def forward(y, a, b, *, approximate: str) -> None:
-    """``y = gelu(a) * b`` over 2-D ``(rows, M)`` views (:func:`._gated.forward`).
-
-    Parameters
-    ----------
-    y, a, b : torch.Tensor
-        ``(rows, M)``, last axis contiguous, any row stride; ``y`` may be the
-        very same tensor as ``a`` or ``b``.
-    approximate : {"none", "tanh"}
-        The GELU form.
-    """
+    """``y = gelu(a) * b`` (:func:`._gated.forward`). Parameters: the ``geglu`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`)."""
     _gated.forward(_ACTIVATIONS[approximate], y, a, b)
 
 
 def backward(dy, a, b, da, db, *, approximate: str) -> None:
-    """``da = dy * b * gelu'(a)``, ``db = dy * gelu(a)`` over ``(rows, M)`` views
-    (:func:`._gated.backward`).
-
-    Parameters
-    ----------
-    dy, a, b : torch.Tensor
-        ``(rows, M)`` inputs, last axis contiguous, any row stride.
-    da, db : torch.Tensor
-        ``(rows, M)`` gradients, overwritten; one of them may be the very
-        same tensor as ``dy``.
-    approximate : {"none", "tanh"}
-        The forward's GELU form.
-    """
+    """``da = dy * b * gelu'(a)``, ``db = dy * gelu(a)`` (:func:`._gated.backward`); either
+    ``da`` or ``db`` may be the very same tensor as ``dy``. Parameters: the ``geglu``
+    Signature's (:func:`xpkernels.backends.protocol.module_functions`)."""
     _gated.backward(_ACTIVATIONS[approximate], dy, a, b, da, db)

@@ -146,18 +146,8 @@ def _forward_streaming(
 
 
 def forward(y, x, w, b, mean, rstd, *, eps) -> None:
-    """``y = (x - mean) * rstd * w + b`` over 2-D ``(rows, M)`` views; writes mean/rstd unless None.
-
-    Parameters
-    ----------
-    y, x : torch.Tensor
-        ``(rows, M)``, last axis contiguous, any row stride; ``y`` may alias ``x``.
-    w, b : torch.Tensor or None
-        ``(M,)`` contiguous; None for no scale / no shift.
-    mean, rstd : torch.Tensor or None
-        ``(rows,)`` float32 checkpoints.
-    eps : float
-    """
+    """``y = (x - mean) * rstd * w + b``; writes ``mean``/``rstd`` unless None. Parameters:
+    the ``layer_norm`` Signature's (:func:`xpkernels.backends.protocol.module_functions`)."""
     rows, m = x.shape
     if rows == 0:
         return
@@ -319,21 +309,11 @@ def _backward_streaming(
 
 
 def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) -> None:
-    """``dx`` (overwritten) and per-program partial sums of ``dw`` and ``db`` (each unless None).
+    """``dx`` and per-program partial sums of ``dw`` and ``db`` (each unless None).
 
-    Parameters
-    ----------
-    dy, x, dx : torch.Tensor
-        ``(rows, M)``, last axis contiguous, any row stride; ``dx`` may alias ``dy``.
-    w : torch.Tensor or None
-        ``(M,)`` contiguous; None when the forward had no scale.
-    mean, rstd : torch.Tensor
-        ``(rows,)`` float32 checkpoints of the forward.
-    dw_partial, db_partial : torch.Tensor or None
-        ``(P, M)`` float32, the same P when both are given; one program per
-        row. ``accumulate=False`` overwrites all P rows (programs without rows
-        write zeros), True adds.
-    accumulate : bool
+    One program per row of the float32 partial sums; ``accumulate=False``
+    overwrites all P rows (programs without rows write zeros). Parameters: the
+    ``layer_norm`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     rows, m = x.shape
     if m == 0:
@@ -356,7 +336,7 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
 
 
 def partials(rows: int, m: int, like) -> int:
-    """Rows ``P`` of ``dw_partial`` and ``db_partial`` for a backward over ``rows`` rows of ``m``.
+    """Rows ``P`` of ``dw_partial``/``db_partial`` (:func:`xpkernels.backends.protocol.partials`).
 
     One per program: one wave of the SM count times the programs an SM holds
     on CUDA (capped by the row tiles), a few on CPU.

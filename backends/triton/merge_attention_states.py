@@ -239,13 +239,8 @@ def _launch(o_a):
 def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
     """``(o, m, l)`` of attention over both key sets; see the module docstring.
 
-    Parameters
-    ----------
-    o, o_a, o_b : torch.Tensor
-        ``(B, H, S, Dv)``, last axis contiguous, any other strides.
-    m, l, m_a, l_a, m_b, l_b : torch.Tensor
-        ``(B, H, S)`` float32, any strides. Outputs may be the very same
-        tensors as the same-named inputs of either side.
+    The ``(B, H, S)`` states are float32, any strides. The contract of
+    :class:`xpkernels.backends.protocol.MergeAttentionStatesModule`.
     """
     rows, grid, rows_per, block_d = _launch(o_a)
     if rows == 0:
@@ -258,13 +253,8 @@ def forward(o, m, l, o_a, m_a, l_a, o_b, m_b, l_b) -> None:
 def backward(do, dlse, o, m, l, o_a, m_a, l_a, o_b, m_b, l_b, do_a, dlse_a, do_b, dlse_b) -> None:
     """``do_a``, ``dlse_a``, ``do_b``, ``dlse_b``; see the module docstring.
 
-    Parameters
-    ----------
-    do, o, o_a, o_b, do_a, do_b : torch.Tensor
-        ``(B, H, S, Dv)``, last axis contiguous; ``do_a`` or ``do_b`` may be ``do``.
-    dlse, m, l, m_a, l_a, m_b, l_b, dlse_a, dlse_b : torch.Tensor
-        ``(B, H, S)`` float32 (``dlse`` None: zero); ``dlse_a`` or ``dlse_b``
-        may be ``dlse``.
+    The ``(B, H, S)`` arrays are float32. The contract of
+    :class:`xpkernels.backends.protocol.MergeAttentionStatesModule`.
     """
     rows, grid, rows_per, block_d = _launch(o_a)
     if rows == 0:

@@ -121,18 +121,8 @@ def _forward_streaming(
 
 
 def forward(y, x, w, rstd, *, eps, offset) -> None:
-    """``y = x * rstd * (w + offset)`` over 2-D ``(rows, M)`` views; writes ``rstd`` unless None.
-
-    Parameters
-    ----------
-    y, x : torch.Tensor
-        ``(rows, M)``, last axis contiguous, any row stride; ``y`` may alias ``x``.
-    w : torch.Tensor or None
-        ``(M,)`` contiguous; None for no weight.
-    rstd : torch.Tensor or None
-        ``(rows,)`` float32, receives ``rstd``.
-    eps, offset : float
-    """
+    """``y = x * rstd * (w + offset)``; writes ``rstd`` unless None. Parameters: the
+    ``rms_norm`` Signature's (:func:`xpkernels.backends.protocol.module_functions`)."""
     rows, m = x.shape
     if rows == 0:
         return
@@ -253,21 +243,11 @@ def _backward_streaming(
 
 
 def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
-    """``dx`` (overwritten) and, unless ``dw_partial`` is None, per-program ``dw`` partial sums.
+    """``dx`` and, unless ``dw_partial`` is None, per-program ``dw`` partial sums.
 
-    Parameters
-    ----------
-    dy, x, dx : torch.Tensor
-        ``(rows, M)``, last axis contiguous, any row stride; ``dx`` may alias ``dy``.
-    w : torch.Tensor or None
-        ``(M,)`` contiguous; None for no weight.
-    rstd : torch.Tensor
-        ``(rows,)`` float32 checkpoint of the forward.
-    dw_partial : torch.Tensor or None
-        ``(P, M)`` float32; one program per row. ``accumulate=False``
-        overwrites all P rows (programs without rows write zeros), True adds.
-    offset : float
-    accumulate : bool
+    One program per row of the float32 ``dw_partial``; ``accumulate=False``
+    overwrites all P rows (programs without rows write zeros). Parameters: the
+    ``rms_norm`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
     rows, m = x.shape
     if m == 0:
@@ -286,7 +266,7 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
 
 
 def partials(rows: int, m: int, like) -> int:
-    """Rows ``P`` of ``dw_partial`` for a backward over ``rows`` rows of length ``m`` like ``like``.
+    """Rows ``P`` of ``dw_partial`` (:func:`xpkernels.backends.protocol.partials`).
 
     One per program: one wave of the SM count times the programs an SM holds
     on CUDA (capped by the row tiles), a few on CPU.

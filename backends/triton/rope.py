@@ -178,19 +178,9 @@ def _rotate(out, x, cos, sin, position_ids, interleaved: bool, inverse: bool) ->
 def forward(out, x, cos, sin, position_ids, *, interleaved: bool) -> None:
     """``out = rope(x)``: each pair ``(x1, x2)`` becomes ``(x1 c - x2 s, x2 c + x1 s)``.
 
-    Parameters
-    ----------
-    out, x : torch.Tensor
-        ``(B, H, S, D)``, one float dtype, last axis contiguous, any other
-        strides; ``out`` may be the very same tensor as ``x``.
-    cos, sin : torch.Tensor
-        ``(B, P, R2)`` tables, last axis contiguous, any float dtype; the
-        batch stride may be 0 (one table for every batch). ``2 R2 <= D``.
-    position_ids : torch.Tensor or None
-        ``(B, S)`` int32 or int64 table rows in ``[0, P)``; None: query ``s``
-        takes row ``s`` (``P >= S``).
-    interleaved : bool
-        Pairs ``(x[2i], x[2i + 1])`` (GPT-J), else ``(x[i], x[i + R2])``.
+    The tables may be of any float dtype, ``2 R2 <= D``; without ``position_ids`` query ``s``
+    takes row ``s`` (``P >= S``); ``interleaved`` pairs ``(x[2i], x[2i + 1])`` (GPT-J), else
+    ``(x[i], x[i + R2])``. The contract of :class:`xpkernels.backends.protocol.RopeModule`.
     """
     _rotate(out, x, cos, sin, position_ids, interleaved, inverse=False)
 
@@ -198,12 +188,7 @@ def forward(out, x, cos, sin, position_ids, *, interleaved: bool) -> None:
 def backward(dx, dout, cos, sin, position_ids, *, interleaved: bool) -> None:
     """``dx`` from ``dout`` by the inverse rotation: ``(d1 c + d2 s, d2 c - d1 s)`` per pair.
 
-    Parameters
-    ----------
-    dx, dout : torch.Tensor
-        ``(B, H, S, D)``, as ``out`` and ``x`` of :func:`forward`; ``dx`` may
-        be the very same tensor as ``dout``.
-    cos, sin, position_ids, interleaved
-        As in :func:`forward`.
+    The contract of :class:`xpkernels.backends.protocol.RopeModule`; the tables and pairs as
+    in :func:`forward`.
     """
     _rotate(dx, dout, cos, sin, position_ids, interleaved, inverse=True)

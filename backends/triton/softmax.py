@@ -97,13 +97,8 @@ def _forward_streaming(
 
 
 def forward(y, x) -> None:
-    """``y = softmax(x)`` along the last axis of 2-D ``(rows, M)`` views.
-
-    Parameters
-    ----------
-    y, x : torch.Tensor
-        ``(rows, M)``, last axis contiguous, any row stride; ``y`` may alias ``x``.
-    """
+    """``y = softmax(x)`` along the last axis. Parameters: the ``softmax`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`)."""
     rows, m = x.shape
     if rows == 0 or m == 0:
         return
@@ -160,14 +155,8 @@ def _backward_streaming(
 
 
 def backward(y, dy, dx) -> None:
-    """``dx = y * (dy - sum(y * dy))`` along the last axis of 2-D ``(rows, M)`` views.
-
-    Parameters
-    ----------
-    y, dy, dx : torch.Tensor
-        ``(rows, M)``, last axis contiguous, any row stride; ``dx`` (overwritten)
-        may alias ``dy``.
-    """
+    """``dx = y * (dy - sum(y * dy))`` along the last axis. Parameters: the ``softmax``
+    Signature's (:func:`xpkernels.backends.protocol.module_functions`)."""
     rows, m = y.shape
     if rows == 0 or m == 0:
         return

@@ -17,27 +17,13 @@ __all__ = ["backward", "forward"]
 
 
 def forward(y, a, b) -> None:
-    """``y = silu(a) * b`` over 2-D ``(rows, M)`` views (:func:`._gated.forward`).
-
-    Parameters
-    ----------
-    y, a, b : torch.Tensor
-        ``(rows, M)``, last axis contiguous, any row stride; ``y`` may be the
-        very same tensor as ``a`` or ``b``.
-    """
+    """``y = silu(a) * b`` (:func:`._gated.forward`). Parameters: the ``swiglu`` Signature's
+    (:func:`xpkernels.backends.protocol.module_functions`)."""
     _gated.forward(_gated.SILU, y, a, b)
 
 
 def backward(dy, a, b, da, db) -> None:
-    """``da = dy * b * s * (1 + a * (1 - s))``, ``db = dy * silu(a)`` over ``(rows, M)`` views
-    (:func:`._gated.backward`).
-
-    Parameters
-    ----------
-    dy, a, b : torch.Tensor
-        ``(rows, M)`` inputs, last axis contiguous, any row stride.
-    da, db : torch.Tensor
-        ``(rows, M)`` gradients, overwritten; one of them may be the very
-        same tensor as ``dy``.
-    """
+    """``da = dy * b * s * (1 + a * (1 - s))``, ``db = dy * silu(a)`` (:func:`._gated.backward`);
+    either ``da`` or ``db`` may be the very same tensor as ``dy``. Parameters: the ``swiglu``
+    Signature's (:func:`xpkernels.backends.protocol.module_functions`)."""
     _gated.backward(_gated.SILU, dy, a, b, da, db)
