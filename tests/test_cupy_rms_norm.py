@@ -176,14 +176,19 @@ def test_backward_is_deterministic():
     np.testing.assert_array_equal(results[0], results[1])
 
 
-def test_unsupported_dtypes_are_refused():
+def test_unsupported_dtypes_are_refused_and_unpaired_ones_run_in_float32():
     x = np.zeros((2, 8), np.float64)
+    x16 = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float16)
+    w = np.linspace(-1, 1, 8)
     with cudacpu.emulate():
         with pytest.raises(TypeError, match="float64"):
             R.forward(x, x, None, None, eps=EPS, offset=0.0)
-        with pytest.raises(TypeError, match="w must have"):
-            x16 = np.zeros((2, 8), np.float16)
-            R.forward(x16, x16, np.zeros(8, ml_dtypes.bfloat16), None, eps=EPS, offset=0.0)
+        assert R.supports(x16, w.astype(ml_dtypes.bfloat16)) is not None
+        y, y32 = np.empty((2, 8), np.float16), np.empty((2, 8), np.float32)
+        R.forward(y, x16, w.astype(ml_dtypes.bfloat16), None, eps=EPS, offset=0.0)
+        w32 = w.astype(ml_dtypes.bfloat16).astype(np.float32)
+        R.forward(y32, x16.astype(np.float32), w32, None, eps=EPS, offset=0.0)
+        np.testing.assert_array_equal(y, y32.astype(np.float16))
     assert R.supports(np.zeros(1, np.float16), np.zeros(1, np.float32)) is None
 
 

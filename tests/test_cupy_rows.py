@@ -315,16 +315,12 @@ def test_unsupported_dtypes_are_refused():
             L.forward(x, x, None, None, None, None, eps=EPS)
         with pytest.raises(TypeError, match="b has dtype float64"):
             L.forward(x16, x16, None, np.zeros(8), None, None, eps=EPS)
-        with pytest.raises(TypeError, match="outputs must have x's dtype"):
-            L.forward(np.zeros((2, 8), np.float32), x16, None, None, None, None, eps=EPS)
         with pytest.raises(TypeError, match="partials must be float32"):
             mean = np.zeros(2, np.float32)
             dwp = np.zeros((1, 8), np.float16)
             L.backward(x16, x16, None, mean, mean, x16, dwp, None, accumulate=False)
         with pytest.raises(TypeError, match="x has dtype float64"):
             S.forward(x, x)
-        with pytest.raises(TypeError, match="every array must have y's dtype"):
-            S.backward(x16, x16, np.zeros((2, 8), np.float32))
 
 
 def test_launchers_need_neither_torch_nor_triton_and_cpu_runs_import_no_cupy():

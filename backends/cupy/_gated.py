@@ -74,6 +74,11 @@ def launch(op: str, source: Path, activations, activation: str, kind: str, array
     arrays : tuple
         ``(y, a, b)`` or ``(dy, a, b, da, db)``.
     """
+    if _rows.mixed(*arrays):  # one dtype per kernel: the call in float32
+        written = (0,) if kind == "forward" else (3, 4)
+        staged, finish = _rows.in_float32(arrays, outputs=written)
+        launch(op, source, activations, activation, kind, staged)
+        return finish()
     lead = arrays[1]
     t = _rows.same_type(op, "a", lead, *arrays)
     rows, m = lead.shape

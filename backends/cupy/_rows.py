@@ -73,6 +73,37 @@ def same_type(op: str, first: str, lead, *others) -> str:
     return t
 
 
+def mixed(*arrays) -> bool:
+    """True when the float arrays among ``arrays`` (None skipped) have more than one dtype."""
+    return len({str(a.dtype) for a in arrays if a is not None}) > 1
+
+
+def in_float32(arrays, outputs=()):
+    """``arrays`` for kernels compiled for one dtype, when a call mixes them: every one in
+    float32 (None stays None), and the ``finish()`` that completes the call.
+
+    Inputs are copied to float32 (exactly: it holds every 16-bit value); the
+    outputs (``outputs``, indices into ``arrays``) not already float32 are
+    float32 temporaries that ``finish()`` writes into them, one rounding, as a
+    kernel storing its float32 result would: the results are those of a
+    kernel taking each array in its own dtype, at the cost of the copies.
+    """
+    staged, written = list(arrays), []
+    for i, a in enumerate(arrays):
+        if a is not None and str(a.dtype) not in CTYPES:
+            raise TypeError(f"cupy: dtype {a.dtype}; supported: float32, float16, bfloat16")
+        if a is not None and str(a.dtype) != "float32":
+            staged[i] = a.astype("float32")
+            if i in outputs:
+                written.append((a, staged[i]))
+
+    def finish() -> None:
+        for out, temporary in written:
+            out[...] = temporary
+
+    return tuple(staged), finish
+
+
 def stride(a, axis: int = 0) -> int:
     """Elements between consecutive indices of ``a`` along ``axis``."""
     return a.strides[axis] // a.itemsize

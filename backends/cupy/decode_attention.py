@@ -120,11 +120,11 @@ def forward(
 
     The contract of :class:`xpkernels.backends.protocol.DecodeAttentionModule`.
     """
-    t = CTYPES.get(str(q.dtype))
-    if t is None or any(a.dtype != q.dtype for a in (k, v, o)):
+    t, to = CTYPES.get(str(q.dtype)), CTYPES.get(str(o.dtype))
+    if t is None or to is None or any(a.dtype != q.dtype for a in (k, v)):
         raise TypeError(
-            f"cupy decode_attention: q, k, v and o must share one of float32, float16, bfloat16; "
-            f"got {q.dtype}, {k.dtype}, {v.dtype}, {o.dtype}"
+            f"cupy decode_attention: q, k and v must share one of float32, float16, bfloat16 and o "
+            f"have one of them; got {q.dtype}, {k.dtype}, {v.dtype}, {o.dtype}"
         )
     index = _INDEX_TYPES.get(str(lengths.dtype))
     if index is None:
@@ -153,7 +153,7 @@ def forward(
     dpl = _lane_elements(d, dv)
     loader = loader_for(q)
     module = loader.module(
-        SOURCE, [_split_name(t, index, g, dpl), _combine_name(t, index)], OPTIONS
+        SOURCE, [_split_name(t, index, g, dpl), _combine_name(to, index)], OPTIONS
     )
     if smax > 0:
         split = module.get_function(_split_name(t, index, g, dpl))
@@ -194,7 +194,7 @@ def forward(
             ),
             shared_mem=shared,
         )
-    module.get_function(_combine_name(t, index))(
+    module.get_function(_combine_name(to, index))(  # o in its own dtype
         (batch * heads,),
         (128,),
         (

@@ -32,7 +32,7 @@ def name_expressions() -> list[str]:
 
 
 def forward(y, a, b, *, approximate: str) -> None:
-    """``y = gelu(a) * b``; every array of one dtype.
+    """``y = gelu(a) * b`` (of mixed dtypes, in float32).
 
     Parameters: the ``geglu`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
@@ -41,7 +41,7 @@ def forward(y, a, b, *, approximate: str) -> None:
 
 
 def backward(dy, a, b, da, db, *, approximate: str) -> None:
-    """``da = dy * b * gelu'(a)``, ``db = dy * gelu(a)``; every array of one dtype.
+    """``da = dy * b * gelu'(a)``, ``db = dy * gelu(a)`` (of mixed dtypes, in float32).
 
     Either ``da`` or ``db`` may be the very same array as ``dy``. Parameters:
     the ``geglu`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).

@@ -95,6 +95,10 @@ def forward(y, x, w, b, mean, rstd, *, eps) -> None:
     Parameters: the ``layer_norm`` Signature's
     (:func:`xpkernels.backends.protocol.module_functions`).
     """
+    if _rows.mixed(x, y):  # outputs of x's dtype only: the call in float32
+        (y, x), finish = _rows.in_float32((y, x), outputs=(0,))
+        forward(y, x, w, b, mean, rstd, eps=eps)
+        return finish()
     t, tw, tb = _types(x, w, b, y)
     rows, m = x.shape
     if rows == 0:
@@ -134,6 +138,10 @@ def backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, *, accumulate) ->
     overwrites all P rows (blocks without rows write zeros). Parameters: the
     ``layer_norm`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
+    if _rows.mixed(dy, x, dx):  # x, dy, dx of one dtype only: the call in float32
+        (dy, x, dx), finish = _rows.in_float32((dy, x, dx), outputs=(2,))
+        backward(dy, x, w, mean, rstd, dx, dw_partial, db_partial, accumulate=accumulate)
+        return finish()
     t, tw, _ = _types(x, w, None, dy, dx)
     rows, m = x.shape
     partial = dw_partial if dw_partial is not None else db_partial

@@ -42,10 +42,11 @@ BLOCKS_PER_SM = 32  #: cap of a backward grid without dw_partial
 
 
 def supports(x, w=None, out=None) -> str | None:
-    """Why this backend cannot serve arrays of these dtypes, or None when it can.
+    """Why the kernels cannot take arrays of these dtypes as they are, or None when they can.
 
-    ``x`` (and ``y``/``dy``/``dx``, passed as ``out``) must share one of
-    float32/float16/bfloat16; ``w`` is None, of ``x``'s dtype or float32.
+    They take ``x`` (and ``y``/``dy``/``dx``, passed as ``out``) of one of
+    float32/float16/bfloat16 and ``w`` None, of ``x``'s dtype or float32; the
+    launchers run other mixes in float32 (:func:`._rows.in_float32`).
     """
     if str(x.dtype) not in CTYPES:
         return f"cupy rms_norm: x has dtype {x.dtype}; supported: float32, float16, bfloat16"
@@ -54,13 +55,6 @@ def supports(x, w=None, out=None) -> str | None:
     if w is not None and str(w.dtype) not in (str(x.dtype), "float32"):
         return f"cupy rms_norm: w must have x's dtype {x.dtype} or float32, got {w.dtype}"
     return None
-
-
-def _check(x, w, *outs) -> None:
-    for out in outs:
-        reason = supports(x, w, out)
-        if reason is not None:
-            raise TypeError(reason)
 
 
 _KERNELS = ("forward_warp", "forward_block", "backward_warp", "backward_block")
@@ -86,7 +80,10 @@ def forward(y, x, w, rstd, *, eps, offset) -> None:
 
     Parameters: the ``rms_norm`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
-    _check(x, w, y)
+    if supports(x, w, y) is not None:  # dtypes the kernels do not pair: the call in float32
+        (y, x, w), finish = _rows.in_float32((y, x, w), outputs=(0,))
+        forward(y, x, w, rstd, eps=eps, offset=offset)
+        return finish()
     rows, m = x.shape
     if rows == 0:
         return
@@ -115,7 +112,10 @@ def backward(dy, x, w, rstd, dx, dw_partial, *, offset, accumulate) -> None:
     overwrites all P rows (blocks without rows write zeros). Parameters: the
     ``rms_norm`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
-    _check(x, w, dy, dx)
+    if supports(x, w, dy) is not None or supports(x, w, dx) is not None:
+        (dy, x, w, dx), finish = _rows.in_float32((dy, x, w, dx), outputs=(3,))
+        backward(dy, x, w, rstd, dx, dw_partial, offset=offset, accumulate=accumulate)
+        return finish()
     rows, m = x.shape
     if m == 0 or (dw_partial is None and rows == 0):
         return

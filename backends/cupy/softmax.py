@@ -36,8 +36,14 @@ def name_expressions() -> list[str]:
     return [e for t in _rows.CTYPES.values() for e in _rows.expressions("softmax", _KERNELS, t)]
 
 
-def _launch(kind: str, lead, arrays, threads_limit: int) -> None:
-    """Run ``softmax_<kind>_{warp,block}`` over the ``(rows, M)`` ``arrays`` (the kernel's order)."""
+def _launch(kind: str, arrays, output: int, threads_limit: int) -> None:
+    """Run ``softmax_<kind>_{warp,block}`` over the ``(rows, M)`` ``arrays`` (the kernel's order,
+    ``arrays[output]`` written), in float32 when their dtypes differ (:func:`._rows.in_float32`)."""
+    if _rows.mixed(*arrays):
+        staged, finish = _rows.in_float32(arrays, outputs=(output,))
+        _launch(kind, staged, output, threads_limit)
+        return finish()
+    lead = arrays[1] if kind == "forward" else arrays[0]
     t = _rows.same_type("softmax", "x" if kind == "forward" else "y", lead, *arrays)
     rows, m = lead.shape
     if rows == 0 or m == 0:
@@ -56,16 +62,16 @@ def _launch(kind: str, lead, arrays, threads_limit: int) -> None:
 
 
 def forward(y, x) -> None:
-    """``y = softmax(x)`` per row; ``y`` and ``x`` of one dtype.
+    """``y = softmax(x)`` per row.
 
     Parameters: the ``softmax`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
-    _launch("forward", x, (y, x), _rows.MAX_THREADS)
+    _launch("forward", (y, x), 0, _rows.MAX_THREADS)
 
 
 def backward(y, dy, dx) -> None:
-    """``dx = y * (dy - sum(y * dy))`` per row; ``y``, ``dy``, ``dx`` of one dtype.
+    """``dx = y * (dy - sum(y * dy))`` per row.
 
     Parameters: the ``softmax`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
-    _launch("backward", y, (y, dy, dx), _rows.BACKWARD_MAX_THREADS)
+    _launch("backward", (y, dy, dx), 2, _rows.BACKWARD_MAX_THREADS)

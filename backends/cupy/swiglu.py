@@ -29,7 +29,7 @@ def name_expressions() -> list[str]:
 
 
 def forward(y, a, b) -> None:
-    """``y = silu(a) * b``; every array of one dtype.
+    """``y = silu(a) * b`` (of mixed dtypes, in float32).
 
     Parameters: the ``swiglu`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
     """
@@ -37,7 +37,7 @@ def forward(y, a, b) -> None:
 
 
 def backward(dy, a, b, da, db) -> None:
-    """``da = dy * b * s * (1 + a * (1 - s))``, ``db = dy * silu(a)``; every array of one dtype.
+    """``da = dy * b * s * (1 + a * (1 - s))``, ``db = dy * silu(a)`` (of mixed dtypes, in float32).
 
     Either ``da`` or ``db`` may be the very same array as ``dy``. Parameters:
     the ``swiglu`` Signature's (:func:`xpkernels.backends.protocol.module_functions`).
