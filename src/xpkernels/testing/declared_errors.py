@@ -38,7 +38,6 @@ public functions' parameters come from :mod:`.declared_fronts`.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import math
 import re
@@ -219,16 +218,14 @@ def valid_call(front: Front, target: Target, values=None, extents=None) -> Call:
     """
     values = values or {}
     extents = dict(extents or EXTENTS)
-    arrays: dict[str, Any] = {}
+    arrays: dict[str, Any] = {
+        s.label: _on(target, s, _values(s, extents, values))
+        for p in front.params
+        if p.kind not in ("checkpoints", "scratch")
+        for s in p.slots
+    }
     tuples: dict[str, Any] = {}
-    for p in front.params:
-        if p.kind in ("checkpoints", "scratch"):
-            continue
-        for s in p.slots:
-            arrays[s.label] = _on(target, s, _values(s, extents, values))
-    for p in front.params:
-        if p.kind not in ("checkpoints", "scratch"):
-            continue
+    for p in (p for p in front.params if p.kind in ("checkpoints", "scratch")):
         tup = _tuple(front, p, target, arrays, tuples, extents, values)
         tuples[p.name] = tup
         for s in p.slots:
@@ -301,19 +298,15 @@ def _self_overlapping(target: Target, slot: Slot, extents):
     shape = slot.shape(extents)
     axis = next(i for i, n in enumerate(shape) if n > 1)
     base = target.full(shape[:axis] + (1,) + shape[axis + 1 :], SENTINEL, "float32")
+    raw = getattr(base, "_array", base)
+    strides = list(base.stride() if target.namespace == "torch" else raw.strides)
+    strides[axis] = 0
     if target.namespace == "torch":
-        strides = list(base.stride())
-        strides[axis] = 0
         return base.as_strided(shape, strides)
     if target.namespace == "cupy":
         import cupy
 
-        strides = list(base.strides)
-        strides[axis] = 0
         return cupy.lib.stride_tricks.as_strided(base, shape, strides)
-    raw = getattr(base, "_array", base)
-    strides = list(raw.strides)
-    strides[axis] = 0
     view = np.lib.stride_tricks.as_strided(raw, shape, strides)
     return type(base)._new(view, device=base.device) if raw is not base else view
 
@@ -354,13 +347,14 @@ class _Change:
     label: str = ""
 
 
-def _set(label, make):
-    """A change that replaces the array ``label`` by ``make(call, target, extents, values)``."""
+def _setting(slot: Slot, what: str, make, error=TypeError, names=None, every_backend=False):
+    """A change that replaces ``slot``'s array by ``make(call, target, extents, values)``; the
+    message may name ``names`` (default: the slot's own names)."""
 
     def apply(call, target, extents, values):
-        call.arrays[label] = make(call, target, extents, values)
+        call.arrays[slot.label] = make(call, target, extents, values)
 
-    return apply
+    return _Change(what, apply, error, names or slot.names or (slot.label,), every_backend)
 
 
 _ROLES = ("input", "output", "cotangent", "state", "written")
@@ -374,20 +368,15 @@ def _checked(front: Front) -> list[Slot]:
 
 def _slot_changes(front: Front, slot: Slot, dup: bool) -> list[_Change]:
     """The changes of one array slot (``dup``: a field of a Duplicated)."""
-    names = slot.names or (slot.label,)
     slots = _checked(front)
     changes = []
+
+    def as_list(call, target, extents, values):
+        return target.to_numpy(call.arrays[slot.label]).tolist()
+
     if not slot.optional and not (dup and slot.label.endswith(".shadow")):
-        changes.append(_Change("none", _set(slot.label, lambda *_: None), TypeError, names, True))
-    changes.append(
-        _Change(
-            "list",
-            _set(slot.label, lambda c, t, e, v: t.to_numpy(c.arrays[slot.label]).tolist()),
-            TypeError,
-            names,
-            True,
-        )
-    )
+        changes.append(_setting(slot, "none", lambda *_: None, every_backend=True))
+    changes.append(_setting(slot, "list", as_list, every_backend=True))
     if not dup:
         changes.append(_rank_change(slot, (slot,), slots))
     if not front.inplace:
@@ -397,48 +386,24 @@ def _slot_changes(front: Front, slot: Slot, dup: bool) -> list[_Change]:
     if not slot.read and not slot.written:
         changes.append(_namespace_change(slot, slots))
         return [replace(c, label=slot.label) for c in changes]
+
+    def filled(what, value, dtype, names=None) -> _Change:
+        return _setting(
+            slot, what, lambda c, t, e, v: t.full(slot.shape(e), value, dtype), names=names
+        )
+
     if slot.floating:
-        changes.append(
-            _Change(
-                "integer-dtype",
-                _set(slot.label, lambda c, t, e, v: t.asarray(np.ones(slot.shape(e), np.int32))),
-                TypeError,
-                _lead_names(slot, slots, lambda s: s.floating),
-                False,
-            )
-        )
+        leads = _lead_names(slot, slots, lambda s: s.floating)
+        changes.append(filled("integer-dtype", 1, "int32", leads))
     else:
-        changes.append(
-            _Change(
-                "float-dtype",
-                _set(slot.label, lambda c, t, e, v: t.full(slot.shape(e), 1.0, "float32")),
-                TypeError,
-                names,
-                False,
-            )
-        )
+        changes.append(filled("float-dtype", 1.0, "float32"))
     if slot.dtype == "int32":
-        changes.append(
-            _Change(
-                "int64",
-                _set(
-                    slot.label, lambda c, t, e, v: t.asarray(_values(slot, e, v).astype(np.int64))
-                ),
-                TypeError,
-                names,
-                False,
-            )
+        wide = _setting(
+            slot, "int64", lambda c, t, e, v: t.asarray(_values(slot, e, v).astype(np.int64))
         )
+        changes.append(wide)
     if slot.dtype == "float32":
-        changes.append(
-            _Change(
-                "float64",
-                _set(slot.label, lambda c, t, e, v: t.full(slot.shape(e), FILL, "float64")),
-                TypeError,
-                names,
-                False,
-            )
-        )
+        changes.append(filled("float64", FILL, "float64"))
     changes.append(_namespace_change(slot, slots))
     if slot.axes and slot.axes[-1] in CONTIGUOUS:
 
@@ -447,9 +412,7 @@ def _slot_changes(front: Front, slot: Slot, dup: bool) -> list[_Change]:
             fill = SENTINEL if slot.written else FILL
             return target.full((*shape[:-1], 2 * shape[-1]), fill, "float32")[..., ::2]
 
-        changes.append(
-            _Change("last-axis-strided", _set(slot.label, strided), ValueError, names, False)
-        )
+        changes.append(_setting(slot, "last-axis-strided", strided, ValueError))
     if slot.written:
         changes += _written_changes(slot, slots)
     return [replace(c, label=slot.label) for c in changes]
@@ -470,8 +433,7 @@ def _namespace_change(slot: Slot, slots) -> _Change:
         host = _values(slot, extents, values)
         return _other_namespace(target, host, "float32" if slot.floating else None)
 
-    names = _lead_names(slot, slots, lambda s: True)
-    return _Change("other-namespace", _set(slot.label, other), TypeError, names, False)
+    return _setting(slot, "other-namespace", other, names=_lead_names(slot, slots, lambda s: True))
 
 
 def _carriers(slots, symbol) -> list[Slot]:
@@ -487,6 +449,17 @@ def _names(slots) -> tuple[str, ...]:
     return tuple(n for s in slots for n in (s.names or (s.label,)))
 
 
+def _group_names(group, slots, symbols) -> tuple[str, ...]:
+    """The names of ``group``, and of every slot an extent of one of ``symbols`` shows in when
+    an array of ``group`` is the first of them (the lead the front compares the others with)."""
+    names = _names(group)
+    for sym in symbols:
+        carriers = _carriers(slots, "B" if sym == "B+1" else sym)
+        if carriers and carriers[0] in group:
+            names += _names(carriers)
+    return names
+
+
 def _extent_changes(slot: Slot, group, slots) -> list[_Change]:
     """A wrong extent of each axis symbol of ``slot`` (applied to every array of ``group``;
     integer arrays get values for it: prefix sums of ``B + 1`` sequences)."""
@@ -499,10 +472,7 @@ def _extent_changes(slot: Slot, group, slots) -> list[_Change]:
             for s in group:
                 call.arrays[s.label] = _on(target, s, _values(s, wrong, values))
 
-        names = _names(group)
-        carriers = _carriers(slots, sym)
-        if carriers and carriers[0] in group:
-            names += _names(carriers)
+        names = _group_names(group, slots, (sym,))
         changes.append(_Change(f"extent-{sym}", apply, ValueError, names, False))
     return changes
 
@@ -521,33 +491,16 @@ def _rank_change(slot: Slot, group, slots) -> _Change:
                 host = host[0] if host.ndim else host[None]  # a scalar gets an axis
             call.arrays[s.label] = _on(target, s, host)
 
-    names = _names(group)
-    for sym in slot.axes:
-        carriers = _carriers(slots, "B" if sym == "B+1" else sym)
-        if carriers and carriers[0] in group:
-            names += _names(carriers)
-    return _Change("rank", apply, ValueError, names, False)
+    return _Change("rank", apply, ValueError, _group_names(group, slots, slot.axes), False)
 
 
 def _written_changes(slot: Slot, slots) -> list[_Change]:
-    names = (slot.label,)
-    overlapping = _Change(
-        "self-overlapping",
-        _set(slot.label, lambda c, t, e, v: _self_overlapping(t, slot, e)),
-        ValueError,
-        names,
-        True,
-    )
+    def refused(what, make) -> _Change:
+        return _setting(slot, what, make, ValueError, (slot.label,), every_backend=True)
+
+    overlapping = refused("self-overlapping", lambda c, t, e, v: _self_overlapping(t, slot, e))
     changes = [overlapping] if slot.axes else []  # a scalar has one element
-    changes += [
-        _Change(
-            "read-only",
-            _set(slot.label, lambda c, t, e, v: _read_only(t, slot, e)),
-            ValueError,
-            names,
-            True,
-        ),
-    ]
+    changes.append(refused("read-only", lambda c, t, e, v: _read_only(t, slot, e)))
     reads = [s for s in slots if s.read and s.floating]
     others = [s for s in reads if s.label not in slot.partners]
     if others:
@@ -579,48 +532,29 @@ def _overlap(slot: Slot, partner: Slot, offset: int, what: str) -> _Change:
 
 
 def _param_changes(front: Front, p: Param) -> list[_Change]:
-    slots = _checked(front)
+    def whole(what, value, error=TypeError) -> _Change:
+        """A change that passes ``value(call)`` for the whole parameter."""
+
+        def apply(call, target, extents, values):
+            call.whole[p.name] = value(call)
+
+        return _Change(what, apply, error, (p.name,), True)
+
     if p.kind == "array":
         return _slot_changes(front, p.slots[0], dup=False)
     if p.kind in ("checkpoints", "scratch"):
         changes = [c for s in p.slots for c in _slot_changes(front, s, dup=False)]
         if not p.optional:
-
-            def missing(call, target, extents, values):
-                call.whole[p.name] = None
-
-            changes.append(_Change("none", missing, ValueError, (p.name,), True))
+            changes.append(whole("none", lambda c: None, ValueError))
         return changes
+    first, slots = p.slots[0], _checked(front)
     changes = []
-
-    def whole(value):
-        def apply(call, target, extents, values):
-            call.whole[p.name] = value(call)
-
-        return apply
-
     if not p.optional:
-        changes += [
-            _Change("none", whole(lambda c: None), TypeError, (p.name,), True),
-            _Change(
-                "bare-array",
-                whole(lambda c: c.arrays[p.slots[0].label]),
-                TypeError,
-                (p.name,),
-                True,
-            ),
-        ]
-    changes.append(
-        _Change(
-            "list",
-            whole(lambda c: c.target.to_numpy(c.arrays[p.slots[0].label]).tolist()),
-            TypeError,
-            (p.name,),
-            True,
-        )
-    )
-    changes.append(_rank_change(p.slots[0], p.slots, slots))
-    changes += _extent_changes(p.slots[0], p.slots, slots)
+        changes.append(whole("none", lambda c: None))
+        changes.append(whole("bare-array", lambda c: c.arrays[first.label]))
+    changes.append(whole("list", lambda c: c.target.to_numpy(c.arrays[first.label]).tolist()))
+    changes.append(_rank_change(first, p.slots, slots))
+    changes += _extent_changes(first, p.slots, slots)
     for s in p.slots:
         changes += _slot_changes(front, s, dup=True)
     return changes

@@ -11,7 +11,6 @@ error generator (:mod:`.declared_errors`) builds its bad calls from them.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
 import re
 from collections.abc import Mapping
@@ -325,6 +324,3 @@ def _duplicated(name, arg: Arg, sig, outputs, keyword) -> Param:
         shadow = Slot(f"{name}.shadow", pattern, "written", partners=partners)
     primal = Slot(f"{name}.primal", pattern, role if arg.name in sig.reads else "unread", arg.dtype)
     return Param(name, "duplicated", (primal, shadow), keyword, optional=arg.optional)
-
-
-# -- building calls on a target ----------------------------------------------------------------

@@ -164,15 +164,10 @@ class Target:
             if dtype is not None:
                 t = t.to(getattr(torch, dtype))
             return t.to(self.device)
-        if self.namespace == "cupy":
-            import cupy
-
-            return cupy.asarray(a if dtype is None else a.astype(dtype))
-        if self.namespace == "array_api_strict":
-            import array_api_strict
-
-            return array_api_strict.asarray(a if dtype is None else a.astype(dtype))
-        return np.array(a if dtype is None else a.astype(dtype))
+        cast = a if dtype is None else a.astype(dtype)
+        if self.namespace in ("cupy", "array_api_strict"):
+            return importlib.import_module(self.namespace).asarray(cast)
+        return np.array(cast)
 
     def leading_transposed(self, a):
         """Same values as ``a`` (rank 3), in a buffer whose first two axes are swapped in memory.
@@ -423,10 +418,7 @@ def quantize(inputs: dict, dtype: str, target: Target) -> tuple[dict, dict]:
     """Cast float inputs to ``dtype`` on ``target``; return (target arrays, their exact float64 values)."""
     arrays, exact = {}, {}
     for name, a in inputs.items():
-        if a.dtype.kind == "f":
-            arrays[name] = target.asarray(a, dtype)
-        else:
-            arrays[name] = target.asarray(a)
+        arrays[name] = target.asarray(a, dtype if a.dtype.kind == "f" else None)
         exact[name] = target.to_numpy(arrays[name])
     return arrays, exact
 

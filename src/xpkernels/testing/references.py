@@ -207,15 +207,12 @@ def rope(x, cos, sin, *, position_ids=None, interleaved=False, inverse=False):
     if inverse:
         sn = -sn
     if interleaved:
-        first, second = x[..., 0 : 2 * r2 : 2], x[..., 1 : 2 * r2 : 2]
+        one, two = slice(0, 2 * r2, 2), slice(1, 2 * r2, 2)
     else:
-        first, second = x[..., :r2], x[..., r2 : 2 * r2]
+        one, two = slice(0, r2), slice(r2, 2 * r2)
+    first, second = x[..., one], x[..., two]
     out = x.copy()
-    y1, y2 = first * c - second * sn, second * c + first * sn
-    if interleaved:
-        out[..., 0 : 2 * r2 : 2], out[..., 1 : 2 * r2 : 2] = y1, y2
-    else:
-        out[..., :r2], out[..., r2 : 2 * r2] = y1, y2
+    out[..., one], out[..., two] = first * c - second * sn, second * c + first * sn
     return out
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import subprocess
 import threading
@@ -83,6 +84,8 @@ class _Launch(ctypes.Structure):
 
 
 _MODES = {"fibers": 0, "threads": 1}
+#: The runtime library of each sanitizer.
+_SANITIZER_LIBS = {"address": "libasan", "thread": "libtsan"}
 _modules: dict = {}
 _modules_lock = threading.Lock()
 
@@ -109,13 +112,12 @@ def _parse_schedule(schedule) -> int:
 
 
 def _sanitizer_loaded(kind: str) -> bool:
-    lib = {"address": "libasan", "thread": "libtsan"}[kind]
     with open("/proc/self/maps") as maps:
-        return any(lib in line for line in maps)
+        return any(_SANITIZER_LIBS[kind] in line for line in maps)
 
 
 def _runtime_library(kind: str) -> str:
-    lib = {"address": "libasan.so", "thread": "libtsan.so"}[kind]
+    lib = f"{_SANITIZER_LIBS[kind]}.so"
     cxx = os.environ.get("XPKERNELS_CUDACPU_CXX", "g++")
     out = subprocess.run(
         [cxx, f"-print-file-name={lib}"], capture_output=True, text=True, check=True
@@ -139,7 +141,7 @@ def sanitizer_env(kind: str) -> dict:
     dict
         ``LD_PRELOAD``, ``ASAN_OPTIONS``/``TSAN_OPTIONS`` and ``XPKERNELS_CUDACPU_SANITIZE``.
     """
-    if kind not in ("address", "thread"):
+    if kind not in _SANITIZER_LIBS:
         raise ValueError(f"cudacpu: kind must be 'address' or 'thread', got {kind!r}")
     env = {"LD_PRELOAD": _runtime_library(kind), "XPKERNELS_CUDACPU_SANITIZE": kind}
     if kind == "address":
@@ -198,7 +200,7 @@ class RawModule:
             )
         if sanitize is None:
             sanitize = os.environ.get("XPKERNELS_CUDACPU_SANITIZE") or None
-        if sanitize is not None and sanitize not in ("address", "thread"):
+        if sanitize is not None and sanitize not in _SANITIZER_LIBS:
             raise ValueError(
                 f"cudacpu: sanitize must be None, 'address' or 'thread', got {sanitize!r}"
             )
@@ -279,11 +281,7 @@ class RawKernel:
         codes = (ctypes.c_char_p * 257)()
         sig.argtypes = [ctypes.c_void_p]
         sig(ctypes.cast(codes, ctypes.c_void_p))
-        self.signature = []
-        for c in codes:
-            if c is None:
-                break
-            self.signature.append(c.decode())
+        self.signature = [c.decode() for c in itertools.takewhile(lambda c: c is not None, codes)]
         #: like CuPy's attribute: dynamic shared memory above 48 KiB needs this set first
         self.max_dynamic_shared_size_bytes = 0
         self._launches = 0

@@ -123,6 +123,10 @@ def _run(cmd, what: str, where: str) -> None:
         raise CompileError(f"cudacpu: {what} of {where} failed:\n{log}\n(command: {' '.join(cmd)})")
 
 
+def _compile_object(cxx: str, flags: list[str], source: Path, obj: Path, where: str) -> None:
+    _run([cxx, *flags, "-c", str(source), "-o", str(obj)], "compilation", where)
+
+
 def _rewrite_shared(text: str) -> str:
     def dynamic(m):
         spec = re.sub(r"alignas\s*\(\s*\d+\s*\)", " ", m.group(1)).strip()
@@ -166,20 +170,8 @@ def _runtime_object(cxx: str, base_flags: list[str], directory: Path) -> Path:
     if not obj.exists():
         inc = include_dir()
         tmp = directory / f"runtime_{key}.{os.getpid()}.o"
-        _run(
-            [
-                cxx,
-                *base_flags,
-                "-I",
-                str(inc),
-                "-c",
-                str(inc / "cudacpu_runtime.cpp"),
-                "-o",
-                str(tmp),
-            ],
-            "compilation",
-            "the cudacpu runtime",
-        )
+        flags = [*base_flags, "-I", str(inc)]
+        _compile_object(cxx, flags, inc / "cudacpu_runtime.cpp", tmp, "the cudacpu runtime")
         os.replace(tmp, obj)
     return obj
 
@@ -238,23 +230,8 @@ def compile_module(
         tu = Path(tmp) / f"cudacpu_kernel_{key}.ii"
         tu.write_text(text)
         obj = Path(tmp) / f"cudacpu_kernel_{key}.o"
-        _run(
-            [
-                cxx,
-                *base,
-                "-x",
-                "c++",
-                "-fdata-sections",
-                "-fno-gnu-unique",
-                "-w",
-                "-c",
-                str(tu),
-                "-o",
-                str(obj),
-            ],
-            "compilation",
-            where,
-        )
+        flags = [*base, "-x", "c++", "-fdata-sections", "-fno-gnu-unique", "-w"]
+        _compile_object(cxx, flags, tu, obj, where)
         runtime = _runtime_object(cxx, base, directory)
         out = Path(tmp) / "module.so"
         _run(
