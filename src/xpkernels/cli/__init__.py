@@ -116,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m xpkernels", description=__doc__.split("\n\n")[0]
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    op = {"action": "append", "choices": OPS, "help": "only this primitive (repeatable)"}
 
     info = commands.add_parser("info", help="versions and backends")
     info.set_defaults(run=_info)
@@ -128,9 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         "max error of the forward and backward against a naive float64 reference. "
         "Exit status 1 when any row FAILs.",
     )
-    check.add_argument(
-        "--op", action="append", choices=OPS, help="only this primitive (repeatable)"
-    )
+    check.add_argument("--op", **op)
     check.add_argument(
         "-v", "--verbose", action="store_true", help="print the traceback of every error"
     )
@@ -144,9 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--quick", action="store_true", help="small shapes: finishes in seconds")
     bench.add_argument("--json", metavar="PATH", help="also write every row as JSON to PATH")
-    bench.add_argument(
-        "--op", action="append", choices=OPS, help="only this primitive (repeatable)"
-    )
+    bench.add_argument("--op", **op)
     bench.add_argument(
         "--array",
         default="numpy",

@@ -354,24 +354,30 @@ def _xpk_varlen_setup(arrays: Arrays, packed, lengths, causal, pass_, flex=False
         import xpkernels as xk
         from xpkernels.mods import CausalMask
 
-        q, k, v, do = (arrays.convert(a) for a in packed)
+        inputs = [arrays.convert(a) for a in packed]
         cu = arrays.convert(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-        o = arrays.empty_like(q)
         if flex:
-            forward, backward = xk.flex_attention_varlen_, xk.flex_attention_varlen_backward_
+            functions = (xk.flex_attention_varlen_, xk.flex_attention_varlen_backward_)
             options = {"mask_mod": CausalMask()}
         else:
-            forward, backward = xk.attention_varlen_, xk.attention_varlen_backward_
+            functions = (xk.attention_varlen_, xk.attention_varlen_backward_)
             options = {"causal": causal}
-        ck = allocate_checkpoints(forward, q, k, v)
-        forward(o, q, k, v, cu, cu, checkpoints=ck, **options)
-        if pass_ == "forward":
-            return lambda: forward(o, q, k, v, cu, cu, checkpoints=ck, **options)
-        O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
-        scratch = allocate_scratchspace(backward, O, Q, K, V)
-        return lambda: backward(O, Q, K, V, cu, cu, checkpoints=ck, scratch=scratch, **options)
+        return _attention_pass(arrays, pass_, *functions, inputs, options, (cu, cu))
 
     return setup
+
+
+def _attention_pass(arrays: Arrays, pass_, forward, backward, inputs, options, args=()):
+    """``forward(o, q, k, v, *args, **options)`` run once over ``inputs``, then ``pass_``'s call."""
+    q, k, v, do = inputs
+    o = arrays.empty_like(q)
+    ck = allocate_checkpoints(forward, q, k, v)
+    forward(o, q, k, v, *args, checkpoints=ck, **options)
+    if pass_ == "forward":
+        return lambda: forward(o, q, k, v, *args, checkpoints=ck, **options)
+    O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
+    scratch = allocate_scratchspace(backward, O, Q, K, V)
+    return lambda: backward(O, Q, K, V, *args, checkpoints=ck, scratch=scratch, **options)
 
 
 def _padded(packed: np.ndarray, lengths) -> np.ndarray:
@@ -402,15 +408,8 @@ def _xpk_padded_setup(arrays: Arrays, packed, lengths, causal, pass_):
     def setup():
         import xpkernels as xk
 
-        (q, k, v, do), opts = _padded_inputs(arrays, packed, lengths, causal)
-        o = arrays.empty_like(q)
-        ck = allocate_checkpoints(xk.attention_, q, k, v)
-        xk.attention_(o, q, k, v, checkpoints=ck, **opts)
-        if pass_ == "forward":
-            return lambda: xk.attention_(o, q, k, v, checkpoints=ck, **opts)
-        O, Q, K, V = Duplicated(o, do), Duplicated(q), Duplicated(k), Duplicated(v)
-        scratch = allocate_scratchspace(xk.attention_backward_, O, Q, K, V)
-        return lambda: xk.attention_backward_(O, Q, K, V, checkpoints=ck, scratch=scratch, **opts)
+        inputs, opts = _padded_inputs(arrays, packed, lengths, causal)
+        return _attention_pass(arrays, pass_, xk.attention_, xk.attention_backward_, inputs, opts)
 
     return setup
 

@@ -80,6 +80,15 @@ def load_text() -> str:
     return resources.files("xpkernels").joinpath("data/tiny.txt").read_text(encoding="utf-8")
 
 
+def _start(cfg: Config, seed: int):
+    """The text, its characters ``vocab``, the text as their indices, the rng, the parameters."""
+    text = load_text()
+    vocab = sorted(set(text))
+    data = np.array([vocab.index(ch) for ch in text], dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    return text, vocab, data, rng, init_params(cfg, len(vocab), rng)
+
+
 class ArrayLibrary:
     """The array library the model runs on: its namespace, a device, conversions from NumPy."""
 
@@ -212,28 +221,16 @@ class TinyLM:
         self.dqkv, self.do = new(b, t, 3, h, d), new(b, t, h, d)
         self.dprobs, self.dlogits = new(n, vocab), new(n, vocab)
 
-        p, g = params, self.grads
-        self.norm1 = [
-            (
-                Duplicated(self.n1[l], self.dnorm_out),
-                Duplicated(self.h[l], self.dnorm_in),
-                Duplicated(p[f"{l}.norm1"], g[f"{l}.norm1"]),
+        def norm(out, x, weight, dx):  # the (out, x, weight) pairs of one rms_norm
+            return (
+                Duplicated(out, self.dnorm_out),
+                Duplicated(x, dx),
+                Duplicated(params[weight], self.grads[weight]),
             )
-            for l in range(L)
-        ]
-        self.norm2 = [
-            (
-                Duplicated(self.n2[l], self.dnorm_out),
-                Duplicated(self.mid[l], self.dnorm_in),
-                Duplicated(p[f"{l}.norm2"], g[f"{l}.norm2"]),
-            )
-            for l in range(L)
-        ]
-        self.norm_f = (
-            Duplicated(self.nf, self.dnorm_out),
-            Duplicated(self.h[L], self.dres),
-            Duplicated(p["norm_f"], g["norm_f"]),
-        )
+
+        self.norm1 = [norm(self.n1[l], self.h[l], f"{l}.norm1", self.dnorm_in) for l in range(L)]
+        self.norm2 = [norm(self.n2[l], self.mid[l], f"{l}.norm2", self.dnorm_in) for l in range(L)]
+        self.norm_f = norm(self.nf, self.h[L], "norm_f", self.dres)
         self.attn = [
             (
                 Duplicated(heads(self.o[l]), heads(self.do)),
@@ -246,25 +243,18 @@ class TinyLM:
         ]
         self.head_out = (Duplicated(self.probs, self.dprobs), Duplicated(self.logits, self.dlogits))
 
-        def saved(ck):
+        def checkpoints(function, pairs):  # those of ``function(out, *inputs)``, planned
+            ck = allocate_checkpoints(function, *(a.primal for a in pairs[1:]))
             self.planned.extend(ck)
             return ck
 
-        self.ck_n1 = [
-            saved(allocate_checkpoints(rms_norm_, self.h[l], p[f"{l}.norm1"])) for l in range(L)
-        ]
-        self.ck_n2 = [
-            saved(allocate_checkpoints(rms_norm_, self.mid[l], p[f"{l}.norm2"])) for l in range(L)
-        ]
-        self.ck_nf = saved(allocate_checkpoints(rms_norm_, self.h[L], p["norm_f"]))
-        self.ck_attn = [
-            saved(allocate_checkpoints(attention_, *(a.primal for a in self.attn[l][1:])))
-            for l in range(L)
-        ]
-        self.norm_scratch = saved(
-            allocate_scratchspace(rms_norm_backward_, *self.norm_f, backend=backend)
-        )
-        self.attn_scratch = saved(allocate_scratchspace(attention_backward_, *self.attn[0]))
+        self.ck_n1 = [checkpoints(rms_norm_, norm) for norm in self.norm1]
+        self.ck_n2 = [checkpoints(rms_norm_, norm) for norm in self.norm2]
+        self.ck_nf = checkpoints(rms_norm_, self.norm_f)
+        self.ck_attn = [checkpoints(attention_, attn) for attn in self.attn]
+        self.norm_scratch = allocate_scratchspace(rms_norm_backward_, *self.norm_f, backend=backend)
+        self.attn_scratch = allocate_scratchspace(attention_backward_, *self.attn[0])
+        self.planned.extend([*self.norm_scratch, *self.attn_scratch])
 
     @property
     def planned_bytes(self) -> int:
@@ -277,6 +267,12 @@ class TinyLM:
         self.onehot_in[...] = self.lib.asarray(eye[inputs.reshape(-1)], self.dtype)
         self.onehot_out[...] = self.lib.asarray(eye[targets.reshape(-1)], self.dtype)
 
+    def _norm(self, norm: tuple, checkpoints) -> None:
+        """``rms_norm_`` over the primals of ``norm`` (one of :attr:`norm1`, ...)."""
+        rms_norm_(
+            *(a.primal for a in norm), eps=_EPS, checkpoints=checkpoints, backend=self.backend
+        )
+
     def forward(self) -> float:
         """The mean cross-entropy of the loaded batch; fills activations and checkpoints."""
         xp, p, s, opts = self.xp, self.params, self.shape, {"backend": self.backend}
@@ -284,25 +280,16 @@ class TinyLM:
         tokens = xp.reshape(self.onehot_in @ p["tok_emb"], (b, t, c))
         self.h[0][...] = xp.reshape(tokens + p["pos_emb"], (b * t, c))
         for l in range(self.cfg.layers):
-            rms_norm_(
-                self.n1[l], self.h[l], p[f"{l}.norm1"], eps=_EPS, checkpoints=self.ck_n1[l], **opts
-            )
+            self._norm(self.norm1[l], self.ck_n1[l])
             self.qkv[l][...] = xp.reshape(self.n1[l] @ p[f"{l}.qkv"], self.qkv[l].shape)
             o, q, k, v = (a.primal for a in self.attn[l])
             attention_(o, q, k, v, causal=True, checkpoints=self.ck_attn[l], **opts)
             self.mid[l][...] = self.h[l] + xp.reshape(self.o[l], (b * t, c)) @ p[f"{l}.proj"]
-            rms_norm_(
-                self.n2[l],
-                self.mid[l],
-                p[f"{l}.norm2"],
-                eps=_EPS,
-                checkpoints=self.ck_n2[l],
-                **opts,
-            )
+            self._norm(self.norm2[l], self.ck_n2[l])
             self.u[l][...] = self.n2[l] @ p[f"{l}.up"]
             self.g[l][...] = _gelu(xp, self.u[l])
             self.h[l + 1][...] = self.mid[l] + self.g[l] @ p[f"{l}.down"]
-        rms_norm_(self.nf, self.h[-1], p["norm_f"], eps=_EPS, checkpoints=self.ck_nf, **opts)
+        self._norm(self.norm_f, self.ck_nf)
         self.logits[...] = self.nf @ p["head"]
         softmax_(self.probs, self.logits, **opts)
         picked = xp.sum(self.onehot_out * self.probs, axis=-1)
@@ -376,6 +363,36 @@ def _batch(
     starts = rng.integers(0, len(data) - cfg.context - 1, size=cfg.batch)
     windows = np.stack([data[s : s + cfg.context + 1] for s in starts])
     return windows[:, :-1], windows[:, 1:]
+
+
+def _train_steps(step, steps: int, cfg: Config, data, rng, batch, log) -> list[float]:
+    """The losses of ``steps`` optimiser steps ``step(batch, lr)``, the lr on a cosine decay."""
+    losses = []
+    start = time.perf_counter()
+    every = max(1, steps // 10)
+    for i in range(steps):
+        lr = cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * i / max(steps, 1))))
+        losses.append(step(batch, lr))
+        if i % every == 0 or i == steps - 1:
+            log(f"step {i:4d}  loss {losses[-1]:.3f}  ({time.perf_counter() - start:.1f} s)")
+        batch = _batch(data, cfg, rng)
+    return losses
+
+
+def _log_gradient_check(log, against: str, error: float, where: str) -> None:
+    verdict = (
+        "OK" if error <= GRADIENT_TOLERANCE else f"FAILED (tolerance {GRADIENT_TOLERANCE:.0e})"
+    )
+    log(
+        f"step 0 gradient check ({against}): largest relative error {error:.1e} ({where}) {verdict}"
+    )
+
+
+def _sample_token(probs: np.ndarray, rng: np.random.Generator, temperature: float) -> int:
+    """A character drawn from ``probs`` sharpened by ``temperature``."""
+    logits = np.log(np.maximum(probs, 1e-30)) / temperature
+    weights = np.exp(logits - logits.max())
+    return int(rng.choice(len(weights), p=weights / weights.sum()))
 
 
 def gradient_check(params64: dict, cfg: Config, lib: ArrayLibrary, backend, batch, seed: int = 0):
@@ -487,11 +504,8 @@ class Sampler:
         for token in tokens:
             probs, window = self._feed(token, window)
         for _ in range(count):
-            logits = np.log(np.maximum(probs, 1e-30)) / temperature
-            weights = np.exp(logits - logits.max())
-            token = int(rng.choice(len(weights), p=weights / weights.sum()))
-            tokens.append(token)
-            probs, window = self._feed(token, window)
+            tokens.append(_sample_token(probs, rng, temperature))
+            probs, window = self._feed(tokens[-1], window)
         return tokens
 
     def _feed(self, token: int, window: list[int]):
@@ -526,11 +540,7 @@ def train(
     ``log`` receives the progress lines (``print`` by default).
     """
     lib = ArrayLibrary(array, device)
-    text = load_text()
-    vocab = sorted(set(text))
-    data = np.array([vocab.index(ch) for ch in text], dtype=np.int64)
-    rng = np.random.default_rng(seed)
-    params64 = init_params(cfg, len(vocab), rng)
+    text, vocab, data, rng, params64 = _start(cfg, seed)
     params = {name: lib.asarray(a, "float32") for name, a in params64.items()}
     model = TinyLM(params, cfg, lib, "float32", backend)
     route = resolve("attention", {"q": model.h[0]}, backend=backend).backend
@@ -551,43 +561,42 @@ def train(
     if check_backend != backend:
         log(f"{backend} computes no float64: the gradient check runs on {check_backend}")
     error, where = gradient_check(params64, cfg, lib, check_backend, batch, seed)
-    verdict = (
-        "OK" if error <= GRADIENT_TOLERANCE else f"FAILED (tolerance {GRADIENT_TOLERANCE:.0e})"
-    )
-    log(
-        "step 0 gradient check (float64 central differences, a random direction per parameter "
-        f"and one over all): largest relative error {error:.1e} ({where}) {verdict}"
-    )
+    against = "float64 central differences, a random direction per parameter and one over all"
+    _log_gradient_check(log, against, error, where)
 
     optimiser = Adam(params)
-    losses = []
-    start = time.perf_counter()
-    every = max(1, steps // 10)
-    for step in range(steps):
+
+    def step(batch, lr: float) -> float:
         model.set_batch(*batch)
-        losses.append(model.forward())
+        loss = model.forward()
         model.backward()
-        lr = cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / max(steps, 1))))
         optimiser.step(model.grads, lr)
-        if step % every == 0 or step == steps - 1:
-            log(f"step {step:4d}  loss {losses[-1]:.3f}  ({time.perf_counter() - start:.1f} s)")
-        batch = _batch(data, cfg, rng)
+        return loss
+
+    losses = _train_steps(step, steps, cfg, data, rng, batch, log)
     return losses, error, params, lib, vocab
 
 
-def run(steps=300, array="numpy", device="cpu", backend=None, seed=0, sample=120) -> int:
-    """The ``demo`` command: train, report, sample; 1 when the gradient check fails."""
+def _train_report(train, steps: int, *args):
+    """``train(steps, *args)``, its losses summed up in a printed line; returns its result."""
     if steps < 1:
         raise SystemExit("demo: --steps must be >= 1")
-    cfg = Config()
     start = time.perf_counter()
-    losses, error, params, lib, vocab = train(steps, array, device, backend, seed, cfg)
+    result = train(steps, *args)
     elapsed = time.perf_counter() - start
+    losses, vocab = result[0], result[-1]
     last = losses[-10:]
     print(
         f"loss {losses[0]:.3f} at step 0 -> {sum(last) / len(last):.3f} (mean of the last "
         f"{len(last)} steps) in {elapsed:.1f} s; guessing uniformly scores {math.log(len(vocab)):.3f}"
     )
+    return result
+
+
+def run(steps=300, array="numpy", device="cpu", backend=None, seed=0, sample=120) -> int:
+    """The ``demo`` command: train, report, sample; 1 when the gradient check fails."""
+    cfg = Config()
+    _, error, params, lib, vocab = _train_report(train, steps, array, device, backend, seed, cfg)
     if sample > 0:
         sampler = Sampler(params, cfg, lib, backend)
         prompt = [vocab.index(ch) for ch in "The lamp"]

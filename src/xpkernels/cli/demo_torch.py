@@ -12,8 +12,6 @@ float64, with the same model built from PyTorch's own ops
 
 from __future__ import annotations
 
-import math
-import time
 from typing import Any
 
 import numpy as np
@@ -23,17 +21,23 @@ from torch import nn
 
 from ..softmax import softmax as xk_softmax
 from ..torch import nn as xnn
-from .demo import _EPS, GRADIENT_TOLERANCE, Config, _batch, init_params, load_text
+from .demo import (
+    _EPS,
+    GRADIENT_TOLERANCE,
+    Config,
+    _batch,
+    _log_gradient_check,
+    _sample_token,
+    _start,
+    _train_report,
+    _train_steps,
+)
 
 __all__ = ["TorchLM", "load_params", "gradient_check", "train", "run"]
 
 
 class _TorchOps:
     """PyTorch's own ops in the places xpkernels' go: the reference of the gradient check."""
-
-    @staticmethod
-    def norm(dim, dtype, device):
-        return nn.RMSNorm(dim, eps=_EPS, dtype=dtype, device=device)
 
     @staticmethod
     def attention(q, k, v):
@@ -44,16 +48,18 @@ class _TorchOps:
         return torch.softmax(x, dim=-1)
 
 
+def _norm(dim: int, reference: bool, backend, dtype, device) -> nn.Module:
+    """An RMSNorm: PyTorch's own (``reference``) or xpkernels'."""
+    if reference:
+        return nn.RMSNorm(dim, eps=_EPS, dtype=dtype, device=device)
+    return xnn.RMSNorm(dim, eps=_EPS, backend=backend, dtype=dtype, device=device)
+
+
 class _Block(nn.Module):
     def __init__(self, cfg: Config, reference: bool, backend, dtype, device):
         super().__init__()
         c, factory = cfg.dim, {"dtype": dtype, "device": device}
-        if reference:
-            self.norm1, self.norm2 = (_TorchOps.norm(c, dtype, device) for _ in range(2))
-        else:
-            self.norm1, self.norm2 = (
-                xnn.RMSNorm(c, eps=_EPS, backend=backend, **factory) for _ in range(2)
-            )
+        self.norm1, self.norm2 = (_norm(c, reference, backend, dtype, device) for _ in range(2))
         self.attn = xnn.Attention(c, cfg.heads, causal=True, backend=backend, **factory)
         self.reference = reference
         self.up = nn.Linear(c, cfg.hidden, bias=False, **factory)
@@ -99,11 +105,7 @@ class TorchLM(nn.Module):
         self.blocks = nn.ModuleList(
             _Block(cfg, reference, backend, dtype, device) for _ in range(cfg.layers)
         )
-        self.norm_f = (
-            _TorchOps.norm(cfg.dim, dtype, device)
-            if reference
-            else xnn.RMSNorm(cfg.dim, eps=_EPS, backend=backend, **factory)
-        )
+        self.norm_f = _norm(cfg.dim, reference, backend, dtype, device)
         self.head = nn.Linear(cfg.dim, vocab, bias=False, **factory)
 
     def probs(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -170,17 +172,9 @@ def gradient_check(params64, cfg, vocab, batch, backend, device) -> tuple[float,
     return worst
 
 
-def _lr(cfg: Config, step: int, steps: int) -> float:
-    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * step / max(steps, 1))))
-
-
 def train(steps=300, device="cpu", backend=None, seed=0, cfg: Config = Config(), log=print):
     """Train the model; returns ``(losses, gradient_error, model, vocab)``."""
-    text = load_text()
-    vocab = sorted(set(text))
-    data = np.array([vocab.index(ch) for ch in text], dtype=np.int64)
-    rng = np.random.default_rng(seed)
-    params64 = init_params(cfg, len(vocab), rng)
+    _, vocab, data, rng, params64 = _start(cfg, seed)
     model = TorchLM(cfg, len(vocab), backend=backend, dtype=torch.float32, device=device)
     load_params(model, params64, cfg)
     n_params = sum(p.numel() for p in model.parameters())
@@ -192,28 +186,20 @@ def train(steps=300, device="cpu", backend=None, seed=0, cfg: Config = Config(),
     batch = _batch(data, cfg, rng)
     check_backend = "array_api" if backend == "triton" else backend
     error, where = gradient_check(params64, cfg, len(vocab), batch, check_backend, device)
-    verdict = (
-        "OK" if error <= GRADIENT_TOLERANCE else f"FAILED (tolerance {GRADIENT_TOLERANCE:.0e})"
-    )
-    log(
-        "step 0 gradient check (float64, vs the same model on F.rms_norm / SDPA / torch.softmax): "
-        f"largest relative error {error:.1e} ({where}) {verdict}"
-    )
+    against = "float64, vs the same model on F.rms_norm / SDPA / torch.softmax"
+    _log_gradient_check(log, against, error, where)
     optimiser = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), eps=1e-8)
-    losses = []
-    start = time.perf_counter()
-    every = max(1, steps // 10)
-    for step in range(steps):
+
+    def step(batch, lr: float) -> float:
         for group in optimiser.param_groups:
-            group["lr"] = _lr(cfg, step, steps)
+            group["lr"] = lr
         loss = model(*_tensors(batch, device))
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         optimiser.step()
-        losses.append(loss.item())
-        if step % every == 0 or step == steps - 1:
-            log(f"step {step:4d}  loss {losses[-1]:.3f}  ({time.perf_counter() - start:.1f} s)")
-        batch = _batch(data, cfg, rng)
+        return loss.item()
+
+    losses = _train_steps(step, steps, cfg, data, rng, batch, log)
     return losses, error, model, vocab
 
 
@@ -226,25 +212,14 @@ def sample(model: TorchLM, vocab, prompt: str, count: int, cfg: Config, seed=0, 
     for _ in range(count):
         window = torch.tensor([tokens[-cfg.context :]], device=device)
         probs = model.probs(window)[0, -1].double().cpu().numpy()
-        logits = np.log(np.maximum(probs, 1e-30)) / temperature
-        weights = np.exp(logits - logits.max())
-        tokens.append(int(rng.choice(len(weights), p=weights / weights.sum())))
+        tokens.append(_sample_token(probs, rng, temperature))
     return "".join(vocab[i] for i in tokens)
 
 
 def run(steps=300, device="cpu", backend=None, seed=0, sample_chars=120) -> int:
     """The ``demo --torch`` command: train, report, sample; 1 when the gradient check fails."""
-    if steps < 1:
-        raise SystemExit("demo: --steps must be >= 1")
     cfg = Config()
-    start = time.perf_counter()
-    losses, error, model, vocab = train(steps, device, backend, seed, cfg)
-    elapsed = time.perf_counter() - start
-    last = losses[-10:]
-    print(
-        f"loss {losses[0]:.3f} at step 0 -> {sum(last) / len(last):.3f} (mean of the last "
-        f"{len(last)} steps) in {elapsed:.1f} s; guessing uniformly scores {math.log(len(vocab)):.3f}"
-    )
+    _, error, model, vocab = _train_report(train, steps, device, backend, seed, cfg)
     if sample_chars > 0:
         print("sample:")
         print(sample(model, vocab, "The lamp", sample_chars, cfg, seed))
