@@ -194,6 +194,16 @@ def same_namespace(fn, xp, arrays, reference=None) -> None:
             )
 
 
+def namespaces(fn: str, arrays, lead: str):
+    """The namespace of ``arrays`` (name -> array): TypeError unless each is an array (all
+    checked first) and all share the namespace of ``arrays[lead]``."""
+    for name, a in arrays.items():
+        namespace(fn, name, a)
+    xp = namespace(fn, lead, arrays[lead])
+    same_namespace(fn, xp, arrays, reference=lead)
+    return xp
+
+
 def is_host_array(a) -> bool:
     """True for arrays whose values can be read without a device sync (NumPy, array_api_strict)."""
     return array_api_compat.is_numpy_array(a) or array_api_compat.is_array_api_strict_namespace(

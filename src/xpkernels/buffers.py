@@ -133,28 +133,33 @@ _CHECKPOINT_ALLOCATORS: dict[Callable, Callable] = {}
 _SCRATCH_ALLOCATORS: dict[Callable, Callable] = {}
 
 
-def checkpoints_for(forward: Callable):
-    """Decorator registering an allocator as ``allocate_checkpoints(forward, ...)``."""
+def _registrar(allocators: dict, function: Callable):
+    """A decorator that stores an allocator in ``allocators`` under ``function``."""
 
     def register(allocator):
-        _CHECKPOINT_ALLOCATORS[forward] = allocator
+        allocators[function] = allocator
         return allocator
 
     return register
+
+
+def checkpoints_for(forward: Callable):
+    """Decorator registering an allocator as ``allocate_checkpoints(forward, ...)``."""
+    return _registrar(_CHECKPOINT_ALLOCATORS, forward)
 
 
 def scratchspace_for(function: Callable):
     """Decorator registering an allocator as ``allocate_scratchspace(function, ...)``."""
-
-    def register(allocator):
-        _SCRATCH_ALLOCATORS[function] = allocator
-        return allocator
-
-    return register
+    return _registrar(_SCRATCH_ALLOCATORS, function)
 
 
-def _name(f) -> str:
-    return getattr(f, "__qualname__", None) or repr(f)
+def _allocator(what: str, allocators: dict, f, why: str):
+    """The allocator registered for ``f``; TypeError ``"{what}: {f} {why}"`` when there is none."""
+    try:
+        return allocators[f]
+    except (KeyError, TypeError):
+        name = getattr(f, "__qualname__", None) or repr(f)
+        raise TypeError(f"{what}: {name} {why}") from None
 
 
 def allocate_checkpoints(f: Callable, *args, **kwargs):
@@ -173,14 +178,8 @@ def allocate_checkpoints(f: Callable, *args, **kwargs):
         Float32 arrays on the inputs' device, in their namespace; pass it as
         ``checkpoints=`` to the forward, then to the backward.
     """
-    try:
-        allocator = _CHECKPOINT_ALLOCATORS[f]
-    except (KeyError, TypeError):
-        raise TypeError(
-            f"allocate_checkpoints: {_name(f)} saves no checkpoints "
-            "(only in-place forwards such as rms_norm_ or attention_ do)"
-        ) from None
-    return allocator(*args, **kwargs)
+    why = "saves no checkpoints (only in-place forwards such as rms_norm_ or attention_ do)"
+    return _allocator("allocate_checkpoints", _CHECKPOINT_ALLOCATORS, f, why)(*args, **kwargs)
 
 
 def allocate_scratchspace(f: Callable, *args, **kwargs):
@@ -200,14 +199,8 @@ def allocate_scratchspace(f: Callable, *args, **kwargs):
         Pass it as ``scratch=``. Its contents are meaningless between calls;
         forward and backward scratch lifetimes are disjoint.
     """
-    try:
-        allocator = _SCRATCH_ALLOCATORS[f]
-    except (KeyError, TypeError):
-        raise TypeError(
-            f"allocate_scratchspace: {_name(f)} uses no scratch space "
-            "(passes that do include rms_norm_backward_ and decode_attention_)"
-        ) from None
-    return allocator(*args, **kwargs)
+    why = "uses no scratch space (passes that do include rms_norm_backward_ and decode_attention_)"
+    return _allocator("allocate_scratchspace", _SCRATCH_ALLOCATORS, f, why)(*args, **kwargs)
 
 
 def empty(like, shape, dtype):

@@ -52,12 +52,12 @@ from .buffers import (
     Duplicated,
     check_forward,
     checkpoints_for,
-    empty,
     empty_accumulator,
     forget_forward,
     primal,
     record_forward,
     scratchspace_for,
+    with_new_shadows,
 )
 from .registry import resolve
 
@@ -103,6 +103,11 @@ def options(fn: str, values: dict) -> dict:
         "reduction": check.one_of(fn, "reduction", values["reduction"], REDUCTIONS),
         "z_loss": check.non_negative(fn, "z_loss", values["z_loss"]),
     }
+
+
+def given_options(values: dict) -> dict:
+    """The options among a call's ``values`` (its ``locals()``), as given (unchecked)."""
+    return {name: values[name] for name in DEFAULTS}
 
 
 def loss_shape(reduction: str, rows: int) -> tuple:
@@ -172,10 +177,7 @@ def _logits(fn: str, name: str, xp, a) -> tuple[int, int]:
 
 def namespace(fn: str, arrays: dict, lead: str):
     """The namespace of ``arrays`` (name -> array), which must share it and ``lead``'s device."""
-    for name, a in arrays.items():
-        check.namespace(fn, name, a)
-    xp = check.namespace(fn, lead, arrays[lead])
-    check.same_namespace(fn, xp, arrays, reference=lead)
+    xp = check.namespaces(fn, arrays, lead)
     device = array_api_compat.device(arrays[lead])
     for name, a in arrays.items():
         if array_api_compat.device(a) != device:
@@ -336,20 +338,19 @@ def kernel_options(opts: dict) -> dict:
     return {k: v for k, v in opts.items() if k != "reduction"}
 
 
-@checkpoints_for(cross_entropy_)
-def _allocate_checkpoints(logits, targets=None, *args, **kwargs) -> CrossEntropyCheckpoints:
-    """``allocate_checkpoints(cross_entropy_, logits, targets)``."""
-    logits = primal(logits)
-    check.rank("allocate_checkpoints", "logits", logits, 2, "(N, V)")
-    return CrossEntropyCheckpoints(empty_accumulator(logits, (logits.shape[0],)))
+def _row_allocator(fn: str, kind):
+    """``fn(cross_entropy_, logits, targets)``: a ``kind`` of one ``(N,)`` accumulator."""
+
+    def allocate(logits, targets=None, *args, **kwargs):
+        logits = primal(logits)
+        check.rank(fn, "logits", logits, 2, "(N, V)")
+        return kind(empty_accumulator(logits, (logits.shape[0],)))
+
+    return allocate
 
 
-@scratchspace_for(cross_entropy_)
-def _allocate_scratch(logits, targets=None, *args, **kwargs) -> CrossEntropyScratch:
-    """``allocate_scratchspace(cross_entropy_, logits, targets)``."""
-    logits = primal(logits)
-    check.rank("allocate_scratchspace", "logits", logits, 2, "(N, V)")
-    return CrossEntropyScratch(empty_accumulator(logits, (logits.shape[0],)))
+checkpoints_for(cross_entropy_)(_row_allocator("allocate_checkpoints", CrossEntropyCheckpoints))
+scratchspace_for(cross_entropy_)(_row_allocator("allocate_scratchspace", CrossEntropyScratch))
 
 
 def cross_entropy(
@@ -374,13 +375,7 @@ def cross_entropy(
     On torch tensors that require grad (grad mode on), autograd records
     xpkernels' backward (:mod:`xpkernels.torch`).
     """
-    opts = {
-        "ignore_index": ignore_index,
-        "label_smoothing": label_smoothing,
-        "softcap": softcap,
-        "reduction": reduction,
-        "z_loss": z_loss,
-    }
+    opts = given_options(locals())
     check.no_gradient("cross_entropy", "targets", targets, "the targets")
     arrays = {"logits": logits, "targets": targets}
     given = {**opts, "checkpoints": checkpoints, "backend": backend}
@@ -502,19 +497,13 @@ def cross_entropy_backward(
     dlogits : array of ``logits``' shape and dtype.
     """
     fn = "cross_entropy_backward"
-    logits = primal(logits)
-    check.namespace(fn, "logits", logits)
+    Logits = with_new_shadows(fn, {"logits": logits})["logits"]
     check.namespace(fn, "dloss", dloss)
-    Logits = Duplicated(logits, empty(logits, tuple(logits.shape), logits.dtype))
     cross_entropy_backward_(
         Duplicated(dloss, dloss),
         Logits,
         targets,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        softcap=softcap,
-        reduction=reduction,
-        z_loss=z_loss,
+        **given_options(locals()),
         checkpoints=checkpoints,
         backend=backend,
     )

@@ -102,17 +102,22 @@ def _names(block_table) -> tuple[str, str]:
     return ("k_cache", "v_cache") if block_table is None else ("k_pages", "v_pages")
 
 
+def _layouts(block_table) -> tuple[str, str]:
+    """The layouts messages quote for the caches, or the pages."""
+    lead = "(B, Hkv, Smax" if block_table is None else "(num_pages, Hkv, page_size"
+    return f"{lead}, D)", f"{lead}, Dv)"
+
+
 def _cache_shapes(fn, q, k_cache, v_cache, block_table):
     """``(kv_heads, smax, dv)`` of validated caches (``smax``: the logical keys of a paged cache)."""
     k_name, v_name = _names(block_table)
+    k_layout, v_layout = _layouts(block_table)
     batch, heads, d = q.shape
+    check.rank(fn, k_name, k_cache, 4, k_layout)
+    check.rank(fn, v_name, v_cache, 4, v_layout)
     if block_table is None:
-        check.rank(fn, k_name, k_cache, 4, "(B, Hkv, Smax, D)")
-        check.rank(fn, v_name, v_cache, 4, "(B, Hkv, Smax, Dv)")
         lead = (batch, k_cache.shape[1], k_cache.shape[2])
     else:
-        check.rank(fn, k_name, k_cache, 4, "(num_pages, Hkv, page_size, D)")
-        check.rank(fn, v_name, v_cache, 4, "(num_pages, Hkv, page_size, Dv)")
         lead = tuple(k_cache.shape[:3])
         num_pages, _, page_size = lead
         if num_pages < 1 or page_size < 1:
@@ -431,7 +436,7 @@ def allocate_decode_attention_scratch(
     """
     fn = "allocate_scratchspace(decode_attention_)"
     k_name = _names(block_table)[0]
-    layout = "(B, Hkv, Smax, D)" if block_table is None else "(num_pages, Hkv, page_size, D)"
+    layout = _layouts(block_table)[0]
     q = primal(q)
     xp = check.namespace(fn, "q", q)
     check.rank(fn, "q", q, 3, "(B, H, D)")
@@ -493,40 +498,15 @@ def decode_attention(
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "lengths": lengths}
     if block_table is not None:
         arrays["block_table"] = block_table
-    options = {
-        "scale": scale,
-        "softcap": softcap,
-        "window": window,
-        "scratch": scratch,
-        "n_splits": n_splits,
-        "backend": backend,
-    }
+    options = {"scale": scale, "softcap": softcap, "window": window, "scratch": scratch}
+    options.update(n_splits=n_splits, backend=backend)
     if (o := _autograd.record(fn, arrays, options)) is not _autograd.NOT_RECORDED:
         return o
     q, v_cache = primal(q), primal(v_cache)
     check.namespace(fn, "q", q)
     check.rank(fn, "q", q, 3, "(B, H, D)")
     check.namespace(fn, v_name, v_cache)
-    check.rank(
-        fn,
-        v_name,
-        v_cache,
-        4,
-        "(B, Hkv, Smax, Dv)" if block_table is None else "(num_pages, Hkv, page_size, Dv)",
-    )
+    check.rank(fn, v_name, v_cache, 4, _layouts(block_table)[1])
     o = empty(q, (*q.shape[:2], v_cache.shape[3]), q.dtype)
-    decode_attention_(
-        o,
-        q,
-        k_cache,
-        v_cache,
-        lengths,
-        block_table=block_table,
-        scale=scale,
-        softcap=softcap,
-        window=window,
-        scratch=scratch,
-        n_splits=n_splits,
-        backend=backend,
-    )
+    decode_attention_(o, q, k_cache, v_cache, lengths, block_table=block_table, **options)
     return o

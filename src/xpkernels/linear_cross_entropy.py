@@ -48,11 +48,13 @@ from .buffers import (
     primal,
     record_forward,
     scratchspace_for,
+    with_new_shadows,
 )
 from .cross_entropy import (
     check_loss,
     check_lse,
     check_targets,
+    given_options,
     kernel_options,
     loss_shape,
     namespace,
@@ -451,13 +453,7 @@ def linear_cross_entropy(
     (:mod:`xpkernels.torch._linear_ce`); for ``reduction="none"`` the backward forms the
     logits again, chunk by chunk. No ``N x V`` array in either pass.
     """
-    opts = {
-        "ignore_index": ignore_index,
-        "label_smoothing": label_smoothing,
-        "softcap": softcap,
-        "reduction": reduction,
-        "z_loss": z_loss,
-    }
+    opts = given_options(locals())
     check.no_gradient("linear_cross_entropy", "targets", targets, "the targets")
     arrays = {"x": x, "weight": weight, "targets": targets, "bias": bias}
     given = {**opts, "checkpoints": checkpoints, "backend": backend}
@@ -597,28 +593,22 @@ def linear_cross_entropy_backward(
     (``dbias`` None without a bias).
     """
     fn = "linear_cross_entropy_backward"
-    x, weight, bias = primal(x), primal(weight), primal(bias)
-    for name, a in (("dloss", dloss), ("x", x), ("weight", weight), ("bias", bias)):
-        if a is not None or name != "bias":
-            check.namespace(fn, name, a)
-    X = Duplicated(x, empty(x, tuple(x.shape), x.dtype))
-    W = Duplicated(weight, empty(weight, tuple(weight.shape), weight.dtype))
-    B = None if bias is None else Duplicated(bias, empty(bias, tuple(bias.shape), bias.dtype))
+    check.namespace(fn, "dloss", dloss)
+    arrays = {"x": x, "weight": weight}
+    if primal(bias) is not None:
+        arrays["bias"] = bias
+    new = with_new_shadows(fn, arrays)
     linear_cross_entropy_backward_(
         Duplicated(dloss, dloss),
-        X,
-        W,
+        new["x"],
+        new["weight"],
         targets,
-        B,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        softcap=softcap,
-        reduction=reduction,
-        z_loss=z_loss,
+        new.get("bias"),
+        **given_options(locals()),
         checkpoints=checkpoints,
         backend=backend,
     )
-    return X.shadow, W.shadow, None if B is None else B.shadow
+    return new["x"].shadow, new["weight"].shadow, new["bias"].shadow if "bias" in new else None
 
 
 scratchspace_for(linear_cross_entropy_)(_allocate_scratch)

@@ -227,13 +227,8 @@ def merge_attention_states_(
     inputs = {"o_a": o_a, "m_a": m_a, "l_a": l_a, "o_b": o_b, "m_b": m_b, "l_b": l_b}
     _autograd.check_inplace(fn, {"o": o, "m": m, "l": l, **inputs})
     inputs = {name: primal(a) for name, a in inputs.items()}
-    for name, a in inputs.items():
-        check.namespace(fn, name, a)
-    xp = check.namespace(fn, "o_a", inputs["o_a"])
     outputs = {"o": o, "m": m, "l": l}
-    for name, a in outputs.items():
-        check.namespace(fn, name, a)
-    check.same_namespace(fn, xp, {**inputs, **outputs}, reference="o_a")
+    xp = check.namespaces(fn, {**inputs, **outputs}, "o_a")
     sides = [[(f"{p}_{s}", inputs[f"{p}_{s}"]) for p in "oml"] for s in "ab"]
     _validate_states(fn, xp, sides, [("o", o)], [("m", m), ("l", l)])
     if checkpoints is not None:
@@ -353,17 +348,10 @@ def merge_attention_states_backward_(
     named = {
         f"{n}.{part}": getattr(d, part) for n, d in Ds.items() for part in ("primal", "shadow")
     }
-    for name, a in {**named, **stats, "dlse_a": dlse_a, "dlse_b": dlse_b}.items():
-        check.namespace(fn, name, a)
+    arrays = {**named, **stats, "dlse_a": dlse_a, "dlse_b": dlse_b}
     if dlse is not None:
-        check.namespace(fn, "dlse", dlse)
-    xp = check.namespace(fn, "O_a.primal", O_a.primal)
-    check.same_namespace(
-        fn,
-        xp,
-        {**named, **stats, "dlse": dlse, "dlse_a": dlse_a, "dlse_b": dlse_b},
-        reference="O_a.primal",
-    )
+        arrays["dlse"] = dlse
+    xp = check.namespaces(fn, arrays, "O_a.primal")
     sides = [
         [("O_a.primal", O_a.primal), ("m_a", m_a), ("l_a", l_a)],
         [("O_b.primal", O_b.primal), ("m_b", m_b), ("l_b", l_b)],

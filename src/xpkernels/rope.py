@@ -63,11 +63,7 @@ def _validate(fn: str, labels: dict, arrays: dict, position_ids, interleaved) ->
     given = dict(arrays)
     if position_ids is not None:
         given["position_ids"] = position_ids
-    for name, a in given.items():
-        check.namespace(fn, name, a)
-    lead = next(iter(labels.values()))
-    xp = check.namespace(fn, lead, given[lead])
-    check.same_namespace(fn, xp, given, reference=lead)
+    xp = check.namespaces(fn, given, next(iter(labels.values())))
     patterns = {}
     for role, name in labels.items():
         a = arrays[name]
