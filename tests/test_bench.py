@@ -580,6 +580,30 @@ def test_gated_cases_compute_what_their_torch_composition_computes():
 #: planted Liger-Kernel whose backward writes da and db over the a and b it saved, as
 #: Liger's does. Prints the entries, and whether the inputs every side shares came through
 #: unchanged, as JSON on its last line.
+
+
+def _gpu_dry_run(script: str, tmp_path) -> dict:
+    """The JSON report ``script`` prints last after driving bench/gpu.py's entries under the
+    Triton interpreter (skipped without torch and triton)."""
+    import importlib.util
+    import os
+    import pathlib
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
+        pytest.skip("bench/gpu.py's dry run needs torch and triton")
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(repo / "bench" / "gpu.py"), str(tmp_path)],
+        cwd=repo,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 GPU_GATED = """
 import dataclasses, importlib.machinery, importlib.util, json, sys, types
 import torch
@@ -632,23 +656,7 @@ def test_gpu_dry_run_times_the_gated_entries_against_torch_and_liger(tmp_path):
     """bench/gpu.py's SwiGLU and GeGLU entries run on the triton and cupy backends, each
     against the PyTorch composition (and the triton call, on cupy), Liger-Kernel's fused
     function where it has one (not the exact GeGLU), without writing over their inputs."""
-    import importlib.util
-    import os
-    import pathlib
-
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
-        pytest.skip("bench/gpu.py's dry run needs torch and triton")
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, "-c", GPU_GATED, str(repo / "bench" / "gpu.py"), str(tmp_path)],
-        cwd=repo,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    report = json.loads(done.stdout.splitlines()[-1])
+    report = _gpu_dry_run(GPU_GATED, tmp_path)
     assert report["unchanged"] == {"bfloat16": True, "float16": True}
     entries = {(e["section"], e["op"], e["pass_"]): e for e in report["entries"]}
     names = ("swiglu", "geglu", "geglu (approximate=none)")
@@ -808,23 +816,7 @@ def test_gpu_dry_run_times_rope_against_the_composition_and_liger(tmp_path):
     """bench/gpu.py's RoPE entries run on the triton and cupy backends against the eager
     composition (and the triton call, on cupy) and Liger-Kernel's LigerRopeFunction, which
     rotates its arguments in place, without writing over the inputs the sides share."""
-    import importlib.util
-    import os
-    import pathlib
-
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
-        pytest.skip("bench/gpu.py's dry run needs torch and triton")
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, "-c", GPU_ROPE, str(repo / "bench" / "gpu.py"), str(tmp_path)],
-        cwd=repo,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    report = json.loads(done.stdout.splitlines()[-1])
+    report = _gpu_dry_run(GPU_ROPE, tmp_path)
     assert report["unchanged"] == {"bfloat16": True, "float16": True}
     entries = {(e["section"], e["op"], e["pass_"]): e for e in report["entries"]}
     assert len(entries) == len(report["entries"]) == 4
@@ -1154,23 +1146,7 @@ def test_gpu_dry_run_times_the_losses_against_torch_the_products_and_liger(tmp_p
     three products and Liger's fused function, its fused forward against the composition, the
     products and our forward+backward, then its peak-memory entry (no figures in a dry run),
     each judged against its target."""
-    import importlib.util
-    import os
-    import pathlib
-
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("triton") is None:
-        pytest.skip("bench/gpu.py's dry run needs torch and triton")
-    repo = pathlib.Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, "-c", GPU_LOSS, str(repo / "bench" / "gpu.py"), str(tmp_path)],
-        cwd=repo,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    report = json.loads(done.stdout.splitlines()[-1])
+    report = _gpu_dry_run(GPU_LOSS, tmp_path)
     assert report["unchanged"] is True
     assert report["calls"]["cross_entropy"] >= 2 and report["calls"]["linear"] >= 3
     entries = {(e["section"], e["pass_"]): e for e in report["entries"]}
