@@ -213,13 +213,13 @@ SIGNATURES = {
     ),
     "swiglu": Signature(
         title="SwiGLU",
-        inputs=(Arg("a", ROWS, aliases=("y",)), Arg("b", ROWS)),
+        inputs=(Arg("a", ROWS, aliases=("y",)), Arg("b", ROWS, aliases=("y",))),
         outputs=(Arg("y", ROWS, aliases=("a", "b")),),
         reads=("a", "b"),
     ),
     "geglu": Signature(
         title="GeGLU",
-        inputs=(Arg("a", ROWS, aliases=("y",)), Arg("b", ROWS)),
+        inputs=(Arg("a", ROWS, aliases=("y",)), Arg("b", ROWS, aliases=("y",))),
         outputs=(Arg("y", ROWS, aliases=("a", "b")),),
         options=(Option("approximate", "tanh", "gelu_approximate", backward=True),),
         reads=("a", "b"),

@@ -1,7 +1,8 @@
 """The row primitives (rms_norm, layer_norm, softmax) on the array_api backend.
 
 What a user relies on beyond the conformance templates: in-place aliasing
-(``y`` is ``x``, ``dx`` is ``dy``), validation that writes nothing, half
+(``y`` is ``x``, ``dx`` is ``dy``; for SwiGLU and GeGLU ``da`` or ``db`` is
+``dy``), validation that writes nothing, half
 precision inputs with float32 outputs, every shadow element overwritten
 (also across row groups, blocks and worker threads), extra memory bounded by
 the block budget rather than the number of rows, and clear errors for mixed
@@ -142,6 +143,27 @@ def test_dx_may_alias_dy(op):
     np.testing.assert_array_equal(buf, dx)
     for name, g in grads.items():
         np.testing.assert_array_equal(grads_aliased[name], g)
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_either_gated_gradient_may_alias_dy_but_not_both(op):
+    rng = _rng(2)
+    a, b, dy = (rng.standard_normal((MANY_ROWS, 24)).astype(np.float32) for _ in range(3))
+    backward_ = getattr(xk, f"{op}_backward_")
+    da, db = getattr(xk, f"{op}_backward")(dy, a, b)
+    y = np.empty_like(a)
+    for aliased, other, want, want_other in (("A", "B", da, db), ("B", "A", db, da)):
+        buf, out = dy.copy(), np.empty_like(dy)
+        shadows = {aliased: buf, other: out}
+        backward_(Duplicated(y, buf), Duplicated(a, shadows["A"]), Duplicated(b, shadows["B"]))
+        np.testing.assert_array_equal(buf, want, err_msg=f"shadow({aliased}) is dy")
+        np.testing.assert_array_equal(out, want_other, err_msg=f"shadow({other}) beside it")
+    buf = dy.copy()
+    with pytest.raises(
+        ValueError, match="A.shadow shares memory with B.shadow; xpkernels writes both"
+    ):
+        backward_(Duplicated(y, buf), Duplicated(a, buf), Duplicated(b, buf))
+    np.testing.assert_array_equal(buf, dy)
 
 
 def _bad_forward_calls(op, x, y, params):

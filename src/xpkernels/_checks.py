@@ -323,6 +323,7 @@ def no_overlap(fn: str, outputs, inputs, may_alias=()) -> None:
     ins = [(n, v) for n, v in ins if v is not None]
     pairs = [(o, u, i, v) for o, u in outs for i, v in ins]
     pairs += [(o, u, p, w) for k, (o, u) in enumerate(outs) for p, w in outs[k + 1 :]]
+    written = {n for n, _ in outs}
     for out_name, u, in_name, v in pairs:
         if (out_name, in_name) in allowed and identical(u, v):
             continue
@@ -336,7 +337,10 @@ def no_overlap(fn: str, outputs, inputs, may_alias=()) -> None:
                 if (out_name, in_name) in allowed
                 else ""
             )
+            what = f"both {out_name} and {in_name}" if in_name in written else out_name
+            if in_name not in written:
+                what += f" while it reads {in_name}"
             raise ValueError(
-                f"{fn}: {out_name} shares memory with {in_name}; xpkernels writes {out_name} "
-                f"while it reads {in_name}, so they must not overlap{hint}"
+                f"{fn}: {out_name} shares memory with {in_name}; xpkernels writes {what}, "
+                f"so they must not overlap{hint}"
             )

@@ -98,7 +98,8 @@ def geglu_backward_(Y, A, B, *, approximate="tanh", backend=None) -> None:
         The gate: its primal is read, its shadow receives ``da`` and may be
         the very same array as ``shadow(Y)``.
     B : Duplicated
-        The gated values: its primal is read, its shadow receives ``db``.
+        The gated values: its primal is read, its shadow receives ``db`` and
+        may be the very same array as ``shadow(Y)`` when ``shadow(A)`` is not.
     approximate : {"tanh", "none"}
         The forward's GELU form (nothing records it: pass the same).
     backend : str, optional

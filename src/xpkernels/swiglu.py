@@ -76,7 +76,8 @@ def swiglu_backward_(Y, A, B, *, backend=None) -> None:
         The gate: its primal is read, its shadow receives ``da`` and may be
         the very same array as ``shadow(Y)``.
     B : Duplicated
-        The gated values: its primal is read, its shadow receives ``db``.
+        The gated values: its primal is read, its shadow receives ``db`` and
+        may be the very same array as ``shadow(Y)`` when ``shadow(A)`` is not.
     backend : str, optional
         Explicit backend.
 
