@@ -73,6 +73,25 @@ def test_masked_vocabulary_entries_give_finite_losses():
     assert np.all(grad[:, ::3] == 0) and np.all(np.isfinite(grad))
 
 
+def test_an_infinite_or_nan_logit_makes_its_row_nan_as_in_pytorch():
+    """A row holding +inf or NaN has a NaN loss and an all-NaN gradient row (PyTorch's
+    result; an inf loss or a single NaN entry would hide the fault); other rows stay
+    exact."""
+    logits, targets = _logits()
+    targets[:] = 3
+    logits[0, 5], logits[2, 3], logits[4, 7] = np.inf, np.inf, np.nan
+    clean = [1, 3, 5]
+    for smoothing in (0.0, 0.2):
+        kw = {"reduction": "none", "label_smoothing": smoothing}
+        loss = xk.cross_entropy(logits, targets, **kw)
+        grad = xk.cross_entropy_backward(np.ones_like(loss), logits, targets, **kw)
+        assert np.all(np.isnan(loss[[0, 2, 4]])) and np.all(np.isnan(grad[[0, 2, 4]]))
+        want = xk.cross_entropy(logits[clean], targets[clean], **kw)
+        np.testing.assert_array_equal(loss[clean], want)
+        assert np.all(np.isfinite(grad[clean]))
+        assert np.isnan(xk.cross_entropy(logits, targets, label_smoothing=smoothing))
+
+
 def _linear(n, h, v, seed=0, dtype=np.float32):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, h)).astype(dtype)

@@ -85,9 +85,11 @@ def forward(loss, lse, logits, targets, *, ignore_index, label_smoothing, softca
         e_buf, z_buf = (b if b is None else b[: r1 - r0] for b in buffers.get(worker))
         z, _ = _capped(xp, to(xp, logits[r0:r1, :], acc), softcap, z_buf, e_buf, False)
         top = xp.max(z, axis=1)
-        top = xp.where(xp.isfinite(top), top, xp.zeros_like(top))
-        e = _op(xp, "exp", _op(xp, "subtract", z, top[:, None], out=e_buf), out=e_buf)
-        row_lse = xp.log(e @ ones_v) + top
+        shift = xp.where(xp.isfinite(top), top, xp.zeros_like(top))
+        e = _op(xp, "exp", _op(xp, "subtract", z, shift[:, None], out=e_buf), out=e_buf)
+        row_lse = xp.log(e @ ones_v) + shift
+        # a +inf logit makes its row NaN, as in PyTorch and the device kernels (NaN ones do)
+        row_lse = xp.where(top == math.inf, xp.full_like(row_lse, math.nan), row_lse)
         kept, valid, safe = _targets(xp, targets, r0, r1, vocab, ignore_index)
         picked = xp.take_along_axis(z, safe[:, None], axis=1)[:, 0]
         row = (1 - eps) * (row_lse - picked)
