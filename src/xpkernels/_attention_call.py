@@ -29,14 +29,7 @@ from . import mods as _mods
 from ._debug import debug_enabled
 from ._memory import same_memory
 
-__all__ = ["AttentionCall", "boolean", "position_array"]
-
-
-def boolean(fn: str, name: str, value) -> bool:
-    """``value`` itself; TypeError unless it is a bool (``"no"`` is not False)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
+__all__ = ["AttentionCall", "position_array"]
 
 
 def position_array(input_pos):
@@ -327,7 +320,7 @@ class AttentionCall:
         if flex:
             self._mods(fn, xp, options)
             return
-        self.causal = causal = boolean(fn, "causal", options["causal"])
+        self.causal = causal = check.boolean(fn, "causal", options["causal"])
         self.positions = _input_pos(fn, xp, options["input_pos"], self.batch)
         self._read["input_pos"] = position_array(self.positions)
         self._kernel.update(causal=causal, input_pos=self.positions)
@@ -359,8 +352,7 @@ class AttentionCall:
     def _mods(self, fn, xp, options) -> None:
         """The mods as graphs (clamped to this call's index ranges), positions and block mask."""
         block_mask, block_sparse = options.get("block_mask"), options["block_sparse"]
-        if not isinstance(block_sparse, bool):
-            raise TypeError(f"{fn}: block_sparse must be a bool, got {block_sparse!r}")
+        check.boolean(fn, "block_sparse", block_sparse)
         self.block_sparse, self.block_mask = block_sparse, block_mask
         self.positions = _flex_positions(
             fn, xp, options["input_pos"], self.batch, self.n_q, self.reference

@@ -300,10 +300,7 @@ class AttentionFront:
             raise ValueError(f"{fn}: {error}") from None
 
     def _deterministic(self, fn, args) -> bool:
-        deterministic = args.get("deterministic", True)
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"{fn}: deterministic must be a bool, got {deterministic!r}")
-        return deterministic
+        return check.boolean(fn, "deterministic", args.get("deterministic", True))
 
     # -- forward -----------------------------------------------------------------------------
 

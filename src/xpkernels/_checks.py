@@ -129,12 +129,32 @@ def last_axis_contiguous(fn: str, name: str, a) -> None:
         )
 
 
+def _type_name(value) -> str:
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+
+
+def boolean(fn: str, name: str, value) -> bool:
+    """``value`` itself; TypeError unless it is a Python bool (``"no"``, 0 and
+    ``numpy.True_`` are not)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: {name} must be a bool, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _real(fn: str, name: str, value) -> float:
+    """``value`` as a float; TypeError unless it is a real number (a string or a bool is not)."""
+    if not isinstance(value, (str, bytes, bool, np.bool_)):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(f"{fn}: {name} must be a real number, got {_type_name(value)} {value!r}")
+
+
 def positive_finite(fn: str, name: str, value) -> float:
     """``value`` as a float; ValueError unless it is finite and > 0."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{fn}: {name} must be a real number, got {value!r}") from None
+    v = _real(fn, name, value)
     if not math.isfinite(v) or v <= 0:
         raise ValueError(f"{fn}: {name} must be finite and > 0, got {value!r}")
     return v
@@ -151,10 +171,7 @@ def one_of(fn: str, name: str, value, choices: tuple[str, ...]) -> str:
 
 def finite(fn: str, name: str, value) -> float:
     """``value`` as a float; ValueError unless it is finite."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{fn}: {name} must be a real number, got {value!r}") from None
+    v = _real(fn, name, value)
     if not math.isfinite(v):
         raise ValueError(f"{fn}: {name} must be finite, got {value!r}")
     return v

@@ -119,8 +119,7 @@ def _validate(fn: str, labels: dict, arrays: dict, position_ids, interleaved) ->
         reads,
         may_alias=[(labels["y_q"], labels["x_q"]), (labels["y_k"], labels["x_k"])],
     )
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"{fn}: interleaved must be a bool, got {type(interleaved).__name__}")
+    check.boolean(fn, "interleaved", interleaved)
     if cos.ndim == 2:
         batch = dims["B"][0]
         cos, sin = (xp.broadcast_to(t[None, ...], (batch, *t.shape)) for t in (cos, sin))

@@ -61,7 +61,6 @@ from torch import Tensor
 from xpkernels.backends.protocol import GELU_APPROXIMATIONS, PRIMITIVES, REDUCTIONS, Arg, Option
 
 from .. import _checks as check
-from .._attention_call import boolean
 from ..buffers import Duplicated, allocate_checkpoints, primal
 from ..mods import as_mask_mod, as_score_mod
 from ..registry import _explicit_choice
@@ -256,7 +255,7 @@ RULES: dict[str, Rule] = {
     "gelu_approximate": Rule(
         str, lambda fn, name, v: check.one_of(fn, name, v, GELU_APPROXIMATIONS)
     ),
-    "bool": Rule(bool, boolean),
+    "bool": Rule(bool, check.boolean),
     "int": Rule(int, check.index_int),
     "probability": Rule(float, check.unit_interval),
     "non_negative": Rule(float, check.non_negative),

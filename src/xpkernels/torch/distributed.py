@@ -66,7 +66,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import _checks as check
-from .._attention_call import boolean
 from .._attention_front import FRONTS
 from ..attention import AttentionCheckpoints, attention_, attention_backward_
 from ..buffers import Duplicated, record_forward
@@ -147,7 +146,7 @@ def _tensor(fn: str, name: str, x) -> Tensor:
 def _sequence(fn: str, x, dim, causal, group):
     """``(x, axis, causal, group, rank, size)``: the checked arguments of the sequence helpers."""
     x = _tensor(fn, "x", x)
-    return (x, _dim(fn, x, dim), boolean(fn, "causal", causal), *_group(fn, group))
+    return (x, _dim(fn, x, dim), check.boolean(fn, "causal", causal), *_group(fn, group))
 
 
 # --------------------------------------------------------------------------- sharding
@@ -521,7 +520,7 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, backend=Non
     fn = "ring_attention"
     tensors = {name: _tensor(fn, name, a) for name, a in (("q", q), ("k", k), ("v", v))}
     FRONTS["attention"].validate_qkv(fn, q, k, v)
-    causal = boolean(fn, "causal", causal)
+    causal = check.boolean(fn, "causal", causal)
     if scale is not None:
         scale = check.positive_finite(fn, "scale", scale)
     if causal:

@@ -106,7 +106,7 @@ def _backward(case, arrays, outs, cotangents, checkpoints, backend):
 
 
 def _errors():
-    """What the declaration cannot say: the values of ``eps``."""
+    """What the declaration cannot say: the values of ``eps`` (a string or a bool is no number)."""
 
     def bad_eps(eps):
         def call(t):
@@ -120,6 +120,8 @@ def _errors():
         ErrorCase("eps-zero", bad_eps(0.0), ValueError, r"eps must be finite and > 0"),
         ErrorCase("eps-nan", bad_eps(float("nan")), ValueError, r"eps must be finite and > 0"),
         ErrorCase("eps-inf", bad_eps(float("inf")), ValueError, r"eps must be finite and > 0"),
+        ErrorCase("eps-string", bad_eps("1e-6"), TypeError, r"eps must be a real number, got str"),
+        ErrorCase("eps-bool", bad_eps(True), TypeError, r"eps must be a real number, got bool"),
     ]
 
 

@@ -268,6 +268,12 @@ def _errors():
         ),
         ErrorCase("sin-dtype", sin_dtype, TypeError, r"sin must have cos's dtype"),
         ErrorCase("interleaved-int", call(interleaved=1), TypeError, r"interleaved must be a bool"),
+        ErrorCase(
+            "interleaved-numpy-bool",
+            call(interleaved=np.True_),
+            TypeError,
+            r"interleaved must be a bool, got numpy\.bool",
+        ),
     ]
 
 
