@@ -274,3 +274,33 @@ def test_cupy_launch_path_needs_neither_torch_nor_triton():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_numpy_bfloat16_arrays_route_and_run():
+    """NumPy arrays of ml_dtypes' bfloat16 (which ``xp.isdtype`` cannot classify) route to
+    array_api and compute in float32: each result is the float32 call's on the same values,
+    rounded once to bfloat16 (half a bfloat16 ulp, plus float32 noise)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="NumPy has bfloat16 only through it")
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(0)
+
+    def draw(*shape):
+        return rng.standard_normal(shape).astype(np.float32).astype(bf16)
+
+    def check(got, want):
+        assert got.dtype == bf16
+        want = np.asarray(want, np.float32)
+        slack = 2.0**-8 * np.abs(want) + 64 * np.finfo(np.float32).eps * np.max(np.abs(want))
+        assert np.all(np.abs(got.astype(np.float32) - want) <= slack)
+
+    x, w, dy = draw(6, 40), draw(40), draw(6, 40)
+    f32 = [a.astype(np.float32) for a in (x, w, dy)]
+    check(xk.rms_norm(x, w), xk.rms_norm(*f32[:2]))
+    check(xk.swiglu(x, dy), xk.swiglu(f32[0], f32[2]))
+    q, k, v = draw(1, 2, 9, 8), draw(1, 2, 11, 8), draw(1, 2, 11, 8)
+    check(
+        xk.attention(q, k, v, causal=True),
+        xk.attention(*(a.astype(np.float32) for a in (q, k, v)), causal=True),
+    )
+    with pytest.raises(TypeError, match=r"attention_: q must have dtype in .*, got int32"):
+        xk.attention(*(a.astype(np.int32) for a in (q, k, v)))

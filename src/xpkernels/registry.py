@@ -281,7 +281,8 @@ def resolve(
                 f"{op}: {name} is on device {array_api_compat.device(a)} but {first_name} is on "
                 f"{dev}; all arrays of a call must be on one device"
             )
-    dtypes = {dtype_name(xp, a.dtype) for _, a in named if xp.isdtype(a.dtype, "real floating")}
+    # by name: NumPy cannot classify ml_dtypes' bfloat16, and integer arrays do not count
+    dtypes = {dtype_name(xp, a.dtype) for _, a in named} & set(FLOAT_DTYPES)
     kind = device_kind(first)
     call = Call(ns, kind, tuple(sorted(dtypes)), head_dim, tuple(features))
 
