@@ -794,6 +794,22 @@ def test_backward_with_other_options_than_the_forward_names_the_option(
     assert not any(np.any(d.shadow == 7.0) for d in args[1:])
 
 
+def test_a_lengths_array_refilled_after_the_forward_is_refused():
+    """The record holds the forward's NumPy values: the same buffer refilled before the
+    backward (a training loop reusing it) is another option, named with both values."""
+    rng = np.random.default_rng(84)
+    q, k, v, do = _inputs(rng, 2, 2, 1, 5, 6, 8)
+    lengths = np.asarray([3, 5])
+    o, ck = _forward(q, k, v, k_lengths=lengths)
+    lengths[0] = 6
+    args = _backward_args(q, k, v, o, do)
+    with pytest.raises(ValueError, match=r"k_lengths=\[6, 5\] .* had k_lengths=\[3, 5\]"):
+        xk.attention_backward_(*args, checkpoints=ck, k_lengths=lengths)
+    assert all(np.all(d.shadow == 7.0) for d in args[1:])
+    lengths[0] = 3
+    xk.attention_backward_(*args, checkpoints=ck, k_lengths=lengths)
+
+
 def test_checkpoints_no_forward_wrote_are_refused():
     rng = np.random.default_rng(89)
     q, k, v, do = _inputs(rng, 1, 2, 2, 4, 4, 8)

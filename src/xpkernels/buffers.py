@@ -263,11 +263,21 @@ def forget_forward(checkpoints) -> None:
 def record_forward(checkpoints, forward: str, options: Mapping[str, Any]) -> None:
     """Record that ``forward`` (a name such as ``"rms_norm_"``) wrote ``checkpoints`` with ``options``.
 
-    Arrays among the option values are kept by reference and match views of
-    the same memory (NumPy arrays also match by value); everything else
-    compares by value.
+    NumPy arrays among the option values are copied and compare by value (a
+    lengths buffer the caller refills before the backward is caught); other
+    arrays are kept by reference and match views of the same memory (their
+    values would need a device read); everything else compares by value.
     """
-    checkpoints.__dict__["_xpkernels_forward"] = (forward, dict(options))
+    kept = {name: _kept(value) for name, value in options.items()}
+    checkpoints.__dict__["_xpkernels_forward"] = (forward, kept)
+
+
+def _kept(value):
+    if array_api_compat.is_numpy_array(value):
+        return value.copy()
+    if isinstance(value, tuple):
+        return tuple(map(_kept, value))
+    return value
 
 
 def check_forward(fn: str, checkpoints, forward: str, options: Mapping[str, Any]) -> None:
@@ -308,11 +318,10 @@ def _is_array(a) -> bool:
 
 def _same(recorded, value) -> bool:
     if _is_array(recorded) or _is_array(value):
-        if _is_array(recorded) and _is_array(value) and same_memory(recorded, value):
-            return True
         if array_api_compat.is_numpy_array(recorded) and array_api_compat.is_numpy_array(value):
-            return recorded.dtype == value.dtype and bool((recorded == value).all())
-        return False
+            same_values = recorded.shape == value.shape and bool((recorded == value).all())
+            return recorded.dtype == value.dtype and same_values
+        return _is_array(recorded) and _is_array(value) and same_memory(recorded, value)
     if isinstance(recorded, tuple) and isinstance(value, tuple):
         return len(recorded) == len(value) and all(map(_same, recorded, value))
     if isinstance(recorded, (bool, int, float, str)) and isinstance(value, (bool, int, float, str)):
@@ -324,6 +333,8 @@ def _same(recorded, value) -> bool:
 
 
 def _show(value) -> str:
+    if array_api_compat.is_numpy_array(value) and value.size <= 16:
+        return f"{value.tolist()} ({value.dtype})"
     if _is_array(value):
         return f"<{type(value).__name__} of shape {tuple(value.shape)} at {id(value):#x}>"
     return repr(value)
