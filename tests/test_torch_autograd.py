@@ -176,6 +176,17 @@ def test_inplace_fronts_refuse_tensors_that_require_grad(call, name):
             call(x, w)
 
 
+def test_inplace_decode_points_at_no_grad_not_at_its_allocating_form():
+    """decode_attention has no backward: its in-place refusal must not send the caller to an
+    allocating call whose backward then fails."""
+    q = _f64(1, 2, 8).requires_grad_()
+    cache = _f64(1, 1, 5, 8)
+    with pytest.raises(ValueError, match=r"decode_attention has no backward .*torch\.no_grad"):
+        xk.decode_attention_(
+            torch.empty(1, 2, 8, dtype=q.dtype), q, cache, cache, torch.tensor([5])
+        )
+
+
 def test_inplace_front_refuses_a_score_mod_parameter():
     from xpkernels.mods import AliBiScore
 

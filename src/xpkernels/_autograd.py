@@ -40,6 +40,7 @@ __all__ = [
     "NOT_RECORDED",
     "RECORDERS",
     "record",
+    "NO_BACKWARD",
     "check_inplace",
     "register_recorders",
     "requires_grad_error",
@@ -99,9 +100,24 @@ def _mod_arrays(score_mod):
     return {f"score_mod {s.label}": s.array for s in mod.graph.slots}
 
 
+#: Forward-only primitive -> why it has no backward, and what to use instead.
+NO_BACKWARD = {
+    "decode_attention": (
+        "it is the forward-only kernel for generation: run it under torch.no_grad(), or train "
+        "with xpkernels.attention(q, k, v, causal=True, input_pos=...), whose backward "
+        "xpkernels provides"
+    ),
+}
+
+
 def requires_grad_error(fn: str, name: str) -> ValueError:
     """The error of an in-place call given a tensor that requires grad in grad mode."""
     front = fn.rstrip("_").replace("_backward", "")
+    if front in NO_BACKWARD:
+        return ValueError(
+            f"{fn}: {name} requires grad, but xpkernels.{front} has no backward "
+            f"({NO_BACKWARD[front]})"
+        )
     return ValueError(
         f"{fn}: {name} requires grad, but the in-place {fn} records no autograd, so its "
         f"gradient would be lost; call the allocating xpkernels.{front}(...) (which records "

@@ -61,12 +61,12 @@ from torch import Tensor
 from xpkernels.backends.protocol import GELU_APPROXIMATIONS, PRIMITIVES, REDUCTIONS, Arg, Option
 
 from .. import _checks as check
+from .._autograd import NO_BACKWARD
 from ..buffers import Duplicated, allocate_checkpoints, primal
 from ..mods import as_mask_mod, as_score_mod
 from ..registry import _explicit_choice
 from . import _flex
 from ._ops import (
-    NO_BACKWARD,
     _last_axis_contiguous,
     _name,
     _no_double_backward,
@@ -698,7 +698,7 @@ class _Ops:
         return self._results(a, self._gradients(a), lists)
 
     def _no_backward(self, *args):
-        reason = NO_BACKWARD.get(self.sig.kind, "it is forward only: run it under torch.no_grad()")
+        reason = NO_BACKWARD.get(self.name, "it is forward only: run it under torch.no_grad()")
         raise RuntimeError(f"xpkernels.{self.name} has no backward ({reason})")
 
     def _no_backward_fake(self, *args):

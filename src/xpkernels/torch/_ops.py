@@ -7,7 +7,7 @@ checkpoints record -- and the two parts a declaration does not say:
 
 - a forward-only primitive (one whose backward reads nothing: decode
   attention) has a ``p_backward`` op that raises, with a message saying
-  what to do instead (:data:`NO_BACKWARD`);
+  what to do instead (:data:`xpkernels._autograd.NO_BACKWARD`);
 - the merge of attention states (kind ``"merge"``) differentiates its ``m``
   and ``l`` outputs through the log-sum-exp ``lse = m + log l``, which its
   in-place backward takes as ``dlse`` arguments: :func:`merge_backward_`
@@ -24,7 +24,7 @@ from torch import Tensor
 from ..buffers import Checkpoints, Duplicated, record_forward
 from ..merge_attention_states import merge_attention_states_backward_
 
-__all__ = ["NO_BACKWARD", "merge_backward_", "merge_setup"]
+__all__ = ["merge_backward_", "merge_setup"]
 
 _NAMESPACE = "xpkernels"
 
@@ -71,16 +71,6 @@ def _written(checkpoints, forward: str):
     if isinstance(checkpoints, Checkpoints):
         record_forward(checkpoints, forward, {})
     return checkpoints
-
-
-#: Signature kind -> why a forward-only primitive of it has no backward, and what to use instead.
-NO_BACKWARD = {
-    "decode": (
-        "it is the forward-only kernel for generation: run it under torch.no_grad(), or train "
-        "with xpkernels.attention(q, k, v, causal=True, input_pos=...), whose backward "
-        "xpkernels provides"
-    ),
-}
 
 
 def merge_setup(inputs: dict) -> None:
