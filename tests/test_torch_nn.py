@@ -115,6 +115,41 @@ def test_attention_module_with_a_learnable_score_mod_and_a_mask():
     assert not torch.equal(slopes.detach(), before)
 
 
+@pytest.mark.parametrize("how", ["assign", "to_empty"])
+def test_attention_module_reads_score_mod_parameters_that_loading_replaced(how):
+    """``load_state_dict(assign=True)`` and ``to_empty`` put new parameter objects on the
+    module (the meta-device loading path): the score mod (a chain of two mods, one parameter
+    each) must read and train those, not the tensors it was built with."""
+    from xpkernels.mods import ScoreMod
+
+    def make(device=None):
+        slopes = torch.nn.Parameter(torch.full((2,), 0.1, dtype=torch.float64, device=device))
+        gain = torch.nn.Parameter(torch.ones(1, dtype=torch.float64, device=device))
+        tilt = ScoreMod(lambda score, b, h, q_idx, kv_idx, *, gain: score * gain[0], gain=gain)
+        mod = AliBiScore(slopes) >> tilt
+        return xnn.Attention(8, 2, score_mod=mod, dtype=torch.float64, device=device)
+
+    torch.manual_seed(0)
+    source = make()
+    with torch.no_grad():
+        source.score_mod_slopes.fill_(2.0)
+        source.score_mod_gain.fill_(0.5)
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    if how == "assign":
+        loaded = make()
+        loaded.load_state_dict(source.state_dict(), assign=True)
+    else:
+        loaded = make("meta").to_empty(device="cpu")
+        with torch.no_grad():
+            loaded.load_state_dict(source.state_dict())
+    assert loaded.score_mod_slopes is not source.score_mod_slopes
+    torch.testing.assert_close(loaded(x), source(x), rtol=0, atol=0)
+    loaded(x).sum().backward()
+    source(x).sum().backward()
+    for name in ("score_mod_slopes", "score_mod_gain"):
+        torch.testing.assert_close(getattr(loaded, name).grad, getattr(source, name).grad)
+
+
 def test_attention_module_rejects_bad_head_counts():
     with pytest.raises(ValueError, match="num_heads=4 must be a multiple of num_kv_heads=3"):
         xnn.Attention(16, 4, 3)

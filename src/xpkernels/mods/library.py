@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import builtins
+import copy
 import inspect
 import math
 from dataclasses import dataclass
@@ -140,6 +141,19 @@ class _Mod:
         return self.fn(
             *head, inputs["b"], inputs["h"], inputs["q_idx"], inputs["kv_idx"], **captured
         )
+
+    def _with_array(self, path: tuple[int, ...], field: str, value):
+        """A copy of this mod in which the part at ``path`` (a slot's, :class:`Slot`) captures
+        ``value`` as ``field``, retraced (the nn modules rebind a parameter loading replaced)."""
+        new = copy.copy(self)
+        if path:
+            parts = list(new.parts)
+            parts[path[0]] = parts[path[0]]._with_array(path[1:], field, value)
+            new.parts = tuple(parts)
+        else:
+            new.arrays = {**new.arrays, field: value}
+        new.graph = new._trace()
+        return new
 
     def _apply(self, head, b, h, q_idx, kv_idx, q_row):
         """The function on concrete values (arrays or numbers)."""

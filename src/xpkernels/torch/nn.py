@@ -254,6 +254,8 @@ class Attention(nn.Module):
         self._flex_mask = self.mask_mod
         if causal:
             self._flex_mask = CausalMask() if mask_mod is None else CausalMask() & self.mask_mod
+        #: (registered name, slot path, field) of each parameter the score mod captures
+        self._mod_parameters: list[tuple[str, tuple[int, ...], str]] = []
         if self.score_mod is not None:
             for slot in self.score_mod.graph.slots:
                 if isinstance(slot.array, nn.Parameter):
@@ -261,6 +263,20 @@ class Attention(nn.Module):
                     while hasattr(self, name):
                         name += "_"
                     self.register_parameter(name, slot.array)
+                    self._mod_parameters.append((name, slot.path, slot.field))
+
+    def _bound_score_mod(self):
+        """The score mod reading the module's parameters: loading with ``assign=True``,
+        ``to_empty`` and swapping conversions replace a parameter object, and the mod is
+        rebuilt around the new one (else it would read the old tensor, and train nothing)."""
+        mod = self.score_mod
+        for name, path, field in self._mod_parameters:
+            param = getattr(self, name)
+            slot = next(s for s in mod.graph.slots if s.path == path and s.field == field)
+            if slot.array is not param:
+                mod = mod._with_array(path, field, param)
+        self.score_mod = mod
+        return mod
 
     def _heads(self, t, n, batch, seq):
         """``(B, S, n*D)`` -> a ``(B, n, S, D)`` view (BSHD memory, no copy)."""
@@ -279,7 +295,7 @@ class Attention(nn.Module):
                 q,
                 k,
                 v,
-                score_mod=self.score_mod,
+                score_mod=None if self.score_mod is None else self._bound_score_mod(),
                 mask_mod=self._flex_mask,
                 input_pos=input_pos,
                 backend=self.backend,
