@@ -187,6 +187,21 @@ def test_inplace_decode_points_at_no_grad_not_at_its_allocating_form():
         )
 
 
+def test_forward_mode_tangents_are_refused_not_dropped():
+    """A dual tensor's tangent would be lost (the ops implement reverse mode only): refused,
+    naming the argument, by the allocating and the in-place fronts."""
+    import torch.autograd.forward_ad as fwAD
+
+    x = _f64(2, 3)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        with pytest.raises(NotImplementedError, match=r"softmax_?: x carries a forward-mode"):
+            xk.softmax(dual)
+        with pytest.raises(NotImplementedError, match=r"rms_norm_: x carries a forward-mode"):
+            xk.rms_norm_(torch.empty_like(x), dual)
+        xk.softmax(x)  # no tangent: runs
+
+
 def test_inplace_front_refuses_a_score_mod_parameter():
     from xpkernels.mods import AliBiScore
 

@@ -125,6 +125,20 @@ def requires_grad_error(fn: str, name: str) -> ValueError:
     )
 
 
+def _check_no_tangent(torch, fn: str, tensors) -> None:
+    """NotImplementedError for a dual tensor (forward-mode AD): its tangent would be dropped."""
+    forward_ad = torch.autograd.forward_ad
+    if forward_ad._current_level < 0:  # no dual level open: no tensor carries a tangent
+        return
+    for name, t in tensors:
+        if forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                f"{fn}: {name} carries a forward-mode AD tangent, but xpkernels implements "
+                "reverse mode only (loss.backward(), torch.autograd.grad); the tangent would be "
+                "lost"
+            )
+
+
 def check_inplace(fn: str, arrays: dict, score_mod=None) -> None:
     """Refuse an in-place call that would drop a gradient or read a meta tensor.
 
@@ -144,12 +158,15 @@ def check_inplace(fn: str, arrays: dict, score_mod=None) -> None:
         A torch tensor requires grad while grad mode is on (names it).
     TypeError
         A torch tensor is a meta tensor (names it).
+    NotImplementedError
+        A torch tensor carries a forward-mode AD tangent (names it).
     """
     torch = sys.modules.get("torch")
     if torch is None:
         return
     tensors = _torch_tensors({**arrays, **_mod_arrays(score_mod)})
     _check_meta(fn, tensors)
+    _check_no_tangent(torch, fn, tensors)
     if torch.is_grad_enabled():
         for name, t in tensors:
             if t.requires_grad:
@@ -172,6 +189,11 @@ def record(op: str, arrays: dict, options: dict):
     -------
     The op's result (what the front returns), or :data:`NOT_RECORDED` when
     the arrays are not torch tensors or nothing needs a gradient.
+
+    Raises
+    ------
+    TypeError, NotImplementedError
+        As :func:`check_inplace`: a meta tensor, a forward-mode AD tangent.
     """
     torch = sys.modules.get("torch")
     if torch is None:
@@ -181,6 +203,7 @@ def record(op: str, arrays: dict, options: dict):
     if not tensors:
         return NOT_RECORDED
     _check_meta(op, tensors)
+    _check_no_tangent(torch, op, tensors)
     wanted = torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors)
     if not wanted and not torch.compiler.is_compiling():
         return NOT_RECORDED
