@@ -63,6 +63,15 @@ def test_state_dict_interchange_with_torch_nn(name, kwargs, direction):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=n)
 
 
+def test_norm_options_are_checked_when_the_module_is_built():
+    with pytest.raises(ValueError, match=r"RMSNorm: offset=1.0 .* needs elementwise_affine=True"):
+        xnn.RMSNorm(8, elementwise_affine=False, offset=1.0)
+    with pytest.raises(ValueError, match=r"LayerNorm: eps must be finite and > 0, got 0"):
+        xnn.LayerNorm(8, eps=0)
+    with pytest.raises(TypeError, match=r"RMSNorm: offset must be a real number, got str"):
+        xnn.RMSNorm(8, offset="1")
+
+
 def test_norm_rejects_an_input_of_another_shape():
     with pytest.raises(
         ValueError, match=r"RMSNorm: input must end with the normalized_shape \(8,\)"

@@ -21,6 +21,7 @@ import re
 import torch
 from torch import nn
 
+from .. import _checks as check
 from ..attention import attention
 from ..flex_attention import flex_attention
 from ..layer_norm import layer_norm
@@ -60,7 +61,7 @@ class _Norm(nn.Module):
     def __init__(self, normalized_shape, eps, elementwise_affine, device, dtype, backend, bias):
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
-        self.eps = eps
+        self.eps = None if eps is None else check.positive_finite(type(self).__name__, "eps", eps)
         self.elementwise_affine = elementwise_affine
         self.backend = backend
         learnt = {"weight": True} if bias is None else {"weight": True, "bias": bias}
@@ -123,7 +124,12 @@ class RMSNorm(_Norm):
         backend=None,
     ):
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype, backend, None)
-        self.offset = float(offset)
+        self.offset = check.finite("RMSNorm", "offset", offset)
+        if self.offset and not elementwise_affine:
+            raise ValueError(
+                f"RMSNorm: offset={offset!r} is added to the weight, so it needs "
+                "elementwise_affine=True"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
