@@ -123,10 +123,11 @@ def _longest(xp, cu, total) -> int:
 
 
 def _max_seqlen(fn, name, xp, value, cu, total):
-    """``value`` (an int in ``[0, total]`` at least the longest sequence), or derived from ``cu``."""
+    """``value`` (an int at least the longest sequence; past the packed ``total`` it is taken
+    as ``total``, as a fixed bucket size may be), or derived from ``cu``."""
     if value is None:
         return _longest(xp, cu, total)
-    value = check.index_int(fn, name, value, 0, total)
+    value = min(check.index_int(fn, name, value, 0), total)
     if check.is_host_array(cu) or debug_enabled():
         longest = _longest(xp, cu, total)
         if value < longest:

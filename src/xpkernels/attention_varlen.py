@@ -103,9 +103,11 @@ def attention_varlen_(
         ``[cu_seqlens_k[b], cu_seqlens_k[b + 1])``; either may be empty.
     max_seqlen_q, max_seqlen_k : int, optional
         At least the longest query / key sequence (they size the Triton
-        grid); None derives them from the prefix sums on the host (a device
-        sync for device arrays). A smaller value is refused on host arrays
-        and in debug mode; otherwise the kernels clamp each sequence to it.
+        grid; a larger one, such as a fixed bucket, counts as at most
+        ``Tq`` / ``Tk``); None derives them from the prefix sums on the host
+        (a device sync for device arrays). A smaller value is refused on
+        host arrays and in debug mode; otherwise the kernels clamp each
+        sequence to it.
     causal : bool
         Keep key ``j`` for query ``i`` of a sequence only when ``j <= input_pos + i``.
     scale : float, optional

@@ -81,8 +81,9 @@ def flex_attention_varlen_(
     cu_seqlens_q, cu_seqlens_k : array
         ``(B + 1,)`` int32 prefix sums, as :func:`~xpkernels.attention_varlen_`.
     max_seqlen_q, max_seqlen_k : int, optional
-        At least the longest query / key sequence; None derives them from
-        the prefix sums on the host. The mods are checked against them.
+        At least the longest query / key sequence (a larger one counts as
+        at most ``Tq`` / ``Tk``); None derives them from the prefix sums on
+        the host. The mods are checked against them.
     score_mod : ScoreMod or callable, optional
         ``(score, b, h, q_idx, kv_idx) -> score``, ``b`` the sequence index.
     mask_mod : MaskMod or callable, optional
