@@ -146,12 +146,7 @@ class _Mod:
         """A copy of this mod in which the part at ``path`` (a slot's, :class:`Slot`) captures
         ``value`` as ``field``, retraced (the nn modules rebind a parameter loading replaced)."""
         new = copy.copy(self)
-        if path:
-            parts = list(new.parts)
-            parts[path[0]] = parts[path[0]]._with_array(path[1:], field, value)
-            new.parts = tuple(parts)
-        else:
-            new.arrays = {**new.arrays, field: value}
+        new.arrays = {**new.arrays, field: value}
         new.graph = new._trace()
         return new
 
@@ -240,6 +235,15 @@ class _Composition:
     def _flattens(self, part) -> bool:
         """Whether ``part`` is a composition whose parts join this one's."""
         return type(part) is type(self)
+
+    def _with_array(self, path, field, value):
+        """As :meth:`_Mod._with_array`, through the part ``path`` starts with."""
+        new = copy.copy(self)
+        parts = list(new.parts)
+        parts[path[0]] = parts[path[0]]._with_array(path[1:], field, value)
+        new.parts = tuple(parts)
+        new.graph = new._trace()
+        return new
 
     def _check(self, fn, call):
         for part in self.parts:
