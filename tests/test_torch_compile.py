@@ -117,3 +117,64 @@ def test_compile_fullgraph_flex_attention_with_a_learnable_score_mod():
         slopes.mul_(2.0)  # a new value, same Parameter: the compiled graph reads it
     want = f(q)
     torch.testing.assert_close(compiled(q), want)
+
+
+def test_compile_fullgraph_with_symbolic_float_options():
+    """A float option Dynamo traces symbolically (dynamic=True, or a float argument that
+    changes between calls) goes to the op unchecked; the op checks its value at run time."""
+    x, w = torch.randn(4, 8, requires_grad=True), torch.ones(8, requires_grad=True)
+    compiled = torch.compile(lambda x, w: xk.rms_norm(x, w), fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(x, w), xk.rms_norm(x, w))
+
+    def f(x, w, eps):
+        return xk.rms_norm(x, w, eps=eps)
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    for eps in (0.1, 0.2, 0.3):
+        torch.testing.assert_close(compiled(x, w, eps), f(x, w, eps))
+    with pytest.raises(ValueError, match=r"eps must be finite and > 0, got -1.0"):
+        compiled(x, w, -1.0)
+    weight, targets = torch.randn(5, 8, requires_grad=True), torch.tensor([3, 0, -100, 1])
+
+    def loss(x, weight, smoothing):  # the fused linear cross-entropy checks its own options
+        return xk.linear_cross_entropy(x, weight, targets, label_smoothing=smoothing)
+
+    compiled = torch.compile(loss, fullgraph=True, backend="eager")
+    for smoothing in (0.1, 0.2, 0.3):
+        torch.testing.assert_close(compiled(x, weight, smoothing), loss(x, weight, smoothing))
+    with pytest.raises(ValueError, match=r"label_smoothing must lie in \[0, 1\], got 2.0"):
+        compiled(x, weight, 2.0)
+
+
+def test_compiled_decode_loop_keeps_input_pos_symbolic():
+    """An int input_pos that changes between calls compiles one dynamic graph after the
+    first, not one per value."""
+    from torch._dynamo.testing import CompileCounter
+
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 16, 8)
+
+    def f(q, k, pos):
+        return xk.attention(q, k, k, causal=True, input_pos=pos)
+
+    counter = CompileCounter()
+    compiled = torch.compile(f, fullgraph=True, backend=counter)
+    for pos in range(2, 12):
+        torch.testing.assert_close(compiled(q, k, pos), f(q, k, pos))
+    assert counter.frame_count <= 2, counter.frame_count
+
+
+def test_checkpoints_of_an_allocating_call_under_compile_say_why_they_are_refused():
+    """Eager, checkpoints= on an allocating call with nothing requiring grad fills them; a
+    compiled call runs the op, which cannot: refused for that reason, not for a gradient."""
+    x, w = torch.randn(4, 8), torch.ones(8)
+    checkpoints = xk.allocate_checkpoints(xk.rms_norm_, x, w)
+    xk.rms_norm(x, w, checkpoints=checkpoints)
+    assert bool((checkpoints.rstd != 0).all())
+
+    def f(x, w):
+        return xk.rms_norm(x, w, checkpoints=checkpoints)
+
+    with pytest.raises(Exception, match=r"checkpoints= is not supported inside torch.compile"):
+        torch.compile(f, fullgraph=True, backend="eager")(x, w)
+    with pytest.raises(Exception, match=r"an input requires grad"):
+        torch.compile(f, fullgraph=True, backend="eager")(x.requires_grad_(), w)

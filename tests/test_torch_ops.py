@@ -569,6 +569,85 @@ def test_flex_parameter_gets_its_grad_and_matches_the_materialised_reference():
     torch.testing.assert_close(got, ref_table.grad, rtol=1e-6, atol=1e-6)
 
 
+def _f32(*shape, generator):
+    return torch.randn(*shape, generator=generator).requires_grad_()
+
+
+def _norm_and_attention(g):
+    """``(name, fn, inputs)``: rms_norm and attention calls on float32 inputs that require grad."""
+    x, w = _f32(4, 8, generator=g), _f32(8, generator=g)
+    q, k, v = (
+        _f32(1, 2, 5, 8, generator=g),
+        _f32(1, 2, 5, 8, generator=g),
+        _f32(1, 2, 5, 8, generator=g),
+    )
+    return [
+        ("rms_norm", xk.rms_norm, (x, w)),
+        ("attention", lambda q, k, v: xk.attention(q, k, v, causal=True), (q, k, v)),
+    ]
+
+
+def test_non_reentrant_checkpointing_unpacks_each_saved_tensor_once():
+    """torch.utils.checkpoint(use_reentrant=False) allows one unpack per saved tensor: the
+    backward reads them once and gives the gradients of the call without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    for name, fn, inputs in _norm_and_attention(torch.Generator().manual_seed(7)):
+        want = torch.autograd.grad(fn(*inputs).square().sum(), inputs)
+        out = checkpoint(fn, *inputs, use_reentrant=False)
+        got = torch.autograd.grad(out.square().sum(), inputs)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, msg=name)
+        counts = {"pack": 0, "unpack": 0}
+
+        def pack(t):
+            counts["pack"] += 1
+            return t
+
+        def unpack(t):
+            counts["unpack"] += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = fn(*inputs)
+        torch.autograd.grad(out, inputs, torch.ones_like(out))
+        assert counts["pack"] > 0 and counts["unpack"] == counts["pack"], (name, counts)
+
+
+def test_autocast_leaves_the_float32_arithmetic_of_a_recorded_call_alone():
+    """Under CPU autocast, a recorded call on float32 inputs (and its gradients) is what it is
+    outside autocast: the backend's own torch arithmetic is not rounded to bfloat16."""
+    g = torch.Generator().manual_seed(8)
+    x, weight = _f32(6, 8, generator=g), _f32(9, 8, generator=g)
+    targets = torch.tensor([3, 8, -100, 0, 1, 2])
+    cases = [
+        *_norm_and_attention(g),
+        ("softmax", xk.softmax, (x,)),
+        ("linear_cross_entropy", lambda x, w: xk.linear_cross_entropy(x, w, targets), (x, weight)),
+    ]
+    for name, fn, inputs in cases:
+        out = fn(*inputs)
+        want = [out, *torch.autograd.grad(out.square().sum(), inputs)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(*inputs)
+            got = [out, *torch.autograd.grad(out.square().sum(), inputs)]
+        for a, b in zip(got, want):
+            assert a.dtype == torch.float32, name
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_transposed_input_that_requires_grad_is_named_in_the_error():
+    """The recorded call allocates contiguous outputs, so the error names the caller's input
+    (as without requires_grad), not an output the caller never passed."""
+    x = torch.randn(8, 3).t()
+    w = torch.ones(8)
+    for requires_grad in (False, True):
+        with pytest.raises(ValueError, match=r"rms_norm_: x must be contiguous along its last"):
+            xk.rms_norm(x.detach().requires_grad_(requires_grad), w)
+        with pytest.raises(ValueError, match=r"softmax_: x must be contiguous along its last"):
+            xk.softmax(x.detach().requires_grad_(requires_grad))
+
+
 def test_decode_attention_is_forward_only():
     g = torch.Generator().manual_seed(5)
     q = _f64(2, 2, 4, generator=g)

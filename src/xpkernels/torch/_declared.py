@@ -30,8 +30,9 @@ it as ``score_arrays``, which receive gradients).
 Each op's schema is inferred by ``torch.library`` from a generated Python
 signature; each has a fake (shapes and dtypes only, from the declared shape
 patterns). Implementations call the in-place fronts (``p_``,
-``p_backward_``) under ``torch.no_grad()``, so all their validation
-applies and no backend records autograd through its own arithmetic. The
+``p_backward_``) under ``torch.no_grad()`` with autocast off, so all their
+validation applies, no backend records autograd through its own arithmetic
+and none has it rounded by autocast. The
 functional forward's autograd formula saves what the backward reads and
 the checkpoints (marked non-differentiable) and calls ``p_backward`` on the
 forward's backend; a backward run with ``create_graph=True`` returns
@@ -61,7 +62,7 @@ from torch import Tensor
 from xpkernels.backends.protocol import GELU_APPROXIMATIONS, PRIMITIVES, REDUCTIONS, Arg, Option
 
 from .. import _checks as check
-from .._autograd import NO_BACKWARD
+from .._autograd import NO_BACKWARD, _mod_arrays
 from ..buffers import Duplicated, allocate_checkpoints, primal
 from ..mods import as_mask_mod, as_score_mod
 from ..registry import _explicit_choice
@@ -100,6 +101,11 @@ def backend_choice(options) -> str | None:
 # -- option rules ---------------------------------------------------------------------------
 
 
+def _traced_float(value) -> bool:
+    """A float (maybe symbolic) of a call ``torch.compile`` is tracing."""
+    return isinstance(value, (float, torch.SymFloat)) and torch.compiler.is_compiling()
+
+
 class Rule:
     """How the options of one declared rule travel through the ops.
 
@@ -133,8 +139,16 @@ class Rule:
         return [(name, self.annotation)]
 
     def encode(self, fn: str, name: str, value, held: list) -> tuple:
-        """A front's value as the values of :meth:`params`; ``held`` gets what the call must keep alive."""
-        return (value if self.validate is None else self.validate(fn, name, value),)
+        """A front's value as the values of :meth:`params`; ``held`` gets what the call must keep alive.
+
+        While ``torch.compile`` traces, a float may be symbolic (``dynamic=True``, or a float
+        argument that changed between calls; Dynamo may make it so only when a check reads it),
+        with no value to check yet: it goes to the op as it is, and the op's implementation,
+        which calls the in-place front, checks its value at run time.
+        """
+        if self.validate is None or _traced_float(value):
+            return (value,)
+        return (self.validate(fn, name, value),)
 
     def decode(self, name: str, values: dict, kwargs: dict):
         """Set the in-place front's keyword ``name`` in ``kwargs`` from the op's ``values``.
@@ -160,6 +174,10 @@ class _Position(Rule):
         what = f"{fn}: {name} must be an int or a (B,) integer array, got"
         if isinstance(value, bool):
             raise TypeError(f"{what} a bool")
+        if isinstance(value, (int, torch.SymInt)):
+            # As it is: under torch.compile, operator.index would specialise a symbolic
+            # position into a constant of the graph, one recompile per value.
+            return value, None
         try:
             return operator.index(value), None
         except TypeError:
@@ -555,10 +573,15 @@ class _Ops:
         return dims
 
     def _new(self, arg: Arg, a: dict, dims: dict) -> Tensor:
-        """A new output: like the first input of its shape pattern, else the lead's dtype."""
+        """A new contiguous output of the first same-pattern input's dtype, else the lead's.
+
+        Contiguous, not with the input's strides, so that an input the kernels cannot read (a
+        transposed one) is named in the front's error, not the output the caller never passed.
+        """
         for other in self.sig.inputs:
-            if other.shape == arg.shape and isinstance(a.get(other.name), Tensor):
-                return torch.empty_like(a[other.name])
+            like = a.get(other.name)
+            if other.shape == arg.shape and isinstance(like, Tensor):
+                return torch.empty(like.shape, dtype=like.dtype, device=like.device)
         lead = a[self.lead.name]
         if self.sig.kind == "cross_entropy":  # the loss: a scalar or one per row, float32
             shape = (dims["T"],) if a["reduction"] == "none" else ()
@@ -587,7 +610,10 @@ class _Ops:
         return kwargs, lists
 
     def _run_forward(self, a: dict, outputs: list, checkpoints, scratch) -> None:
-        with torch.no_grad():
+        # Autocast would round the backend's own torch arithmetic (DESIGN section 5: float32
+        # accumulation); the call gives what it gives outside autocast.
+        device = a[self.lead.name].device.type
+        with torch.no_grad(), torch.autocast(device, enabled=False):
             kwargs, _ = self._decoded(self.forward_options, a)
             if self.checkpoints:
                 kwargs["checkpoints"] = checkpoints
@@ -642,7 +668,8 @@ class _Ops:
 
         Returns the gradient lists it yields (the score arrays').
         """
-        with torch.no_grad():
+        device = self._primal(self.lead.name, a).device.type
+        with torch.no_grad(), torch.autocast(device, enabled=False):  # as in _run_forward
             if self.sig.kind == "merge":
                 merge_backward_(a, a["backend"])
                 return []
@@ -722,7 +749,10 @@ class _Ops:
             ctx.mark_non_differentiable(*(a[c] for c in self.checkpoints))
 
     def _grad(self, ctx, *cotangents):
-        saved = _unflatten(ctx.saved_tensors, ctx.layout)
+        # Read once: a saved_tensors_hooks pair (non-reentrant torch.utils.checkpoint) may
+        # allow each saved tensor one unpack.
+        tensors = ctx.saved_tensors
+        saved = _unflatten(tensors, ctx.layout)
         a = dict(zip(self.saved, saved))
         cots = [_last_axis_contiguous(c) for c in cotangents[: len(self.outputs)]]
         needs = [
@@ -735,7 +765,7 @@ class _Ops:
         wanted = dict(zip(self.flagged, needs))
         grads = [g if wanted.get(n, True) else None for n, g in zip(self.graded, results)]
         flat, layout = _flatten([*grads, *results[len(grads) :]])
-        flat = _no_double_backward(self.name, (*cots, *ctx.saved_tensors), flat)
+        flat = _no_double_backward(self.name, (*cots, *tensors), flat)
         got = dict(zip([*self.graded, *self.grad_lists], _unflatten(flat, layout)))
         return tuple(got.get(n) for n in self.forward_names)
 
@@ -753,7 +783,9 @@ class _Ops:
         values = {**options, **arrays}
         for buffer, message in _BUFFER_ERROR.items():
             if values.get(buffer) is not None:
-                raise ValueError(message.format(fn=fn))
+                if not _needs_grad(arrays, options):  # here only because torch.compile traces
+                    message = _COMPILED_BUFFER_ERROR
+                raise ValueError(message.format(fn=fn, buffer=buffer))
         held: list = []
         a = {n: primal(values.get(n)) for n in self.inputs}
         for o in self.forward_options:
@@ -778,6 +810,25 @@ _BUFFER_ERROR = {
         "input requires grad) run it under torch.no_grad() to pass scratch"
     ),
 }
+
+
+#: The same under ``torch.compile`` when nothing requires grad (eager, such a call runs the
+#: front itself, which fills the caller's buffers; a traced call runs the op, which cannot).
+_COMPILED_BUFFER_ERROR = (
+    "{fn}: {buffer}= is not supported inside torch.compile: a compiled {fn} call runs through "
+    "the xpkernels op, which keeps its own {buffer} and cannot fill the ones passed. Call {fn} "
+    "with {buffer}= outside the compiled function, or drop {buffer}="
+)
+
+
+def _needs_grad(arrays: dict, options: dict) -> bool:
+    """Whether autograd records the call: grad mode is on and an input (or a score mod's
+    captured array) requires grad."""
+    tensors = [primal(a) for a in arrays.values()]
+    tensors += _mod_arrays(options.get("score_mod")).values()
+    return torch.is_grad_enabled() and any(
+        isinstance(t, Tensor) and t.requires_grad for t in tensors
+    )
 
 
 def _declared_ops(name: str) -> _Ops:

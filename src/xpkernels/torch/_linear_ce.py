@@ -18,15 +18,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..backends.protocol import PRIMITIVES
 from ..buffers import Duplicated, primal
-from ..cross_entropy import DEFAULTS, options
 from ..linear_cross_entropy import linear_cross_entropy_
-from ._declared import FRONTS, backend_choice
+from ._declared import FRONTS, RULES, backend_choice
 from ._ops import _name, _no_double_backward
 
 __all__ = ["FUSED", "record"]
 
 _GENERATED = FRONTS["linear_cross_entropy"]
+
+#: The options, in the order the fused op takes them.
+_OPTIONS = PRIMITIVES["linear_cross_entropy"].signature.options
 
 
 def _loss_dtype(x: Tensor):
@@ -110,7 +113,11 @@ def record(fn: str, arrays: dict, opts: dict):
     ``reduction="none"`` through the generated one (see the module docstring)."""
     if opts.get("reduction", "mean") == "none" or opts.get("checkpoints") is not None:
         return _GENERATED(fn, arrays, opts)
-    checked = options(fn, {k: opts.get(k, v) for k, v in DEFAULTS.items()})
+    # Checked by their declared rules, which leave a float traced by torch.compile (maybe
+    # symbolic) to the op's implementation to check at run time.
+    checked = [
+        RULES[o.rule].encode(fn, o.name, opts.get(o.name, o.default), [])[0] for o in _OPTIONS
+    ]
     x, weight, bias = (primal(arrays.get(n)) for n in ("x", "weight", "bias"))
     grad = torch.is_grad_enabled()
 
@@ -122,7 +129,7 @@ def record(fn: str, arrays: dict, opts: dict):
         weight,
         arrays["targets"],
         bias,
-        *checked.values(),
+        *checked,
         needs(x),
         needs(weight),
         needs(bias),
