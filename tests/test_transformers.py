@@ -12,7 +12,9 @@ CPU tensors, the Triton interpreter one smallest case.
 from __future__ import annotations
 
 import copy
+import io
 import os
+import pickle
 import types
 import warnings
 
@@ -423,6 +425,186 @@ def test_logits_free_training_compiles_without_graph_break():
         assert _rel(ours_params[name].grad, p.grad) <= 1e-4, name
 
 
+#: Families whose forward scales the logits: Cohere by ``logit_scale``, Granite by
+#: ``1 / logits_scaling``.
+SCALED = {
+    "cohere": (tf.CohereConfig, tf.CohereForCausalLM, dict(logit_scale=0.0625)),
+    "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, dict(logits_scaling=4.0)),
+}
+
+
+@pytest.mark.parametrize("family", SCALED)
+def test_logits_free_loss_keeps_the_logit_scale(family, monkeypatch):
+    """Logits-free, a family's scale of its logits (Cohere's logit_scale, Granite's
+    logits_scaling) reaches linear_cross_entropy: float64 loss and every gradient equal
+    eager's to 1e-10, with and without num_items_in_batch."""
+    config_class, model_class, extra = SCALED[family]
+    torch.manual_seed(0)
+    ref = model_class(config_class(**{**_COMMON, **extra, "eos_token_id": 2})).to(torch.float64)
+    ours = xt.apply_xpkernels(
+        copy.deepcopy(ref),
+        rms_norm=False,
+        layer_norm=False,
+        mlp=False,
+        attention=False,
+        rope=False,
+        logits=False,
+    )
+    assert ours.xpkernels_report.loss == "linear_cross_entropy"
+    assert not ours.xpkernels_report.skipped
+    ref.loss_function = _float64_causal_loss
+    _float64_softmax(monkeypatch)
+    ids, mask = _batch("left")
+    labels = _labels(ids, mask)
+    outputs = [model(ids, attention_mask=mask, labels=labels) for model in (ref, ours)]
+    assert outputs[1].logits is None
+    assert _rel(outputs[1].loss.detach(), outputs[0].loss.detach()) <= 1e-10
+    for output in outputs:
+        output.loss.backward()
+    ours_params = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert _rel(ours_params[name].grad, p.grad) <= 1e-10, name
+    with torch.no_grad():
+        got, want = (
+            model(ids, attention_mask=mask, labels=labels, num_items_in_batch=7).loss
+            for model in (ours, ref)
+        )
+    assert _rel(got, want) <= 1e-10
+
+
+def test_logits_free_loss_leaves_a_router_auxiliary_loss_to_the_model():
+    """Mixtral adds its router's load-balancing loss after loss_function: logits-free would
+    drop it, so the forward stays the model's (reported) and the loss with router logits on
+    equals eager's."""
+    config = tf.MixtralConfig(
+        **_COMMON, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True
+    )
+    torch.manual_seed(0)
+    ref = tf.MixtralForCausalLM(config)
+    ours = xt.apply_xpkernels(copy.deepcopy(ref), attention=False, logits=False)
+    assert "forward" not in vars(ours)
+    assert any(
+        what == "loss" and "continues after its loss_function with 'aux_loss = None'" in why
+        for what, why in ours.xpkernels_report.skipped
+    )
+    ids, _ = _batch("none")
+    want, got = (model(ids, labels=ids) for model in (ref, ours))
+    assert got.aux_loss is not None
+    assert _rel(got.loss.detach(), want.loss.detach()) <= 1e-5
+
+
+def test_logits_free_loss_refuses_unknown_logit_code():
+    """A forward doing to the logits what xpkernels does not reproduce from the hidden states
+    keeps its own forward, reported (the loss function alone is not swapped either); the
+    known steps are read from the families' source."""
+
+    class Shifted(tf.LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            outputs = self.model(input_ids=input_ids, **kwargs)
+            hidden_states = outputs.last_hidden_state
+            logits = self.lm_head(hidden_states)
+            logits = logits + 1.0
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits, labels, self.config.vocab_size)
+            return tf.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    model = xt.apply_xpkernels(Shifted(tf.LlamaConfig(**_COMMON)), attention=False, logits=False)
+    assert model.xpkernels_report.loss is None and "forward" not in vars(model)
+    assert (
+        "loss",
+        "its forward computes the logits with 'logits = logits + 1.0', which xpkernels does not "
+        "reproduce from the hidden states",
+    ) in model.xpkernels_report.skipped
+    assert _hf_loss.logit_steps(tf.GraniteForCausalLM(tf.GraniteConfig(**_COMMON))) == (
+        (("divide", "config.logits_scaling"),),
+        "",
+    )
+    gemma = FAMILIES["gemma2"]
+    assert _hf_loss.logit_steps(gemma[1](gemma[0](**_COMMON))) == (
+        (("softcap", "config.final_logit_softcapping"),),
+        "",
+    )
+
+
+@pytest.mark.parametrize("load", ["to_empty", "assign"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_model_built_on_meta_is_swapped_then_loaded(family, load):
+    """A model built on the meta device (no kernel runs on its weights) gets the swaps the
+    same model gets on the CPU; loaded afterwards (to_empty and load_state_dict, or
+    load_state_dict(assign=True)), its logits, loss and every gradient are eager's."""
+    config_class, model_class, extra = FAMILIES[family]
+    ref, _ = _models(family)
+    with torch.device("meta"):
+        ours = model_class(config_class(**{**_COMMON, **extra}))
+    xt.apply_xpkernels(ours, logits=False)
+    want = xt.apply_xpkernels(copy.deepcopy(ref), logits=False).xpkernels_report
+    assert ours.xpkernels_report == want and not want.skipped
+    if load == "to_empty":
+        ours.to_empty(device="cpu")
+        ours.load_state_dict(ref.state_dict())
+    else:
+        ours.load_state_dict(copy.deepcopy(ref.state_dict()), assign=True)
+    ours.tie_weights()  # both untie Gemma's embeddings and LM head: from_pretrained ties them
+    for name, buffer in ref.named_buffers():  # not in the state dict: from_pretrained sets them
+        parent, _, leaf = name.rpartition(".")
+        setattr(ours.get_submodule(parent), leaf, buffer.clone())
+    ids, mask = _batch("left")
+    labels = _labels(ids, mask)
+    assert _rel(ours(ids).logits.detach(), ref(ids).logits.detach()) <= 1e-4
+    outputs = [model(ids, attention_mask=mask, labels=labels) for model in (ref, ours)]
+    assert _rel(outputs[1].loss.detach(), outputs[0].loss.detach()) <= 1e-5
+    for output in outputs:
+        output.loss.backward()
+    ours_params = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert _rel(ours_params[name].grad, p.grad) <= 1e-4, name
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_swapped_model_round_trips_pickle(how, monkeypatch):
+    """A swapped model (fused MLPs, RoPE, logits-free loss) pickles and unpickles, also where
+    the process has no RoPE replacement yet (as a new one): the copy's forwards are still
+    xpkernels' (MLP, RoPE, loss, each bound to the copy's own modules) and give the original's
+    loss and gradients."""
+    ref, _ = _models("llama")
+    ours = xt.apply_xpkernels(copy.deepcopy(ref), logits=False)
+    if how == "pickle":
+        blob = pickle.dumps(ours)
+    else:
+        buffer = io.BytesIO()
+        torch.save(ours, buffer)
+    module = __import__(type(ref).__module__, fromlist=["_"])
+    monkeypatch.delattr(module, "_xpkernels_apply_rotary_pos_emb")
+    if how == "pickle":
+        loaded = pickle.loads(blob)
+    else:
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+    assert loaded.xpkernels_report == ours.xpkernels_report
+    assert module._xpkernels_apply_rotary_pos_emb.xpkernels_original is module.apply_rotary_pos_emb
+    assert loaded.forward.func is _hf_loss.linear_loss_forward and loaded.forward.args[0] is loaded
+    for name in MLPS:
+        mlp = loaded.get_submodule(name)
+        assert mlp.forward.func is xt._gated_mlp_forward and mlp.forward.args[0] is mlp
+    for name in ATTENTIONS:
+        attn = loaded.get_submodule(name)
+        assert attn.forward.func.xpkernels_rope is type(attn).forward
+        assert attn.forward.args[0] is attn
+    calls = _RopeCalls(monkeypatch)
+    ids, mask = _batch("left")
+    labels = _labels(ids, mask)
+    got = loaded(ids, attention_mask=mask, labels=labels)
+    assert got.logits is None and len(calls.backward) == 4
+    want = ours(ids, attention_mask=mask, labels=labels)
+    assert _rel(got.loss.detach(), want.loss.detach()) <= 1e-6
+    for output in (got, want):
+        output.loss.backward()
+    ours_params = dict(ours.named_parameters())
+    for name, p in loaded.named_parameters():
+        assert _rel(p.grad, ours_params[name].grad) <= 1e-6, name
+
+
 class _RopeCalls:
     """The backward each output of the integration's ``xpkernels.rope`` calls records (two
     entries a call: q and k)."""
@@ -459,7 +641,7 @@ def test_rope_runs_xpkernels_and_leaves_other_models_eager(family, monkeypatch):
     for name in ATTENTIONS:
         attn, eager_attn = ours.get_submodule(name), ref.get_submodule(name)
         assert type(attn) is type(eager_attn) and "forward" not in vars(eager_attn)
-        assert attn.forward.__func__.xpkernels_rope is type(attn).forward
+        assert attn.forward.func.xpkernels_rope is type(attn).forward
     assert list(ours.state_dict()) == list(ref.state_dict())
     calls = _RopeCalls(monkeypatch)
     _float64_softmax(monkeypatch)

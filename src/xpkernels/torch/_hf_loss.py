@@ -11,17 +11,23 @@ transformers' ``ForCausalLM`` (Llama, Qwen2/3, Mistral, Gemma 2/3, ...):
   its backward writes one ``N x V`` gradient.
 - :func:`linear_loss_forward` replaces the instance's ``forward`` so that a
   call with labels never forms the logits: the last hidden states and the LM
-  head's weight (and bias) go to :func:`xpkernels.linear_cross_entropy`, with
-  the family's ``final_logit_softcapping`` as its ``softcap``, and the output
-  carries ``logits=None``. Calls without labels (generation, evaluation of
-  logits), with ``logits_to_keep`` or ``return_dict=False`` run the class's
-  own forward.
+  head's weight (and bias) go to :func:`xpkernels.linear_cross_entropy`, and
+  the output carries ``logits=None``. What the class's forward does to the
+  logits between its base model and its loss is read from its source
+  (:func:`logit_steps`) and reproduced exactly: a scale of the logits (Cohere's
+  ``logit_scale``, Granite's ``logits_scaling``) scales the hidden states and
+  the bias, and a final softcap (Gemma 2's ``final_logit_softcapping``) is
+  ``linear_cross_entropy``'s ``softcap``; a forward doing anything else keeps
+  its own code. Calls without labels (generation, evaluation of logits), with
+  ``logits_to_keep`` or ``return_dict=False`` run the class's own forward.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
-import types
+import textwrap
 from typing import Any
 
 import torch
@@ -30,7 +36,7 @@ from torch import nn
 from ..cross_entropy import cross_entropy
 from ..linear_cross_entropy import linear_cross_entropy
 
-__all__ = ["causal_lm_loss", "linear_loss_forward", "swap_loss"]
+__all__ = ["causal_lm_loss", "linear_loss_forward", "logit_steps", "swap_loss"]
 
 #: The loss transformers' causal-LM families compute, by its LOSS_MAPPING name.
 CAUSAL_LM = "ForCausalLM"
@@ -90,14 +96,156 @@ def causal_lm_loss(
     return _reduced(loss_of, num_items_in_batch, logits.device)
 
 
-def _softcap(model) -> float | None:
-    config = model.config.get_text_config()
-    cap = getattr(config, "final_logit_softcapping", None)
-    return None if cap is None else float(cap)
+_GEMMA_SOFTCAP = """if {cap} is not None:
+    logits = logits{upcast} / {cap}
+    logits = torch.tanh(logits)
+    logits = logits * {cap}"""
+_HEAD = (("head", ""),)
+
+#: What each statement a causal LM's forward may run between its base model's call and its
+#: loss does to the logits, by its source (``ast.unparse``: no comments): ``()`` nothing here
+#: (slicing by ``logits_to_keep``, which is 0 where the loss is taken from the hidden states),
+#: ``("head", "")`` the LM head on the hidden states (the loss is float32 whether or not the
+#: logits are upcast), ``("multiply" or "divide", path)`` a scale of the logits and
+#: ``("softcap", path)`` ``cap * tanh(logits / cap)``, ``path`` the model attribute holding
+#: the value (dotted; none when it is None). Found in the installed transformers' families:
+#: Cohere's ``logit_scale``, Granite's and Granite MoE's ``logits_scaling`` (a division),
+#: HyperCLOVA X's (a product), Falcon-H1's ``lm_head_multiplier``, Gemma 2/3's softcap.
+_LOGIT_STEPS: dict[str, tuple[tuple[str, str], ...]] = {
+    "hidden_states = outputs.last_hidden_state": (),
+    "hidden_states = outputs[0]": (),
+    "hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)": (),
+    "if hidden_states.shape[1] == (input_ids if input_ids is not None else inputs_embeds)"
+    ".shape[1]:\n    hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)": (),
+    "slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) "
+    "else logits_to_keep": (),
+    "logits = self.lm_head(hidden_states)": _HEAD,
+    "logits = self.lm_head(hidden_states).float()": _HEAD,
+    "logits = self.lm_head(hidden_states[:, slice_indices, :])": _HEAD,
+    "logits = logits * self.logit_scale": (("multiply", "logit_scale"),),
+    "if self.logit_scale is not None:\n    logits = logits * self.logit_scale": (
+        ("multiply", "logit_scale"),
+    ),
+    "logits = logits / self.config.logits_scaling": (("divide", "config.logits_scaling"),),
+    "logits = logits / self.config.text_config.logits_scaling": (
+        ("divide", "config.text_config.logits_scaling"),
+    ),
+    "logits = self.lm_head(hidden_states) * self.config.logits_scaling": (
+        *_HEAD,
+        ("multiply", "config.logits_scaling"),
+    ),
+    "logits = self.lm_head(hidden_states) * self.config.text_config.logits_scaling": (
+        *_HEAD,
+        ("multiply", "config.text_config.logits_scaling"),
+    ),
+    "logits = self.lm_head(hidden_states) * self.model.lm_head_multiplier": (
+        *_HEAD,
+        ("multiply", "model.lm_head_multiplier"),
+    ),
+    _GEMMA_SOFTCAP.format(cap="self.config.final_logit_softcapping", upcast=""): (
+        ("softcap", "config.final_logit_softcapping"),
+    ),
+    _GEMMA_SOFTCAP.format(cap="self.config.final_logit_softcapping", upcast=".float()"): (
+        ("softcap", "config.final_logit_softcapping"),
+    ),
+}
+
+
+def logit_steps(model: Any) -> tuple[tuple[tuple[str, str], ...], str]:
+    """``(steps, "")``: what ``model``'s class forward does to the LM head's output before its
+    loss (:data:`_LOGIT_STEPS`, the head itself left out), or ``((), why not)``.
+
+    The statements between the forward's ``self.model(...)`` call and its loss must all be
+    known, the LM head applied once, first, and a softcap, if any, last: scales before it
+    are scales of the hidden states and the bias.
+    """
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(type(model).forward)))
+        function = ast.parse(source).body[0]
+    except (OSError, TypeError, SyntaxError):
+        return (), "the source of its forward is not available to check its logits"
+    if not isinstance(function, ast.FunctionDef):
+        return (), "the source of its forward is not available to check its logits"
+    nodes = [
+        statement
+        for statement in function.body
+        if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant))
+    ]
+    statements = [ast.unparse(statement) for statement in nodes]
+    start = next((i for i, s in enumerate(statements) if "self.model(" in s), None)
+    end = next(
+        (i for i, s in enumerate(statements) if s == "loss = None" or "self.loss_function" in s),
+        None,
+    )
+    if start is None or end is None or end < start:
+        return (), "its forward does not call self.model before computing its loss"
+    steps: list[tuple[str, str]] = []
+    for statement in statements[start + 1 : end]:
+        known = _LOGIT_STEPS.get(statement)
+        if known is None:
+            return (), (
+                f"its forward computes the logits with {statement!r}, which xpkernels does not "
+                "reproduce from the hidden states"
+            )
+        steps += known
+    ops = [op for op, _ in steps]
+    if ops[:1] != ["head"] or "head" in ops[1:] or "softcap" in ops[1:-1]:
+        return (), "its forward does not apply the LM head once, then scales, then a softcap"
+    for node, statement in zip(nodes[end:], statements[end:]):
+        if not _plain_loss_statement(node, statement):
+            return (), (
+                f"its forward continues after its loss_function with {statement!r} (a router "
+                "auxiliary loss, a z-loss...), which xpkernels does not reproduce"
+            )
+    return tuple(steps[1:]), ""
+
+
+def _plain_loss_statement(node: ast.stmt, statement: str) -> bool:
+    """Whether a statement from a forward's loss on is one :func:`linear_loss_forward` does
+    too: ``loss = None``, ``loss = self.loss_function(...)`` when there are labels, the
+    ``return_dict=False`` tuple (that call runs the class's forward) or the return."""
+    if isinstance(node, ast.Return) or statement == "loss = None":
+        return True
+    if not isinstance(node, ast.If) or node.orelse:
+        return False
+    test = ast.unparse(node.test)
+    if test == "not return_dict":
+        return True
+    only = node.body[0] if len(node.body) == 1 else None
+    return (
+        test == "labels is not None"
+        and isinstance(only, ast.Assign)
+        and ast.unparse(only.targets[0]) == "loss"
+        and ast.unparse(only.value).startswith("self.loss_function(")
+    )
+
+
+def _attribute(model: Any, path: str) -> Any:
+    value = model
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def _scale_and_softcap(model: Any, steps) -> tuple[float, float | None]:
+    """The product of ``steps``' scales and their softcap (None: none), read from ``model``."""
+    scale, softcap = 1.0, None
+    for op, path in steps:
+        value = _attribute(model, path)
+        if value is None:
+            continue
+        if op == "multiply":
+            scale *= float(value)
+        elif op == "divide":
+            scale /= float(value)
+        else:
+            softcap = float(value)
+    return scale, softcap
 
 
 def linear_loss_forward(
     self,
+    steps,
     input_ids=None,
     attention_mask=None,
     position_ids=None,
@@ -110,8 +258,11 @@ def linear_loss_forward(
 ):
     """The causal LM's forward with the loss from the hidden states: no logits with labels.
 
-    Without labels (or ``shift_labels``), with ``logits_to_keep`` other than 0
-    or with ``return_dict=False``, the class's own forward runs unchanged.
+    ``steps`` (:func:`logit_steps`) are what the class's forward does to the LM
+    head's output: ``logits * s`` runs as the LM head on ``s * hidden`` with the
+    bias times ``s``, a final softcap as ``linear_cross_entropy``'s. Without
+    labels (or ``shift_labels``), with ``logits_to_keep`` other than 0 or with
+    ``return_dict=False``, the class's own forward runs unchanged.
     """
     shift_labels = kwargs.get("shift_labels")
     inputs = dict(
@@ -133,16 +284,20 @@ def linear_loss_forward(
     ignore_index = kwargs.get("ignore_index", -100)
     targets = _targets(labels, shift_labels, ignore_index).to(hidden.device)
     head = self.lm_head
-    rows = hidden.reshape(-1, hidden.shape[-1])
+    rows, bias = hidden.reshape(-1, hidden.shape[-1]), head.bias
+    scale, softcap = _scale_and_softcap(self, steps)
+    if scale != 1.0:
+        rows = rows * scale
+        bias = None if bias is None else bias * scale
 
     def loss_of(reduction):
         return linear_cross_entropy(
             rows,
             head.weight,
             targets,
-            head.bias,
+            bias,
             ignore_index=ignore_index,
-            softcap=_softcap(self),
+            softcap=softcap,
             reduction=reduction,
         )
 
@@ -190,8 +345,9 @@ def swap_loss(model: Any, linear: bool) -> tuple[str | None, str]:
         return None, "its forward does not call self.model, self.lm_head and self.loss_function"
     if "forward" in vars(model):
         return None, "its forward is already replaced on the instance"
-    if "final_logit_softcapping" not in names and _softcap(model) is not None:
-        return None, "its config softcaps the logits but its forward does not read the cap"
+    steps, why = logit_steps(model)
+    if why:
+        return None, why
     model.loss_function = causal_lm_loss
-    model.forward = types.MethodType(linear_loss_forward, model)
+    model.forward = functools.partial(linear_loss_forward, model, steps)
     return "linear_cross_entropy", ""

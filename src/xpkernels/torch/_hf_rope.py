@@ -11,6 +11,7 @@ code.
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 import types
 from typing import Any
@@ -179,8 +180,38 @@ def _rope_forward(forward: Any) -> Any:
     return new
 
 
+class _RopeForward:
+    """An attention class's ``forward`` run as :func:`_rope_forward`'s copy; it pickles as that
+    ``forward``, and unpickling adds the modeling module's replacement again (a new process has
+    none).
+
+    Attributes
+    ----------
+    xpkernels_rope : function
+        The class's ``forward``.
+    """
+
+    def __init__(self, forward: Any) -> None:
+        self.xpkernels_rope = forward
+        self._copy = _rope_forward(forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._copy(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _rope_restored, (self.xpkernels_rope,)
+
+
+def _rope_restored(forward: Any) -> _RopeForward:
+    """The unpickled :class:`_RopeForward` of ``forward``, its module's replacement added."""
+    _, why = _rope_replacement(forward.__globals__)
+    if why:
+        raise RuntimeError(f"xpkernels cannot restore RoPE on {forward.__qualname__}: {why}")
+    return _RopeForward(forward)
+
+
 def _rope_applied(module: nn.Module) -> bool:
-    return hasattr(getattr(vars(module).get("forward"), "__func__", None), "xpkernels_rope")
+    return isinstance(getattr(vars(module).get("forward"), "func", None), _RopeForward)
 
 
 def attention_like(module: nn.Module) -> bool:
@@ -206,5 +237,5 @@ def rope_attention(module: nn.Module, refused: dict[int, str]) -> str:
     if why:
         refused[id(namespace)] = why
         return why
-    module.forward = types.MethodType(_rope_forward(forward), module)
+    module.forward = functools.partial(_RopeForward(forward), module)
     return ""

@@ -23,8 +23,10 @@ Importing this module does not import transformers; :func:`register` and
 
 from __future__ import annotations
 
+import copy
+import functools
+import itertools
 import logging
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,19 +125,39 @@ def _rms_norm_like(module: nn.Module) -> bool:
     )
 
 
+def _probed(module: Any) -> Any:
+    """``module`` to run probes on; where a parameter or buffer of it is on the meta device (a
+    model built there, loaded later), a copy on the CPU holding seeded random values in the
+    same dtypes and shapes: no kernel runs on a meta tensor."""
+    tensors = itertools.chain(module.parameters(), module.buffers())
+    if not any(t.is_meta for t in tensors):
+        return module
+    probed = copy.deepcopy(module).to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in itertools.chain(probed.parameters(), probed.buffers()):
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=generator))
+            else:
+                t.zero_()
+    return probed
+
+
 def _rms_norm_for(module: Any) -> tuple[nn.Module | None, str]:
-    """The xpkernels RMSNorm computing what ``module`` computes (probed on its own weight), or why not."""
+    """The xpkernels RMSNorm computing what ``module`` computes (probed on its own weight, or on
+    random ones where it is on the meta device), or why not."""
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if not isinstance(eps, float):
         return None, "no float eps or variance_epsilon attribute"
     weight = module.weight
+    probed = _probed(module)
     probe = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0))
-    probe = probe.to(device=weight.device, dtype=weight.dtype)
+    probe = probe.to(device=probed.weight.device, dtype=weight.dtype)
     tolerance = 8 * torch.finfo(weight.dtype).eps
     with torch.no_grad():
-        want = module(probe).float()
+        want = probed(probe).float()
         for offset in (0.0, 1.0):
-            got = rms_norm(probe, weight, eps=eps, offset=offset).float()
+            got = rms_norm(probe, probed.weight, eps=eps, offset=offset).float()
             if bool(((got - want).abs() <= tolerance * (1 + want.abs())).all()):
                 factory = {"eps": eps, "device": weight.device, "dtype": weight.dtype}
                 new = xnn.RMSNorm(weight.shape[0], **factory, offset=offset)
@@ -177,7 +199,7 @@ def _gated_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def _fused(module: nn.Module) -> bool:
-    return getattr(vars(module).get("forward"), "__func__", None) is _gated_mlp_forward
+    return getattr(vars(module).get("forward"), "func", None) is _gated_mlp_forward
 
 
 def _gated_mlp_like(module: nn.Module) -> bool:
@@ -253,7 +275,8 @@ def _gated_structure(module: Any) -> str:
 
 def _fuse_gated_mlp(module: Any, model: Any) -> str:
     """Bind :func:`_gated_mlp_forward` to ``module`` (its config names an activation xpkernels
-    fuses, its ``act_fn`` computes it on a probe, its forward is the gated product); else why not."""
+    fuses, its ``act_fn`` computes it on a probe, its forward is the gated product, checked on a
+    CPU copy where it is on the meta device); else why not."""
     activation = _config_activation(module, model)
     if activation is None:
         return "no hidden_activation or hidden_act in its config or the model's"
@@ -263,20 +286,21 @@ def _fuse_gated_mlp(module: Any, model: Any) -> str:
         return f"activation {activation!r} has no fused xpkernels kernel (fused: {known})"
     if "forward" in vars(module):
         return "its forward is already replaced on the instance (by a hook?)"
-    why = _gated_structure(module)
+    probed = _probed(module)
+    why = _gated_structure(probed)
     if why:
         return why
-    device = module.gate_proj.weight.device
+    device = probed.gate_proj.weight.device
     gate = torch.linspace(-6.0, 6.0, 193, device=device)
     up = torch.linspace(2.0, 0.5, 193, device=device)
     with torch.no_grad():
-        want = module.act_fn(gate).float() * up
+        want = probed.act_fn(gate).float() * up
         got = _glu(fused, gate, up)
     tolerance = 64 * torch.finfo(torch.float32).eps
     if not bool(((got - want).abs() <= tolerance * (1 + want.abs())).all()):
         return f"its act_fn does not compute the config's {activation!r} on a probe"
     module.xpkernels_activation = fused
-    module.forward = types.MethodType(_gated_mlp_forward, module)
+    module.forward = functools.partial(_gated_mlp_forward, module)
     return ""
 
 
@@ -368,20 +392,36 @@ def apply_xpkernels(
     logits : bool
         With ``loss``, False makes training logits-free: a forward given
         ``labels`` computes the loss from the last hidden states and the LM
-        head on :func:`xpkernels.linear_cross_entropy` (the family's
-        ``final_logit_softcapping`` included), chunk by chunk, so the ``N x
-        V`` logits never exist in the forward or the backward, and returns
-        ``logits=None``. Calls without labels (``generate``, evaluation)
-        return logits as before. The instance's ``forward`` is replaced; a
-        model whose forward does not call ``self.model``, ``self.lm_head``
-        and ``self.loss_function``, or whose config softcaps the logits where
-        its forward reads no cap, keeps its forward (reported).
+        head on :func:`xpkernels.linear_cross_entropy`, chunk by chunk, so
+        the ``N x V`` logits never exist in the forward or the backward, and
+        returns ``logits=None``. What the class's forward does to the LM
+        head's output is read from its source and kept exactly: a scale
+        (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's
+        ``lm_head_multiplier``) scales the hidden states and the head's bias
+        instead, a final softcap (Gemma 2/3's ``final_logit_softcapping``) is
+        ``linear_cross_entropy``'s ``softcap``. Calls without labels
+        (``generate``, evaluation) return logits as before. The instance's
+        ``forward`` is replaced; a model whose forward does not call
+        ``self.model``, ``self.lm_head`` and ``self.loss_function``, or runs
+        any other statement between its base model and its loss (MiniCPM3's
+        scaled hidden states, Chameleon's masked image tokens, ...), keeps
+        its forward (reported).
 
     Returns
     -------
     torch.nn.Module
         ``model`` itself; ``model.xpkernels_report`` holds the :class:`Report`
         (also logged at INFO on the ``"xpkernels"`` logger).
+
+    Notes
+    -----
+    A model built on the meta device (to be loaded later) is swapped alike:
+    the probes run on CPU copies of its modules holding random values, no
+    kernel on a meta tensor, and the swapped modules keep its parameters for
+    ``to_empty`` and ``load_state_dict`` (``assign=True`` too). The replaced
+    forwards are ``functools.partial`` objects of importable functions, so a
+    swapped model pickles (``torch.save(model)``, ``copy.deepcopy``) and
+    loads running xpkernels' code, in a new process too.
     """
     report = Report()
     for name, module in list(model.named_modules()):
