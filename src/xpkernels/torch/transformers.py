@@ -128,11 +128,27 @@ def _rms_norm_like(module: nn.Module) -> bool:
 def _probed(module: Any) -> Any:
     """``module`` to run probes on; where a parameter or buffer of it is on the meta device (a
     model built there, loaded later), a copy on the CPU holding seeded random values in the
-    same dtypes and shapes: no kernel runs on a meta tensor."""
+    same dtypes: no kernel runs on a meta tensor. The copy's linear layers are narrowed, each
+    extent mapped to a small one (equal extents stay equal), so that probing a large model's
+    MLP allocates kilobytes, not its weights."""
     tensors = itertools.chain(module.parameters(), module.buffers())
     if not any(t.is_meta for t in tensors):
         return module
-    probed = copy.deepcopy(module).to_empty(device="cpu")
+    probed = copy.deepcopy(module)
+    linears = [(n, m) for n, m in probed.named_modules() if isinstance(m, nn.Linear) and n]
+    extents = sorted({e for _, m in linears for e in (m.in_features, m.out_features)})
+    small = {extent: 8 * (k + 1) for k, extent in enumerate(extents)}
+    for name, linear in linears:
+        parent, _, leaf = name.rpartition(".")
+        narrow = nn.Linear(
+            small[linear.in_features],
+            small[linear.out_features],
+            bias=linear.bias is not None,
+            device="meta",
+            dtype=linear.weight.dtype,
+        )
+        setattr(probed.get_submodule(parent), leaf, narrow)
+    probed = probed.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for t in itertools.chain(probed.parameters(), probed.buffers()):
