@@ -92,6 +92,18 @@ def test_an_infinite_or_nan_logit_makes_its_row_nan_as_in_pytorch():
         assert np.isnan(xk.cross_entropy(logits, targets, label_smoothing=smoothing))
 
 
+def test_a_backward_with_another_ignore_index_names_it():
+    """Targets holding the forward's ignore_index: the backward given another one is told
+    that the option differs, not that the targets are out of range."""
+    logits, targets = _logits()
+    ck = xk.allocate_checkpoints(xk.cross_entropy_, logits, targets)
+    loss = xk.cross_entropy(logits, targets, checkpoints=ck)
+    with pytest.raises(ValueError, match=r"ignore_index=-1 differs from the forward"):
+        xk.cross_entropy_backward(
+            np.ones_like(loss), logits, targets, ignore_index=-1, checkpoints=ck
+        )
+
+
 def _linear(n, h, v, seed=0, dtype=np.float32):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, h)).astype(dtype)

@@ -454,10 +454,10 @@ def cross_entropy_backward_(
     rows, vocab = _logits(fn, "Logits.primal", xp, logits)
     _logits(fn, "Logits.shadow", xp, dlogits)
     check_loss(fn, "Loss.shadow", xp, dloss, opts["reduction"], rows)
-    check_targets(fn, xp, targets, rows, vocab, opts["ignore_index"])
-    if checkpoints is not None:
+    if checkpoints is not None:  # first: another ignore_index is named as such
         check_lse(fn, xp, checkpoints, rows, logits.dtype)
         check_forward(fn, checkpoints, "cross_entropy_", opts)
+    check_targets(fn, xp, targets, rows, vocab, opts["ignore_index"])
     check.writable(fn, {"Logits.shadow": dlogits})
     reads: dict[str, Any] = {"Logits.primal": logits, "targets": targets, "Loss.shadow": dloss}
     if checkpoints is not None:

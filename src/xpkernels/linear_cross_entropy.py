@@ -545,11 +545,11 @@ def linear_cross_entropy_backward_(
     xp, rows, vocab, hidden = _inputs(fn, arrays, names, bias)
     grads = _shadows(fn, arrays)
     check_loss(fn, "Loss.shadow", xp, Loss.shadow, opts["reduction"], rows)
-    check_targets(fn, xp, targets, rows, vocab, opts["ignore_index"])
-    if checkpoints is not None:
+    if checkpoints is not None:  # first: another ignore_index is named as such
         check_lse(fn, xp, checkpoints, rows, x.dtype, LinearCrossEntropyCheckpoints)
         record = {**opts, "bias": "none" if bias is None else "given"}
         check_forward(fn, checkpoints, "linear_cross_entropy_", record)
+    check_targets(fn, xp, targets, rows, vocab, opts["ignore_index"])
     scratch = _given_scratch(fn, xp, scratch, x, weight, bias is not None)
     written = {f"{n}.shadow": g for n, g in grads.items() if g is not None}
     written.update(_fields(scratch))
