@@ -78,6 +78,28 @@ def test_allocators_are_keyed_on_the_function_that_uses_them():
         xk.allocate_checkpoints(len, x)
 
 
+def test_allocators_refuse_keywords_neither_they_nor_the_function_take():
+    """A misspelt ``memory=`` or ``backend=`` would size the buffers without it: refused,
+    naming the allocator, the function and the keyword; so is a call given no array."""
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((64, 4), dtype=np.float32), rng.standard_normal((8, 4))
+    targets = rng.integers(0, 8, 64)
+    cases = [
+        (xk.allocate_scratchspace, xk.linear_cross_entropy_, (x, w, targets), "memroy"),
+        (xk.allocate_scratchspace, xk.rms_norm_backward_, (x, x, x[0]), "bakend"),
+        (xk.allocate_checkpoints, xk.attention_, (x[None, None],) * 3, "casual"),
+        (xk.allocate_checkpoints, xk.cross_entropy_, (x, targets), "ignore_idx"),
+    ]
+    for allocate, f, args, typo in cases:
+        what = f"{allocate.__name__}\\({f.__name__}\\)"
+        with pytest.raises(TypeError, match=rf"{what} got an unexpected keyword argument '{typo}'"):
+            allocate(f, *args, **{typo: 1})
+        with pytest.raises(TypeError, match=rf"{what}: pass the arrays"):
+            allocate(f)
+    small = xk.allocate_scratchspace(xk.linear_cross_entropy_, x, w, targets, memory=64)
+    assert small.logits.shape == (2, 8)  # the allocator's own keyword
+
+
 def test_accumulators_are_float64_only_for_float64():
     assert empty_accumulator(np.ones(2, np.float64), (3,)).dtype == np.float64
     assert empty_accumulator(np.ones(2, np.float16), (3,)).dtype == np.float32

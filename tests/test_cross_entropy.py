@@ -104,6 +104,16 @@ def test_a_backward_with_another_ignore_index_names_it():
         )
 
 
+def test_scratch_of_another_namespace_is_a_type_error_naming_it():
+    torch = pytest.importorskip("torch")
+    logits, targets = _logits()
+    x, w = logits[:, :8], _logits(n=50, v=8, seed=1)[0]
+    scratch = xk.allocate_scratchspace(xk.linear_cross_entropy_, x, w, targets)
+    tx, tw, tt = (torch.from_numpy(a) for a in (x, w, targets))
+    with pytest.raises(TypeError, match="scratch.logits is a numpy array but x is a torch"):
+        xk.linear_cross_entropy_(torch.zeros(()), tx, tw, tt, scratch=scratch)
+
+
 def _linear(n, h, v, seed=0, dtype=np.float32):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, h)).astype(dtype)

@@ -70,7 +70,8 @@ def test_triton_refusals_name_the_capability(triton_interpretable):
 
 
 def test_explicit_choice_precedence_on_numpy(monkeypatch):
-    """backend= > use_backend() > XPKERNELS_BACKEND, each level seen through the error it names."""
+    """backend= > use_backend() > XPKERNELS_BACKEND, each level seen through the error it names;
+    use_backend(None) is automatic routing, whatever the environment variable says."""
     arrays = _arrays(np)
     monkeypatch.setenv(registry.ENV_VAR, "triton")
     with pytest.raises(BackendError, match=f"from {registry.ENV_VAR}"):
@@ -80,9 +81,13 @@ def test_explicit_choice_precedence_on_numpy(monkeypatch):
         assert resolve("rms_norm", arrays).backend == "array_api"
         with pytest.raises(BackendError, match=r"from backend="):
             resolve("rms_norm", arrays, backend="triton")
-        with xk.use_backend(None):
-            with pytest.raises(BackendError, match=f"from {registry.ENV_VAR}"):
-                resolve("rms_norm", arrays)
+        with xk.use_backend(None):  # automatic routing, over the environment variable too
+            assert resolve("rms_norm", arrays).backend == "array_api"
+            with xk.use_backend("triton"):
+                with pytest.raises(BackendError, match=r"from use_backend\(\)"):
+                    resolve("rms_norm", arrays)
+    with pytest.raises(BackendError, match=f"from {registry.ENV_VAR}"):
+        resolve("rms_norm", arrays)
     monkeypatch.delenv(registry.ENV_VAR)
     with xk.use_backend("triton"):
         with pytest.raises(BackendError, match=r"from use_backend\(\)"):
@@ -98,8 +103,8 @@ def test_explicit_choice_precedence(triton_interpretable, monkeypatch):
     with xk.use_backend("array_api"):
         assert resolve("rms_norm", arrays).backend == "array_api"
         assert resolve("rms_norm", arrays, backend="triton").backend == "triton"
-        with xk.use_backend(None):
-            assert resolve("rms_norm", arrays).backend == "triton"
+        with xk.use_backend(None):  # automatic: torch CPU tensors route to array_api
+            assert resolve("rms_norm", arrays).backend == "array_api"
     monkeypatch.setenv(registry.ENV_VAR, "bogus")
     with pytest.raises(BackendError, match="from XPKERNELS_BACKEND"):
         resolve("rms_norm", arrays)

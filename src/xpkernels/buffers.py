@@ -28,6 +28,7 @@ with NaN, so a kernel that leaves part of one unwritten shows it.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -179,7 +180,9 @@ def allocate_checkpoints(f: Callable, *args, **kwargs):
         ``checkpoints=`` to the forward, then to the backward.
     """
     why = "saves no checkpoints (only in-place forwards such as rms_norm_ or attention_ do)"
-    return _allocator("allocate_checkpoints", _CHECKPOINT_ALLOCATORS, f, why)(*args, **kwargs)
+    allocator = _allocator("allocate_checkpoints", _CHECKPOINT_ALLOCATORS, f, why)
+    _check_call("allocate_checkpoints", f, allocator, args, kwargs)
+    return allocator(*args, **kwargs)
 
 
 def allocate_scratchspace(f: Callable, *args, **kwargs):
@@ -200,7 +203,30 @@ def allocate_scratchspace(f: Callable, *args, **kwargs):
         forward and backward scratch lifetimes are disjoint.
     """
     why = "uses no scratch space (passes that do include rms_norm_backward_ and decode_attention_)"
-    return _allocator("allocate_scratchspace", _SCRATCH_ALLOCATORS, f, why)(*args, **kwargs)
+    allocator = _allocator("allocate_scratchspace", _SCRATCH_ALLOCATORS, f, why)
+    _check_call("allocate_scratchspace", f, allocator, args, kwargs)
+    return allocator(*args, **kwargs)
+
+
+def _check_call(what: str, f: Callable, allocator: Callable, args: tuple, kwargs: dict) -> None:
+    """TypeError for a call given no array, or a keyword neither ``f`` nor its allocator takes
+    (a misspelt ``memory=`` or ``backend=`` would be dropped, and the buffers sized without it)."""
+    fn = f"{what}({f.__name__})"
+    if not args and not kwargs:
+        raise TypeError(f"{fn}: pass the arrays (and options) {f.__name__} will be called with")
+    takes = set(inspect.signature(f).parameters)
+    own = [
+        p.name
+        for p in inspect.signature(allocator).parameters.values()
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in takes
+    ]
+    unknown = sorted(set(kwargs) - takes - set(own))
+    if unknown:
+        also = f", and {', '.join(own)}" if own else ""
+        raise TypeError(
+            f"{fn} got an unexpected keyword argument {unknown[0]!r} (it takes "
+            f"{f.__name__}'s arguments{also})"
+        )
 
 
 def empty(like, shape, dtype):

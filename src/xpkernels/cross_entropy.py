@@ -349,8 +349,12 @@ def _row_allocator(fn: str, kind):
     return allocate
 
 
-checkpoints_for(cross_entropy_)(_row_allocator("allocate_checkpoints", CrossEntropyCheckpoints))
-scratchspace_for(cross_entropy_)(_row_allocator("allocate_scratchspace", CrossEntropyScratch))
+checkpoints_for(cross_entropy_)(
+    _row_allocator("allocate_checkpoints(cross_entropy_)", CrossEntropyCheckpoints)
+)
+scratchspace_for(cross_entropy_)(
+    _row_allocator("allocate_scratchspace(cross_entropy_)", CrossEntropyScratch)
+)
 
 
 def cross_entropy(

@@ -143,7 +143,9 @@ def _chunk_rows(rows: int, vocab: int, hidden: int, itemsize: int, memory) -> in
     at least :data:`MIN_CHUNK_ROWS` (all ``N`` when fewer)."""
     if memory is None:
         return max(1, min(rows, max(MIN_CHUNK_ROWS, math.ceil(rows * hidden / vocab))))
-    memory = check.index_int("allocate_scratchspace", "memory", memory, low=1)
+    memory = check.index_int(
+        "allocate_scratchspace(linear_cross_entropy_)", "memory", memory, low=1
+    )
     return max(1, min(rows, memory // (vocab * itemsize)))
 
 
@@ -172,6 +174,9 @@ def _check_scratch(fn: str, xp, scratch, x, rows: int, vocab: int, hidden: int) 
         )
     logits = scratch.logits
     check.array(fn, "scratch.logits", logits)
+    fields = {"scratch.logits": logits, "scratch.loss_rows": scratch.loss_rows}
+    fields.update({"scratch.product": scratch.product, "scratch.bias_sum": scratch.bias_sum})
+    check.same_namespace(fn, xp, fields, "x")
     if logits.dtype != x.dtype or logits.ndim != 2 or int(logits.shape[1]) != vocab:
         raise ValueError(
             f"{fn}: scratch.logits must be (C, V = {vocab}) of dtype {x.dtype}, got "
@@ -413,7 +418,7 @@ def _chunks(route, xp, inputs, scratch, opts, lse, forward: bool, grads=None, we
 def _allocate_checkpoints(x, *args, **kwargs) -> LinearCrossEntropyCheckpoints:
     """``allocate_checkpoints(linear_cross_entropy_, x, weight, targets)``."""
     x = primal(x)
-    check.rank("allocate_checkpoints", "x", x, 2, "(N, H)")
+    check.rank("allocate_checkpoints(linear_cross_entropy_)", "x", x, 2, "(N, H)")
     return LinearCrossEntropyCheckpoints(empty_accumulator(x, (x.shape[0],)))
 
 
@@ -423,7 +428,7 @@ def _allocate_scratch(x, weight, targets=None, bias=None, *, memory=None, **opti
     least one row of ``V`` logits); None gives chunks of as many elements as ``x``, and at
     least :data:`MIN_CHUNK_ROWS` rows."""
     x, weight = primal(x), primal(weight)
-    fn = "allocate_scratchspace"
+    fn = "allocate_scratchspace(linear_cross_entropy_)"
     check.rank(fn, "x", x, 2, "(N, H)")
     check.rank(fn, "weight", weight, 2, "(V, H)")
     return _scratch(x, weight, memory, bias_sum=bias is not None)

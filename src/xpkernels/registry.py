@@ -95,6 +95,8 @@ BACKENDS: tuple[Backend, ...] = tuple(importlib.import_module(p).BACKEND for p i
 PREFERRED: dict[tuple[str, str], str] = {("torch", "cuda"): "triton", ("cupy", "cuda"): "cupy"}
 
 _BY_NAME = {b.name: b for b in BACKENDS}
+#: The innermost use_backend's name: a backend, "" for use_backend(None) (automatic routing,
+#: over the environment variable too), None outside every use_backend block.
 _CHOICE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "xpkernels_backend", default=None
 )
@@ -199,13 +201,14 @@ def backends() -> list[BackendInfo]:
 
 @contextlib.contextmanager
 def use_backend(name: str | None):
-    """Route every call inside the block to backend ``name`` (``None`` restores automatic routing).
+    """Route every call inside the block to backend ``name`` (``None`` restores automatic
+    routing, over the ``XPKERNELS_BACKEND`` environment variable too).
 
     An explicit choice never falls back: calls it cannot serve raise BackendError.
     """
     if name is not None and name not in _BY_NAME:
         raise BackendError(f"use_backend: unknown backend {name!r}; known: {', '.join(_BY_NAME)}")
-    token = _CHOICE.set(name)
+    token = _CHOICE.set("" if name is None else name)
     try:
         yield
     finally:
@@ -216,6 +219,8 @@ def _explicit_choice(backend: str | None) -> tuple[str | None, str]:
     if backend is not None:
         return backend, "backend="
     chosen = _CHOICE.get()
+    if chosen == "":
+        return None, ""
     if chosen is not None:
         return chosen, "use_backend()"
     env = os.environ.get(ENV_VAR, "").strip()
