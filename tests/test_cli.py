@@ -85,6 +85,94 @@ def test_an_explicit_backend_that_cannot_serve_is_a_one_line_error():
     assert "Traceback" not in err
 
 
+USAGE_ERRORS = [
+    (["demo", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["demo", "--steps", "x"], "argument --steps: not an integer: 'x'"),
+    (["demo", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["demo", "--sample", "-1"], "argument --sample: must be >= 0, got -1"),
+    (["bench", "--quick", "--op", "softmax", "--repeats", "0"], "--repeats: must be >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), USAGE_ERRORS)
+def test_a_bad_count_or_seed_is_a_usage_error(args, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    out, err = capsys.readouterr()
+    assert message in err and out == ""
+
+
+def test_bench_checks_its_json_path_before_running_anything(tmp_path, capsys):
+    for path, message in [
+        (tmp_path / "missing" / "bench.json", f"directory {tmp_path / 'missing'} does not exist"),
+        (tmp_path, f"{tmp_path} is a directory"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            main(["bench", "--quick", "--op", "softmax", "--json", str(path)])
+        assert stop.value.code == 2
+        out, err = capsys.readouterr()
+        assert f"argument --json: {message}" in err and out == ""
+
+
+TORCH_FLAGS = [["--torch"], ["--array", "torch"]]
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("flag", TORCH_FLAGS)
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("bogus", "--device bogus is not a torch device"),
+        ("meta", "--device meta holds no data"),
+    ],
+)
+def test_a_device_torch_cannot_use_is_a_usage_error(flag, device, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["demo", *flag, "--device", device, "--steps", "1", "--sample", "0"])
+    assert stop.value.code == 2
+    out, err = capsys.readouterr()
+    assert f"demo: {message}" in err and out == ""
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+@pytest.mark.parametrize("flag", TORCH_FLAGS)
+def test_cuda_without_a_cuda_device_is_a_usage_error(flag, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is available")
+    with pytest.raises(SystemExit) as stop:
+        main(["demo", *flag, "--device", "cuda", "--steps", "1", "--sample", "0"])
+    assert stop.value.code == 2
+    out, err = capsys.readouterr()
+    assert "demo: --device cuda: torch here has no cuda device" in err and out == ""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["demo", "--torch", "--steps", "1"],
+        ["demo", "--array", "torch", "--steps", "1"],
+        ["bench", "--quick", "--op", "softmax", "--array", "torch", "--repeats", "1"],
+    ],
+)
+def test_a_torch_path_without_torch_says_how_to_install_it(args):
+    """Torch hidden from the import system: one usage error, no traceback, nothing run."""
+    code = (
+        "import sys; sys.modules['torch'] = None; from xpkernels.cli import main; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300
+    )
+    flag = "--torch" if "--torch" in args else "--array torch"
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{args[0]}: {flag} needs torch, but torch is not installed" in done.stderr
+    assert "pip install '.[torch]'" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+
+
 # --------------------------------------------------------------------------- check
 
 

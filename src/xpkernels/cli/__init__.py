@@ -33,6 +33,9 @@ _LIBRARIES = (
     ("tqdm", "tqdm"),
 )
 
+#: How to install the optional torch dependency the torch paths need.
+_INSTALL_TORCH = "pip install '.[torch]'"
+
 
 def _installed_version(module: str, distribution: str) -> str | None:
     """Version of an importable module from its package metadata, without importing it."""
@@ -45,6 +48,94 @@ def _installed_version(module: str, distribution: str) -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return "installed (version unknown)"
+
+
+def _int_at_least(text: str, minimum: int) -> int:
+    """``text`` as an integer of at least ``minimum``, or an argparse usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    """Argument type of a count that must be at least 1 (steps, timed runs)."""
+    return _int_at_least(text, 1)
+
+
+def _non_negative_int(text: str) -> int:
+    """Argument type of a count or seed that may be 0 but not negative."""
+    return _int_at_least(text, 0)
+
+
+def _writable_path(text: str) -> str:
+    """Argument type of a file to write: its directory exists and the file can be written there.
+
+    Checked when the arguments are parsed, so that a bad path fails before a
+    long run rather than after it.
+    """
+    directory = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory")
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK) or (
+        os.path.exists(text) and not os.access(text, os.W_OK)
+    ):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+    return text
+
+
+def _torch_flag(args) -> str | None:
+    """The flag that makes the parsed command run on torch, or None."""
+    if args.command == "demo" and args.torch:
+        return "--torch"
+    if args.command in ("demo", "bench") and args.array == "torch":
+        return "--array torch"
+    return None
+
+
+def _torch_usage_error(flag: str, device: str) -> str | None:
+    """Why ``flag`` cannot run on torch ``device`` here, or None when it can.
+
+    Parameters
+    ----------
+    flag : str
+        The command line flag that asked for torch, named in the message.
+    device : str
+        The torch device the command would use.
+
+    Returns
+    -------
+    str or None
+        One line for the usage error: torch missing (with how to install it),
+        or ``device`` unknown to torch or not usable by this build of it.
+    """
+    from .bench_cases import torch_missing
+
+    missing = torch_missing()
+    if missing is not None:
+        return f"{flag} needs torch, but {missing} (install it with {_INSTALL_TORCH})"
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as exc:
+        return f"--device {device} is not a torch device ({exc})"
+    if kind == "meta":
+        return "--device meta holds no data to compute on: choose cpu or an accelerator"
+    is_available = getattr(getattr(torch, kind, None), "is_available", None)
+    if callable(is_available) and not is_available():
+        return f"--device {device}: torch here has no {kind} device (torch.{kind}.is_available())"
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:  # torch raises both for unusable devices
+        reason = str(exc).strip().splitlines()[0].split(". ")[0]
+        return f"--device {device} cannot be used by torch here: {reason}"
+    return None
 
 
 def _info(args) -> int:
@@ -142,7 +233,12 @@ def _parser() -> argparse.ArgumentParser:
         "formula printed, and the ratio to PyTorch's own CPU op measured in the same run.",
     )
     bench.add_argument("--quick", action="store_true", help="small shapes: finishes in seconds")
-    bench.add_argument("--json", metavar="PATH", help="also write every row as JSON to PATH")
+    bench.add_argument(
+        "--json",
+        metavar="PATH",
+        type=_writable_path,
+        help="also write every row as JSON to PATH (its directory must exist)",
+    )
     bench.add_argument("--op", **op)
     bench.add_argument(
         "--array",
@@ -151,7 +247,10 @@ def _parser() -> argparse.ArgumentParser:
         help="array library xpkernels runs on (default numpy)",
     )
     bench.add_argument(
-        "--repeats", type=int, default=None, help="timed runs per row (default 5, 3 for attention)"
+        "--repeats",
+        type=_positive_int,
+        default=None,
+        help="timed runs per row (default 5, 3 for attention)",
     )
     bench.set_defaults(run=_bench)
 
@@ -161,7 +260,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a tiny causal transformer LM on a text shipped with xpkernels, every "
         "kernel buffer allocated once, the gradient checked against finite differences at step 0.",
     )
-    demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    demo.add_argument(
+        "--steps", type=_positive_int, default=300, help="training steps (default 300)"
+    )
     demo.add_argument(
         "--array",
         default="numpy",
@@ -178,10 +279,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--backend", default=None, help="explicit xpkernels backend (default: automatic routing)"
     )
-    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument(
+        "--seed", type=_non_negative_int, default=0, help="random seed, >= 0 (default 0)"
+    )
     demo.add_argument(
         "--sample",
-        type=int,
+        type=_non_negative_int,
         default=120,
         help="characters to generate after training (default 120)",
     )
@@ -199,6 +302,11 @@ def main(argv=None) -> int:
         parser.error(
             f"demo: --device {args.device} needs --array torch ({args.array} runs on the CPU)"
         )
+    flag = _torch_flag(args)
+    if flag is not None:
+        problem = _torch_usage_error(flag, getattr(args, "device", "cpu"))
+        if problem is not None:
+            parser.error(f"{args.command}: {problem}")
     try:
         return args.run(args)
     except BackendError as exc:

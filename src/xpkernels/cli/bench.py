@@ -314,8 +314,6 @@ def _row_record(row: Row) -> dict:
 
 def run(quick=False, json_path=None, ops=None, array="numpy", repeats=None) -> int:
     """Measure, print the table and formulas, optionally write JSON; 1 if any row failed."""
-    if repeats is not None and repeats < 1:
-        raise SystemExit("bench: --repeats must be >= 1")
     benches, skipped = _benches(quick, ops, array, repeats)
     progress = _Progress(len(benches))
     rows = []
