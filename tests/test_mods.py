@@ -302,6 +302,22 @@ OP_MODS = {
 }
 
 
+def test_pow_at_a_zero_base_takes_pytorchs_gradients():
+    """``x ** y`` where it is not differentiable, as torch.pow's backward: d/dx = 0 where
+    y = 0, d/dy = 0 where x = 0 and y >= 0 -- no NaN from 0 * inf or log 0, so a learnable
+    exponent starting at 0 over a distance of 0 (the diagonal) trains."""
+    torch = pytest.importorskip("torch")
+    x = np.array([0.0, 0.0, 2.0, 0.0])
+    y = np.array([0.0, 2.0, 0.0, 1.0])
+    mod = xm.ScoreMod(lambda score, b, h, q, kv, *, y: score ** y[kv], y=y)
+    kv = np.arange(4)[None, :]
+    d_score, grads = xm.score_grad(mod, x[None, :], np.ones((1, 4)), np.zeros((1, 4), int), kv)
+    tx, ty = (torch.tensor(a, requires_grad=True) for a in (x, y))
+    (tx**ty).sum().backward()
+    np.testing.assert_array_equal(d_score[0], tx.grad.numpy())
+    np.testing.assert_array_equal(grads.y, ty.grad.numpy())
+
+
 def test_every_differentiable_operation_has_a_finite_difference_case():
     from xpkernels.mods.ir import OPS
 

@@ -553,12 +553,16 @@ def _exp2(xp, a):
 
 
 def _pow_vjp(d, x, y, g):
-    zero = d("eq", y, d.literal(0.0))
-    d_base = d("mul", g, d("mul", x[1], d("pow", x[0], d("sub", x[1], d.literal(1.0)))))
-    # d/dy x**y = x**y log x; 0 where x**y is 0 (x = 0, y > 0), not 0 * -inf
-    safe = d("where", zero, d.literal(1.0), x[0])
+    """PyTorch's choices where ``x ** y`` is not differentiable: d/dx is 0 where ``y == 0``,
+    d/dy is 0 where ``x == 0`` and ``y >= 0`` (not ``0 * inf`` or ``log 0``: a learnable
+    exponent starting at 0 over a distance of 0 trains); no infinity is formed for them."""
+    flat = d("eq", x[1], d.literal(0.0))
+    lowered = d("where", flat, d.literal(1.0), d("sub", x[1], d.literal(1.0)))
+    d_base = d("mul", g, d("mul", x[1], d("pow", x[0], lowered)))
+    at_zero = d("and", d("eq", x[0], d.literal(0.0)), d("ge", x[1], d.literal(0.0)))
+    safe = d("where", at_zero, d.literal(1.0), x[0])
     d_exponent = d("mul", d("mul", g, y), d("log", safe))
-    return d_base, d("where", zero, d.literal(0.0), d_exponent)
+    return d("where", flat, d.literal(0.0), d_base), d("where", at_zero, d.literal(0.0), d_exponent)
 
 
 def _extreme(name: str, pick, order: str) -> Op:
