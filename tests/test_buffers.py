@@ -100,6 +100,26 @@ def test_allocators_refuse_keywords_neither_they_nor_the_function_take():
     assert small.logits.shape == (2, 8)  # the allocator's own keyword
 
 
+def test_checkpoints_refuse_a_backward_over_inputs_of_other_shapes():
+    """Checkpoints that still fit a backward over other inputs (another row length, another
+    key length) would give silently wrong gradients: the forward's input shapes are recorded."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 8), dtype=np.float32)
+    ck = xk.allocate_checkpoints(xk.rms_norm_, x)
+    y = xk.rms_norm(x, None, checkpoints=ck)
+    wide = np.ones((4, 16), np.float32)
+    with pytest.raises(ValueError, match=r"x \(rows, M\) has shape \(4, 16\), but .* had \(4, 8\)"):
+        xk.rms_norm_backward(wide, wide, None, checkpoints=ck)
+    xk.rms_norm_backward(np.ones_like(y), x, None, checkpoints=ck)
+    q = rng.standard_normal((1, 2, 4, 8), dtype=np.float32)
+    k = rng.standard_normal((1, 2, 6, 8), dtype=np.float32)
+    ck = xk.allocate_checkpoints(xk.attention_, q, k, k)
+    o = xk.attention(q, k, k, checkpoints=ck)
+    longer = np.concatenate([k, k], axis=2)
+    with pytest.raises(ValueError, match=r"k has shape \(1, 2, 12, 8\), but the forward"):
+        xk.attention_backward(o, q, longer, longer, o, checkpoints=ck)
+
+
 def test_accumulators_are_float64_only_for_float64():
     assert empty_accumulator(np.ones(2, np.float64), (3,)).dtype == np.float64
     assert empty_accumulator(np.ones(2, np.float16), (3,)).dtype == np.float32

@@ -93,6 +93,11 @@ CHECKPOINTS = {
 FRONTS: dict[str, AttentionFront] = {}
 
 
+def _shapes(q, k, v) -> dict:
+    """What checkpoints record of the inputs' shapes."""
+    return {"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape)}
+
+
 class AttentionFront:
     """The fronts of one declared attention-family primitive.
 
@@ -333,7 +338,7 @@ class AttentionFront:
         m, lse_sum = (ck.get(f"checkpoints.{n}") for n in ("m", "l"))
         route.impl.forward(o, q, k, v, m, lse_sum, **call.kernel_options(route))
         if checkpoints is not None:
-            record_forward(checkpoints, fn, call.recorded())
+            record_forward(checkpoints, fn, call.recorded(), _shapes(q, k, v))
 
     def forward(self, args: dict):
         """The allocating forward (autograd on torch tensors that require grad)."""
@@ -405,7 +410,7 @@ class AttentionFront:
         reads = {"Q.primal": q, "K.primal": k, "V.primal": v, "O.primal": o}
         reads.update({"O.shadow": Ds["O"].shadow, **ck, **call.read()})
         check.no_overlap(fn, outputs, reads)
-        check_forward(fn, checkpoints, self.forward_name, call.recorded())
+        check_forward(fn, checkpoints, self.forward_name, call.recorded(), _shapes(q, k, v))
         route = resolve(
             self.name,
             {

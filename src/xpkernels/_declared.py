@@ -153,6 +153,11 @@ class RowPrimitive:
             )
         return value
 
+    def _shapes(self, lead) -> dict:
+        """What checkpoints record of the inputs' shapes: rows and row length (the leading
+        axes are free: a backward may take the rows as another view)."""
+        return {f"{self.lead.name} (rows, M)": (n_rows(lead.shape), lead.shape[-1])}
+
     def _recorded(self, options: dict, inputs: dict) -> dict:
         """What the checkpoints record of the forward: backward options, given optional inputs."""
         record: dict[str, Any] = {
@@ -231,7 +236,7 @@ class RowPrimitive:
         if n_rows(lead.shape) > 0:  # no rows: every output and checkpoint is empty
             self._run_forward(route, outputs, inputs, cks, opts)
         if checkpoints is not None:
-            record_forward(checkpoints, fn, self._recorded(opts, inputs))
+            record_forward(checkpoints, fn, self._recorded(opts, inputs), self._shapes(lead))
 
     def _run_forward(self, route, outputs: dict, inputs: dict, ck: list, opts: dict) -> None:
         sig = self.signature
@@ -347,7 +352,8 @@ class RowPrimitive:
         check.no_overlap(fn, written, {**reads, **cotangents, **ck}, may_alias=aliases)
         if self.Checkpoints is not None:
             inputs = {name: value for name, (_, value) in labels.items()}
-            check_forward(fn, checkpoints, self.forward_name, self._recorded(opts, inputs))
+            recorded = self._recorded(opts, inputs)
+            check_forward(fn, checkpoints, self.forward_name, recorded, self._shapes(lead))
         route = resolve(self.name, {**arrays, **ck}, backend=backend)
         if n_rows(lead.shape) == 0:
             self._no_rows_backward(grads)

@@ -286,8 +286,12 @@ def forget_forward(checkpoints) -> None:
     checkpoints.__dict__.pop("_xpkernels_forward", None)
 
 
-def record_forward(checkpoints, forward: str, options: Mapping[str, Any]) -> None:
-    """Record that ``forward`` (a name such as ``"rms_norm_"``) wrote ``checkpoints`` with ``options``.
+def record_forward(
+    checkpoints, forward: str, options: Mapping[str, Any], shapes: Mapping[str, tuple] = {}
+) -> None:
+    """Record that ``forward`` (a name such as ``"rms_norm_"``) wrote ``checkpoints`` with
+    ``options``, from inputs of ``shapes`` (what a backward must repeat: see
+    :func:`check_forward`).
 
     NumPy arrays among the option values are copied and compare by value (a
     lengths buffer the caller refills before the backward is caught); other
@@ -295,7 +299,7 @@ def record_forward(checkpoints, forward: str, options: Mapping[str, Any]) -> Non
     values would need a device read); everything else compares by value.
     """
     kept = {name: _kept(value) for name, value in options.items()}
-    checkpoints.__dict__["_xpkernels_forward"] = (forward, kept)
+    checkpoints.__dict__["_xpkernels_forward"] = (forward, kept, dict(shapes))
 
 
 def _kept(value):
@@ -306,8 +310,12 @@ def _kept(value):
     return value
 
 
-def check_forward(fn: str, checkpoints, forward: str, options: Mapping[str, Any]) -> None:
-    """ValueError unless ``checkpoints`` were written by ``forward`` with these ``options``.
+def check_forward(
+    fn: str, checkpoints, forward: str, options: Mapping[str, Any], shapes: Mapping[str, tuple] = {}
+) -> None:
+    """ValueError unless ``checkpoints`` were written by ``forward`` with these ``options``
+    and inputs of these ``shapes`` (a backward over other inputs whose checkpoints happen to
+    fit, another row length or key length, would be silently wrong).
 
     Parameters
     ----------
@@ -319,6 +327,9 @@ def check_forward(fn: str, checkpoints, forward: str, options: Mapping[str, Any]
         The forward that must have written them.
     options : mapping
         The backward's values of the options ``forward`` recorded.
+    shapes : mapping
+        The backward's input shapes, by what the forward recorded (``"q"``,
+        ``"x (rows, M)"``...).
     """
     record = checkpoints.__dict__.get("_xpkernels_forward")
     if record is None:
@@ -326,9 +337,15 @@ def check_forward(fn: str, checkpoints, forward: str, options: Mapping[str, Any]
             f"{fn}: checkpoints were never written by a forward: run {forward}(..., "
             "checkpoints=checkpoints) first (a forward with checkpoints=None saves nothing)"
         )
-    written_by, recorded = record
+    written_by, recorded, written_shapes = record
     if written_by != forward:
         raise ValueError(f"{fn}: checkpoints were written by {written_by}, not by {forward}")
+    for name, shape in shapes.items():
+        if name in written_shapes and tuple(shape) != written_shapes[name]:
+            raise ValueError(
+                f"{fn}: {name} has shape {tuple(shape)}, but the forward that wrote these checkpoints "
+                f"({forward}) had {written_shapes[name]}; pass the forward's inputs"
+            )
     for name, value in options.items():
         if name in recorded and not _same(recorded[name], value):
             raise ValueError(

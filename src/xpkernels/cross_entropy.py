@@ -324,7 +324,7 @@ def cross_entropy_(
     run_rows(route, loss_rows, lse, logits, targets, opts)
     reduce_rows(xp, loss, loss_rows, targets, opts["reduction"], opts["ignore_index"])
     if checkpoints is not None:
-        record_forward(checkpoints, fn, opts)
+        record_forward(checkpoints, fn, opts, {"logits": tuple(logits.shape)})
 
 
 def run_rows(route, loss_rows, lse, logits, targets, opts: dict) -> None:
@@ -460,7 +460,7 @@ def cross_entropy_backward_(
     check_loss(fn, "Loss.shadow", xp, dloss, opts["reduction"], rows)
     if checkpoints is not None:  # first: another ignore_index is named as such
         check_lse(fn, xp, checkpoints, rows, logits.dtype)
-        check_forward(fn, checkpoints, "cross_entropy_", opts)
+        check_forward(fn, checkpoints, "cross_entropy_", opts, {"logits": tuple(logits.shape)})
     check_targets(fn, xp, targets, rows, vocab, opts["ignore_index"])
     check.writable(fn, {"Logits.shadow": dlogits})
     reads: dict[str, Any] = {"Logits.primal": logits, "targets": targets, "Loss.shadow": dloss}

@@ -361,7 +361,13 @@ def linear_cross_entropy_(
     _chunks(route, xp, (x, weight, bias, targets), scratch, opts, lse, True, grads, weights)
     reduce_rows(xp, loss, scratch.loss_rows, targets, opts["reduction"], opts["ignore_index"])
     if checkpoints is not None:
-        record_forward(checkpoints, fn, {**opts, "bias": "none" if bias is None else "given"})
+        record = {**opts, "bias": "none" if bias is None else "given"}
+        record_forward(checkpoints, fn, record, _shapes(x, weight))
+
+
+def _shapes(x, weight) -> dict:
+    """What checkpoints record of the inputs' shapes."""
+    return {"x": tuple(x.shape), "weight": tuple(weight.shape)}
 
 
 def _given_scratch(fn: str, xp, scratch, x, weight, bias_sum: bool):
@@ -553,7 +559,7 @@ def linear_cross_entropy_backward_(
     if checkpoints is not None:  # first: another ignore_index is named as such
         check_lse(fn, xp, checkpoints, rows, x.dtype, LinearCrossEntropyCheckpoints)
         record = {**opts, "bias": "none" if bias is None else "given"}
-        check_forward(fn, checkpoints, "linear_cross_entropy_", record)
+        check_forward(fn, checkpoints, "linear_cross_entropy_", record, _shapes(x, weight))
     check_targets(fn, xp, targets, rows, vocab, opts["ignore_index"])
     scratch = _given_scratch(fn, xp, scratch, x, weight, bias is not None)
     written = {f"{n}.shadow": g for n, g in grads.items() if g is not None}
