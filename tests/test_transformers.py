@@ -90,6 +90,16 @@ def _models(family, dtype=torch.float32, **config):
     return ref, xt.apply_xpkernels(copy.deepcopy(ref))
 
 
+#: apply_xpkernels' swaps, each of which the single-swap tests turn off but one.
+_SWAPS = ("rms_norm", "layer_norm", "mlp", "attention", "rope", "loss")
+
+
+def _swapped_only(model, swap, **options):
+    """``apply_xpkernels`` on a copy of ``model`` with ``swap`` alone on (and ``options``)."""
+    off = {name: False for name in _SWAPS if name != swap}
+    return xt.apply_xpkernels(copy.deepcopy(model), **off, **options)
+
+
 def _batch(padding, batch=3, seed=0):
     """Token ids and a 0/1 attention mask: no padding, left, right, or mixed (holes included)."""
     g = torch.Generator().manual_seed(seed)
@@ -293,14 +303,7 @@ def test_gated_mlps_run_fused_with_their_weights(family, config, fused, monkeypa
     float64 logits and every gradient are eager's to 1e-10 (the model-wide tests above check
     mlp=True beside xpkernels' norms and attention)."""
     ref, _ = _models(family, torch.float64, **config)
-    ours = xt.apply_xpkernels(
-        copy.deepcopy(ref),
-        rms_norm=False,
-        layer_norm=False,
-        attention=False,
-        rope=False,
-        loss=False,
-    )
+    ours = _swapped_only(ref, "mlp")
     report = ours.xpkernels_report
     assert report.mlp == MLPS and not report.skipped and "2 gated MLP fused" in str(report)
     for name in MLPS:
@@ -351,15 +354,7 @@ def test_loss_runs_xpkernels_to_float64(family, logits, monkeypatch):
     eager's to 1e-10, left padding in the labels; logits-free outputs carry no logits with
     labels and logits without them."""
     ref, _ = _models(family, torch.float64)
-    ours = xt.apply_xpkernels(
-        copy.deepcopy(ref),
-        rms_norm=False,
-        layer_norm=False,
-        mlp=False,
-        attention=False,
-        rope=False,
-        logits=logits,
-    )
+    ours = _swapped_only(ref, "loss", logits=logits)
     kernel = "cross_entropy" if logits else "linear_cross_entropy"
     assert ours.xpkernels_report.loss == kernel and not ours.xpkernels_report.skipped
     calls = []
@@ -441,15 +436,7 @@ def test_logits_free_loss_keeps_the_logit_scale(family, monkeypatch):
     config_class, model_class, extra = SCALED[family]
     torch.manual_seed(0)
     ref = model_class(config_class(**{**_COMMON, **extra, "eos_token_id": 2})).to(torch.float64)
-    ours = xt.apply_xpkernels(
-        copy.deepcopy(ref),
-        rms_norm=False,
-        layer_norm=False,
-        mlp=False,
-        attention=False,
-        rope=False,
-        logits=False,
-    )
+    ours = _swapped_only(ref, "loss", logits=False)
     assert ours.xpkernels_report.loss == "linear_cross_entropy"
     assert not ours.xpkernels_report.skipped
     ref.loss_function = _float64_causal_loss
@@ -630,9 +617,7 @@ def test_rope_runs_xpkernels_and_leaves_other_models_eager(family, monkeypatch):
     ref, _ = _models(family, torch.float64)
     module = __import__(type(ref).__module__, fromlist=["_"])
     original = module.apply_rotary_pos_emb
-    ours = xt.apply_xpkernels(
-        copy.deepcopy(ref), rms_norm=False, layer_norm=False, mlp=False, attention=False, loss=False
-    )
+    ours = _swapped_only(ref, "rope")
     report = ours.xpkernels_report
     assert report.rope == ATTENTIONS and not report.skipped
     assert "RoPE on xpkernels in 2 attention modules" in str(report)

@@ -42,6 +42,7 @@ __all__ = [
     "record",
     "NO_BACKWARD",
     "check_inplace",
+    "needs_grad",
     "register_recorders",
     "requires_grad_error",
 ]
@@ -70,6 +71,23 @@ def _torch_tensors(arrays):
         else:
             found.append((name, a))
     return [(name, a) for name, a in found if isinstance(a, torch.Tensor)]
+
+
+def _call_tensors(arrays, score_mod):
+    """The torch tensors among a call's primals and its score mod's captured arrays."""
+    primals = {name: a.primal if isinstance(a, Duplicated) else a for name, a in arrays.items()}
+    return _torch_tensors({**primals, **_mod_arrays(score_mod)})
+
+
+def _requires_grad(torch, tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors)
+
+
+def needs_grad(arrays: dict, score_mod=None) -> bool:
+    """Whether autograd records a call over ``arrays`` (name -> array, Duplicated or None):
+    grad mode is on and a torch primal, or an array ``score_mod`` captures, requires grad."""
+    torch = sys.modules.get("torch")
+    return torch is not None and _requires_grad(torch, _call_tensors(arrays, score_mod))
 
 
 def _check_meta(fn, tensors) -> None:
@@ -198,14 +216,12 @@ def record(op: str, arrays: dict, options: dict):
     torch = sys.modules.get("torch")
     if torch is None:
         return NOT_RECORDED
-    primals = {name: a.primal if isinstance(a, Duplicated) else a for name, a in arrays.items()}
-    tensors = _torch_tensors({**primals, **_mod_arrays(options.get("score_mod"))})
+    tensors = _call_tensors(arrays, options.get("score_mod"))
     if not tensors:
         return NOT_RECORDED
     _check_meta(op, tensors)
     _check_no_tangent(torch, op, tensors)
-    wanted = torch.is_grad_enabled() and any(t.requires_grad for _, t in tensors)
-    if not wanted and not torch.compiler.is_compiling():
+    if not _requires_grad(torch, tensors) and not torch.compiler.is_compiling():
         return NOT_RECORDED
     # Loads the torch plug-in by name on first use (it registers the ops and files its
     # recorders here); read RECORDERS only after it, so torch.compile sees it filled.

@@ -62,7 +62,7 @@ from torch import Tensor
 from xpkernels.backends.protocol import GELU_APPROXIMATIONS, PRIMITIVES, REDUCTIONS, Arg, Option
 
 from .. import _checks as check
-from .._autograd import NO_BACKWARD, _mod_arrays
+from .._autograd import NO_BACKWARD, needs_grad
 from ..buffers import Duplicated, allocate_checkpoints, primal
 from ..mods import as_mask_mod, as_score_mod
 from ..registry import _explicit_choice
@@ -783,7 +783,8 @@ class _Ops:
         values = {**options, **arrays}
         for buffer, message in _BUFFER_ERROR.items():
             if values.get(buffer) is not None:
-                if not _needs_grad(arrays, options):  # here only because torch.compile traces
+                # nothing requires grad: the call is here only because torch.compile traces
+                if not needs_grad(arrays, options.get("score_mod")):
                     message = _COMPILED_BUFFER_ERROR
                 raise ValueError(message.format(fn=fn, buffer=buffer))
         held: list = []
@@ -819,16 +820,6 @@ _COMPILED_BUFFER_ERROR = (
     "the xpkernels op, which keeps its own {buffer} and cannot fill the ones passed. Call {fn} "
     "with {buffer}= outside the compiled function, or drop {buffer}="
 )
-
-
-def _needs_grad(arrays: dict, options: dict) -> bool:
-    """Whether autograd records the call: grad mode is on and an input (or a score mod's
-    captured array) requires grad."""
-    tensors = [primal(a) for a in arrays.values()]
-    tensors += _mod_arrays(options.get("score_mod")).values()
-    return torch.is_grad_enabled() and any(
-        isinstance(t, Tensor) and t.requires_grad for t in tensors
-    )
 
 
 def _declared_ops(name: str) -> _Ops:
