@@ -100,6 +100,19 @@ def _swapped_only(model, swap, **options):
     return xt.apply_xpkernels(copy.deepcopy(model), **off, **options)
 
 
+def _same_loss_and_gradients(ref, ours, ids, mask, labels):
+    """Both models' outputs on the batch; loss and every parameter's gradient equal to 1e-10
+    (float64 models)."""
+    outputs = [model(ids, attention_mask=mask, labels=labels) for model in (ref, ours)]
+    assert _rel(outputs[1].loss.detach(), outputs[0].loss.detach()) <= 1e-10
+    for output in outputs:
+        output.loss.backward()
+    ours_params = dict(ours.named_parameters())
+    for name, p in ref.named_parameters():
+        assert _rel(ours_params[name].grad, p.grad) <= 1e-10, name
+    return outputs
+
+
 def _batch(padding, batch=3, seed=0):
     """Token ids and a 0/1 attention mask: no padding, left, right, or mixed (holes included)."""
     g = torch.Generator().manual_seed(seed)
@@ -364,14 +377,8 @@ def test_loss_runs_xpkernels_to_float64(family, logits, monkeypatch):
     _float64_softmax(monkeypatch)
     ids, mask = _batch("left")
     labels = _labels(ids, mask)
-    outputs = [model(ids, attention_mask=mask, labels=labels) for model in (ref, ours)]
+    outputs = _same_loss_and_gradients(ref, ours, ids, mask, labels)
     assert (outputs[1].logits is None) == (not logits) and len(calls) == 1
-    assert _rel(outputs[1].loss.detach(), outputs[0].loss.detach()) <= 1e-10
-    for output in outputs:
-        output.loss.backward()
-    ours_params = dict(ours.named_parameters())
-    for name, p in ref.named_parameters():
-        assert _rel(ours_params[name].grad, p.grad) <= 1e-10, name
     items = torch.tensor(7)
     with torch.no_grad():
         got, want = (
@@ -443,14 +450,8 @@ def test_logits_free_loss_keeps_the_logit_scale(family, monkeypatch):
     _float64_softmax(monkeypatch)
     ids, mask = _batch("left")
     labels = _labels(ids, mask)
-    outputs = [model(ids, attention_mask=mask, labels=labels) for model in (ref, ours)]
+    outputs = _same_loss_and_gradients(ref, ours, ids, mask, labels)
     assert outputs[1].logits is None
-    assert _rel(outputs[1].loss.detach(), outputs[0].loss.detach()) <= 1e-10
-    for output in outputs:
-        output.loss.backward()
-    ours_params = dict(ours.named_parameters())
-    for name, p in ref.named_parameters():
-        assert _rel(ours_params[name].grad, p.grad) <= 1e-10, name
     with torch.no_grad():
         got, want = (
             model(ids, attention_mask=mask, labels=labels, num_items_in_batch=7).loss
